@@ -1,0 +1,132 @@
+"""Chat message parsing: OpenAI / HF style messages -> template-ready messages + image references.
+
+A message is a dict with a "role" and a "content" that is a string, None, or a list of items:
+  {"type": "text", "text": ...}                                  (also "input_text")
+  {"type": "image", "image": src, "min_pixels"?, "max_pixels"?,  (qwen-vl-utils convention; src is
+   "resized_height"?, "resized_width"?}                           any source `load_image` accepts)
+  {"type": "image_url", "image_url": {"url": ...}}               (OpenAI; also a plain string, and
+                                                                   "input_image")
+Items without "type" are recognised by their "image" / "image_url" / "text" key, as the Qwen chat
+templates and qwen-vl-utils do. Every image item becomes {"type": "image"} in the messages given
+to the chat template (which writes the vision placeholder for it); its source and sizing options
+are returned separately, in order of appearance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from processors.limits import InputError
+
+_IMAGE_TYPES = ("image", "image_url", "input_image")
+_TEXT_TYPES = ("text", "input_text")
+_SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+
+
+@dataclass
+class ImageRef:
+    """One image of a chat: where it comes from and how to size it (None = model default)."""
+
+    source: Any
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    resized_height: int | None = None
+    resized_width: int | None = None
+
+    def size_options(self) -> dict[str, int | None]:
+        return {k: getattr(self, k) for k in _SIZE_KEYS}
+
+
+def parse_messages(messages: Sequence[Mapping[str, Any]], forbidden_text: Iterable[str] = ()
+                   ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
+    """Validate `messages`; return (messages for the chat template, images in order).
+
+    `forbidden_text`: strings that may not appear in user text (the image / video placeholder
+    tokens, which would otherwise be read as extra images).
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InputError("messages must be a list of {'role': ..., 'content': ...} dicts")
+    if not messages:
+        raise InputError("messages is empty")
+    forbidden = tuple(forbidden_text)
+    out: list[dict[str, Any]] = []
+    images: list[ImageRef] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise InputError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise InputError(f"message {i} has no 'role' string")
+        # Keys whose value is None are dropped (OpenAI clients send content=None, tool_calls=None;
+        # templates handle a missing key but would print "None").
+        rendered = {k: v for k, v in message.items() if v is not None and k != "content"}
+        content = message.get("content")
+        if content is None:
+            pass
+        elif isinstance(content, str):
+            _check_text(content, forbidden, f"message {i}")
+            rendered["content"] = content
+        elif isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+            rendered["content"] = [
+                _parse_item(item, forbidden, f"message {i} item {j}", images) for j, item in enumerate(content)
+            ]
+        else:
+            raise InputError(f"message {i} content must be a string or a list of items, got {type(content).__name__}")
+        out.append(rendered)
+    return out, images
+
+
+def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[ImageRef]) -> dict[str, Any]:
+    if isinstance(item, str):  # a bare string in a content list: plain text
+        _check_text(item, forbidden, where)
+        return {"type": "text", "text": item}
+    if not isinstance(item, Mapping):
+        raise InputError(f"{where} must be a dict, got {type(item).__name__}")
+    kind = item.get("type")
+    if kind is None:  # untyped items, as the Qwen templates accept them
+        kind = "image" if "image" in item else "image_url" if "image_url" in item else "text" if "text" in item else None
+    if kind in _TEXT_TYPES:
+        text = item.get("text")
+        if not isinstance(text, str):
+            raise InputError(f"{where}: a text item needs a 'text' string")
+        _check_text(text, forbidden, where)
+        return {"type": "text", "text": text}
+    if kind in _IMAGE_TYPES:
+        images.append(_image_ref(item, where))
+        return {"type": "image"}
+    if kind in ("video", "video_url", "input_video", "audio", "input_audio", "audio_url"):
+        raise InputError(f"{where}: content type {kind!r} is not supported (images and text only)")
+    raise InputError(f"{where}: unknown content type {kind!r} (expected 'text', 'image' or 'image_url')")
+
+
+def _image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
+    if item.get("image") is not None:
+        source = item["image"]
+    else:
+        source = item.get("image_url")
+        if isinstance(source, Mapping):
+            source = source.get("url")
+    if source is None or (isinstance(source, str) and not source.strip()):
+        raise InputError(f"{where}: image item has no image (expected 'image' or 'image_url': {{'url': ...}})")
+    ref = ImageRef(source=source)
+    for key in _SIZE_KEYS:
+        if item.get(key) is not None:
+            setattr(ref, key, _positive_int(item[key], f"{where}: {key}"))
+    return ref
+
+
+def _positive_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{what} must be a positive integer, got {value!r}")
+    if isinstance(value, float) and not value.is_integer():
+        raise InputError(f"{what} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise InputError(f"{what} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_text(text: str, forbidden: tuple[str, ...], where: str) -> None:
+    for token in forbidden:
+        if token in text:
+            raise InputError(f"{where}: text may not contain the reserved token {token!r}")

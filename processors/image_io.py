@@ -1,0 +1,374 @@
+"""Image loading: any accepted image source -> an RGB `PIL.Image.Image`, or `InputError`.
+
+Accepted sources: a filesystem path (str / PathLike, also `file://` URIs), an http(s) URL, a
+`data:` URI (base64), raw bytes, a PIL image, or a numpy array (HxW, HxWx1, HxWx3, HxWx4; uint8, or
+float with values in [0, 1]).
+
+Every image goes through the same steps:
+  1. bytes are capped (`limits.max_image_bytes`) before they are read / downloaded / decoded;
+  2. the header is parsed and width*height checked against `limits.max_image_pixels` BEFORE the
+     pixels are decoded (decompression bombs cost nothing);
+  3. the pixels are fully decoded (`Image.load()`), so corrupt / truncated files fail here, not later;
+  4. the EXIF orientation is applied (`ImageOps.exif_transpose`);
+  5. transparency (RGBA, LA, PA, P / L / RGB with a transparency key) is composited on white,
+     then the image is converted to RGB (16-bit grayscale is scaled down to 8 bits first).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from typing import Any, Union
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from processors.limits import InputError, ProcessorLimits
+
+ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
+
+DEFAULT_LIMITS = ProcessorLimits()
+_EXIF_ORIENTATION = 0x0112
+_USER_AGENT = "vlmrun-image-fetch/1"
+_URL_CHUNK = 1 << 16
+
+
+def load_image(source: ImageSource, limits: ProcessorLimits | None = None) -> Image.Image:
+    """Load, validate and normalise one image; returns a fully decoded RGB PIL image.
+
+    Raises InputError (a ValueError) with a message naming the problem for anything that is not a
+    readable image within `limits`.
+    """
+    limits = limits or DEFAULT_LIMITS
+    if isinstance(source, Image.Image):
+        image = _from_pil(source, limits)
+    elif isinstance(source, np.ndarray):
+        image = _from_array(source, limits)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        image = decode_image_bytes(bytes(source), limits, what="image bytes")
+    elif isinstance(source, (str, os.PathLike)):
+        image = _from_string(source, limits)
+    else:
+        raise InputError(
+            f"unsupported image source of type {type(source).__name__}: expected a path, URL, data URI, "
+            "bytes, PIL image or numpy array"
+        )
+    return to_rgb(_apply_exif_orientation(image))
+
+
+def describe_source(source: Any) -> str:
+    """A short, safe description of an image source for error messages (never the data itself)."""
+    if isinstance(source, (str, os.PathLike)):
+        text = os.fspath(source)
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        if text[:5].lower() == "data:":
+            return f"data URI ({len(text)} chars)"
+        return repr(text if len(text) <= 120 else text[:117] + "...")
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return f"{len(source)} bytes"
+    if isinstance(source, np.ndarray):
+        return f"numpy array {tuple(source.shape)} {source.dtype}"
+    if isinstance(source, Image.Image):
+        return f"PIL image {source.width}x{source.height} {source.mode}"
+    return type(source).__name__
+
+
+# --------------------------------------------------------------------------------------------
+# sources
+
+
+def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> Image.Image:
+    text = os.fspath(source)
+    if isinstance(text, bytes):  # a bytes path from os.fspath(PathLike[bytes])
+        text = text.decode()
+    if isinstance(source, str):
+        head = text[:10].lower()
+        if head.startswith("data:"):
+            return decode_image_bytes(_decode_data_uri(text, limits), limits, what="data URI")
+        if head.startswith(("http://", "https://")):
+            return decode_image_bytes(_fetch_url(text, limits), limits, what=f"image at {_short(text)}")
+        if head.startswith("file://"):
+            return _from_path(_file_uri_to_path(text), limits)
+        if "://" in text[:16]:
+            scheme = text.split("://", 1)[0]
+            raise InputError(f"unsupported URL scheme {scheme!r}: use http(s)://, file:// or a data: URI")
+    return _from_path(text, limits)
+
+
+def _from_path(path: str, limits: ProcessorLimits) -> Image.Image:
+    if not limits.allow_local_paths:
+        raise InputError("local image paths are not accepted here: send the image as a data URI or URL")
+    label = f"image file {_short(path)}"
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        hint = " (a base64 string must be sent as a data:image/...;base64, URI)" if len(path) > 256 else ""
+        raise InputError(f"{label} not found{hint}") from None
+    except OSError as exc:
+        raise InputError(f"{label} cannot be accessed: {exc.strerror or exc}") from None
+    if os.path.isdir(path):
+        raise InputError(f"{label} is a directory, not an image file")
+    if size == 0:
+        raise InputError(f"{label} is empty (0 bytes)")
+    if size > limits.max_image_bytes:
+        raise InputError(f"{label} is {size:,} bytes, more than the limit of {limits.max_image_bytes:,}")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(limits.max_image_bytes + 1)
+    except OSError as exc:
+        raise InputError(f"{label} cannot be read: {exc.strerror or exc}") from None
+    return decode_image_bytes(data, limits, what=label)
+
+
+def _file_uri_to_path(uri: str) -> str:
+    """`file:///abs/p.jpg` -> `/abs/p.jpg` (also `file://localhost/...`, and %-escapes if needed).
+
+    Like qwen-vl-utils, everything after `file://` is the path (so `file://rel/p.jpg` is relative).
+    """
+    path = uri[len("file://"):]
+    if path.startswith("localhost/"):
+        path = path[len("localhost"):]
+    if not os.path.exists(path):
+        unquoted = urllib.parse.unquote(path)
+        if unquoted != path and os.path.exists(unquoted):
+            return unquoted
+    return path
+
+
+def _decode_data_uri(uri: str, limits: ProcessorLimits) -> bytes:
+    header, comma, payload = uri.partition(",")
+    if not comma:
+        raise InputError("malformed data URI: no ',' between the header and the data")
+    params = header[len("data:"):].split(";")
+    media_type = params[0].strip().lower()
+    if "base64" not in (p.strip().lower() for p in params[1:]):
+        raise InputError("data URI must be base64-encoded: data:image/<type>;base64,<data>")
+    if media_type and not media_type.startswith("image/") and media_type != "application/octet-stream":
+        raise InputError(f"data URI media type {media_type!r} is not an image type")
+    payload = "".join(payload.split())  # clients wrap long base64 lines
+    if not payload:
+        raise InputError("data URI is empty (0 bytes)")
+    if len(payload) // 4 * 3 > limits.max_image_bytes + 3:
+        raise InputError(
+            f"data URI holds ~{len(payload) // 4 * 3:,} bytes, more than the limit of {limits.max_image_bytes:,}"
+        )
+    payload += "=" * (-len(payload) % 4)  # tolerate missing padding
+    try:
+        if "-" in payload or "_" in payload:  # URL-safe alphabet
+            data = base64.b64decode(payload, altchars=b"-_", validate=True)
+        else:
+            data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InputError("data URI does not contain valid base64 data") from None
+    return data
+
+
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects only to http(s) URLs (never to ftp:// or anything else)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
+        if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            raise InputError(f"image URL redirected to a non-http(s) location: {_short(newurl)}")
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch_url(url: str, limits: ProcessorLimits) -> bytes:
+    """Download `url` with a total deadline of `limits.url_timeout_s` and a byte cap."""
+    if not limits.allow_remote_urls:
+        raise InputError("image URLs are not accepted here: send the image as a data URI")
+    label = f"image URL {_short(url)}"
+    deadline = time.monotonic() + limits.url_timeout_s
+    request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT, "Accept": "image/*,*/*;q=0.5"})
+    opener = urllib.request.build_opener(_HttpOnlyRedirects)  # per call: honours current proxy env
+    try:
+        with opener.open(request, timeout=limits.url_timeout_s) as response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > limits.max_image_bytes:
+                raise InputError(
+                    f"{label} is {int(declared):,} bytes, more than the limit of {limits.max_image_bytes:,}"
+                )
+            chunks: list[bytes] = []
+            total = 0
+            while True:
+                if time.monotonic() > deadline:
+                    raise InputError(f"fetching {label} timed out after {limits.url_timeout_s:g} s")
+                chunk = response.read(_URL_CHUNK)
+                if not chunk:
+                    break
+                total += len(chunk)
+                if total > limits.max_image_bytes:
+                    raise InputError(f"{label} is more than the limit of {limits.max_image_bytes:,} bytes")
+                chunks.append(chunk)
+    except InputError:
+        raise
+    except urllib.error.HTTPError as exc:
+        raise InputError(f"could not fetch {label}: HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        reason = exc.reason
+        if isinstance(reason, TimeoutError):
+            raise InputError(f"fetching {label} timed out after {limits.url_timeout_s:g} s") from None
+        raise InputError(f"could not fetch {label}: {reason}") from None
+    except TimeoutError:
+        raise InputError(f"fetching {label} timed out after {limits.url_timeout_s:g} s") from None
+    except (OSError, ValueError) as exc:  # connection reset, malformed URL, bad status line, ...
+        raise InputError(f"could not fetch {label}: {exc}") from None
+    return b"".join(chunks)
+
+
+# --------------------------------------------------------------------------------------------
+# decoding
+
+
+def _ensure_pil_guard(max_pixels: int) -> None:
+    """Keep PIL's own decompression-bomb guard from refusing images our limit allows.
+
+    PIL warns above `Image.MAX_IMAGE_PIXELS` and raises above twice that, inside `Image.open`.
+    Our header check (`_check_pixels`) is the real limit; PIL's guard stays as a second line of
+    defence, raised (never lowered) to our limit when a caller configures a larger one.
+    """
+    current = Image.MAX_IMAGE_PIXELS
+    if current is None or current < max_pixels:
+        Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+def _registered_formats(names: tuple[str, ...]) -> list[str]:
+    """The allowed format names this PIL build can decode (Image.open fails on unknown names)."""
+    Image.init()
+    return [name.upper() for name in names if name.upper() in Image.OPEN]
+
+
+def _check_pixels(width: int, height: int, limits: ProcessorLimits, what: str) -> None:
+    if width <= 0 or height <= 0:
+        raise InputError(f"{what} has no pixels ({width}x{height})")
+    if width * height > limits.max_image_pixels:
+        raise InputError(
+            f"{what} is {width}x{height} = {width * height:,} pixels, more than the limit of "
+            f"{limits.max_image_pixels:,} pixels"
+        )
+
+
+def decode_image_bytes(data: bytes, limits: ProcessorLimits | None = None, what: str = "image") -> Image.Image:
+    """Decode encoded image bytes into a fully loaded PIL image (mode as stored; not yet RGB)."""
+    limits = limits or DEFAULT_LIMITS
+    if not data:
+        raise InputError(f"{what} is empty (0 bytes)")
+    if len(data) > limits.max_image_bytes:
+        raise InputError(f"{what} is {len(data):,} bytes, more than the limit of {limits.max_image_bytes:,}")
+    _ensure_pil_guard(limits.max_image_pixels)
+    try:
+        image = Image.open(io.BytesIO(data), formats=_registered_formats(limits.allowed_formats))
+    except Image.DecompressionBombError:
+        raise InputError(f"{what} has more pixels than the limit of {limits.max_image_pixels:,}") from None
+    except UnidentifiedImageError:
+        raise InputError(
+            f"{what} is not a recognised image ({_sniff(data)}); supported formats: "
+            f"{', '.join(limits.allowed_formats)}"
+        ) from None
+    except MemoryError:
+        raise
+    except Exception as exc:  # malformed headers raise all sorts (SyntaxError, struct.error, ...)
+        raise InputError(f"{what} has an invalid image header: {exc}") from None
+    # The header alone gave the size: refuse bombs before a single pixel is decoded.
+    _check_pixels(image.width, image.height, limits, what)
+    try:
+        image.load()
+    except MemoryError:
+        raise
+    except Exception as exc:  # truncated / corrupt data: OSError, SyntaxError, EOFError, ...
+        raise InputError(f"{what} is corrupt or truncated ({image.format}): {exc}") from None
+    return image
+
+
+def _from_pil(image: Image.Image, limits: ProcessorLimits) -> Image.Image:
+    what = "PIL image"
+    _check_pixels(image.width, image.height, limits, what)
+    try:
+        image.load()  # a lazily opened file: decode it now so that errors surface here
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise InputError(f"{what} is corrupt or truncated: {exc}") from None
+    return image
+
+
+def _from_array(array: np.ndarray, limits: ProcessorLimits) -> Image.Image:
+    what = f"numpy image {tuple(array.shape)}"
+    if array.ndim == 3 and array.shape[2] == 1:
+        array = array[:, :, 0]
+    if not (array.ndim == 2 or (array.ndim == 3 and array.shape[2] in (3, 4))):
+        raise InputError(
+            f"{what} has an unsupported shape: expected HxW, HxWx1, HxWx3 or HxWx4 (channels last)"
+        )
+    _check_pixels(array.shape[1], array.shape[0], limits, what)
+    if array.dtype == np.uint8:
+        pixels = array
+    elif np.issubdtype(array.dtype, np.floating):
+        if not np.isfinite(array).all():
+            raise InputError(f"{what} contains NaN or infinite values")
+        lo, hi = float(array.min()), float(array.max())
+        if lo < 0.0 or hi > 1.0:
+            raise InputError(f"{what} is float with values in [{lo:g}, {hi:g}]; float images must lie in [0, 1]")
+        # Round to the nearest uint8 level, so that x / 255 round-trips exactly.
+        pixels = np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
+    else:
+        raise InputError(f"{what} has dtype {array.dtype}; use uint8 (0-255) or float (0-1)")
+    return Image.fromarray(np.ascontiguousarray(pixels))  # HxW -> L, HxWx3 -> RGB, HxWx4 -> RGBA
+
+
+# --------------------------------------------------------------------------------------------
+# normalisation
+
+
+def _apply_exif_orientation(image: Image.Image) -> Image.Image:
+    try:
+        orientation = image.getexif().get(_EXIF_ORIENTATION, 1)
+    except Exception:  # unreadable EXIF block: keep the pixels as stored
+        return image
+    if orientation in (None, 1):
+        return image
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception as exc:
+        raise InputError(f"cannot apply the image's EXIF orientation ({orientation}): {exc}") from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert to RGB; transparent pixels are composited on a white background."""
+    if image.mode == "RGB":
+        return image
+    if image.mode.startswith("I;16"):
+        # 16-bit grayscale (e.g. 16-bit PNG): scale to 8 bits instead of clipping at 255.
+        levels = np.asarray(image).astype(np.float64) / 257.0
+        image = Image.fromarray(np.rint(levels).astype(np.uint8))
+    bands = image.getbands()
+    if "A" in bands or "a" in bands or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def _sniff(data: bytes) -> str:
+    """A hint about what non-image bytes are, for error messages."""
+    head = data[:512]
+    stripped = head.lstrip()
+    if stripped[:1] in (b"{", b"[") or stripped[:5].lower() in (b"<!doc", b"<html"):
+        return "looks like HTML/JSON"
+    printable = sum(1 for b in head if 32 <= b < 127 or b in (9, 10, 13))
+    if printable >= 0.95 * len(head):
+        return "looks like text"
+    return f"{len(data):,} bytes of unknown type"
+
+
+def _short(text: str, limit: int = 100) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+__all__ = ["ImageSource", "load_image", "decode_image_bytes", "to_rgb", "describe_source"]

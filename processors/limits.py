@@ -1,0 +1,64 @@
+"""Input limits and the one error type that bad user input raises.
+
+Everything a request can make the processors do (decode a file, download a URL, allocate pixels)
+is bounded by a `ProcessorLimits`. The server can tighten them (and switch off local paths or
+remote URLs); offline callers can loosen them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InputError(ValueError):
+    """Bad user input (unreadable image, too large, malformed message, ...).
+
+    The message names the problem and is safe to show to the client: it never echoes image data.
+    """
+
+
+# Formats whose PIL decoders are in everyday use for photos and screenshots (JPEG includes the
+# multi-picture MPO files some cameras write). Other PIL plugins (EPS calls Ghostscript, exotic
+# scientific formats, ...) are refused for untrusted input.
+DEFAULT_IMAGE_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF", "AVIF")
+
+
+@dataclass
+class ProcessorLimits:
+    """Bounds on what one request may ask of the input processors.
+
+    max_image_pixels: width * height of an image as decoded (before any resize). Checked from the
+        header, before the pixels are decoded, so a decompression bomb costs nothing. 64 MP fits
+        every common camera (a 48 MP phone photo, a 61 MP full-frame DSLR) while bounding one
+        decoded image to ~192 MB of RGB.
+    max_images_per_request: images in one prompt / chat (checked before any is loaded).
+    max_image_bytes: encoded size of one image (file, download, data URI or raw bytes).
+    url_timeout_s: total wall-clock budget for fetching one http(s) image.
+    allow_local_paths: accept filesystem paths and file:// URIs. A server facing untrusted
+        clients should turn this off (otherwise a client can read any image file on the host).
+    allow_remote_urls: accept http(s) URLs (the server downloads them).
+    allowed_formats: PIL format names that may be decoded.
+    """
+
+    max_image_pixels: int = 64_000_000
+    max_images_per_request: int = 32
+    max_image_bytes: int = 50 * 1024 * 1024
+    url_timeout_s: float = 10.0
+    allow_local_paths: bool = True
+    allow_remote_urls: bool = True
+    allowed_formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+
+    def __post_init__(self) -> None:
+        for name in ("max_image_pixels", "max_images_per_request", "max_image_bytes"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"ProcessorLimits.{name} must be positive")
+        if self.url_timeout_s <= 0:
+            raise ValueError("ProcessorLimits.url_timeout_s must be positive")
+
+
+def check_image_count(n_images: int, limits: ProcessorLimits) -> None:
+    """Raise InputError if a request carries more images than `limits` allows."""
+    if n_images > limits.max_images_per_request:
+        raise InputError(
+            f"too many images in one request: {n_images} (the limit is {limits.max_images_per_request})"
+        )

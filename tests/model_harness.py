@@ -1,0 +1,52 @@
+"""Run a vlmrun model over whole sequences with the torch attention backend, outside the engine.
+
+Used by model-level tests: each call is one prefill of a fresh sequence (or several, batched).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
+from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.layers.attention.torch_backend import TorchAttnBackend
+
+
+def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.Tensor], *,
+                   num_attn_layers: int, num_kv_heads: int, head_dim: int,
+                   mm_mask: torch.Tensor | None = None, mm_embeds: torch.Tensor | None = None,
+                   deepstack_embeds: torch.Tensor | None = None, all_logits: bool = True) -> torch.Tensor:
+    """sequences[i]: [L_i] token ids; positions[i]: [3, L_i]. Returns logits [sum L_i, vocab] (or last rows)."""
+    lens = [int(s.shape[0]) for s in sequences]
+    total = sum(lens)
+    kv_pool = KVPool(num_attn_layers, total + 1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    req_pool = ReqToTokenPool(len(sequences), max(lens), torch.device("cpu"))
+    slots = torch.arange(1, total + 1)  # slot 0 is the dummy
+    start = 0
+    for i, n in enumerate(lens):
+        req_pool.req_to_token[i, :n] = slots[start:start + n]
+        start += n
+    backend = TorchAttnBackend(kv_pool, req_pool)
+    ends = torch.cumsum(torch.tensor(lens), 0)
+    fb = ForwardBatch(
+        mode=ForwardMode.EXTEND,
+        input_ids=torch.cat(sequences),
+        positions=torch.cat(positions, dim=1),
+        req_pool_indices=torch.arange(len(sequences)),
+        seq_lens=torch.tensor(lens),
+        extend_prefix_lens=torch.zeros(len(sequences), dtype=torch.int64),
+        extend_seq_lens=torch.tensor(lens),
+        out_cache_loc=slots,
+        seq_lens_cpu=lens,
+        extend_prefix_lens_cpu=[0] * len(lens),
+        extend_seq_lens_cpu=lens,
+        logits_indices=torch.arange(total) if all_logits else ends - 1,
+        attn_backend=backend,
+        mm_mask=mm_mask,
+        mm_embeds=mm_embeds,
+        deepstack_embeds=deepstack_embeds,
+    )
+    backend.init_forward_metadata(fb)
+    with torch.no_grad():
+        hidden = model(fb.input_ids, fb.positions, fb)
+        return model.compute_logits(hidden[fb.logits_indices])

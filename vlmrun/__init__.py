@@ -1,0 +1,20 @@
+"""vlmrun: a vision-language inference engine. Images and text in, tokens out.
+
+The public names load lazily, so `import vlmrun.tiny_models` (or any submodule) stays light.
+"""
+
+from typing import Any
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "generate"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SamplingParams":
+        from vlmrun.sampling_params import SamplingParams
+
+        return SamplingParams
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "generate"):
+        from vlmrun import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'vlmrun' has no attribute {name!r}")

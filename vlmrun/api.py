@@ -1,0 +1,159 @@
+"""The Python API: `LLM`, `SamplingParams`, `RequestOutput` and the one-call `generate`.
+
+Mirrors vLLM where users expect it. A request whose input is bad fails alone: its
+`RequestOutput.error` says why and the other requests of the call still complete.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+from processors import InputError
+from vlmrun.config import EngineConfig
+from vlmrun.engine.engine import Engine
+from vlmrun.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[dict[int, float]]]
+    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text if self.outputs else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
+
+    @property
+    def logprobs(self) -> Optional[list[dict[int, float]]]:
+        return self.outputs[0].logprobs if self.outputs else None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return self.outputs[0].finish_reason if self.outputs else "error"
+
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine for offline use: `generate` and `chat` run a list of requests to completion."""
+
+    def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: Optional[int] = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, **engine_kwargs: Any):
+        config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
+                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              **engine_kwargs)
+        self.engine = Engine(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: Optional[SamplingParams] = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Each prompt is a string or {"prompt": str, "images": [...]}: one user turn each."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        return self._run(list(prompts), sampling_params, use_tqdm)
+
+    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, each through the chat template."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]
+        return self._run([list(conv) for conv in messages], sampling_params, use_tqdm)
+
+    def _run(self, inputs: list[Any], params: Optional[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        results: list[RequestOutput] = []
+        pending: dict[str, tuple[RequestOutput, int]] = {}
+        for item in inputs:
+            rid = str(next(self._ids))
+            out = RequestOutput(request_id=rid, prompt_token_ids=[])
+            results.append(out)
+            try:
+                prompt = self.engine.process(item)
+                out.prompt_token_ids = list(prompt.token_ids)
+                for i in range(params.n):
+                    child = _child_params(params, i)
+                    self.engine.add_request(f"{rid}-{i}", prompt, child)
+                    pending[f"{rid}-{i}"] = (out, i)
+            except (InputError, ValueError, OSError) as e:
+                for cid, (o, _) in list(pending.items()):
+                    if o is out:
+                        self.engine.abort(cid)
+                        del pending[cid]
+                out.error = f"{type(e).__name__}: {e}" if not isinstance(e, InputError) else str(e)
+        self._drain(pending, use_tqdm and len(inputs) > 1)
+        for out in results:
+            out.outputs.sort(key=lambda c: c.index)
+        return results
+
+    def _drain(self, pending: dict[str, tuple[RequestOutput, int]], show_progress: bool) -> None:
+        bar = _progress_bar(len(pending)) if show_progress else None
+        while self.engine.has_unfinished():
+            for update in self.engine.step():
+                if not update.finished or update.request_id not in pending:
+                    continue
+                out, index = pending.pop(update.request_id)
+                text = self.engine.output_text(update.request_id)
+                req = self.engine.release(update.request_id)
+                logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
+                out.outputs.append(CompletionOutput(index, text, list(req.output_token_ids), logprobs,
+                                                    req.finish_reason))
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: its own seed when seeded, so the n samples differ but repeat."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_llm(model: Optional[str], dtype: str, device: str) -> LLM:
+    return LLM(model, dtype=dtype, device=device)
+
+
+def generate(images: Optional[Sequence[Any]] = None, prompt: str = "Describe the image.", *,
+             model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
+             max_tokens: int = 256, **sampling: Any) -> str:
+    """One request in one call: images and a prompt in, text out. The engine is kept for the next call."""
+    llm = _cached_llm(model, dtype, device)
+    params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
+    out = llm.generate([{"prompt": prompt, "images": list(images or [])}], params, use_tqdm=False)[0]
+    if out.error is not None:
+        raise InputError(out.error)
+    return out.text

@@ -1,0 +1,1 @@
+"""KV pool, page allocator, encoder cache (and later GDN and prefix caches)."""

@@ -1,0 +1,83 @@
+"""Paged KV cache: the request-to-token map, the KV buffers and the page allocator.
+
+A KV *slot* holds one token's keys and values for every full-attention layer. Slots are grouped
+in pages of `page_size` consecutive slots; a request owns whole pages. `ReqToTokenPool` maps
+(request row, token position) to the slot that holds that token. Page 0 is a dummy: padding rows
+write there and nothing reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Row per running request: req_to_token[row, pos] is the KV slot of token `pos`."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device):
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.free_rows: list[int] = list(range(max_reqs))
+        self.max_reqs = max_reqs
+
+    def alloc(self) -> int | None:
+        return self.free_rows.pop() if self.free_rows else None
+
+    def free(self, row: int) -> None:
+        self.free_rows.append(row)
+
+    def num_free(self) -> int:
+        return len(self.free_rows)
+
+
+class KVPool:
+    """Per full-attention layer: k and v buffers of [num_slots, num_kv_heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * itemsize
+
+    def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # loc: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+
+class PageAllocator:
+    """Hands out pages of `page_size` slots. Page 0 is reserved as the dummy page."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.free_pages: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields 1, 2, ...
+
+    def num_free_pages(self) -> int:
+        return len(self.free_pages)
+
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free_pages):
+            return None
+        return [self.free_pages.pop() for _ in range(n)]
+
+    def free(self, pages: list[int]) -> None:
+        self.free_pages.extend(reversed(pages))
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return (num_tokens + page_size - 1) // page_size

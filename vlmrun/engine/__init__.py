@@ -1,0 +1,1 @@
+"""The engine: requests, scheduler, engine loop, detokenizer."""

@@ -1,0 +1,155 @@
+"""The engine: takes requests, runs scheduler steps on the model runner, turns tokens into text.
+
+`add_request` validates and queues a processed prompt; `step` runs one scheduler step and returns
+what each touched request produced; `abort` drops a request and frees its memory. The engine is
+synchronous and single-threaded; the async wrapper for the server drives it from one loop.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
+from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.engine.detokenizer import OutputTextStream
+from vlmrun.engine.request import Request, RequestStatus
+from vlmrun.engine.scheduler import Scheduler
+from vlmrun.executor.model_runner import ModelRunner, SampledToken
+from vlmrun.loader import resolve_model_path
+from vlmrun.multimodal.mrope import compute_mrope_positions
+from vlmrun.sampling_params import SamplingParams
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request."""
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text_delta: str = ""
+    finished: bool = False
+    finish_reason: Optional[str] = None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.resolve_device()
+        if config.model is None:
+            raise ValueError("no model given: pass a checkpoint directory or hub id (model=...)")
+        path = resolve_model_path(config.model, config.revision)
+        self.model_config = ModelConfig.from_path(path, config, self.device)
+        self.processor = Processor.from_pretrained(path, limits=self._limits())
+        self.tokenizer = self.processor.tokenizer
+        self.runner = ModelRunner(self.model_config, config, self.device)
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(self.runner.allocator, self.runner.req_pool, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.requests: dict[str, Request] = {}
+        self._streams: dict[str, OutputTextStream] = {}
+
+    def _limits(self) -> ProcessorLimits:
+        limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
+        if self.config.max_image_pixels is not None:
+            limits.max_image_pixels = self.config.max_image_pixels
+        return limits
+
+    # ------------------------------------------------------------------ requests in
+
+    def process(self, prompt: Any) -> ProcessedPrompt:
+        """A chat (list of messages), {"prompt": str, "images": [...]}, a plain string, or a ProcessedPrompt."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        if isinstance(prompt, str):
+            return self.processor.process_prompt(prompt, [])
+        if isinstance(prompt, dict):
+            if "prompt" not in prompt:
+                raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images')")
+            return self.processor.process_prompt(prompt["prompt"], list(prompt.get("images") or []))
+        if isinstance(prompt, list):
+            return self.processor.process_chat(prompt)
+        raise InputError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt.token_ids)
+        if n == 0:
+            raise InputError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise InputError(f"the prompt has {n} tokens; this engine allows at most {self.max_model_len - 1} "
+                             f"(max_model_len={self.max_model_len}, one left for output)")
+        if n + 1 > self.scheduler.capacity_tokens:
+            raise InputError(f"the prompt has {n} tokens but the KV cache holds only {self.scheduler.capacity_tokens}")
+        positions, delta = compute_mrope_positions(prompt.token_ids, [it.grid_thw for it in prompt.mm_items],
+                                                   self.model_config.hf_config)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
+                      mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator)
+        self.requests[request_id] = req
+        self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
+                                                     self.model_config.eos_token_ids, self.max_model_len)
+        self.scheduler.add(req)
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req)
+            req.finish_reason = "abort"
+            self._streams.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestUpdate]:
+        chunks, too_long = self.scheduler.schedule()
+        updates = [self._finish(req, "length") for req in too_long]
+        if not chunks:
+            return updates
+        results = self.runner.execute(chunks)
+        now = time.monotonic()
+        for chunk, sampled in zip(chunks, results):
+            req = chunk.request
+            req.num_computed_tokens = chunk.end
+            if sampled is not None:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                updates.append(self._append_token(req, sampled))
+        return updates
+
+    def _append_token(self, req: Request, sampled: SampledToken) -> RequestUpdate:
+        req.output_token_ids.append(sampled.token_id)
+        if sampled.logprobs is not None:
+            req.output_logprobs.append(sampled.logprobs)
+        token = self._streams[req.request_id].add_token(sampled.token_id)
+        update = RequestUpdate(req.request_id, [sampled.token_id], [sampled.logprobs] if sampled.logprobs else [],
+                               text_delta=token.delta)
+        if token.finish_reason is not None:
+            self._finish(req, token.finish_reason)
+            update.finished, update.finish_reason = True, token.finish_reason
+        return update
+
+    def _finish(self, req: Request, reason: str) -> RequestUpdate:
+        self.scheduler.finish(req)
+        req.finish_reason = reason
+        return RequestUpdate(req.request_id, finished=True, finish_reason=reason)
+
+    # ------------------------------------------------------------------ results
+
+    def output_text(self, request_id: str) -> str:
+        """Full output text of a request (cut at a stop string), valid until `release` is called."""
+        return self._streams[request_id].text
+
+    def release(self, request_id: str) -> Request:
+        """Forget a finished request and return its final state."""
+        self._streams.pop(request_id, None)
+        return self.requests.pop(request_id)

@@ -1,0 +1,74 @@
+"""A request's state from arrival to finish: tokens, KV pages, M-RoPE positions, sampling state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Optional
+
+import torch
+
+from processors import ProcessedPrompt
+from vlmrun.sampling_params import SamplingParams
+
+
+class RequestStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: ProcessedPrompt
+    sampling_params: SamplingParams
+    mrope_positions: torch.Tensor  # [3, num_prompt_tokens] int64, CPU
+    mrope_delta: int
+    eos_token_ids: list[int]
+    generator: Optional[torch.Generator] = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    req_pool_idx: Optional[int] = None  # row in ReqToTokenPool while running
+    pages: list[int] = field(default_factory=list)  # KV pages owned, in token order
+    finish_reason: Optional[str] = None
+    num_preemptions: int = 0
+    first_token_time: Optional[float] = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.prompt.token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + len(self.output_token_ids)
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        prompt = self.prompt.token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        out_start = max(start - len(prompt), 0)
+        return prompt[start:] + self.output_token_ids[out_start:end - len(prompt)]
+
+    def positions_slice(self, start: int, end: int) -> torch.Tensor:
+        """M-RoPE positions [3, end - start]: precomputed for the prompt, `i + delta` after it."""
+        n_prompt = self.num_prompt_tokens
+        parts = []
+        if start < n_prompt:
+            parts.append(self.mrope_positions[:, start:min(end, n_prompt)])
+        if end > n_prompt:
+            gen = torch.arange(max(start, n_prompt), end, dtype=torch.int64) + self.mrope_delta
+            parts.append(gen.expand(3, -1))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

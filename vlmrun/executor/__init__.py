@@ -1,0 +1,1 @@
+"""Model runner: builds the ForwardBatch, runs the model, samples."""

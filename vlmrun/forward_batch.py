@@ -1,0 +1,55 @@
+"""The per-step record that models, layers, attention backends and the vision stage read.
+
+This module sits on the bottom floor: it imports nothing from vlmrun, so every layer can import it.
+A `ForwardBatch` describes one forward pass over a ragged batch: each sequence feeds
+`extend_seq_lens[i]` new tokens on top of `extend_prefix_lens[i]` tokens already in the KV cache.
+A decode is an extend of one token. Chunked-prefill chunks and decodes can share one batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any, Optional
+
+import torch
+
+
+class ForwardMode(Enum):
+    EXTEND = auto()  # at least one sequence feeds more than one token (prefill or a prefill chunk)
+    DECODE = auto()  # every sequence feeds exactly one token
+
+
+@dataclass
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [3, num_tokens] int64: M-RoPE rows (t, h, w); 1-D RoPE models read row 0
+    req_pool_indices: torch.Tensor  # [batch] int64, rows of ReqToTokenPool
+    seq_lens: torch.Tensor  # [batch] int64, cached tokens after this step (prefix + extend)
+    extend_prefix_lens: torch.Tensor  # [batch] int64, tokens already cached before this step
+    extend_seq_lens: torch.Tensor  # [batch] int64, tokens fed this step
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot each fed token writes
+    # Host copies of the per-sequence lengths, so backends never sync to read them.
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    # Rows of the token stream whose logits are wanted (the last fed token of sequences that sample).
+    logits_indices: torch.Tensor  # [num_sampled] int64
+    # The attention backend of this step and the metadata it prepared in init_forward_metadata.
+    attn_backend: Any = None
+    attn_metadata: Any = None
+    # Multimodal splice: embeddings for the rows of input_ids where mm_mask is True, in row order.
+    mm_mask: Optional[torch.Tensor] = None  # [num_tokens] bool
+    mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]
+    # Qwen3-VL DeepStack: features added to the mm rows after each of the first decoder layers.
+    deepstack_embeds: Optional[torch.Tensor] = None  # [num_deepstack_layers, num_mm_tokens, hidden]
+    extras: dict = field(default_factory=dict)  # backend-specific per-step data (e.g. GDN slots)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])

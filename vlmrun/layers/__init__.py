@@ -1,0 +1,1 @@
+"""Building blocks shared by the models: norms, activations, rotary embeddings, attention, sampler."""

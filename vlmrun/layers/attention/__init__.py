@@ -1,0 +1,5 @@
+"""Attention layer and backends."""
+
+from vlmrun.layers.attention.base import Attention, AttentionBackend
+
+__all__ = ["Attention", "AttentionBackend"]

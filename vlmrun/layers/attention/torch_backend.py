@@ -1,0 +1,70 @@
+"""The reference attention backend: plain torch, any device.
+
+Every sequence's new queries attend causally to its cached tokens plus the tokens it feeds this
+step. The batch is padded to [batch, max_extend] queries and [batch, max_seq] keys gathered from
+the KV pool through the request-to-token map, and one masked SDPA call covers the whole batch.
+Every fast backend is tested against this one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
+from vlmrun.forward_batch import ForwardBatch
+from vlmrun.layers.attention.base import Attention, AttentionBackend
+
+
+@dataclass
+class TorchAttnMetadata:
+    token_rows: torch.Tensor  # [batch, max_extend] row of each padded query in the token stream
+    valid_queries: torch.Tensor  # [batch, max_extend] bool, True where a real query sits
+    kv_slots: torch.Tensor  # [batch, max_seq] KV slot of each key position
+    mask: torch.Tensor  # [batch, 1, max_extend, max_seq] bool, True where a query may attend
+
+
+class TorchAttnBackend(AttentionBackend):
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool):
+        self.kv_pool = kv_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        device = fb.input_ids.device
+        max_extend = max(fb.extend_seq_lens_cpu)
+        max_seq = max(fb.seq_lens_cpu)
+        extend_lens = fb.extend_seq_lens.view(-1, 1)  # [batch, 1]
+        prefix_lens = fb.extend_prefix_lens.view(-1, 1)
+        seq_lens = fb.seq_lens.view(-1, 1)
+
+        q_pos = torch.arange(max_extend, device=device).view(1, -1)  # [1, max_extend]
+        valid_queries = q_pos < extend_lens  # [batch, max_extend]
+        starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens  # [batch]
+        token_rows = (starts.view(-1, 1) + q_pos).clamp(max=fb.num_tokens - 1)
+
+        k_pos = torch.arange(max_seq, device=device).view(1, 1, -1)  # [1, 1, max_seq]
+        causal = k_pos <= (prefix_lens + q_pos).unsqueeze(-1)  # [batch, max_extend, max_seq]
+        mask = causal & (k_pos < seq_lens.unsqueeze(-1))
+        mask[:, :, 0] |= ~valid_queries  # padded queries see key 0 so softmax stays finite
+        kv_slots = self.req_to_token[fb.req_pool_indices, :max_seq]
+        fb.attn_metadata = TorchAttnMetadata(token_rows, valid_queries, kv_slots, mask.unsqueeze(1))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
+        md: TorchAttnMetadata = fb.attn_metadata
+        num_tokens = q.shape[0]
+        k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
+        self.kv_pool.write(layer.layer_id, fb.out_cache_loc, k, v)
+
+        q = q.view(num_tokens, layer.num_heads, layer.head_dim)
+        q_pad = q[md.token_rows].transpose(1, 2)  # [batch, heads, max_extend, head_dim]
+        k_all = self.kv_pool.k_buffers[layer.layer_id][md.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_seq, head_dim]
+        v_all = self.kv_pool.v_buffers[layer.layer_id][md.kv_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q_pad, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask, scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )  # [batch, heads, max_extend, head_dim]
+        out = out.transpose(1, 2)[md.valid_queries]  # [num_tokens, heads, head_dim]
+        return out.reshape(num_tokens, layer.num_heads * layer.head_dim)

@@ -1,0 +1,95 @@
+"""Checkpoint loading: a local HF checkpoint dir or a hub id → a model on its device with its weights.
+
+Hub ids go through huggingface_hub, which honours its cache and `HF_HUB_OFFLINE`. Weights are
+streamed from (sharded) safetensors; each model's `load_weights` maps HF names onto its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from vlmrun.config import ModelConfig
+from vlmrun.models.registry import get_model_class
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def resolve_model_path(model: str, revision: Optional[str] = None) -> Path:
+    """A local directory as is; otherwise a hub id fetched (or found in the cache) by huggingface_hub."""
+    local = Path(model).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").exists():
+            raise FileNotFoundError(f"{local} is not an HF checkpoint: config.json is missing")
+        return local
+    if local.exists():
+        raise ValueError(f"{local} is a file; pass the checkpoint directory")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
+    except HFValidationError as e:
+        raise FileNotFoundError(f"{model!r} is neither a local checkpoint directory nor a valid hub id") from e
+    except Exception as e:  # offline with nothing cached, unknown repo, no network, ...
+        raise FileNotFoundError(
+            f"could not get model {model!r} from the Hugging Face hub or its cache: {type(e).__name__}: {e}"
+        ) from e
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise FileNotFoundError(f"{path}: shards named in {index.name} are missing: {missing}")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no *.safetensors weights")
+    return files
+
+
+def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    """Copy a checkpoint tensor into a parameter, with a clear error on a shape mismatch."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight {name!r}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded.to(param.dtype))
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
+    cls = get_model_class(model_config.hf_config.architectures)
+    with default_dtype(model_config.dtype), torch.device(device):
+        model = cls(model_config.hf_config)
+    loaded = model.load_weights(iter_weights(model_config.path))
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"{model_config.path}: the checkpoint lacks {len(missing)} weights: {shown}")
+    return model.eval()

@@ -1,0 +1,255 @@
+"""Qwen2.5-VL: a windowed-attention ViT feeding a Qwen2 text decoder with sectioned M-RoPE.
+
+Vision tower, per image of `grid_thw = (t, h, w)` patches (patches arrive in merge-block order:
+each run of `merge**2` consecutive patches is one block that becomes one LLM token):
+
+    patch embed -> reorder merge blocks window by window -> blocks (attention inside each
+    `window_size`-pixel window, full per-frame attention in `fullatt_block_indexes`) ->
+    patch merger (RMSNorm, concat each merge block, MLP) -> undo the window reorder
+
+Text side: `Qwen3TextModel` configured as Qwen2 (q/k/v bias, no q/k norm) with sectioned M-RoPE.
+The model code knows nothing of batching; the attention backend behind the `ForwardBatch` handles
+the KV cache. Vision attention goes through `vision_common.varlen_attention`, the seam a fused
+varlen kernel replaces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmrun.forward_batch import ForwardBatch
+from vlmrun.layers.activation import get_act_fn
+from vlmrun.layers.norm import RMSNorm
+from vlmrun.layers.rotary import MRotaryEmbedding, rope_parameters
+from vlmrun.models.qwen3 import Qwen3TextModel, load_named_weights, text_head_dim, tie_word_embeddings
+from vlmrun.models.vision_common import (
+    GridTHW,
+    VisionAttention,
+    VisionEmbeddings,
+    VisionPatchEmbed,
+    VisionRotaryEmbedding,
+    grid_list,
+    vision_cu_seqlens,
+    vision_rope_positions,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Vision blocks
+# ----------------------------------------------------------------------------------------------
+
+
+class VisionMLP(nn.Module):
+    """SwiGLU with bias: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, hidden: int, act: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=True)
+        self.up_proj = nn.Linear(dim, hidden, bias=True)
+        self.down_proj = nn.Linear(hidden, dim, bias=True)
+        self.act_fn = get_act_fn(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_hidden: int, act: str):
+        super().__init__()
+        self.norm1 = RMSNorm(dim, eps=1e-6)
+        self.norm2 = RMSNorm(dim, eps=1e-6)
+        self.attn = VisionAttention(dim, num_heads)
+        self.mlp = VisionMLP(dim, mlp_hidden, act)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [N, dim]; cu_seqlens: attention segments of this block (windows or frames)
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm per patch, concat each merge block's patches, then Linear-GELU-Linear to the LLM width."""
+
+    def __init__(self, context_dim: int, out_dim: int, merge: int):
+        super().__init__()
+        self.in_dim = context_dim * merge * merge
+        self.ln_q = RMSNorm(context_dim, eps=1e-6)
+        self.mlp = nn.Sequential(nn.Linear(self.in_dim, self.in_dim), nn.GELU(), nn.Linear(self.in_dim, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, context_dim], merge blocks contiguous -> [N // merge**2, out_dim]
+        return self.mlp(self.ln_q(x).view(-1, self.in_dim))
+
+
+# ----------------------------------------------------------------------------------------------
+# Window layout: pure index arithmetic over grid_thw, on the host, once per encode call
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VisionLayout:
+    """Index tensors for one vision forward over a batch of images.
+
+    unit_order: [num_units] merge-block index at each window-order slot (undo with argsort).
+    token_order: [N] patch index at each window-order slot (each unit expanded to its merge**2 patches).
+    cu_window_seqlens: [num_windows + 1] int32 window boundaries, in patches, window order.
+    cu_seqlens: [num_frames + 1] int32 frame boundaries (full-attention segments; the window
+        reorder never crosses a frame, so these hold in both orders).
+    """
+
+    unit_order: torch.Tensor
+    token_order: torch.Tensor
+    cu_window_seqlens: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+def _window_ids(t: int, lh: int, lw: int, win: int) -> torch.Tensor:
+    """Window id of every merge unit of one image, units in (frame, row, col) order -> [t * lh * lw].
+
+    Windows are `win` x `win` units, numbered row-major per frame; edge windows may be partial.
+    """
+    nwh, nww = -(-lh // win), -(-lw // win)
+    frame = torch.arange(t).view(t, 1, 1)
+    wrow = (torch.arange(lh) // win).view(1, lh, 1)
+    wcol = (torch.arange(lw) // win).view(1, 1, lw)
+    return ((frame * nwh + wrow) * nww + wcol).flatten()
+
+
+def build_vision_layout(grids: list[tuple[int, int, int]], merge: int, window_units: int) -> VisionLayout:
+    """Window order: image by image, window by window, units row-major inside each window."""
+    unit = merge * merge
+    unit_orders, window_lens = [], []
+    offset = 0
+    for t, h, w in grids:
+        wid = _window_ids(t, h // merge, w // merge, window_units)
+        unit_orders.append(torch.sort(wid, stable=True).indices + offset)  # stable: row-major inside a window
+        window_lens.append(torch.bincount(wid) * unit)  # every window id in range is non-empty
+        offset += wid.numel()
+    unit_order = torch.cat(unit_orders)  # [num_units]
+    token_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()  # [N]
+    cu_window = F.pad(torch.cat(window_lens).cumsum(0), (1, 0)).to(torch.int32)
+    return VisionLayout(unit_order, token_order, cu_window, vision_cu_seqlens(grids))
+
+
+# ----------------------------------------------------------------------------------------------
+# Vision tower
+# ----------------------------------------------------------------------------------------------
+
+
+class Qwen2_5_VisionTower(nn.Module):
+    """pixel_values [N, C * tp * p * p] + grids -> merged embeddings [N // merge**2, out_hidden_size]."""
+
+    def __init__(self, vc):
+        super().__init__()
+        self.merge = vc.spatial_merge_size
+        self.window_units = vc.window_size // vc.spatial_merge_size // vc.patch_size  # merge units per window side
+        if self.window_units < 1:
+            raise ValueError(f"window_size {vc.window_size} is smaller than one merge block "
+                             f"({vc.spatial_merge_size} x {vc.patch_size} px)")
+        self.fullatt_blocks = frozenset(vc.fullatt_block_indexes)
+        theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        self.patch_embed = VisionPatchEmbed(vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.hidden_size,
+                                            bias=False)
+        self.rotary_pos_emb = VisionRotaryEmbedding(vc.hidden_size // vc.num_heads, theta)
+        self.blocks = nn.ModuleList(
+            VisionBlock(vc.hidden_size, vc.num_heads, vc.intermediate_size, vc.hidden_act) for _ in range(vc.depth)
+        )
+        self.merger = PatchMerger(vc.hidden_size, vc.out_hidden_size, self.merge)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
+        grids = grid_list(grid_thw)
+        layout = build_vision_layout(grids, self.merge, self.window_units)
+        device = pixel_values.device
+        token_order = layout.token_order.to(device)
+        x = self.patch_embed(pixel_values)[token_order]  # [N, dim], window order
+        pos_hw = vision_rope_positions(grids, self.merge)[layout.token_order]  # [N, 2], window order
+        cos, sin = self.rotary_pos_emb(pos_hw.to(device))  # [N, head_dim] each
+        cu_window = layout.cu_window_seqlens.to(device)
+        cu_full = layout.cu_seqlens.to(device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cu_full if i in self.fullatt_blocks else cu_window, cos, sin)
+        merged = self.merger(x)  # [num_units, out], window order
+        return merged[torch.argsort(layout.unit_order).to(device)]  # image order
+
+
+# ----------------------------------------------------------------------------------------------
+# The full model
+# ----------------------------------------------------------------------------------------------
+
+# Checkpoint prefix -> our module prefix. transformers-5 layout first, then the original hub layout.
+_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("model.language_model.", "language_model."),
+    ("model.visual.", "visual."),
+    ("model.", "language_model."),
+    ("visual.", "visual."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def _mrope_rotary(text_config) -> MRotaryEmbedding:
+    """Sectioned (non-interleaved) M-RoPE from the text config; HF's default sections are [16, 24, 24]."""
+    params = rope_parameters(text_config)
+    if params["rope_type"] != "default":
+        raise NotImplementedError(f"Qwen2.5-VL rope_type {params['rope_type']!r} is not supported")
+    head_dim = text_config.hidden_size // text_config.num_attention_heads
+    section = list(params.get("mrope_section") or [16, 24, 24])
+    return MRotaryEmbedding(head_dim, float(params["rope_theta"]), section, interleaved=False)
+
+
+class Qwen2_5_VLForConditionalGeneration(nn.Module):
+    """`visual` (Qwen2.5 ViT) + `language_model` (Qwen2-style text stack) + `lm_head`."""
+
+    def __init__(self, config):
+        super().__init__()
+        text, vision = config.text_config, config.vision_config
+        self.config = config
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
+        self.num_attention_layers = text.num_hidden_layers
+        self.num_kv_heads = text.num_key_value_heads or text.num_attention_heads
+        self.head_dim = text.hidden_size // text.num_attention_heads  # HF ignores any head_dim here
+        self.spatial_merge_size = vision.spatial_merge_size
+        self.image_token_id = config.image_token_id
+        if text_head_dim(text) != self.head_dim:
+            raise ValueError(f"Qwen2.5-VL text head_dim must be hidden_size // num_attention_heads = "
+                             f"{self.head_dim}, config says {text_head_dim(text)}")
+        if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
+            raise NotImplementedError("Qwen2.5-VL sliding-window text layers are not supported")
+
+        self.visual = Qwen2_5_VisionTower(vision)
+        self.language_model = Qwen3TextModel(text, _mrope_rotary(text), qkv_bias=True, qk_norm=False)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tied = tie_word_embeddings(config)
+        if self.tied:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """input_ids: [T]; positions: [3, T] M-RoPE rows; image rows come from fb.mm_mask / fb.mm_embeds."""
+        return self.language_model(input_ids, positions, fb)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [n, vocab]
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | GridTHW) -> VisionEmbeddings:
+        """pixel_values: [num_patches, C * tp * p * p]; grid_thw: [num_images, 3]. Rows image by image."""
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        embeds = self.visual(pixel_values.to(dtype), grid_thw)  # [num_image_tokens, hidden]
+        return VisionEmbeddings(embeds=embeds, deepstack=None)
+
+    def _rename(self, name: str) -> str | None:
+        for src, dst in _PREFIXES:
+            if name.startswith(src):
+                mapped = dst + name[len(src):]
+                return None if self.tied and mapped == "lm_head.weight" else mapped
+        return None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Accepts transformers-5 names (`model.language_model.*`, `model.visual.*`) and the original
+        hub names (`model.layers.*`, `model.embed_tokens.*`, `model.norm.*`, `visual.*`); `lm_head.*`."""
+        return load_named_weights(self, weights, self._rename)

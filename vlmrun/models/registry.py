@@ -1,0 +1,28 @@
+"""Map HF `architectures` names to vlmrun model classes (imported lazily, on first use)."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture name -> (module, class name)
+_MODELS: dict[str, tuple[str, str]] = {
+    "Qwen3ForCausalLM": ("vlmrun.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3VLForConditionalGeneration": ("vlmrun.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("vlmrun.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(architectures: list[str]) -> type:
+    """The class for the first supported name in `architectures`; ValueError if none is supported."""
+    for arch in architectures or []:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(
+        f"unsupported model architecture {list(architectures or [])!r}; "
+        f"supported: {', '.join(supported_architectures())}"
+    )

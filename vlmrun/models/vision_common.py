@@ -1,0 +1,126 @@
+"""Pieces shared by the Qwen vision towers (Qwen2.5-VL, Qwen3-VL).
+
+- `VisionEmbeddings`: what `encode_images` returns.
+- `VisionPatchEmbed`: the Conv3d patch embedding, computed as one matmul over flattened patches
+  (the parameter keeps the Conv3d shape, so checkpoint names and shapes load unchanged).
+- `VisionRotaryEmbedding` + `vision_rope_positions`: 2-D (h, w) rotary for patches laid out in
+  spatial-merge-block order.
+- `VisionAttention` and `varlen_attention`: non-causal attention restricted to each image (frame);
+  `varlen_attention(q, k, v, cu_seqlens)` is the seam where a fused varlen kernel can plug in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vlmrun.layers.rotary import apply_rotary
+
+GridTHW = Union[torch.Tensor, Sequence[Sequence[int]]]
+
+
+@dataclass
+class VisionEmbeddings:
+    """Image embeddings in the text model's hidden size, image by image (t*h*w // merge**2 rows each)."""
+
+    embeds: torch.Tensor  # [num_image_tokens_total, hidden]
+    deepstack: Optional[torch.Tensor] = None  # [k, num_image_tokens_total, hidden] (Qwen3-VL only)
+
+
+def grid_list(grid_thw: GridTHW) -> list[tuple[int, int, int]]:
+    """Normalize grid_thw ([n, 3] tensor or sequence of triples) to a host list of int triples."""
+    rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    return [(int(t), int(h), int(w)) for t, h, w in rows]
+
+
+def vision_cu_seqlens(grids: list[tuple[int, int, int]], device: torch.device | None = None) -> torch.Tensor:
+    """Attention segment boundaries: each frame (h*w patches) of each image attends only to itself."""
+    lens = [h * w for t, h, w in grids for _ in range(t)]
+    return F.pad(torch.tensor(lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def vision_rope_positions(grids: list[tuple[int, int, int]], merge: int,
+                          device: torch.device | None = None) -> torch.Tensor:
+    """(row, col) of every patch in spatial-merge-block order, repeated per frame -> [num_patches, 2]."""
+    out = []
+    for t, h, w in grids:
+        rows = torch.arange(h, device=device).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        cols = torch.arange(w, device=device).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        # block order: (block_row, block_col, in_row, in_col)
+        rows = rows.permute(0, 2, 1, 3).reshape(-1)
+        cols = cols.permute(0, 2, 1, 3).reshape(-1)
+        out.append(torch.stack([rows, cols], dim=-1).repeat(t, 1))
+    return torch.cat(out)  # [num_patches, 2]
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Non-causal attention within each segment [cu_seqlens[i], cu_seqlens[i+1]).
+
+    q, k, v: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+    Reference implementation: one SDPA call per segment.
+    """
+    bounds = cu_seqlens.tolist()
+    out = torch.empty_like(q)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, len, head_dim]
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+    return out
+
+
+class VisionPatchEmbed(nn.Module):
+    """Conv3d with kernel == stride over pre-flattened patches.
+
+    Mathematically a linear layer; it runs as the conv HF runs so float32 sums round the same way
+    (a matmul differs by ~1e-5, which the parity tests would see). A fused path may swap it later.
+    """
+
+    def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int, bias: bool):
+        super().__init__()
+        kernel = (temporal_patch_size, patch_size, patch_size)
+        self.embed_dim = embed_dim
+        self.proj = nn.Conv3d(in_channels, embed_dim, kernel_size=kernel, stride=kernel, bias=bias)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # pixel_values: [num_patches, in_channels * temporal_patch * patch * patch] -> [num_patches, embed_dim]
+        weight = self.proj.weight
+        patches = pixel_values.to(weight.dtype).view(-1, *weight.shape[1:])  # [num_patches, C, T, P, P]
+        return self.proj(patches).view(-1, self.embed_dim)
+
+
+class VisionRotaryEmbedding(nn.Module):
+    """Axial 2-D rope: head_dim // 4 frequencies for rows, the same for columns, rotate-half layout."""
+
+    def __init__(self, head_dim: int, theta: float = 10000.0):
+        super().__init__()
+        spatial = head_dim // 2
+        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 4]
+
+    def forward(self, pos_hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # pos_hw: [num_patches, 2] -> cos, sin: [num_patches, head_dim]
+        freqs = (pos_hw.float()[..., None] * self.inv_freq).flatten(1)  # [num_patches, head_dim // 2] (h | w)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+class VisionAttention(nn.Module):
+    """Fused-qkv multi-head attention with 2-D rope, restricted to segments of cu_seqlens."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
+        self.proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [num_patches, heads, head_dim]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = varlen_attention(q, k, v, cu_seqlens, scale=self.head_dim ** -0.5)
+        return self.proj(out.reshape(n, -1))

@@ -1,0 +1,66 @@
+"""M-RoPE position ids for a prompt (Qwen2.5-VL and Qwen3-VL, images).
+
+Text tokens advance one position per token on all three rows (t, h, w). An image whose merged
+grid is (t, h, w) occupies t*h*w tokens; starting at the current position p its tokens get
+t-row p + frame, h-row p + row, w-row p + col (raster order), and the next token starts at
+p + max(h, w). `delta = max position + 1 - L`, so the generated token at index i >= L sits at
+`i + delta` on every row. Images are matched to runs of `image_token_id` in order, each
+consuming exactly its own t*h*w tokens (so two adjacent images still split correctly).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+def compute_mrope_positions(token_ids: Sequence[int], image_grid_thw: Sequence[Sequence[int]],
+                            hf_config: Any) -> tuple[torch.Tensor, int]:
+    """Positions [3, L] int64 and the rope delta for one prompt.
+
+    image_grid_thw: one (t, h, w) patch grid per image, in prompt order (before spatial merge).
+    """
+    if getattr(hf_config, "vision_config", None) is None:  # text-only model: 1-D positions on all rows
+        if image_grid_thw:
+            raise ValueError("this model takes no images")
+        return torch.arange(len(token_ids), dtype=torch.int64).expand(3, -1).contiguous(), 0
+    image_token_id = hf_config.image_token_id
+    merge = hf_config.vision_config.spatial_merge_size
+    grids = [tuple(int(x) for x in g) for g in image_grid_thw]
+    length = len(token_ids)
+    rows: list[torch.Tensor] = []  # [3, n] pieces
+    pos = 0  # position of the next token
+    i = 0
+    next_image = 0
+    while i < length:
+        if token_ids[i] != image_token_id:
+            j = i
+            while j < length and token_ids[j] != image_token_id:
+                j += 1
+            rows.append(torch.arange(pos, pos + j - i).expand(3, -1))
+            pos += j - i
+            i = j
+            continue
+        if next_image >= len(grids):
+            raise ValueError(f"more image-token runs in the prompt than the {len(grids)} image grids given")
+        t, gh, gw = grids[next_image]
+        h, w = gh // merge, gw // merge
+        n = t * h * w
+        if i + n > length or any(tok != image_token_id for tok in token_ids[i:i + n]):
+            raise ValueError(f"image {next_image} with grid {grids[next_image]} needs {n} consecutive image "
+                             f"tokens at index {i}")
+        tt = torch.arange(t).view(t, 1, 1).expand(t, h, w)
+        hh = torch.arange(h).view(1, h, 1).expand(t, h, w)
+        ww = torch.arange(w).view(1, 1, w).expand(t, h, w)
+        rows.append(torch.stack([tt, hh, ww]).reshape(3, n) + pos)
+        pos += max(h, w)
+        i += n
+        next_image += 1
+    if next_image != len(grids):
+        raise ValueError(f"{len(grids)} image grids given but the prompt has image tokens for {next_image}")
+    if not rows:
+        return torch.zeros(3, 0, dtype=torch.int64), 0
+    positions = torch.cat(rows, dim=1).to(torch.int64)  # [3, L]
+    delta = int(positions.max()) + 1 - length
+    return positions, delta

@@ -1,0 +1,1 @@
+"""The Gradio web demo (arrives with the server work; see the issues)."""
