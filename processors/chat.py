@@ -84,8 +84,8 @@ def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[
     if not isinstance(item, Mapping):
         raise InputError(f"{where} must be a dict, got {type(item).__name__}")
     kind = item.get("type")
-    if kind is None:  # untyped items, as the Qwen templates accept them
-        kind = "image" if "image" in item else "image_url" if "image_url" in item else "text" if "text" in item else None
+    if kind is None:  # untyped items, as the Qwen templates accept them: known by their key
+        kind = next((key for key in ("image", "image_url", "text") if key in item), None)
     if kind in _TEXT_TYPES:
         text = item.get("text")
         if not isinstance(text, str):

@@ -2,7 +2,8 @@
 
 Output equals transformers' `Qwen2VLImageProcessorPil` for the same preprocessor config (the
 image processor of Qwen2-VL, Qwen2.5-VL and Qwen3-VL): the resize runs on PIL (bicubic on the
-uint8 RGB image) exactly as there; the rest runs in torch, so it can run on CPU or CUDA tensors.
+uint8 RGB image) exactly as there; rescale + normalise (one lookup table per uint8 level, built with
+transformers' float ops, so values are bit-identical) and patchify run in torch, on CPU or CUDA.
 
 Layout of `pixel_values` for one image with grid (t=1, gh, gw), patch P, temporal patch T, merge m:
 rows are patches in merge-window order (window row, window col, row in window, col in window),
@@ -232,7 +233,8 @@ class ImageProcessor:
     def __init__(self, config: ImageProcessorConfig | None = None) -> None:
         self.config = config or ImageProcessorConfig()
         self._fingerprint = self.config.fingerprint()
-        self._norm: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._luts: dict[torch.device, torch.Tensor] = {}
+        self._channel_offsets: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> "ImageProcessor":
@@ -302,12 +304,24 @@ class ImageProcessor:
         pixel_values = self._patchify(torch.from_numpy(pixels), torch.device(device))
         return ProcessedImage(pixel_values=pixel_values, grid_thw=grid, hash=digest.hexdigest(), size=(th, tw))
 
-    def _normalizer(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._norm:
-            mean = torch.tensor(self.config.image_mean, dtype=torch.float32, device=device).view(3, 1, 1)
-            std = torch.tensor(self.config.image_std, dtype=torch.float32, device=device).view(3, 1, 1)
-            self._norm[device] = (mean, std)
-        return self._norm[device]
+    def _lookup_table(self, device: torch.device) -> torch.Tensor:
+        """[3 * 256] float32: the normalised value of every (channel, uint8 level).
+
+        Built with the same float ops, in the same order, as transformers (rescale in float64, cast
+        to float32, then (x - mean) / std in float32), so a lookup gives bit-identical values.
+        """
+        if device not in self._luts:
+            cfg = self.config
+            levels = torch.arange(256, dtype=torch.float64)
+            if cfg.do_rescale:
+                levels = levels * cfg.rescale_factor
+            table = levels.to(torch.float32).expand(3, 256)  # [3, 256]
+            if cfg.do_normalize:
+                mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1)
+                std = torch.tensor(cfg.image_std, dtype=torch.float32).view(3, 1)
+                table = (table - mean) / std
+            self._luts[device] = table.reshape(-1).contiguous().to(device)
+        return self._luts[device]
 
     def _patchify(self, pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
         """[H, W, 3] uint8 -> [gh * gw, 3 * T * P * P] float32 on `device`."""
@@ -315,12 +329,13 @@ class ImageProcessor:
         p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
         h, w, c = pixels.shape
         gh, gw = h // p, w // p
-        x = pixels.to(device, non_blocking=True).permute(2, 0, 1).to(torch.float32)  # [3, H, W]
-        if cfg.do_rescale:
-            x = x * cfg.rescale_factor
-        if cfg.do_normalize:
-            mean, std = self._normalizer(device)
-            x = (x - mean) / std
+        table = self._lookup_table(device)
+        if device not in self._channel_offsets:
+            self._channel_offsets[device] = (torch.arange(3, dtype=torch.int32) * 256).view(3, 1, 1).to(device)
+        offsets = self._channel_offsets[device]  # [3, 1, 1]: channel c reads table[c * 256 + level]
+        # rescale + normalise as one table lookup per (channel, level): [3, H, W] float32
+        index = pixels.to(device, non_blocking=True).permute(2, 0, 1).to(torch.int32) + offsets
+        x = table[index]
         # [C, gh/m, m, P, gw/m, m, P] -> [gh/m, gw/m, m(h), m(w), C, P, P]
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
         # repeat the still frame over the temporal patch: [..., C, T, P, P]

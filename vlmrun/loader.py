@@ -65,14 +65,6 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def copy_weight(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
-    """Copy a checkpoint tensor into a parameter, with a clear error on a shape mismatch."""
-    if param.shape != loaded.shape:
-        raise ValueError(f"weight {name!r}: checkpoint shape {tuple(loaded.shape)} != model shape {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(loaded.to(param.dtype))
-
-
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
     old = torch.get_default_dtype()

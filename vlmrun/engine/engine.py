@@ -7,6 +7,7 @@ synchronous and single-threaded; the async wrapper for the server drives it from
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -55,7 +56,7 @@ class Engine:
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
         if self.config.max_image_pixels is not None:
-            limits.max_image_pixels = self.config.max_image_pixels
+            limits = dataclasses.replace(limits, max_image_pixels=self.config.max_image_pixels)
         return limits
 
     # ------------------------------------------------------------------ requests in
