@@ -55,6 +55,7 @@ class RequestOutput:
 
 
 Conversation = list[dict[str, Any]]
+ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 
 
 class LLM:
@@ -70,25 +71,33 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: Optional[SamplingParams] = None,
+    def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Each prompt is a string or {"prompt": str, "images": [...]}: one user turn each."""
+        """Each prompt is a string or {"prompt": str, "images": [...]}: one user turn each.
+
+        `sampling_params` is one SamplingParams for all prompts or a list with one per prompt.
+        """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         return self._run(list(prompts), sampling_params, use_tqdm)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
-             sampling_params: Optional[SamplingParams] = None, use_tqdm: bool = True) -> list[RequestOutput]:
+             sampling_params: ParamsArg = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, each through the chat template."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
         return self._run([list(conv) for conv in messages], sampling_params, use_tqdm)
 
-    def _run(self, inputs: list[Any], params: Optional[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        params = params or SamplingParams()
+    def _run(self, inputs: list[Any], params_arg: ParamsArg, use_tqdm: bool) -> list[RequestOutput]:
+        if isinstance(params_arg, (list, tuple)):
+            if len(params_arg) != len(inputs):
+                raise ValueError(f"got {len(params_arg)} sampling params for {len(inputs)} prompts")
+            per_input = list(params_arg)
+        else:
+            per_input = [params_arg or SamplingParams()] * len(inputs)
         results: list[RequestOutput] = []
         pending: dict[str, tuple[RequestOutput, int]] = {}
-        for item in inputs:
+        for item, params in zip(inputs, per_input):
             rid = str(next(self._ids))
             out = RequestOutput(request_id=rid, prompt_token_ids=[])
             results.append(out)

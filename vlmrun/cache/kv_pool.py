@@ -33,9 +33,12 @@ class KVPool:
     """Per full-attention layer: k and v buffers of [num_slots, num_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, page_size: int = 1):
+        if num_slots % page_size:
+            raise ValueError(f"num_slots={num_slots} is not a multiple of page_size={page_size}")
         self.num_layers = num_layers
         self.num_slots = num_slots
+        self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype

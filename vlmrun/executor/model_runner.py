@@ -50,7 +50,8 @@ class ModelRunner:
         self.max_model_len = sizes.max_model_len
         self.kv_bytes_per_token = sizes.kv_bytes_per_token
         self.kv_pool = KVPool(self.model.num_attention_layers, sizes.num_pages * self.page_size,
-                              self.model.num_kv_heads, self.model.head_dim, model_config.dtype, device)
+                              self.model.num_kv_heads, self.model.head_dim, model_config.dtype, device,
+                              self.page_size)
         self.req_pool = ReqToTokenPool(engine_config.max_num_seqs, self.max_model_len, device)
         self.allocator = PageAllocator(sizes.num_pages, self.page_size)
         self.attn_backend = TorchAttnBackend(self.kv_pool, self.req_pool)

@@ -62,13 +62,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     """Non-causal attention within each segment [cu_seqlens[i], cu_seqlens[i+1]).
 
     q, k, v: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
-    Reference implementation: one SDPA call per segment.
+    Reference implementation: segments of equal length (same-size images, full windows) are
+    gathered into one batched SDPA call, one call per distinct length. A fused varlen kernel
+    replaces this function on GPU.
     """
     bounds = cu_seqlens.tolist()
-    out = torch.empty_like(q)
+    by_length: dict[int, list[int]] = {}
     for start, end in zip(bounds[:-1], bounds[1:]):
-        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [heads, len, head_dim]
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+        if end > start:
+            by_length.setdefault(end - start, []).append(start)
+    out = torch.empty_like(q)
+    for length, starts in by_length.items():
+        rows = (torch.tensor(starts, device=q.device)[:, None]
+                + torch.arange(length, device=q.device)).flatten()  # [num_segments * length]
+        qs, ks, vs = (x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [num_segments, heads, length, head_dim]
+        out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
 
 

@@ -2,7 +2,8 @@
 
 Every sequence's new queries attend causally to its cached tokens plus the tokens it feeds this
 step. The batch is padded to [batch, max_extend] queries and [batch, max_seq] keys gathered from
-the KV pool through the request-to-token map, and one masked SDPA call covers the whole batch.
+the KV pool through the request-to-token map (whole pages at a time: a request's tokens fill its pages in order), and
+one masked SDPA call covers the whole batch.
 Every fast backend is tested against this one.
 """
 
@@ -22,7 +23,7 @@ from vlmrun.layers.attention.base import Attention, AttentionBackend
 class TorchAttnMetadata:
     token_rows: torch.Tensor  # [batch, max_extend] row of each padded query in the token stream
     valid_queries: torch.Tensor  # [batch, max_extend] bool, True where a real query sits
-    kv_slots: torch.Tensor  # [batch, max_seq] KV slot of each key position
+    page_table: torch.Tensor  # [batch, max_pages] KV page of each page-sized run of key positions
     mask: torch.Tensor  # [batch, 1, max_extend, max_seq] bool, True where a query may attend
 
 
@@ -44,12 +45,16 @@ class TorchAttnBackend(AttentionBackend):
         starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens  # [batch]
         token_rows = (starts.view(-1, 1) + q_pos).clamp(max=fb.num_tokens - 1)
 
+        page_size = self.kv_pool.page_size
+        max_pages = (max_seq + page_size - 1) // page_size
+        max_seq = max_pages * page_size  # keys are gathered page by page; the mask hides the tail
         k_pos = torch.arange(max_seq, device=device).view(1, 1, -1)  # [1, 1, max_seq]
         causal = k_pos <= (prefix_lens + q_pos).unsqueeze(-1)  # [batch, max_extend, max_seq]
         mask = causal & (k_pos < seq_lens.unsqueeze(-1))
         mask[:, :, 0] |= ~valid_queries  # padded queries see key 0 so softmax stays finite
-        kv_slots = self.req_to_token[fb.req_pool_indices, :max_seq]
-        fb.attn_metadata = TorchAttnMetadata(token_rows, valid_queries, kv_slots, mask.unsqueeze(1))
+        # Entries past a request's length are stale but valid slots; the mask hides them.
+        page_table = self.req_to_token[fb.req_pool_indices, :max_seq:page_size] // page_size  # [batch, max_pages]
+        fb.attn_metadata = TorchAttnMetadata(token_rows, valid_queries, page_table, mask.unsqueeze(1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         md: TorchAttnMetadata = fb.attn_metadata
@@ -60,11 +65,16 @@ class TorchAttnBackend(AttentionBackend):
 
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         q_pad = q[md.token_rows].transpose(1, 2)  # [batch, heads, max_extend, head_dim]
-        k_all = self.kv_pool.k_buffers[layer.layer_id][md.kv_slots].transpose(1, 2)  # [batch, kv_heads, max_seq, head_dim]
-        v_all = self.kv_pool.v_buffers[layer.layer_id][md.kv_slots].transpose(1, 2)
+        k_all = self._gather(self.kv_pool.k_buffers[layer.layer_id], md.page_table)  # [batch, kv_heads, max_seq, head_dim]
+        v_all = self._gather(self.kv_pool.v_buffers[layer.layer_id], md.page_table)
         out = F.scaled_dot_product_attention(
             q_pad, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )  # [batch, heads, max_extend, head_dim]
         out = out.transpose(1, 2)[md.valid_queries]  # [num_tokens, heads, head_dim]
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
+
+    def _gather(self, buffer: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+        page_size = self.kv_pool.page_size
+        pages = buffer.view(-1, page_size, *buffer.shape[1:])[page_table]  # [batch, max_pages, page, kv_heads, head_dim]
+        return pages.flatten(1, 2).transpose(1, 2)
