@@ -44,6 +44,8 @@ class ForwardBatch:
     mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]
     # Qwen3-VL DeepStack: features added to the mm rows after each of the first decoder layers.
     deepstack_embeds: Optional[torch.Tensor] = None  # [num_deepstack_layers, num_mm_tokens, hidden]
+    # Hybrid models: the GDN state-pool slot of each sequence (slot 0 is the dummy for padding rows).
+    state_slots: Optional[torch.Tensor] = None  # [batch] int64
     extras: dict = field(default_factory=dict)  # backend-specific per-step data (e.g. GDN slots)
 
     @property

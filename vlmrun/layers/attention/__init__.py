@@ -1,5 +1,5 @@
 """Attention layer and backends."""
 
-from vlmrun.layers.attention.base import Attention, AttentionBackend
+from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention
 
-__all__ = ["Attention", "AttentionBackend"]
+__all__ = ["Attention", "AttentionBackend", "LinearAttention"]

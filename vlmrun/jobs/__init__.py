@@ -1,0 +1,1 @@
+"""Batch jobs: captioning many images (CLI, streaming pipeline, Ray Data)."""
