@@ -23,7 +23,12 @@ demo: install
 	$(PY) -m vlmrun.tiny_models qwen3_vl $(TINY)
 	$(PY) -m vlmrun.cli caption assets/images --model $(TINY) --max-tokens 24
 
+# The browser test drives Debian's chromium (no browser download); install it when missing.
 test: install
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	  else echo "NOTE: no chromium (apt-get install chromium): the web demo's browser test will be skipped"; fi; }
 	$(PY) -m pytest -q tests
 
 clean:

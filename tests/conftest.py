@@ -47,6 +47,26 @@ def qwen3_vl_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_checkpoint("qwen3_vl", tmp_path_factory.mktemp("tiny_qwen3_vl"))
 
 
+@pytest.fixture(scope="session")
+def qwen3_5_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint("qwen3_5", tmp_path_factory.mktemp("tiny_qwen3_5"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_5_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint("qwen3_5_moe", tmp_path_factory.mktemp("tiny_qwen3_5_moe"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_next_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint("qwen3_next", tmp_path_factory.mktemp("tiny_qwen3_next"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_checkpoint("qwen3_vl_moe", tmp_path_factory.mktemp("tiny_qwen3_vl_moe"))
+
+
 def _pattern_image(width: int, height: int, seed: int) -> np.ndarray:
     """A deterministic RGB picture: colour gradients, a filled rectangle and a little noise."""
     rng = np.random.default_rng(seed)

@@ -1,7 +1,9 @@
 """End-to-end parity with HF transformers (float32, CPU): prompt ids, greedy tokens, logprobs.
 
-Every case runs through `vlmrun.LLM` (scheduler, paged KV cache, vision stage, sampler) and is
-compared with HF `generate` run one request at a time.
+Every case runs through `vlmrun.LLM` (scheduler, paged KV cache, GDN state pool, vision stage,
+sampler) and is compared with HF `generate` run one request at a time. Hybrid (Gated DeltaNet)
+architectures add a prompt longer than three 64-token GDN chunks and prefill chunks that end at,
+just before and just after the 64-token chunk boundaries.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ from vlmrun import LLM, SamplingParams
 MAX_NEW = 10
 TOPK = 5
 ATOL = 1e-4
+ARCHS = ["qwen3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
+HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+GDN_CHUNK = 64
+LONG_TEXT = " ".join(f"Item {i}: a {c} {o} sits {p}." for i, (c, o, p) in enumerate(
+    [("red", "cup", "on the table"), ("blue", "car", "near the door"), ("green", "tree", "in the park"),
+     ("small", "dog", "under a chair"), ("old", "clock", "on the wall")] * 2))
 
 
 def make_image(w: int, h: int, seed: int) -> Image.Image:
@@ -31,32 +39,50 @@ def user(*items) -> dict:
     return {"role": "user", "content": content}
 
 
-def cases_for(is_vl: bool) -> dict[str, list[dict]]:
+def cases_for(is_vl: bool, hybrid: bool = False) -> dict[str, list[dict]]:
     text_only = [{"role": "system", "content": "You are brief."}, user("Tell me about the sea and the sky.")]
     if not is_vl:
-        return {
+        cases = {
             "text": text_only,
             "multi_turn": [user("Hello there."), {"role": "assistant", "content": "Hi! How can I help?"},
                            user("Name three colours.")],
         }
-    return {
-        "text": text_only,
-        "one_image": [user(make_image(120, 90, 1), "Describe the image.")],
-        "odd_images": [user(make_image(33, 77, 2), make_image(250, 61, 3), make_image(97, 97, 4),
-                            "Compare these pictures.")],
-        "multi_turn": [user(make_image(64, 48, 5), "What is this?"),
-                       {"role": "assistant", "content": "A small picture of noise."},
-                       user(make_image(150, 40, 6), "And this one?")],
-    }
+    else:
+        cases = {
+            "text": text_only,
+            "one_image": [user(make_image(120, 90, 1), "Describe the image.")],
+            "odd_images": [user(make_image(33, 77, 2), make_image(250, 61, 3), make_image(97, 97, 4),
+                                "Compare these pictures.")],
+            "multi_turn": [user(make_image(64, 48, 5), "What is this?"),
+                           {"role": "assistant", "content": "A small picture of noise."},
+                           user(make_image(150, 40, 6), "And this one?")],
+        }
+    if hybrid:  # longer than three GDN chunks; for VL models an image straddles the first chunk boundary
+        long_items = ([LONG_TEXT[:110], make_image(130, 100, 7), LONG_TEXT[110:]] if is_vl
+                      else ["Read this list. " + LONG_TEXT])
+        cases["long"] = [user(*long_items)]
+    return cases
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen2_5_vl", "qwen3_vl"])
+_SETUPS: dict[str, tuple] = {}
+
+
+def setup_for(request, arch: str) -> tuple:
+    """(checkpoint dir, cases, HF results), computed once per architecture."""
+    if arch not in _SETUPS:
+        model_dir = request.getfixturevalue(f"{arch}_dir")
+        hf = HFReference(model_dir)
+        cases = cases_for(hf.is_vl, arch in HYBRID)
+        expected = {name: hf.generate(msgs, MAX_NEW) for name, msgs in cases.items()}
+        if "long" in expected:
+            assert len(expected["long"].prompt_ids) > 3 * GDN_CHUNK
+        _SETUPS[arch] = (model_dir, cases, expected)
+    return _SETUPS[arch]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
 def arch_setup(request):
-    model_dir = request.getfixturevalue(f"{request.param}_dir")
-    hf = HFReference(model_dir)
-    cases = cases_for(hf.is_vl)
-    expected = {name: hf.generate(msgs, MAX_NEW) for name, msgs in cases.items()}
-    return model_dir, cases, expected
+    return setup_for(request, request.param)
 
 
 def params() -> SamplingParams:
@@ -112,17 +138,51 @@ def test_preemption_by_recompute(arch_setup):
     longest = max(len(e.prompt_ids) + MAX_NEW for e in expected.values())
     page = 4
     pages = (longest + page - 1) // page + 2  # room for the longest request alone, not for all at once
+    seqs = 8
+    budget = pages * page * llm_kv_bytes_per_token(model_dir) + (seqs + 1) * llm_gdn_bytes_per_request(model_dir)
     llm = LLM(str(model_dir), dtype="float32", device="cpu", page_size=page, max_num_batched_tokens=16,
-              kv_cache_memory_bytes=pages * page * llm_kv_bytes_per_token(model_dir))
+              max_num_seqs=seqs, kv_cache_memory_bytes=budget)
     run_cases(llm, cases, expected, repeat=3)
     assert llm.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
     assert llm.engine.runner.allocator.num_free_pages() == llm.engine.runner.allocator.num_usable_pages()
 
 
-def llm_kv_bytes_per_token(model_dir) -> int:
+@pytest.mark.parametrize("arch", HYBRID)
+@pytest.mark.parametrize("budget", [GDN_CHUNK - 1, GDN_CHUNK, GDN_CHUNK + 1])
+def test_prefill_chunks_around_gdn_chunk_boundaries(request, arch, budget):
+    """Prefill chunks ending just before, at and just after the GDN 64-token chunks carry the state right."""
+    model_dir, cases, expected = setup_for(request, arch)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", max_num_batched_tokens=budget)
+    # alone, the long prompt is cut exactly at multiples of the budget (mixed batches cut it
+    # elsewhere: test_mixed_batch, test_chunked_prefill_splits_image_spans)
+    assert_matches(llm.chat(cases["long"], params(), use_tqdm=False)[0], expected["long"], f"long@{budget}")
+    if llm.engine.runner.vision is not None:  # the long prompt's image straddles a chunk boundary
+        item = llm.engine.process(cases["long"]).mm_items[0]
+        assert item.offset < GDN_CHUNK < item.offset + item.length
+
+
+def _text_config(model_dir):
     from transformers import AutoConfig
 
     cfg = AutoConfig.from_pretrained(model_dir)
-    text = getattr(cfg, "text_config", None) or cfg
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def llm_kv_bytes_per_token(model_dir) -> int:
+    """float32 K and V of every full-attention layer (GDN layers keep no KV)."""
+    text = _text_config(model_dir)
+    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * 4
+    return 2 * layer_types.count("full_attention") * text.num_key_value_heads * head_dim * 4
+
+
+def llm_gdn_bytes_per_request(model_dir) -> int:
+    """float32 conv + recurrent state of every GDN layer for one request (0 without GDN layers)."""
+    text = _text_config(model_dir)
+    num_linear = (getattr(text, "layer_types", None) or []).count("linear_attention")
+    if not num_linear:
+        return 0
+    hk, hv = text.linear_num_key_heads, text.linear_num_value_heads
+    dk, dv = text.linear_key_head_dim, text.linear_value_head_dim
+    conv = (2 * hk * dk + hv * dv) * (text.linear_conv_kernel_dim - 1)
+    return num_linear * (conv + hv * dv * dk) * 4

@@ -9,12 +9,16 @@ import argparse
 import sys
 
 from vlmrun.jobs import cli as jobs_cli
+from vlmrun.server import cli as server_cli
+from web import cli as web_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmrun", description="vlmrun: a vision-language inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     jobs_cli.register(sub)
+    server_cli.register(sub)
+    web_cli.register(sub)
     return parser
 
 

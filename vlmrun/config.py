@@ -28,7 +28,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     page_size: int = 16
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA)
-    kv_cache_memory_bytes: Optional[int] = None  # explicit KV budget; default on CPU: 2 GiB
+    kv_cache_memory_bytes: Optional[int] = None  # explicit cache budget (KV + GDN state); default on CPU: 2 GiB
+    gdn_state_dtype: str = "float32"  # hybrid models: dtype of the GDN recurrent state (float32 | bfloat16 | float16)
     encoder_cache_tokens: int = 32768  # vision embeddings kept by image hash
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
@@ -43,6 +44,12 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gdn_state_dtype not in _DTYPES:
+            raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
+
+    @property
+    def gdn_state_torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.gdn_state_dtype]
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -91,6 +98,60 @@ class ModelConfig:
     @property
     def is_multimodal(self) -> bool:
         return getattr(self.hf_config, "vision_config", None) is not None
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What the caches hold for a model: KV per token (full-attention layers), GDN state per request.
+
+    The runner reads it off the built model (`from_model`, the attributes in docs/contracts.md,
+    "Hybrid models"); `from_hf_config` derives the same numbers from an HF config without building
+    the model (used for memory planning by hand and in tests). A model is hybrid when
+    `num_linear_layers > 0`.
+    """
+    num_attention_layers: int  # full-attention layers: the only ones with KV
+    num_kv_heads: int
+    head_dim: int
+    num_linear_layers: int = 0  # GDN layers
+    linear_conv_dim: int = 0  # 2 * Hk * Dk + Hv * Dv
+    linear_conv_kernel: int = 0
+    linear_num_v_heads: int = 0
+    linear_head_v_dim: int = 0
+    linear_head_k_dim: int = 0
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_linear_layers > 0
+
+    @classmethod
+    def from_model(cls, model: Any) -> "CacheShape":
+        linear = int(getattr(model, "num_linear_layers", 0) or 0)
+        fields = dict(num_attention_layers=model.num_attention_layers, num_kv_heads=model.num_kv_heads,
+                      head_dim=model.head_dim, num_linear_layers=linear)
+        if linear:
+            fields.update({name: int(getattr(model, name)) for name in _LINEAR_ATTRS})
+        return cls(**fields)
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> "CacheShape":
+        """From a Qwen3.5 / Qwen3-Next style config (`layer_types`, `linear_*`) or a plain decoder config."""
+        text = text_config(hf_config)
+        layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+        linear = sum(t == "linear_attention" for t in layer_types)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        shape = dict(num_attention_layers=len(layer_types) - linear,
+                     num_kv_heads=text.num_key_value_heads or text.num_attention_heads, head_dim=head_dim,
+                     num_linear_layers=linear)
+        if linear:
+            hk, hv = text.linear_num_key_heads, text.linear_num_value_heads
+            dk, dv = text.linear_key_head_dim, text.linear_value_head_dim
+            shape.update(linear_conv_dim=2 * hk * dk + hv * dv, linear_conv_kernel=text.linear_conv_kernel_dim,
+                         linear_num_v_heads=hv, linear_head_v_dim=dv, linear_head_k_dim=dk)
+        return cls(**shape)
+
+
+_LINEAR_ATTRS = ("linear_conv_dim", "linear_conv_kernel", "linear_num_v_heads", "linear_head_v_dim",
+                 "linear_head_k_dim")
 
 
 def text_config(hf_config: Any) -> Any:

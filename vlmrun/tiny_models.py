@@ -2,7 +2,8 @@
 
 Nothing here is downloaded. `build_tiny_tokenizer` trains a small byte-level BPE tokenizer with
 the Qwen special tokens and a ChatML chat template; `build_tiny_checkpoint` builds a tiny random
-Qwen3 / Qwen2.5-VL / Qwen3-VL model with transformers' own config classes, re-initialises its
+Qwen3 / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / Qwen3.5-MoE / Qwen3-Next / Qwen3-VL-MoE model with
+transformers' own config classes, re-initialises its
 weights with a wide spread (so greedy argmax is robust to float noise) and saves it as sharded
 float32 safetensors next to the tokenizer files, a generation config and (for VL models) an image
 processor config. `build_hf_inputs` turns a prompt plus images into the inputs HF's model expects,
@@ -216,7 +217,9 @@ def special_ids(tokenizer: Any) -> SpecialIds:
 # Checkpoints
 # --------------------------------------------------------------------------------------------
 
-ARCHS: tuple[str, ...] = ("qwen3", "qwen2_5_vl", "qwen3_vl")
+ARCHS: tuple[str, ...] = ("qwen3", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_vl_moe")
+# Hybrid (Gated DeltaNet + gated full attention) architectures.
+HYBRID_ARCHS: tuple[str, ...] = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 TEXT_HIDDEN = 64
 TEXT_INTERMEDIATE = 128
@@ -235,6 +238,18 @@ MAX_MERGED_TOKENS = 64
 SHARD_SIZE = "100KB"
 WEIGHT_GAIN = 1.6  # weight std = WEIGHT_GAIN / sqrt(fan_in): 0.2 for the 64-wide text layers
 LM_HEAD_GAIN = 4.0  # lm_head (and tied embeddings) std = 0.5: logits spread ~4, clear greedy margins
+
+# Hybrid models: GDN layers with 2 key heads and 4 value heads (grouped, as the real models), 16 dims each.
+LINEAR_KEY_HEADS = 2
+LINEAR_VALUE_HEADS = 4
+LINEAR_HEAD_DIM = 16
+HYBRID_HEAD_DIM = 32  # full-attention head_dim; the rotary part is partial_rotary_factor (0.25) of it
+# MoE: 4 experts, top-2, experts narrower than the shared expert. The dims keep every expert tensor
+# non-square so a transposed fused layout is told apart by its shape.
+NUM_EXPERTS = 4
+EXPERTS_PER_TOKEN = 2
+MOE_INTERMEDIATE = 24
+SHARED_EXPERT_INTERMEDIATE = 48
 
 QWEN25VL_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP mean/std, as the real checkpoint
 QWEN25VL_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -353,10 +368,134 @@ def _vision_token_ids(ids: SpecialIds) -> dict[str, int]:
     )
 
 
+def _vision_dims(deepstack: list[int] | None) -> dict[str, Any]:
+    """A 3-block Qwen3-VL-style vision tower (patch 16, learned 8x8 position grid)."""
+    vision = dict(
+        depth=3,
+        hidden_size=VISION_HIDDEN,
+        intermediate_size=VISION_INTERMEDIATE,
+        num_heads=VISION_HEADS,
+        out_hidden_size=TEXT_HIDDEN,
+        patch_size=16,
+        spatial_merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH,
+        num_position_embeddings=64,
+    )
+    if deepstack is not None:
+        vision["deepstack_visual_indexes"] = deepstack
+    return vision
+
+
+def _hybrid_text_dims(vocab_size: int, ids: SpecialIds, layer_types: list[str] | None) -> dict[str, Any]:
+    """Qwen3-Next / Qwen3.5 text kwargs: 4 layers, GDN + gated attention, partial rotary."""
+    text = _text_dims(vocab_size, 4, ids)
+    text.update(
+        head_dim=HYBRID_HEAD_DIM,
+        linear_num_key_heads=LINEAR_KEY_HEADS,
+        linear_num_value_heads=LINEAR_VALUE_HEADS,
+        linear_key_head_dim=LINEAR_HEAD_DIM,
+        linear_value_head_dim=LINEAR_HEAD_DIM,
+        linear_conv_kernel_dim=4,
+        bos_token_id=ids.endoftext,
+        eos_token_id=ids.im_end,
+    )
+    if layer_types is not None:
+        text["layer_types"] = layer_types
+    return text
+
+
+def _layer_types(pattern: str) -> list[str]:
+    """"LFLF" -> linear_attention, full_attention, ..."""
+    return [{"L": "linear_attention", "F": "full_attention"}[c] for c in pattern]
+
+
+def _moe_dims() -> dict[str, Any]:
+    return dict(num_experts=NUM_EXPERTS, num_experts_per_tok=EXPERTS_PER_TOKEN, moe_intermediate_size=MOE_INTERMEDIATE)
+
+
+# Qwen3.5 M-RoPE over the rotary part (32 * 0.25 = 8 dims, 4 frequencies): t at 0 and 3, h at 1, w at 2.
+_QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "mrope_section": [2, 1, 1],
+                 "mrope_interleaved": True}
+
+
+def _qwen3_5_config(vocab_size: int, ids: SpecialIds) -> Any:
+    from transformers import Qwen3_5Config
+
+    text = _hybrid_text_dims(vocab_size, ids, _layer_types("LFLF"))
+    text.update(rope_parameters=dict(_QWEN3_5_ROPE))
+    return Qwen3_5Config(
+        text_config=text,
+        vision_config=_vision_dims(None),
+        **_vision_token_ids(ids),
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5ForConditionalGeneration"],
+        dtype="float32",
+    )
+
+
+def _qwen3_5_moe_config(vocab_size: int, ids: SpecialIds) -> Any:
+    from transformers import Qwen3_5MoeConfig
+
+    text = _hybrid_text_dims(vocab_size, ids, None)  # HF's default: full attention every 4th layer
+    del text["intermediate_size"]  # every layer is MoE
+    text.update(rope_parameters=dict(_QWEN3_5_ROPE), shared_expert_intermediate_size=SHARED_EXPERT_INTERMEDIATE,
+                **_moe_dims())
+    return Qwen3_5MoeConfig(
+        text_config=text,
+        vision_config=_vision_dims(None),
+        **_vision_token_ids(ids),
+        tie_word_embeddings=False,
+        architectures=["Qwen3_5MoeForConditionalGeneration"],
+        dtype="float32",
+    )
+
+
+def _qwen3_next_config(vocab_size: int, ids: SpecialIds) -> Any:
+    from transformers import Qwen3NextConfig
+
+    text = _hybrid_text_dims(vocab_size, ids, _layer_types("LFLL"))
+    text.update(
+        head_dim=HEAD_DIM,
+        # 1-D rope on half of each head (8 of 16 dims)
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5},
+        shared_expert_intermediate_size=SHARED_EXPERT_INTERMEDIATE,
+        mlp_only_layers=[1],  # one dense MLP layer among the MoE ones
+        norm_topk_prob=True,
+        **_moe_dims(),
+    )
+    return Qwen3NextConfig(**text, tie_word_embeddings=False, architectures=["Qwen3NextForCausalLM"],
+                           dtype="float32")
+
+
+def _qwen3_vl_moe_config(vocab_size: int, ids: SpecialIds) -> Any:
+    from transformers import Qwen3VLMoeConfig
+
+    text = _text_dims(vocab_size, 3, ids)
+    text.update(
+        head_dim=HEAD_DIM,
+        rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_section": [4, 2, 2],
+                         "mrope_interleaved": True},
+        mlp_only_layers=[1],  # layers 0 and 2 are MoE, layer 1 a dense MLP
+        **_moe_dims(),
+    )
+    return Qwen3VLMoeConfig(
+        text_config=text,
+        vision_config=_vision_dims([0, 1]),
+        **_vision_token_ids(ids),
+        tie_word_embeddings=False,
+        architectures=["Qwen3VLMoeForConditionalGeneration"],
+        dtype="float32",
+    )
+
+
 _CONFIG_BUILDERS = {
     "qwen3": _qwen3_config,
     "qwen2_5_vl": _qwen2_5_vl_config,
     "qwen3_vl": _qwen3_vl_config,
+    "qwen3_5": _qwen3_5_config,
+    "qwen3_5_moe": _qwen3_5_moe_config,
+    "qwen3_next": _qwen3_next_config,
+    "qwen3_vl_moe": _qwen3_vl_moe_config,
 }
 
 
@@ -367,8 +506,16 @@ def _model_class(arch: str) -> Any:
         "qwen3": "Qwen3ForCausalLM",
         "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
         "qwen3_vl": "Qwen3VLForConditionalGeneration",
+        "qwen3_5": "Qwen3_5ForConditionalGeneration",
+        "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+        "qwen3_next": "Qwen3NextForCausalLM",
+        "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     }
     return getattr(transformers, names[arch])
+
+
+# RMSNorm classes that scale by (1 + weight): their weights are initialised around 0, not 1.
+_ZERO_CENTRED_NORMS = ("Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm")
 
 
 @torch.no_grad()
@@ -376,17 +523,26 @@ def reinit_weights(model: torch.nn.Module, seed: int) -> None:
     """Deterministic wide-spread init: matrices ~ N(0, gain/sqrt(fan_in)), norms ~ 1, biases small.
 
     HF's default init (std 0.02) gives nearly flat logits, where greedy ties flip on 1e-7 noise.
+    Fused expert tensors [experts, out, in] take fan_in = in; zero-centred norms (scale 1 + w) get
+    w ~ 0; GDN decay rates A = exp(A_log) spread over (0.005, 0.2): per-token decays exp(g) of about
+    0.8-0.999, so the state carries across 64-token chunks (and the gated norm never sees a core
+    output that has all but vanished, where float32 noise would be blown up).
     """
     gen = torch.Generator().manual_seed(seed)
     output_weight = model.get_output_embeddings().weight
+    zero_centred = {id(m.weight) for m in model.modules() if type(m).__name__ in _ZERO_CENTRED_NORMS}
     for name, param in model.named_parameters():
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if param.dim() >= 2:
-            fan_in = param[0].numel()
+            fan_in = param.shape[-1] if param.dim() == 3 else param[0].numel()
             gain = LM_HEAD_GAIN if param is output_weight else WEIGHT_GAIN
             param.copy_(noise * (gain / fan_in**0.5))
+        elif name.endswith("A_log"):
+            param.copy_(torch.log(0.005 + 0.195 * torch.sigmoid(2.0 * noise)))
         elif name.endswith("bias"):
             param.copy_(noise * 0.05)
+        elif id(param) in zero_centred:
+            param.copy_(noise * 0.1)
         else:  # norm scales
             param.copy_(1.0 + noise * 0.1)
 
@@ -422,7 +578,7 @@ def _write_generation_config(model: Any, ids: SpecialIds) -> None:
 def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     """Build a tiny random checkpoint of `arch` in out_dir (sharded float32 safetensors + tokenizer).
 
-    arch is one of "qwen3", "qwen2_5_vl", "qwen3_vl". Returns out_dir.
+    arch is one of `ARCHS`. Returns out_dir.
     """
     from transformers import AutoTokenizer
 
@@ -439,7 +595,7 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     reinit_weights(model, seed)
     _write_generation_config(model, ids)
     model.save_pretrained(str(out_dir), max_shard_size=SHARD_SIZE)
-    if arch != "qwen3":
+    if getattr(config, "vision_config", None) is not None:
         _image_processor(arch).save_pretrained(str(out_dir))
     return out_dir
 

@@ -8,6 +8,7 @@ synchronous and single-threaded; the async wrapper for the server drives it from
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -23,6 +24,8 @@ from vlmrun.executor.model_runner import ModelRunner, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,10 +51,23 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         self.runner = ModelRunner(self.model_config, config, self.device)
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(self.runner.allocator, self.runner.req_pool, config.max_num_seqs,
+        self._log_cache_plan()
+        self.scheduler = Scheduler(self.runner.allocator, self.runner.req_pool, self.runner.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
+
+    def _log_cache_plan(self) -> None:
+        plan = self.runner.cache_plan
+        if plan.max_num_seqs < self.config.max_num_seqs:
+            logger.warning("max_num_seqs lowered from %d to %d: the GDN state of %d bytes per request must fit "
+                           "the cache budget (raise kv_cache_memory_bytes or gpu_memory_utilization)",
+                           self.config.max_num_seqs, plan.max_num_seqs, plan.gdn_bytes_per_request)
+        logger.info("cache: KV %d bytes/token x %d tokens (%d bytes); GDN state %d bytes/request x %d slots "
+                    "(%d bytes); max_num_seqs=%d, max_model_len=%d",
+                    plan.kv_bytes_per_token, (plan.num_pages - 1) * plan.page_size, plan.kv_bytes,
+                    plan.gdn_bytes_per_request, plan.num_gdn_slots, plan.gdn_bytes, plan.max_num_seqs,
+                    plan.max_model_len)
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)

@@ -1,9 +1,10 @@
 """Runs one scheduled step: builds the ForwardBatch, encodes images, runs the model, samples.
 
-The runner owns the model, the KV pool, the request-to-token map and the attention backend.
-It reads the scheduler's chunks and returns the sampled token (and logprobs) of every chunk that
-reaches its request's last known token. The one device→host sync of a step is the `.tolist()`
-of the sampled ids.
+The runner owns the model, the KV pool, the request-to-token map and the attention backend; for a
+hybrid model (GDN layers) also the GDN state pool, behind a `HybridAttnBackend`. KV and GDN state
+are sized from one budget (`plan_cache_memory`). It reads the scheduler's chunks and returns the
+sampled token (and logprobs) of every chunk that reaches its request's last known token. The one
+device→host sync of a step is the `.tolist()` of the sampled ids.
 """
 
 from __future__ import annotations
@@ -14,16 +15,21 @@ from typing import Optional
 import torch
 
 from vlmrun.cache.encoder_cache import EncoderCache
+from vlmrun.cache.gdn_pool import GDNPool, gdn_slot_for_row
 from vlmrun.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
-from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.engine.scheduler import ScheduledChunk
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.layers.attention.base import AttentionBackend
+from vlmrun.layers.attention.gdn_backend import GDNBackend
+from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 from vlmrun.layers.sampler import Sampler, SamplingBatch, SamplingRow
 from vlmrun.loader import load_model
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 
 CPU_KV_BUDGET_BYTES = 2 << 30
+GDN_MAX_BUDGET_SHARE = 0.5  # when max_num_seqs GDN slots do not fit, they get at most this share
 
 
 @dataclass
@@ -33,10 +39,68 @@ class SampledToken:
 
 
 @dataclass
-class PoolSizes:
-    num_pages: int
+class CachePlan:
+    """How one cache budget is split between the KV pool and the GDN state pool."""
+    num_pages: int  # KV pages, including the dummy page 0
+    page_size: int
     max_model_len: int
+    max_num_seqs: int  # may be lower than asked when the GDN state of that many requests does not fit
     kv_bytes_per_token: int
+    gdn_bytes_per_request: int  # 0 for a model without GDN layers
+    num_gdn_slots: int  # max_num_seqs + 1 (slot 0 is the dummy); 0 without GDN layers
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_size * self.kv_bytes_per_token
+
+    @property
+    def gdn_bytes(self) -> int:
+        return self.num_gdn_slots * self.gdn_bytes_per_request
+
+
+def kv_bytes_per_token(shape: CacheShape, dtype: torch.dtype) -> int:
+    return KVPool.bytes_per_token(shape.num_attention_layers, shape.num_kv_heads, shape.head_dim, dtype)
+
+
+def gdn_bytes_per_request(shape: CacheShape, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+    if not shape.is_hybrid:
+        return 0
+    return GDNPool.bytes_per_slot(shape.num_linear_layers, shape.linear_conv_dim, shape.linear_conv_kernel,
+                                  shape.linear_num_v_heads, shape.linear_head_v_dim, shape.linear_head_k_dim,
+                                  conv_dtype, state_dtype)
+
+
+def plan_cache_memory(shape: CacheShape, budget_bytes: int, *, dtype: torch.dtype, gdn_state_dtype: torch.dtype,
+                      max_num_seqs: int, max_model_len: int, page_size: int,
+                      max_model_len_fixed: bool) -> CachePlan:
+    """Split one budget: the GDN pool takes `max_num_seqs + 1` slots, the KV pool gets the rest.
+
+    If the GDN state of `max_num_seqs` requests does not fit in the budget, `max_num_seqs` is
+    lowered so that the GDN pool takes at most `GDN_MAX_BUDGET_SHARE` of it. KV pages are capped
+    at what `max_num_seqs` requests of `max_model_len` tokens can use; `max_model_len` shrinks to
+    the KV capacity unless it was set by the user (`max_model_len_fixed`).
+    """
+    per_token = kv_bytes_per_token(shape, dtype)
+    per_request = gdn_bytes_per_request(shape, dtype, gdn_state_dtype)
+    seqs = max_num_seqs
+    if per_request and (seqs + 1) * per_request > budget_bytes:
+        seqs = int(budget_bytes * GDN_MAX_BUDGET_SHARE) // per_request - 1
+        if seqs < 1:
+            raise ValueError(f"the cache budget of {budget_bytes} bytes cannot hold the GDN state of one request "
+                             f"({per_request} bytes each, plus the dummy slot); raise kv_cache_memory_bytes or "
+                             f"gpu_memory_utilization")
+    num_slots = seqs + 1 if per_request else 0
+    kv_budget = budget_bytes - num_slots * per_request
+    wanted_tokens = seqs * max_model_len
+    tokens = min(kv_budget // per_token, wanted_tokens) if per_token else wanted_tokens
+    num_pages = tokens // page_size + 1  # + the dummy page
+    if num_pages < 2:
+        raise ValueError(f"the KV budget of {kv_budget} bytes holds no page of {page_size} tokens "
+                         f"({per_token} bytes per token); raise kv_cache_memory_bytes or gpu_memory_utilization")
+    capacity = (num_pages - 1) * page_size
+    max_len = max_model_len if max_model_len_fixed else min(max_model_len, capacity)
+    return CachePlan(num_pages=num_pages, page_size=page_size, max_model_len=max_len, max_num_seqs=seqs,
+                     kv_bytes_per_token=per_token, gdn_bytes_per_request=per_request, num_gdn_slots=num_slots)
 
 
 class ModelRunner:
@@ -46,38 +110,36 @@ class ModelRunner:
         self.engine_config = engine_config
         self.model = load_model(model_config, device)
         self.page_size = engine_config.page_size
-        sizes = self._size_pools()
-        self.max_model_len = sizes.max_model_len
-        self.kv_bytes_per_token = sizes.kv_bytes_per_token
-        self.kv_pool = KVPool(self.model.num_attention_layers, sizes.num_pages * self.page_size,
-                              self.model.num_kv_heads, self.model.head_dim, model_config.dtype, device,
-                              self.page_size)
-        self.req_pool = ReqToTokenPool(engine_config.max_num_seqs, self.max_model_len, device)
-        self.allocator = PageAllocator(sizes.num_pages, self.page_size)
-        self.attn_backend = TorchAttnBackend(self.kv_pool, self.req_pool)
+        self.cache_shape = CacheShape.from_model(self.model)
+        plan = plan_cache_memory(self.cache_shape, self._cache_budget_bytes(), dtype=model_config.dtype,
+                                 gdn_state_dtype=engine_config.gdn_state_torch_dtype,
+                                 max_num_seqs=engine_config.max_num_seqs, max_model_len=model_config.max_model_len,
+                                 page_size=self.page_size, max_model_len_fixed=engine_config.max_model_len is not None)
+        self.cache_plan = plan
+        self.max_model_len = plan.max_model_len
+        self.max_num_seqs = plan.max_num_seqs
+        self.kv_bytes_per_token = plan.kv_bytes_per_token
+        self.gdn_bytes_per_request = plan.gdn_bytes_per_request
+        shape = self.cache_shape
+        self.kv_pool = KVPool(shape.num_attention_layers, plan.num_pages * self.page_size, shape.num_kv_heads,
+                              shape.head_dim, model_config.dtype, device, self.page_size)
+        self.req_pool = ReqToTokenPool(self.max_num_seqs, self.max_model_len, device)
+        self.allocator = PageAllocator(plan.num_pages, self.page_size)
+        self.gdn_pool: Optional[GDNPool] = None
+        self.attn_backend: AttentionBackend = TorchAttnBackend(self.kv_pool, self.req_pool)
+        if shape.is_hybrid:
+            self.gdn_pool = GDNPool(shape.num_linear_layers, plan.num_gdn_slots, shape.linear_conv_dim,
+                                    shape.linear_conv_kernel, shape.linear_num_v_heads, shape.linear_head_v_dim,
+                                    shape.linear_head_k_dim, model_config.dtype,
+                                    engine_config.gdn_state_torch_dtype, device)
+            self.attn_backend = HybridAttnBackend(self.attn_backend, GDNBackend(self.gdn_pool))
         self.vision = (VisionStage(self.model, EncoderCache(engine_config.encoder_cache_tokens), device,
                                    model_config.dtype) if hasattr(self.model, "encode_images") else None)
         self.sampler = Sampler()
 
     # ------------------------------------------------------------------ set-up
 
-    def _size_pools(self) -> PoolSizes:
-        per_token = KVPool.bytes_per_token(self.model.num_attention_layers, self.model.num_kv_heads,
-                                           self.model.head_dim, self.model_config.dtype)
-        budget = self._kv_budget_bytes()
-        max_len = self.model_config.max_model_len
-        wanted_tokens = self.engine_config.max_num_seqs * max_len
-        tokens = min(budget // per_token, wanted_tokens)
-        num_pages = tokens // self.page_size + 1  # + the dummy page
-        if num_pages < 2:
-            raise ValueError(f"the KV budget of {budget} bytes holds no page of {self.page_size} tokens "
-                             f"({per_token} bytes per token); raise kv_cache_memory_bytes or gpu_memory_utilization")
-        capacity = (num_pages - 1) * self.page_size
-        if self.engine_config.max_model_len is None:
-            max_len = min(max_len, capacity)
-        return PoolSizes(num_pages=num_pages, max_model_len=max_len, kv_bytes_per_token=per_token)
-
-    def _kv_budget_bytes(self) -> int:
+    def _cache_budget_bytes(self) -> int:
         if self.engine_config.kv_cache_memory_bytes is not None:
             return self.engine_config.kv_cache_memory_bytes
         if self.device.type != "cuda":
@@ -147,11 +209,21 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
             attn_backend=self.attn_backend,
         )
+        if self.gdn_pool is not None:
+            fb.state_slots = self._prepare_gdn_slots(chunks)
         if spans and self.vision is not None:
             vision = self.vision.prepare(spans, len(input_ids))
             if vision is not None:
                 fb.mm_mask, fb.mm_embeds, fb.deepstack_embeds = vision.mm_mask, vision.mm_embeds, vision.deepstack_embeds
         return fb
+
+    def _prepare_gdn_slots(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """The GDN slot of each chunk's request [batch]; zeroes the slots of requests starting a prefill."""
+        slots = [gdn_slot_for_row(c.request.req_pool_idx) for c in chunks]
+        fresh = [slot for c, slot in zip(chunks, slots) if c.start == 0]
+        if fresh:
+            self.gdn_pool.zero(torch.tensor(fresh, dtype=torch.int64).to(self.device))
+        return torch.tensor(slots, dtype=torch.int64).to(self.device)
 
     def _slots(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         pos = torch.arange(start, end, dtype=torch.int64)

@@ -1,66 +1,158 @@
-"""`vlmrun caption`: caption images (the batch-job pipeline grows here)."""
+"""`vlmrun caption`: caption many images into a JSONL or Parquet file, resumably (or print them).
+
+    vlmrun caption INPUT... --out FILE [--model M] [--prompt P] [--max-tokens N] [sampling flags]
+                   [--resume | --overwrite] [--retry-errors] [--ray [--ray-address ADDR]]
+
+INPUT: image files, directories (recursive), glob patterns, manifests (.txt / .csv / .jsonl /
+.parquet of paths or URLs), URLs (see `vlmrun.jobs.inputs`). Without --out each image prints one
+line. Exit status: 0 every image captioned, 1 some failed (error records), 2 bad usage or the job
+could not start, 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import signal
 import sys
-import time
-from pathlib import Path
+import threading
+from typing import Any, Iterator
 
-IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"}
+from vlmrun.jobs.config import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PREFETCH,
+    DEFAULT_PROMPT,
+    CaptionJobConfig,
+    RayOptions,
+    default_model,
+    default_workers,
+)
+
+EXIT_USAGE = 2
 
 
-def expand_inputs(inputs: list[str]) -> list[str]:
-    paths: list[str] = []
-    for item in inputs:
-        p = Path(item)
-        if p.is_dir():
-            paths.extend(str(f) for f in sorted(p.rglob("*")) if f.suffix.lower() in IMAGE_SUFFIXES)
-        else:
-            paths.append(item)
-    return paths
+def build_config(args: argparse.Namespace) -> CaptionJobConfig:
+    """The job settings the parsed command line asks for (ValueError for bad values)."""
+    from vlmrun.jobs.config import resolve_model
+    from vlmrun.sampling_params import SamplingParams
+
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+    )
+    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device}
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
+                 "encoder_cache_tokens", "max_image_pixels"):
+        if getattr(args, name) is not None:
+            engine[name] = getattr(args, name)
+    ray = None
+    if args.ray:
+        ray = RayOptions(address=args.ray_address, actors=args.ray_actors, gpus_per_actor=args.ray_gpus_per_actor,
+                         cpus_per_actor=args.ray_cpus_per_actor, batch_size=args.ray_batch_size)
+    return CaptionJobConfig(
+        inputs=list(args.inputs), model=resolve_model(args.model), out=args.out, prompt=args.prompt,
+        sampling=sampling, engine_options=engine, workers=args.workers, prefetch=args.prefetch,
+        overwrite=args.overwrite, retry_errors=args.retry_errors, image_column=args.image_column,
+        fsync_interval=args.fsync_interval, progress=not args.no_progress, ray=ray,
+    )
 
 
 def caption(args: argparse.Namespace) -> int:
-    from vlmrun import LLM, SamplingParams
+    from vlmrun.jobs.runner import NoInputsError, run_caption_job
+    from vlmrun.jobs.sink import OutputError
 
-    images = expand_inputs(args.inputs)
-    if not images:
-        print("no images found", file=sys.stderr)
-        return 2
-    llm = LLM(args.model, dtype=args.dtype, device=args.device)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt": args.prompt, "images": [img]} for img in images], params)
-    elapsed = time.perf_counter() - start
-    sink = open(args.out, "w", encoding="utf-8") if args.out else None
-    failed = 0
-    for img, out in zip(images, outs):
-        failed += out.error is not None
-        record = {"image": img, "caption": None if out.error else out.text, "num_tokens": len(out.token_ids),
-                  "model": args.model, "prompt": args.prompt, "error": out.error}
-        if sink:
-            sink.write(json.dumps(record, ensure_ascii=False) + "\n")
-        else:
-            print(f"{img}: {'ERROR ' + out.error if out.error else out.text!r}")
-    if sink:
-        sink.close()
-    tokens = sum(len(o.token_ids) for o in outs)
-    print(f"captioned {len(images) - failed}/{len(images)} images in {elapsed:.2f}s "
-          f"({len(images) / elapsed:.2f} images/s, {tokens / elapsed:.1f} tokens/s), {failed} failed", file=sys.stderr)
-    return 1 if failed else 0
+    if args.ray_address is not None and not args.ray:
+        args.ray = True
+    try:
+        config = build_config(args)
+        with _sigterm_as_interrupt():
+            summary = run_caption_job(config)
+    except (NoInputsError, OutputError, ValueError, OSError, ImportError) as exc:
+        print(f"vlmrun caption: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    for line in summary.lines():
+        print(line, file=sys.stderr)
+    return summary.exit_code()
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the job as Ctrl-C does: records flushed, a Parquet output finalised."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    cap = sub.add_parser("caption", help="caption images")
-    cap.add_argument("inputs", nargs="+", help="image files or directories")
-    cap.add_argument("--model", required=True, help="HF checkpoint directory or hub id")
-    cap.add_argument("--prompt", default="Describe the image.")
-    cap.add_argument("--max-tokens", type=int, default=64)
-    cap.add_argument("--temperature", type=float, default=0.0)
-    cap.add_argument("--seed", type=int, default=None)
-    cap.add_argument("--dtype", default="auto")
-    cap.add_argument("--device", default="auto")
-    cap.add_argument("--out", default=None, help="write JSONL records here instead of printing")
-    cap.set_defaults(func=caption)
+    cap = sub.add_parser("caption", help="caption images (files, folders, globs, manifests) into JSONL / Parquet",
+                         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    cap.add_argument("inputs", nargs="+", metavar="INPUT",
+                     help="image file, directory (recursive), glob, URL, or manifest (.txt/.csv/.jsonl/.parquet)")
+    cap.add_argument("--out", default=None, metavar="FILE",
+                     help="write one record per image to FILE (*.jsonl or *.parquet); without it, print lines")
+    has_default = default_model() is not None
+    cap.add_argument("--model", required=not has_default, default=None,
+                     help="HF checkpoint directory or hub id" + ("" if not has_default else f" (default {default_model()})"))
+    cap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"instruction given with each image ({DEFAULT_PROMPT!r})")
+    cap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="caption length cap in tokens")
+
+    s = cap.add_argument_group("sampling (greedy by default)")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=None,
+                   help="job seed; each image samples with a seed made from it and the image, so reruns repeat")
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens (benchmarks)")
+
+    e = cap.add_argument_group("engine")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together (engine default 256)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    e.add_argument("--encoder-cache-tokens", type=int, default=None,
+                   help="vision embeddings kept by image content (engine default 32768 tokens)")
+    e.add_argument("--max-image-pixels", type=int, default=None, help="images with more pixels are refused")
+
+    j = cap.add_argument_group("job")
+    mode = j.add_mutually_exclusive_group()
+    mode.add_argument("--resume", dest="overwrite", action="store_false",
+                      help="skip images already recorded in --out (the default when it exists)")
+    mode.add_argument("--overwrite", dest="overwrite", action="store_true", help="start --out afresh")
+    j.add_argument("--retry-errors", action="store_true", help="on resume, caption again the images that failed")
+    j.add_argument("--workers", type=int, default=default_workers(),
+                   help="threads reading and preprocessing images (default: CPU count, at most 8)")
+    j.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
+                   help="preprocessed images kept ready for the engine (bounds memory)")
+    j.add_argument("--image-column", default=None, help="manifest column / field holding the images")
+    j.add_argument("--fsync-interval", type=float, default=1.0,
+                   help="seconds between fsyncs of the output (0: after every record)")
+    j.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    r = cap.add_argument_group("Ray (pip install 'vlmrun[ray]')")
+    r.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor")
+    r.add_argument("--ray-address", default=None,
+                   help="cluster to join ('auto', ray://host:10001); implies --ray; default: a local Ray")
+    r.add_argument("--ray-actors", type=int, default=None, help="engines (default: one per GPU group, or 1)")
+    r.add_argument("--ray-gpus-per-actor", type=float, default=None, help="default: 1 if the cluster has GPUs, else 0")
+    r.add_argument("--ray-cpus-per-actor", type=float, default=1.0)
+    r.add_argument("--ray-batch-size", type=int, default=64, help="images per actor call")
+    cap.set_defaults(func=caption, overwrite=False)

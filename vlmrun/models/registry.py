@@ -9,6 +9,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("vlmrun.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3VLForConditionalGeneration": ("vlmrun.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("vlmrun.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("vlmrun.models.qwen3_vl_moe", "Qwen3VLMoeForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("vlmrun.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("vlmrun.models.qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+    "Qwen3NextForCausalLM": ("vlmrun.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 

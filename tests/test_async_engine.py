@@ -1,0 +1,188 @@
+"""`AsyncEngine`: the engine thread, submission, streaming of deltas, abort, failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Iterator
+
+import pytest
+
+from processors import InputError, ProcessedPrompt
+from tests.test_server import tiny_engine, wait_until_idle
+from vlmrun import LLM
+from vlmrun.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, gdn_pool_usage
+from vlmrun.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
+    eng = tiny_engine(qwen3_vl_dir, max_model_len=256)
+    yield eng
+    eng.shutdown()
+
+
+def prompt_of(engine: AsyncEngine, text: str) -> ProcessedPrompt:
+    return engine.engine.processor.process_prompt(text, [])
+
+
+async def run_group(engine: AsyncEngine, group_id: str, items) -> dict[int, dict]:
+    group = await engine.submit(group_id, items)
+    out: dict[int, dict] = {}
+    async for batch in group:
+        for d in batch:
+            o = out.setdefault(d.index, {"text": "", "ids": [], "finish": None})
+            o["text"] += d.text
+            o["ids"] += d.token_ids
+            if d.finished:
+                o["finish"], o["n_out"] = d.finish_reason, d.num_output_tokens
+    return out
+
+
+def test_matches_the_offline_api(engine, qwen3_vl_dir):
+    params = SamplingParams(temperature=0, max_tokens=10)
+    texts = ["Hello there.", "Describe a cat.", "1 2 3"]
+
+    async def main():
+        return await asyncio.gather(*(run_group(engine, f"g{i}", [(prompt_of(engine, t), params)])
+                                      for i, t in enumerate(texts)))
+
+    results = asyncio.run(main())
+    offline = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_model_len=256,
+                  kv_cache_memory_bytes=8 << 20).generate(texts, params, use_tqdm=False)
+    for res, ref in zip(results, offline):
+        assert res[0]["ids"] == ref.token_ids
+        assert res[0]["text"] == ref.text
+        assert res[0]["finish"] == ref.finish_reason and res[0]["n_out"] == len(ref.token_ids)
+    wait_until_idle(engine)
+
+
+def test_group_of_choices_and_engine_thread_ownership(engine):
+    calls: set[str] = set()
+    real_step = engine.engine.step
+
+    def spy_step():
+        calls.add(threading.current_thread().name)
+        return real_step()
+
+    engine.engine.step = spy_step
+    try:
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=6) for s in (1, 2, 3)]
+        prompt = prompt_of(engine, "Pick a word.")
+        out = asyncio.run(run_group(engine, "choices", [(prompt, p) for p in params]))
+    finally:
+        del engine.engine.step
+    assert sorted(out) == [0, 1, 2]
+    assert all(o["finish"] == "length" and len(o["ids"]) == 6 for o in out.values())
+    assert calls == {"vlmrun-engine"}
+
+
+def test_refused_group_is_all_or_nothing(engine):
+    good = (prompt_of(engine, "fine"), SamplingParams(max_tokens=4))
+    too_long = (prompt_of(engine, "word " * 100), SamplingParams(max_tokens=4))
+
+    async def main():
+        with pytest.raises(InputError, match="tokens"):
+            await engine.submit("bad-group", [good, too_long])
+        with pytest.raises(ValueError):
+            await engine.submit("empty", [])
+
+    asyncio.run(main())
+    wait_until_idle(engine)  # the good member was taken back out
+
+
+def test_abort_frees_pages_and_ends_the_stream(engine):
+    async def main():
+        group = await engine.submit("long", [(prompt_of(engine, "go on"), SamplingParams(max_tokens=200,
+                                                                                         ignore_eos=True))])
+        first = await group.next_batch()
+        assert first and first[0].token_ids
+        assert engine.stats.kv_pages_used > 0
+        group.abort()
+        assert await group.next_batch() == []
+
+    asyncio.run(main())
+    wait_until_idle(engine)
+
+
+def test_cancelled_submit_leaks_nothing(engine):
+    async def main():
+        task = asyncio.ensure_future(engine.submit("cancelled", [(prompt_of(engine, "x"),
+                                                                  SamplingParams(max_tokens=200, ignore_eos=True))]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_until_idle(engine)
+
+
+def test_step_failure_fails_its_requests_and_engine_goes_on(engine):
+    real_step = engine.engine.step
+    state = {"failed": False}
+
+    def flaky_step():
+        if not state["failed"]:
+            state["failed"] = True
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.engine.step = flaky_step
+    try:
+        async def main():
+            group = await engine.submit("victim", [(prompt_of(engine, "x"), SamplingParams(max_tokens=3))])
+            with pytest.raises(EngineStepError, match="boom"):
+                async for _ in group:
+                    pass
+            return await run_group(engine, "survivor", [(prompt_of(engine, "y"), SamplingParams(max_tokens=3))])
+
+        out = asyncio.run(main())
+    finally:
+        del engine.engine.step
+    assert len(out[0]["ids"]) == 3
+    wait_until_idle(engine)
+
+
+def test_shutdown_fails_waiters_and_refuses_new_work(qwen3_vl_dir):
+    eng = tiny_engine(qwen3_vl_dir, max_model_len=128)
+
+    async def main():
+        group = await eng.submit("running", [(prompt_of(eng, "x"), SamplingParams(max_tokens=120, ignore_eos=True))])
+        await group.next_batch()
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in group:
+                pass
+        with pytest.raises(EngineDeadError):
+            await eng.submit("late", [(prompt_of(eng, "x"), SamplingParams(max_tokens=2))])
+
+    asyncio.run(main())
+    assert not eng.is_running
+
+
+def test_gdn_pool_usage_duck_typing():
+    class FreeListPool:
+        def __init__(self):
+            self.free_slots = [3, 4, 5]
+            self.num_slots = 8
+
+    class RowPool:  # slots follow request rows: slot = row + 1, slot 0 the dummy
+        num_slots = 5
+
+    class Rows:
+        max_reqs = 4
+
+        def num_free(self):
+            return 1
+
+    class FreeListRunner:
+        gdn_pool = FreeListPool()
+
+    class RowRunner:
+        gdn_pool = RowPool()
+        req_pool = Rows()
+
+    assert gdn_pool_usage(FreeListRunner()) == (5, 8)
+    assert gdn_pool_usage(RowRunner()) == (3, 4)
+    assert gdn_pool_usage(object()) is None

@@ -1,0 +1,170 @@
+"""`vlmrun caption` end to end on the tiny Qwen3-VL: streaming pipeline, bad inputs, resume, SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vlmrun.cli import main
+from vlmrun.jobs.samples import write_bad_files, write_images
+from vlmrun.jobs.sink import JOURNAL_SUFFIX
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    """Run vlmrun from this checkout; one OpenMP thread, so a busy machine cannot slow the tiny
+    model's steps by orders of magnitude (OpenMP teams stall when cores are oversubscribed)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1"}
+
+
+def _records(path: Path) -> list[dict]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def _by_image(records: list[dict]) -> dict[str, dict]:
+    out = {r["image"]: r for r in records}
+    assert len(out) == len(records), "an image is recorded twice"
+    return out
+
+
+def test_pipeline_gives_the_captions_of_llm_generate(qwen3_vl_dir: Path, tmp_path: Path) -> None:
+    """Streaming (3 worker threads, engine topped up to 3 requests) changes no token."""
+    from vlmrun import LLM, SamplingParams
+    from vlmrun.jobs.inputs import iter_items
+    from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
+
+    paths = write_images(tmp_path / "imgs", 7, size=None, sizes_range=(40, 200), seed=3)
+    llm = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    pipeline = CaptionPipeline(llm.engine, PipelineOptions("Describe.", params, "tiny", workers=3, prefetch=2,
+                                                           max_in_flight=3))
+    got: dict[str, tuple[str, int]] = {}
+    pipeline.run(iter_items([str(tmp_path / "imgs")]), lambda item, r: got.__setitem__(r.image, (r.caption, r.num_tokens)))
+    want = llm.generate([{"prompt": "Describe.", "images": [str(p)]} for p in paths], params, use_tqdm=False)
+    assert got == {str(p): (o.text, len(o.token_ids)) for p, o in zip(paths, want)}
+    assert not llm.engine.requests and not llm.engine.has_unfinished()
+
+
+def test_bad_inputs_become_error_records_and_the_exit_status_says_so(qwen3_vl_dir: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    folder = tmp_path / "mixed"
+    good = write_images(folder, 3, size=(48, 40)) + write_images(folder / "sub", 1, size=(30, 70), seed=1)
+    write_images(tmp_path / "big", 1, size=(300, 300), seed=2)
+    expected = write_bad_files(folder)
+    (folder / "README.md").write_text("not an image, ignored")
+    manifest = tmp_path / "more.jsonl"
+    manifest.write_text(json.dumps("big/img_00000.png") + "\n{broken\n" + json.dumps("http://127.0.0.1:9/x.jpg") + "\n")
+    out = tmp_path / "out.jsonl"
+    rc = main(["caption", str(folder), str(tmp_path / "missing.png"), str(manifest), "--out", str(out),
+               "--model", str(qwen3_vl_dir), "--max-tokens", "3", "--max-image-pixels", "50000", "--no-progress"])
+    assert rc == 1
+    records = _by_image(_records(out))
+    for path in good:
+        r = records.pop(str(path))
+        assert r["error"] is None and r["caption"] is not None and r["num_tokens"] >= 1
+        assert r["model"] == str(qwen3_vl_dir) and r["prompt"] == "Describe the image." and r["generate_s"] > 0
+    words = {"zero_bytes.jpg": "empty (0 bytes)", "truncated.jpg": "truncat", "corrupt.png": "not a recognised image",
+             "not_an_image.jpg": "not a recognised image"}
+    for name in expected:
+        r = records.pop(str(folder / name))
+        assert r["caption"] is None and r["num_tokens"] == 0 and r["finish_reason"] == "error"
+        assert words[name] in r["error"].lower() and name in r["error"]
+    assert "not found" in records.pop(str(tmp_path / "missing.png"))["error"]
+    assert "more than the limit" in records.pop("big/img_00000.png")["error"]
+    assert "not JSON" in records.pop(f"{manifest}:line 2")["error"]
+    assert "could not fetch" in records.pop("http://127.0.0.1:9/x.jpg")["error"]
+    assert not records
+    err = capsys.readouterr().err
+    assert "captioned 4/12 images" in err and "8 failed" in err and "1 file without an image suffix" in err
+
+
+def test_resume_skips_recorded_images_and_retry_errors_redoes_failures(qwen3_vl_dir: Path, tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    folder = tmp_path / "imgs"
+    write_images(folder, 3)
+    (folder / "late.png").write_bytes(b"")
+    out = tmp_path / "out.parquet"
+    args = ["caption", str(folder), "--out", str(out), "--model", str(qwen3_vl_dir), "--max-tokens", "2",
+            "--no-progress"]
+    assert main(args) == 1
+    first = _by_image(_records(out))
+    assert first[str(folder / "late.png")]["error"] is not None
+    assert main(args) == 1  # nothing new; the recorded failure still counts
+    assert "nothing left to caption" in capsys.readouterr().err
+    write_images(tmp_path / "fix", 1, seed=9)[0].rename(folder / "late.png")
+    write_images(folder / "new", 1, seed=10)
+    assert main(args + ["--retry-errors"]) == 0
+    final = _by_image(_records(out))
+    assert sorted(final) == sorted(first) + [str(folder / "new" / "img_00000.png")]
+    assert all(r["error"] is None for r in final.values())
+    assert {k: final[k]["caption"] for k in first if k.endswith("img_00000.png")} == \
+        {k: first[k]["caption"] for k in first if k.endswith("img_00000.png")}
+    assert not Path(str(out) + JOURNAL_SUFFIX).exists()
+
+
+def test_print_mode_and_no_inputs(qwen3_vl_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    paths = write_images(tmp_path / "imgs", 2)
+    assert main(["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--max-tokens", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sorted(line.split(": ", 1)[0] for line in lines) == [str(p) for p in paths]
+    (tmp_path / "empty").mkdir()
+    assert main(["caption", str(tmp_path / "empty"), "--model", str(qwen3_vl_dir)]) == 2
+    assert "no images found" in capsys.readouterr().err
+    assert main(["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--out", "x.csv"]) == 2
+
+
+def _lines_in(path: Path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_sigkill_mid_job_then_resume_records_every_image_exactly_once(qwen3_vl_dir: Path, tmp_path: Path,
+                                                                      suffix: str, capsys: pytest.CaptureFixture) -> None:
+    n = 60
+    paths = write_images(tmp_path / "imgs", n, size=(40, 40))
+    out = tmp_path / f"out{suffix}"
+    journal = out if suffix == ".jsonl" else Path(str(out) + JOURNAL_SUFFIX)
+    cmd = [sys.executable, "-m", "vlmrun.cli", "caption", str(tmp_path / "imgs"), "--out", str(out),
+           "--model", str(qwen3_vl_dir), "--max-tokens", "8", "--max-num-seqs", "4", "--no-progress"]
+    env = subprocess_env()
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while _lines_in(journal) < 6 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    proc.stderr.close()
+    killed_at = _lines_in(journal)
+    assert 6 <= killed_at < n, f"the kill did not land mid-job ({killed_at} records)"
+    if suffix == ".parquet":
+        assert not out.exists()
+    with open(journal, "ab") as fh:  # and a torn write, as a power loss would leave
+        fh.write(b'{"image":"' + str(paths[0]).encode() + b'","caption":"par')
+
+    rc = main(cmd[3:])  # the resumed run, in this process
+    assert rc == 0
+    assert "torn or invalid" in capsys.readouterr().err
+    records = _by_image(_records(out))
+    assert sorted(records) == sorted(str(p) for p in paths)
+    assert all(r["error"] is None and r["num_tokens"] >= 1 for r in records.values())
+    if suffix == ".jsonl":
+        assert out.read_bytes().endswith(b"\n")
+    else:
+        assert not journal.exists()

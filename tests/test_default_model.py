@@ -1,0 +1,106 @@
+"""The bundled default model (assets/model/vlmrun-shapes-qwen3_5): files, accuracy, HF parity.
+
+- The checkpoint is a complete HF Qwen3.5 checkpoint of at most 20 MB.
+- On 300 held-out scenes (split seed `EVAL_SEED`, never used in training), vlmrun with greedy
+  decoding gets >= 90 % of captions exactly right and >= 90 % of questions (one per scene). All
+  600 requests go through one `LLM.generate` call (continuous batching), float32 on CPU.
+- HF transformers' greedy `generate` (float32, one request at a time) gives the same tokens as
+  vlmrun on a subset: the first PARITY_SCENES scenes, caption and question each.
+- The generator scenes shipped in assets/images are captioned exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from training.evaluate import MAX_NEW_TOKENS, eval_requests, score
+from vlmrun import LLM, SamplingParams
+from vlmrun.default_model import CAPTION_PROMPT, default_model_path
+from vlmrun.synthetic import EVAL_SEED, eval_scenes, make_scene
+
+MODEL = default_model_path()
+N_SCENES = 300
+PARITY_SCENES = 16
+MIN_ACCURACY = 0.90
+MAX_BYTES = 20 * 1024 * 1024
+SCENE_ASSET = re.compile(r"scene_s(\d+)_i(\d+)\.png")
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(MODEL), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def heldout(llm):
+    requests = eval_requests(eval_scenes(N_SCENES, EVAL_SEED))
+    images = {}
+    for r in requests:
+        if r.scene.index not in images:
+            images[r.scene.index] = r.scene.render()
+    prompts = [{"prompt": r.prompt, "images": [images[r.scene.index]]} for r in requests]
+    outs = llm.generate(prompts, _params(), use_tqdm=False)
+    return requests, images, outs
+
+
+def test_checkpoint_files():
+    names = {p.name for p in MODEL.iterdir()}
+    for required in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                     "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json", "README.md"):
+        assert required in names, f"{MODEL} lacks {required}"
+    config = json.loads((MODEL / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert set(config["text_config"]["layer_types"]) == {"linear_attention", "full_attention"}
+    size = sum(p.stat().st_size for p in MODEL.iterdir() if p.is_file())
+    assert size <= MAX_BYTES, f"the default model takes {size / 2**20:.1f} MiB on disk (limit 20)"
+    card = (MODEL / "README.md").read_text()
+    assert "python training/train_default_model.py --out assets/model/" in card
+
+
+def test_heldout_accuracy(heldout):
+    requests, _, outs = heldout
+    errors = [o.error for o in outs if o.error is not None]
+    assert not errors, errors[:3]
+    assert all(o.finish_reason == "stop" for o in outs), "every answer should end with <|im_end|>"
+    metrics = score(requests, [o.text for o in outs])
+    wrong = [(r.prompt, r.reference, o.text) for r, o in zip(requests, outs) if o.text.strip() != r.reference]
+    assert metrics["caption"] >= MIN_ACCURACY, (metrics, wrong[:5])
+    assert metrics["question"] >= MIN_ACCURACY, (metrics, wrong[:5])
+
+
+def test_hf_greedy_is_token_identical(heldout):
+    from tests.hf_reference import HFReference
+
+    requests, images, outs = heldout
+    hf = HFReference(MODEL)
+    stops = set(hf.model.generation_config.eos_token_id)
+    for r, out in list(zip(requests, outs))[: 2 * PARITY_SCENES]:
+        messages = [{"role": "user", "content": [{"type": "image", "image": images[r.scene.index]},
+                                                 {"type": "text", "text": r.prompt}]}]
+        ref = hf.generate(messages, MAX_NEW_TOKENS)
+        assert out.prompt_token_ids == ref.prompt_ids, f"scene {r.scene.index} {r.prompt!r}: prompt ids differ"
+        ours = [t for t in out.token_ids if t not in stops]
+        theirs = [t for t in ref.token_ids if t not in stops]
+        assert ours == theirs, f"scene {r.scene.index} {r.prompt!r}: vlmrun {out.text!r} vs HF {hf.tokenizer.decode(theirs)!r}"
+
+
+def test_shipped_scene_images_are_captioned(llm):
+    root = Path(__file__).resolve().parents[1] / "assets" / "images"
+    files = sorted(p for p in root.iterdir() if SCENE_ASSET.fullmatch(p.name))
+    assert len(files) >= 3, "assets/images should hold a few generator scenes"
+    outs = llm.generate([{"prompt": CAPTION_PROMPT, "images": [str(p)]} for p in files], _params(), use_tqdm=False)
+    for path, out in zip(files, outs):
+        seed, index = map(int, SCENE_ASSET.fullmatch(path.name).groups())
+        scene = make_scene(seed, index)
+        with Image.open(path) as image:
+            assert image.size == (scene.width, scene.height)
+        assert out.text == scene.caption, f"{path.name}: {out.text!r}"

@@ -1,0 +1,1 @@
+"""Training recipe of the bundled default model (see train_default_model.py)."""

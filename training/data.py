@@ -1,0 +1,79 @@
+"""Training examples: a scene, a prompt and its answer → token ids, labels and pixels for HF's model.
+
+The prompt goes through vlmrun's own `Processor` (chat template, image preprocessing, image-pad
+expansion), so the model is trained on exactly the token ids vlmrun feeds it at inference. The
+answer follows the generation prompt and ends with `<|im_end|>`; only answer tokens carry a label.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from processors import Processor
+from vlmrun.synthetic import DESCRIBE_PROMPT, QA, Scene, make_scene
+
+IGNORE = -100
+CAPTION_FRACTION = 0.4  # of training examples; the rest are questions (kind uniform, then the pair)
+
+
+@dataclass
+class Example:
+    """One tokenised (image, prompt, answer) triple."""
+
+    input_ids: list[int]
+    n_prompt: int
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+
+
+def pick_task(scene: Scene, seed: int) -> QA:
+    """The training prompt/answer drawn for this scene (a fixed function of the scene and seed)."""
+    rng = random.Random(f"task/{seed}/{scene.split_seed}/{scene.index}")
+    if rng.random() < CAPTION_FRACTION:
+        return QA(DESCRIBE_PROMPT, scene.caption, "caption")
+    pairs = scene.qa_pairs()
+    kinds = sorted({p.kind for p in pairs})
+    kind = rng.choice(kinds)
+    return rng.choice([p for p in pairs if p.kind == kind])
+
+
+def encode(processor: Processor, scene: Scene, qa: QA) -> Example:
+    prompt = processor.process_prompt(qa.question, [scene.render()])
+    answer = processor.tokenizer.encode(qa.answer, add_special_tokens=False)
+    end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    (item,) = prompt.mm_items
+    return Example(list(prompt.token_ids) + answer + [end], len(prompt.token_ids), item.pixel_values, item.grid_thw)
+
+
+def training_batch(processor: Processor, split_seed: int, start: int, size: int, task_seed: int) -> list[Example]:
+    """Scenes start .. start+size-1 of the split, one task each."""
+    out = []
+    for index in range(start, start + size):
+        scene = make_scene(split_seed, index)
+        out.append(encode(processor, scene, pick_task(scene, task_seed)))
+    return out
+
+
+def collate(examples: list[Example], pad_id: int, image_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, labels (next-token targets), pixels, grids, token types."""
+    length = max(len(e.input_ids) for e in examples)
+    ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), length), dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
+    for row, e in enumerate(examples):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        mask[row, :n] = 1
+        # position t predicts token t+1: label the positions whose next token is an answer token
+        labels[row, e.n_prompt - 1 : n - 1] = ids[row, e.n_prompt : n]
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "pixel_values": torch.cat([e.pixel_values for e in examples]),
+        "image_grid_thw": torch.tensor([e.grid_thw for e in examples], dtype=torch.long),
+        "mm_token_type_ids": (ids == image_id).to(torch.int32),
+    }

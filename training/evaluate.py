@@ -1,0 +1,86 @@
+"""Accuracy of a checkpoint on held-out scenes, decoding greedily with HF transformers.
+
+`eval_requests` lists what is asked: for each scene its caption prompt and one question
+(`vlmrun.synthetic.eval_question`). `hf_greedy` batches prompts (left-padded) through HF's
+`generate`; `score` compares the answers with the references (exact string match after strip).
+The test `tests/test_default_model.py` asks the same through vlmrun.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from processors import Processor
+from vlmrun.synthetic import DESCRIBE_PROMPT, Scene, eval_question
+
+MAX_NEW_TOKENS = 40
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    scene: Scene
+    prompt: str
+    reference: str
+    kind: str  # "caption" or a question kind (count, colour, ...)
+
+
+def eval_requests(scenes: list[Scene]) -> list[EvalRequest]:
+    """Per scene: the caption request, then its one question."""
+    out = []
+    for scene in scenes:
+        out.append(EvalRequest(scene, DESCRIBE_PROMPT, scene.caption, "caption"))
+        qa = eval_question(scene)
+        out.append(EvalRequest(scene, qa.question, qa.answer, qa.kind))
+    return out
+
+
+@torch.no_grad()
+def hf_greedy(model, processor: Processor, requests: list[EvalRequest], batch_size: int = 32,
+              max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
+    """Greedy token ids (up to and without the stop token) for each request, via HF generate."""
+    tok = processor.tokenizer
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    stops = {tok.convert_tokens_to_ids("<|im_end|>"), pad}
+    results: list[list[int]] = []
+    for start in range(0, len(requests), batch_size):
+        chunk = requests[start : start + batch_size]
+        prompts = [processor.process_prompt(r.prompt, [r.scene.render()]) for r in chunk]
+        length = max(len(p.token_ids) for p in prompts)
+        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, length - len(p.token_ids) :] = torch.tensor(p.token_ids)
+            mask[row, length - len(p.token_ids) :] = 1
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            pixel_values=torch.cat([p.mm_items[0].pixel_values for p in prompts]),
+            image_grid_thw=torch.tensor([p.mm_items[0].grid_thw for p in prompts]),
+            mm_token_type_ids=(ids == image_id).to(torch.int32),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+        for row in out[:, length:].tolist():
+            tokens = []
+            for t in row:
+                if t in stops:
+                    break
+                tokens.append(t)
+            results.append(tokens)
+    return results
+
+
+def score(requests: list[EvalRequest], answers: list[str]) -> dict[str, float]:
+    """caption / question exact-match accuracy, plus per question kind."""
+    totals: dict[str, list[int]] = {}
+    for r, a in zip(requests, answers):
+        group = "caption" if r.kind == "caption" else "question"
+        for key in (group, f"question/{r.kind}" if group == "question" else None):
+            if key is not None:
+                hit = totals.setdefault(key, [0, 0])
+                hit[0] += int(a.strip() == r.reference)
+                hit[1] += 1
+    return {k: v[0] / v[1] for k, v in sorted(totals.items())}

@@ -1,0 +1,88 @@
+"""The model card (README.md) of the default checkpoint, filled in from the training results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from vlmrun.default_model import MODEL_DIR_NAME, QUESTION_TEMPLATES
+from vlmrun.synthetic import COLOURS, SHAPES
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f} %"
+
+
+def write_model_card(out: Path, results: dict[str, Any]) -> None:
+    r, s, h = results["recipe"], results["size"], results["heldout"]
+    kinds = "\n".join(f"| {k.split('/', 1)[1]} | {_pct(v)} |" for k, v in h.items() if k.startswith("question/"))
+    questions = "\n".join(f"- `{q}`" for q in QUESTION_TEMPLATES)
+    text = f"""\
+# {MODEL_DIR_NAME}
+
+The default model bundled with vlmrun: a **tiny Qwen3.5-architecture vision-language model**
+(`Qwen3_5ForConditionalGeneration`, {results['parameters'] / 1e6:.2f} M parameters, float32) trained from scratch on
+synthetic pictures of coloured shapes. It sees shapes, not photographs: on a real photo it still
+answers with shapes, because that is all it has ever seen.
+
+## What it was trained on
+
+Scenes from `vlmrun/synthetic.py`: 1-3 shapes ({', '.join(SHAPES)}) in {len(COLOURS)} colours
+({', '.join(COLOURS)}) and two sizes (small: 16-22 px, large: 34-44 px), each in its own third of the
+picture (left, middle, right), on plain or lightly textured backgrounds (white, light grey, cream,
+pale blue, dark grey; flat, noise, gradient or faint stripes), images of 64-256 px per side with
+varied aspect ratios and at most 36 864 pixels. Each scene has a canonical caption, listing the
+shapes left to right:
+
+    a small red circle on the left, a large blue square in the middle and a small green triangle on the right
+
+and questions, each with one correct answer. The prompts it knows (one user turn with one image):
+
+- `Describe the image.` (the caption)
+{questions}
+
+Training examples are 40 % captions and 60 % questions (question kind uniform), one fresh scene
+each, {r['steps'] * r['batch_size']:,} scenes in all; the loss is on the answer tokens only.
+
+## Architecture
+
+- Vision: Qwen3.5 vision tower, patch 16, spatial merge 2 (one merged token per 32 x 32 pixels), depth
+  {s['vision_depth']}, hidden {s['vision_hidden']}, {s['vision_heads']} heads, MLP {s['vision_intermediate']}, a {s['vision_pos_grid']} x {s['vision_pos_grid']} learned position grid.
+  Preprocessing: sides rounded to multiples of 32, {s['min_merged_tokens']}-{s['max_merged_tokens']} merged tokens per image (`max_pixels` = {s['max_merged_tokens'] * 1024}).
+- Text: hybrid Qwen3.5 stack of {len(s['text_layers'])} layers, `layer_types` = {list(s['text_layers'])},
+  hidden {s['text_hidden']}, MLP {s['text_intermediate']}; full attention {s['attn_heads']} query / {s['attn_kv_heads']} KV heads of {s['attn_head_dim']}
+  (M-RoPE on a quarter of each head, interleaved); Gated DeltaNet {s['gdn_key_heads']} key / {s['gdn_value_heads']} value heads of {s['gdn_head_dim']}, conv kernel 4.
+- Tokenizer: byte-level BPE trained on the scenes' text (each word one token, any text still encodes),
+  the Qwen special tokens, a ChatML chat template. Untied embeddings.
+
+## Training
+
+```bash
+python training/train_default_model.py --out assets/model/{MODEL_DIR_NAME}
+```
+
+HF transformers' own Qwen3.5 classes on CPU, float32, AdamW (lr {r['lr']}, betas 0.9/0.98, weight decay
+{r['weight_decay']}, {r['warmup']} warm-up steps then cosine to {r['min_lr_ratio']} x), batch {r['batch_size']}, {r['steps']} steps, gradient
+clipping {r['grad_clip']}, seed {r['seed']}, one compute thread plus one data process; deterministic data order.
+It took {results['train_minutes']} min (torch {results['torch']}, 2 shared CPU cores). Same command, same torch
+build and CPU: the same weights.
+
+## Accuracy
+
+{h['scenes']} held-out scenes (split seed {h['split_seed']}, never used in training), greedy decoding, exact match
+after stripping whitespace; one caption and one question per scene ({h['decoder']}; the vlmrun test
+`tests/test_default_model.py` checks the same through vlmrun):
+
+| | accuracy |
+| --- | --- |
+| captions (exact match) | {_pct(h['caption'])} |
+| questions | {_pct(h['question'])} |
+{kinds}
+
+## Limits
+
+Only these scenes: shapes outside the three kinds, colours outside the five, more than three
+shapes, overlapping shapes, or any photograph get a confident shape caption that is simply wrong.
+For real images run a real checkpoint, e.g. `vlmrun caption IMAGES --model Qwen/Qwen3-VL-2B-Instruct`.
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")

@@ -1,0 +1,186 @@
+"""Train the bundled default model from scratch: `python training/train_default_model.py --out DIR`.
+
+One command, fixed seeds, a deterministic data order: scene k of the training split (seed
+`vlmrun.synthetic.TRAIN_SEED`) is example k, so step s sees scenes s*B .. s*B+B-1, each with one task
+(its caption, or one question) picked by a fixed seed. The model is HF transformers' own
+`Qwen3_5ForConditionalGeneration` (float32, CPU); the compute runs on one intra-op thread (bitwise
+repeatable, and robust on a shared machine) while one worker process renders and tokenises the next
+batches. At the end it evaluates on held-out scenes (`EVAL_SEED`) with HF greedy decoding and writes
+the checkpoint (safetensors, config, tokenizer, chat template, preprocessor config, model card).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from processors import Processor  # noqa: E402
+from training.checkpoint_files import (  # noqa: E402
+    ModelSize, build_config, generation_config, write_preprocessor_config, write_tokenizer,
+)
+from training.data import IGNORE, collate, training_batch  # noqa: E402
+from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
+from training.fast_ops import linear_patch_embed, restore_patch_embed  # noqa: E402
+from training.model_card import write_model_card  # noqa: E402
+from vlmrun.synthetic import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The shipped recipe (the command-line defaults)."""
+
+    steps: int = 4000
+    batch_size: int = 16
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.05
+    warmup: int = 150
+    weight_decay: float = 0.05
+    grad_clip: float = 1.0
+    seed: int = 1234
+    eval_scenes: int = 300
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Batch number s of the deterministic training stream (rendered in a worker process)."""
+
+    def __init__(self, model_dir: Path, steps: int, batch_size: int, seed: int, pad: int, image: int):
+        self.model_dir, self.steps, self.batch_size, self.seed = model_dir, steps, batch_size, seed
+        self.pad, self.image = pad, image
+        self._processor: Processor | None = None
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
+        if self._processor is None:
+            self._processor = Processor.from_pretrained(self.model_dir)
+        examples = training_batch(self._processor, TRAIN_SEED, step * self.batch_size, self.batch_size, self.seed)
+        return collate(examples, self.pad, self.image)
+
+
+def lr_at(step: int, recipe: Recipe) -> float:
+    """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    keep = labels != IGNORE
+    return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+
+
+def evaluate(model, processor: Processor, count: int) -> dict[str, float]:
+    requests = eval_requests(eval_scenes(count, EVAL_SEED))
+    model.eval()
+    tokens = hf_greedy(model, processor, requests)
+    model.train()
+    answers = [processor.tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+    return score(requests, answers)
+
+
+def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every: int) -> dict:
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = write_tokenizer(out)
+    write_preprocessor_config(out, size)
+    config = build_config(tokenizer, size)
+    processor = Processor.from_pretrained(out)
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    image = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    torch.manual_seed(recipe.seed)
+    model = Qwen3_5ForConditionalGeneration(config).to(torch.float32).train()
+    linear_patch_embed(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f} M parameters; vocab {config.text_config.vocab_size}", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    optim = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                               {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
+
+    loader = torch.utils.data.DataLoader(
+        _Batches(out, recipe.steps, recipe.batch_size, recipe.seed, pad, image),
+        batch_size=None, shuffle=False, num_workers=1, prefetch_factor=4, persistent_workers=False,
+    )
+    start = time.time()
+    history = []
+    running = 0.0
+    for step, batch in enumerate(loader):
+        for group in optim.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        labels = batch.pop("labels")
+        logits = model(**batch, use_cache=False).logits
+        loss = answer_loss(logits, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        running += loss.item()
+        if (step + 1) % log_every == 0:
+            elapsed = time.time() - start
+            print(f"step {step + 1}/{recipe.steps} loss {running / log_every:.4f} lr {lr_at(step, recipe):.2e} "
+                  f"{elapsed / 60:.1f} min", flush=True)
+            history.append({"step": step + 1, "loss": round(running / log_every, 5), "minutes": round(elapsed / 60, 2)})
+            running = 0.0
+        if eval_every and (step + 1) % eval_every == 0 and step + 1 < recipe.steps:
+            print(f"  eval@{step + 1}: {evaluate(model, processor, 100)}", flush=True)
+    train_minutes = (time.time() - start) / 60
+
+    restore_patch_embed(model)
+    model.eval()
+    model.generation_config = generation_config(tokenizer)
+    model.save_pretrained(str(out))
+    t0 = time.time()
+    metrics = evaluate(model, processor, recipe.eval_scenes)
+    results = {
+        "train_minutes": round(train_minutes, 1),
+        "eval_minutes": round((time.time() - t0) / 60, 1),
+        "parameters": n_params,
+        "torch": torch.__version__,
+        "recipe": recipe.__dict__,
+        "size": size.__dict__,
+        "heldout": {"split_seed": EVAL_SEED, "scenes": recipe.eval_scenes, "decoder": "HF transformers greedy",
+                    **{k: round(v, 4) for k, v in metrics.items()}},
+        "loss_history": history,
+    }
+    (out / "training_results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    write_model_card(out, results)
+    print(f"trained in {train_minutes:.1f} min; held-out (HF greedy): {metrics}", flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = Recipe()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--lr", type=float, default=d.lr)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--eval-scenes", type=int, default=d.eval_scenes)
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between dev evals on 100 scenes (0: none)")
+    parser.add_argument("--log-every", type=int, default=50)
+    args = parser.parse_args(argv)
+    recipe = Recipe(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                    eval_scenes=args.eval_scenes, warmup=min(d.warmup, max(1, args.steps // 10)))
+    train(args.out, recipe, ModelSize(), args.eval_every, args.log_every)
+
+
+if __name__ == "__main__":
+    main()

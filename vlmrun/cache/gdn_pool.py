@@ -1,0 +1,52 @@
+"""The GDN state pool: per-request conv and recurrent states of the Gated DeltaNet layers.
+
+A GDN layer keeps no per-token cache, only a fixed-size state per sequence:
+  conv state       [n_gdn_layers, slots, conv_dim, kernel - 1]   model dtype (the last K-1 conv inputs)
+  recurrent state  [n_gdn_layers, slots, Hv, Dv, Dk]             float32 by default (`gdn_state_dtype`)
+
+Slot 0 is a dummy that padding rows (CUDA-graph batches) read and write. A running request owns
+slot `row + 1`, where `row` is its ReqToTokenPool row, so a slot is taken and freed with the row
+and there are `max_reqs + 1` slots. The runner zeroes a request's slot before its first extend
+(also the recompute after a preemption); chunked prefill carries the state from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def gdn_slot_for_row(row: int) -> int:
+    """The GDN slot of the request in ReqToTokenPool row `row` (slot 0 is the dummy)."""
+    return row + 1
+
+
+class GDNPool:
+    def __init__(self, num_layers: int, num_slots: int, conv_dim: int, conv_kernel: int, num_v_heads: int,
+                 head_v_dim: int, head_k_dim: int, conv_dtype: torch.dtype, state_dtype: torch.dtype,
+                 device: torch.device):
+        if num_slots < 2:
+            raise ValueError(f"the GDN pool needs the dummy slot and at least one more, got {num_slots} slots")
+        self.num_layers = num_layers
+        self.num_slots = num_slots
+        self.conv_state = torch.zeros((num_layers, num_slots, conv_dim, conv_kernel - 1), dtype=conv_dtype,
+                                      device=device)
+        self.recurrent_state = torch.zeros((num_layers, num_slots, num_v_heads, head_v_dim, head_k_dim),
+                                           dtype=state_dtype, device=device)
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, conv_dim: int, conv_kernel: int, num_v_heads: int, head_v_dim: int,
+                       head_k_dim: int, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
+        """Bytes of GDN state one request holds, over all GDN layers."""
+        conv = conv_dim * (conv_kernel - 1) * conv_dtype.itemsize
+        recurrent = num_v_heads * head_v_dim * head_k_dim * state_dtype.itemsize
+        return num_layers * (conv + recurrent)
+
+    def slot_bytes(self) -> int:
+        return (self.conv_state[:, 0].numel() * self.conv_state.element_size()
+                + self.recurrent_state[:, 0].numel() * self.recurrent_state.element_size())
+
+    def zero(self, slots: torch.Tensor) -> None:
+        """Reset the states of `slots` [n] int64 in every GDN layer (no host sync)."""
+        slots = slots.to(self.conv_state.device)
+        self.conv_state.index_fill_(1, slots, 0)
+        self.recurrent_state.index_fill_(1, slots, 0)

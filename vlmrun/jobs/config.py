@@ -1,0 +1,75 @@
+"""The settings of a caption job, and the one place its defaults live.
+
+`default_model()` is where the bundled default model plugs in: while it returns None, `--model`
+is required; once it returns a checkpoint, `--model` becomes optional everywhere (CLI, Ray).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vlmrun.sampling_params import SamplingParams
+
+DEFAULT_PROMPT = "Describe the image."
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_PREFETCH = 64
+MAX_DEFAULT_WORKERS = 8
+
+
+def default_model() -> Optional[str]:
+    """The checkpoint a caption job uses without --model (None: no default model is bundled yet)."""
+    return None
+
+
+def resolve_model(model: Optional[str]) -> str:
+    chosen = model or default_model()
+    if chosen is None:
+        raise ValueError("no model given: pass --model (a checkpoint directory or a hub id)")
+    return chosen
+
+
+def default_workers() -> int:
+    import os
+
+    return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))
+
+
+@dataclass
+class RayOptions:
+    """How `--ray` spreads the job: `actors` engines (None: one per `gpus_per_actor` GPUs of the
+    cluster, or one without GPUs), each with `gpus_per_actor` GPUs (None: 1 if the cluster has
+    GPUs, else 0) and `cpus_per_actor` CPUs, fed `batch_size` images per call."""
+
+    address: Optional[str] = None  # None: start a local Ray; "auto" or ray://host:port: join a cluster
+    actors: Optional[int] = None
+    gpus_per_actor: Optional[float] = None
+    cpus_per_actor: float = 1.0
+    batch_size: int = 64
+
+
+@dataclass
+class CaptionJobConfig:
+    """Everything `vlmrun caption` was asked to do.
+
+    out: JSONL / Parquet path, or None to print one line per image.
+    engine_options: EngineConfig keywords (dtype, device, max_num_seqs, ...).
+    resume: skip images already in `out` (the default); overwrite: start `out` afresh;
+    retry_errors: on resume, caption again the images whose record is an error.
+    """
+
+    inputs: list[str]
+    model: str
+    out: Optional[str] = None
+    prompt: str = DEFAULT_PROMPT
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=0.0,
+                                                                            max_tokens=DEFAULT_MAX_TOKENS))
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    workers: int = field(default_factory=default_workers)
+    prefetch: int = DEFAULT_PREFETCH
+    overwrite: bool = False
+    retry_errors: bool = False
+    image_column: Optional[str] = None
+    fsync_interval: float = 1.0
+    progress: bool = True
+    ray: Optional[RayOptions] = None

@@ -1,0 +1,164 @@
+"""Progress of a caption job: counters, a live one-line bar, and the final summary.
+
+On a terminal the bar redraws in place (at most every `interval` seconds); on a pipe or a log
+file it prints a plain line every `log_interval` seconds instead, so logs stay readable.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import IO, Optional
+
+_BAR_WIDTH = 24
+
+
+@dataclass
+class JobCounters:
+    """What this run has done so far. `total` (inputs left to caption) is None until counted."""
+
+    total: Optional[int] = None
+    done: int = 0  # records written by this run (successes + failures)
+    failed: int = 0
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+    def count(self, failed: bool, tokens: int) -> None:
+        self.done += 1
+        self.failed += failed
+        self.tokens += tokens
+
+    def elapsed(self, now: Optional[float] = None) -> float:
+        return max((now if now is not None else time.monotonic()) - self.started, 1e-9)
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, rest = divmod(seconds, 3600)
+    m, s = divmod(rest, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def render_line(c: JobCounters, now: Optional[float] = None) -> str:
+    """`[#####-----] 1,204/2,000  60%  35.1 img/s  412 tok/s  ETA 0:22  failed 3`"""
+    elapsed = c.elapsed(now)
+    rate = c.done / elapsed
+    parts = []
+    if c.total:
+        frac = min(c.done / c.total, 1.0)
+        filled = int(frac * _BAR_WIDTH)
+        parts.append("[" + "#" * filled + "-" * (_BAR_WIDTH - filled) + "]")
+        parts.append(f"{c.done:,}/{c.total:,} {100 * frac:3.0f}%")
+    else:
+        parts.append(f"{c.done:,}/{'?' if c.total is None else c.total}")
+    parts.append(f"{rate:.1f} img/s")
+    parts.append(f"{c.tokens / elapsed:.0f} tok/s")
+    if c.total and rate > 0 and c.done < c.total:
+        parts.append(f"ETA {_fmt_duration((c.total - c.done) / rate)}")
+    else:
+        parts.append(f"elapsed {_fmt_duration(elapsed)}")
+    parts.append(f"failed {c.failed:,}")
+    return "  ".join(parts)
+
+
+class ProgressBar:
+    """Draws `render_line` to `stream` (stderr by default) as the counters change."""
+
+    def __init__(self, counters: JobCounters, stream: Optional[IO[str]] = None, enabled: bool = True,
+                 interval: float = 0.25, log_interval: float = 15.0):
+        self.counters = counters
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.interval = interval if self.tty else log_interval
+        self._last = 0.0 if self.tty else time.monotonic()  # a log gets its first line after log_interval
+        self._width = 0
+
+    def refresh(self, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < self.interval:
+            return
+        self._last = now
+        line = render_line(self.counters, now)
+        if self.tty:
+            pad = max(self._width - len(line), 0)
+            self.stream.write("\r" + line + " " * pad)
+            self._width = len(line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        """Draw the final state and end the line."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.refresh(force=True)
+            self.stream.write("\n")
+            self.stream.flush()
+        elif self.counters.done:
+            self.refresh(force=True)
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count:,} {noun}{'' if count == 1 else 's'}"
+
+
+@dataclass
+class JobSummary:
+    """The outcome of a job run, for the final report and the exit status."""
+
+    written: int = 0  # records written by this run
+    failed: int = 0  # of which errors
+    tokens: int = 0
+    elapsed_s: float = 0.0  # from the first input to the last record (engine load excluded)
+    skipped_done: int = 0  # already in the output
+    prior_failed: int = 0  # error records already in the output (and kept)
+    duplicates: int = 0
+    ignored_files: int = 0
+    interrupted: bool = False
+    out: Optional[str] = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.written / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def any_failed(self) -> bool:
+        return self.failed + self.prior_failed > 0
+
+    def exit_code(self) -> int:
+        """0: every image of the output has a caption; 1: some failed; 130: interrupted."""
+        if self.interrupted:
+            return 130
+        return 1 if self.any_failed else 0
+
+    def lines(self) -> list[str]:
+        if self.written or not self.skipped_done:
+            out = [f"captioned {self.written - self.failed:,}/{self.written:,} images in {self.elapsed_s:.2f}s "
+                   f"({self.images_per_s:.2f} images/s, {self.tokens_per_s:.1f} tokens/s), {self.failed:,} failed"]
+        else:
+            out = ["nothing left to caption"]
+        notes = []
+        if self.skipped_done:
+            notes.append(f"{_n(self.skipped_done, 'image')} already in the output (skipped)")
+        if self.prior_failed:
+            notes.append(f"{_n(self.prior_failed, 'earlier failure')} kept (--retry-errors redoes them)")
+        if self.duplicates:
+            notes.append(f"{_n(self.duplicates, 'repeated input')} captioned once")
+        if self.ignored_files:
+            notes.append(f"{_n(self.ignored_files, 'file')} without an image suffix ignored")
+        if notes:
+            out.append("; ".join(notes))
+        if self.interrupted:
+            out.append("interrupted: run the same command again to resume")
+        elif self.out:
+            out.append(f"records in {self.out}")
+        return out

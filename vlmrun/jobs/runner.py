@@ -1,0 +1,114 @@
+"""Running a caption job end to end: output and resume, inputs, engine (or Ray), progress, summary.
+
+`run_caption_job(config)` is what `vlmrun caption` calls; it returns a `JobSummary` whose
+`exit_code()` is the command's status. The engine is built only when there is something to
+caption, and only this thread touches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from typing import IO, Iterator, Optional
+
+from vlmrun.jobs.config import CaptionJobConfig
+from vlmrun.jobs.inputs import InputStats, JobItem, count_new, iter_items, new_items
+from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
+from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
+from vlmrun.jobs.records import CaptionRecord
+from vlmrun.jobs.sink import ResumeState, open_output
+
+
+class NoInputsError(ValueError):
+    """The inputs name no image at all."""
+
+
+def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
+                    stderr: Optional[IO[str]] = None) -> JobSummary:
+    """Caption every input of `config` not yet in its output; write records as they finish.
+
+    Raises NoInputsError when the inputs name no image, OutputError for an unusable output and
+    whatever building the engine raises; a KeyboardInterrupt ends the job cleanly (records kept,
+    summary.interrupted set). stdout / stderr: default sys.stdout / sys.stderr at call time."""
+    stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    sink = open_output(config.out, overwrite=config.overwrite, retry_errors=config.retry_errors,
+                       fsync_interval=config.fsync_interval, stream=stdout)
+    state = sink.state
+    _warn_if_mixed(state, config, stderr)
+    stats = InputStats()
+    counters = JobCounters()
+    summary = JobSummary(prior_failed=state.failed, out=config.out)
+    bar = ProgressBar(counters, stderr, enabled=config.progress and config.out is not None)
+    done = state.done  # read-only from here on (the input filter and the counting thread read it)
+
+    def on_record(item: JobItem, record: CaptionRecord) -> None:
+        sink.write(record)
+        counters.count(record.error is not None, record.num_tokens)
+        bar.refresh()
+
+    try:
+        items = new_items(iter_items(config.inputs, config.image_column, stats), done, stats)
+        first = next(items, None)  # in this thread: nothing to do means no engine is built
+        if first is None:
+            if not (stats.skipped_done or stats.duplicates):
+                raise NoInputsError(f"no images found in {' '.join(config.inputs)}")
+        else:
+            _count_in_background(config, done, counters)
+            _run(config, itertools.chain([first], items), counters, on_record, bar)
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    finally:
+        try:
+            sink.close()
+        finally:
+            bar.close()
+    summary.written, summary.failed, summary.tokens = counters.done, counters.failed, counters.tokens
+    summary.elapsed_s = counters.elapsed() if counters.done else 0.0
+    summary.skipped_done, summary.duplicates, summary.ignored_files = (stats.skipped_done, stats.duplicates,
+                                                                       stats.ignored_files)
+    return summary
+
+
+def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounters, on_record, bar: ProgressBar) -> None:
+    if config.ray is not None:
+        from vlmrun.ray import run_ray_job
+
+        def start() -> None:
+            counters.started = time.monotonic()
+
+        run_ray_job(config, items, on_record, on_tick=bar.refresh, on_start=start)
+        return
+    from vlmrun.config import EngineConfig
+    from vlmrun.engine.engine import Engine
+
+    engine = Engine(EngineConfig(model=config.model, **config.engine_options))
+    pipeline = CaptionPipeline(engine, PipelineOptions(prompt=config.prompt, sampling=config.sampling,
+                                                       model_name=config.model, workers=config.workers,
+                                                       prefetch=config.prefetch))
+    counters.started = time.monotonic()
+    pipeline.run(items, on_record, on_tick=bar.refresh)
+
+
+def _count_in_background(config: CaptionJobConfig, done: set[int], counters: JobCounters) -> None:
+    """Set counters.total once the inputs are counted (a second, cheap pass: no image is read)."""
+    def count() -> None:
+        try:
+            counters.total = count_new(config.inputs, done, config.image_column)
+        except Exception:  # the job itself reports unreadable inputs; the bar just has no total
+            pass
+
+    threading.Thread(target=count, name="vlmrun-caption-count", daemon=True).start()
+
+
+def _warn_if_mixed(state: ResumeState, config: CaptionJobConfig, stderr: IO[str]) -> None:
+    if state.dropped_lines:
+        print(f"note: removed {state.dropped_lines} torn or invalid line(s) from {config.out}; "
+              "their images are captioned again", file=stderr)
+    others = [f"model {m!r}" for m in state.models - {config.model}]
+    others += [f"prompt {p!r}" for p in state.prompts - {config.prompt}]
+    if others:
+        print(f"warning: {config.out} already holds records made with {', '.join(others)}; they are kept "
+              "(use --overwrite to start afresh)", file=stderr)

@@ -1,0 +1,143 @@
+"""The FastAPI app: OpenAI-compatible routes in front of one `AsyncEngine`.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+`GET /v1/models/{model}`, `GET /health`, `GET /metrics`. With an API key set, the /v1 routes
+need `Authorization: Bearer <key>` (health and metrics stay open for probes and scrapers).
+Every error, ours or the framework's (unknown route, wrong method), is answered in OpenAI's
+JSON error shape. The app does not own the engine: whoever created the `AsyncEngine` starts and
+stops it; the app's lifespan shuts down only its own preprocessing pool.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from vlmrun.engine.async_engine import AsyncEngine
+from vlmrun.server import handlers
+from vlmrun.server.errors import APIError, error_response, internal, unauthorized
+from vlmrun.server.metrics import CONTENT_TYPE
+from vlmrun.server.settings import ServerSettings
+from vlmrun.server.state import ServerState
+from vlmrun.server.transport import ClientDisconnected
+
+logger = logging.getLogger(__name__)
+
+_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+    state = ServerState.build(engine, settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            state.executor.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="vlmrun", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.vlmrun = state
+    _install_error_handlers(app)
+    app.add_middleware(_CountResponses, state=state)
+
+    def require_key(request: Request) -> None:
+        key = settings.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise unauthorized()
+
+    auth = [Depends(require_key)]
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        return await handlers.chat_completions(state, request)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await handlers.completions(state, request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model:path}", dependencies=auth)
+    async def get_model(model: str) -> dict[str, Any]:
+        state.check_model(model)
+        return _model_card(state)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vlmrun",
+            "root": str(state.engine.engine.config.model), "parent": None,
+            "max_model_len": state.engine.max_model_len}
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(APIError(exc.status_code, message, type=kind, headers=getattr(exc, "headers", None)))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(APIError(400, f"invalid request: {exc.errors()}"))
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
+        return error_response(APIError(499, "the client closed the request", code="client_closed_request"))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_response(internal(f"internal server error: {type(exc).__name__}: {exc}"))
+
+
+class _CountResponses:
+    """Pure ASGI middleware (streaming-safe): counts responses by endpoint and status code."""
+
+    def __init__(self, app: ASGIApp, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = next((p for p in _KNOWN_PATHS if path == p or path.startswith(p + "/")), "other")
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.state.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)

@@ -1,0 +1,92 @@
+"""`vlmrun serve`: the OpenAI-compatible server in the foreground."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from vlmrun.server.settings import MiB
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine options shared by `serve` and `web --model`."""
+    p.add_argument("--model", default=None, help="HF checkpoint directory or hub id")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-images-per-request", type=int, default=32)
+    p.add_argument("--max-image-pixels", type=int, default=None)
+
+
+def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
+    from vlmrun.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels)
+
+
+def server_settings(args: argparse.Namespace):  # -> ServerSettings
+    from vlmrun.server.settings import ServerSettings
+
+    return ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get("VLMRUN_API_KEY") or None,
+        max_request_bytes=args.max_request_mb * MiB, max_queued_requests=args.max_queued_requests,
+        max_n=args.max_n, preprocess_workers=args.preprocess_workers,
+        allow_remote_urls=not args.no_remote_urls, allow_private_urls=args.allow_private_urls,
+        allowed_local_media_path=args.allowed_local_media_path, url_timeout_s=args.url_timeout,
+        max_image_bytes=args.max_image_mb * MiB)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or VLMRUN_API_KEY)")
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="directory whose images clients may name by path or file:// URI (default: none)")
+    p.add_argument("--allow-private-urls", action="store_true",
+                   help="let image URLs reach private, loopback and link-local addresses")
+    p.add_argument("--no-remote-urls", action="store_true", help="refuse http(s) image URLs")
+    p.add_argument("--url-timeout", type=float, default=10.0, help="seconds for one image download")
+    p.add_argument("--max-image-mb", type=int, default=20, help="size cap of one image (MiB)")
+    p.add_argument("--max-request-mb", type=int, default=64, help="request body cap (MiB); larger: 413")
+    p.add_argument("--max-queued-requests", type=int, default=1024,
+                   help="requests that may wait beyond --max-num-seqs; more get 429")
+    p.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
+    p.add_argument("--preprocess-workers", type=int, default=4, help="threads for parsing and images")
+
+
+def serve(args: argparse.Namespace) -> int:
+    if not args.model:
+        print("vlmrun serve: --model is required (a checkpoint directory or hub id)", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from vlmrun.server.app import create_app
+    from vlmrun.server.launch import build_engine
+
+    settings = server_settings(args)
+    engine = build_engine(engine_config(args))
+    try:
+        app = create_app(engine, settings)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(p)
+    add_server_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=serve)

@@ -1,0 +1,313 @@
+"""The two generation endpoints: `/v1/chat/completions` and `/v1/completions`.
+
+One request goes: body read on the event loop (capped: 413) → JSON parse + validation in the
+thread pool (400) → model check (404) → admission (429) → image fetch + preprocessing + chat
+template in the thread pool (400) → `AsyncEngine.submit` (400 for what the engine refuses, e.g.
+a prompt longer than the context; 503 if the engine is gone) → a streamed (SSE) or a collected
+answer. From submission on, every exit path aborts what is unfinished and releases the admission.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Union
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from processors import InputError, ProcessedPrompt
+from vlmrun.engine.async_engine import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
+from vlmrun.sampling_params import SamplingParams
+from vlmrun.server import responses as R
+from vlmrun.server.errors import APIError, bad_request, internal, unavailable
+from vlmrun.server.metrics import ServerMetrics
+from vlmrun.server.protocol import (ChatRequest, CompletionRequest, parse_chat_request,
+                                    parse_completion_request, parse_json, split_choices)
+from vlmrun.server.state import ServerState, Ticket
+from vlmrun.server.transport import SSEResponse, read_body, until_done_or_disconnected
+
+_RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>")
+
+
+# ---------------------------------------------------------------------------- per-request metrics
+
+
+class RequestTracker:
+    """Feeds one request's timings and token counts into the server metrics."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self._first_token: dict[int, float] = {}
+        self._seen_first = False
+        self._closed = False
+
+    def on_batch(self, batch: list[ChoiceDelta]) -> None:
+        now = time.monotonic()
+        for d in batch:
+            if d.token_ids:
+                self.metrics.generation_tokens.inc(len(d.token_ids))
+                self._first_token.setdefault(d.index, now)
+                if not self._seen_first:
+                    self._seen_first = True
+                    self.metrics.ttft.observe(now - self.arrival)
+            if d.finished:
+                self.metrics.finished.labels(d.finish_reason or "unknown").inc()
+                first = self._first_token.get(d.index)
+                if first is not None and d.num_output_tokens > 1:
+                    self.metrics.tpot.observe((now - first) / (d.num_output_tokens - 1))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._seen_first:
+                self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+
+def merge_batch(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """One delta per choice: consecutive deltas of a choice (a slow reader) are joined."""
+    merged: dict[int, ChoiceDelta] = {}
+    for d in batch:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = ChoiceDelta(d.index, list(d.token_ids), list(d.logprobs), d.text, d.finished,
+                                          d.finish_reason, d.num_prompt_tokens, d.num_output_tokens,
+                                          d.first_token_time)
+            continue
+        m.token_ids += d.token_ids
+        m.logprobs += d.logprobs
+        m.text += d.text
+        if d.finished:
+            m.finished, m.finish_reason = True, d.finish_reason
+            m.num_prompt_tokens, m.num_output_tokens = d.num_prompt_tokens, d.num_output_tokens
+    return sorted(merged.values(), key=lambda d: d.index)
+
+
+# ---------------------------------------------------------------------------- shared steps
+
+
+@dataclass
+class Submitted:
+    """A request accepted by the engine, with what its responses need."""
+
+    rid: str
+    created: int
+    group: RequestGroup
+    ticket: Ticket
+    tracker: RequestTracker
+    prompt_tokens: int
+    choices: list[R.ChoiceState] = field(default_factory=list)
+
+    def finish(self) -> None:
+        self.group.abort()
+        self.ticket.release()
+        self.tracker.close()
+
+
+async def _parse(state: ServerState, request: Request, parse: Callable[[dict[str, Any], int], Any]) -> Any:
+    raw = await read_body(request, state.settings.max_request_bytes)
+    return await state.in_pool(lambda: parse(parse_json(raw), state.settings.max_n))
+
+
+async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
+                  prepare: Callable[[], list[tuple[ProcessedPrompt, SamplingParams]]],
+                  prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
+                  param: str) -> Submitted:
+    try:
+        items = await state.in_pool(lambda: _input_errors_as_400(prepare))
+        group = await state.engine.submit(rid, items)
+    except InputError as exc:
+        ticket.release()
+        raise bad_request(str(exc), param=param) from None
+    except EngineDeadError as exc:
+        ticket.release()
+        raise unavailable(str(exc)) from None
+    except BaseException:
+        ticket.release()
+        raise
+    n_prompt = prompt_tokens(items)
+    state.metrics.prompt_tokens.inc(n_prompt)
+    choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids)) for i, (p, _) in enumerate(items)]
+    return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
+
+
+def _input_errors_as_400(prepare: Callable[[], Any]) -> Any:
+    try:
+        return prepare()
+    except (InputError, APIError):
+        raise
+    except ValueError as exc:  # e.g. a checkpoint without a chat template
+        raise bad_request(str(exc)) from None
+
+
+async def _collect(sub: Submitted) -> None:
+    async for batch in sub.group:
+        sub.tracker.on_batch(batch)
+        for d in batch:
+            c = sub.choices[d.index]
+            c.text += d.text
+            c.token_ids += d.token_ids
+            c.logprobs += d.logprobs
+            if d.finished:
+                c.finish_reason = d.finish_reason
+
+
+async def _respond_collected(request: Request, sub: Submitted,
+                             build: Callable[[], dict[str, Any]]) -> Response:
+    try:
+        await until_done_or_disconnected(request, _collect(sub))
+    except (EngineStepError, EngineDeadError) as exc:
+        raise internal(str(exc)) from None
+    finally:
+        sub.finish()
+    return JSONResponse(build())
+
+
+def _stream(sub: Submitted, events: Callable[[], AsyncIterator[bytes]]) -> Response:
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events():
+                yield chunk
+        except (EngineStepError, EngineDeadError) as exc:
+            yield R.sse(R.error_event(str(exc)))
+            yield R.SSE_DONE
+        finally:
+            sub.finish()
+
+    return SSEResponse(guarded(), on_close=sub.finish)
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req: ChatRequest = await _parse(state, request, parse_chat_request)
+    state.check_model(req.model)
+    ticket = state.admission.admit(req.params.n)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+    def prepare() -> list[tuple[ProcessedPrompt, SamplingParams]]:
+        messages = state.media.resolve_messages(req.messages)
+        prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                              chat_template_kwargs=req.chat_template_kwargs)
+        return [(prompt, p) for p in split_choices(req.params)]
+
+    sub = await _submit(state, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids), "messages")
+    model = state.model_name
+    token_text = R.TokenText(state.engine.tokenizer)
+
+    if not req.stream:
+        return await _respond_collected(request, sub, lambda: R.chat_completion(
+            rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs, token_text, sub.prompt_tokens))
+
+    async def events() -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict[str, Any]]) -> bytes:
+            return R.sse(R.chat_chunk(rid, sub.created, model, choices, req.include_usage))
+
+        for c in sub.choices:
+            yield chunk([R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})])
+        completion_tokens = 0
+        async for batch in sub.group:
+            sub.tracker.on_batch(batch)
+            for d in merge_batch(batch):
+                completion_tokens += len(d.token_ids)
+                lp = (R.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs, token_text)
+                      if req.logprobs and d.token_ids else None)
+                if not d.text and lp is None and not d.finished:
+                    continue
+                delta = {"content": d.text} if d.text else {}
+                yield chunk([R.chat_chunk_choice(d.index, delta, lp, d.finish_reason if d.finished else None)])
+        if req.include_usage:
+            yield R.sse(R.usage_chunk(rid, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
+                                      completion_tokens))
+        yield R.SSE_DONE
+
+    return _stream(sub, events)
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+async def completions(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req: CompletionRequest = await _parse(state, request, parse_completion_request)
+    state.check_model(req.model)
+    n = req.params.n
+    ticket = state.admission.admit(n * len(req.prompts))
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    prompts: list[ProcessedPrompt] = []
+
+    def prepare() -> list[tuple[ProcessedPrompt, SamplingParams]]:
+        prompts.extend(_raw_prompt(state, p, i, len(req.prompts)) for i, p in enumerate(req.prompts))
+        children = split_choices(req.params)
+        return [(p, c) for p in prompts for c in children]
+
+    sub = await _submit(state, rid, ticket, arrival, prepare,
+                        lambda items: sum(len(p.token_ids) for p in prompts), "prompt")
+    model = state.model_name
+    token_text = R.TokenText(state.engine.tokenizer)
+    prefixes = [(_prompt_text(state, p) if req.echo else "") for p in prompts for _ in range(n)]
+
+    if not req.stream:
+        return await _respond_collected(request, sub, lambda: R.text_completion(
+            rid, sub.created, model, sub.choices, req.logprobs, token_text, prefixes, sub.prompt_tokens))
+
+    async def events() -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict[str, Any]]) -> bytes:
+            return R.sse(R.completion_chunk(rid, sub.created, model, choices, req.include_usage))
+
+        offsets = [len(p) for p in prefixes]
+        for i, prefix in enumerate(prefixes):
+            if prefix:
+                yield chunk([R.completion_chunk_choice(i, prefix)])
+        completion_tokens = 0
+        async for batch in sub.group:
+            sub.tracker.on_batch(batch)
+            for d in merge_batch(batch):
+                completion_tokens += len(d.token_ids)
+                lp = None
+                if req.logprobs is not None and d.token_ids:
+                    lp = R.completion_logprobs(d.token_ids, d.logprobs, req.logprobs, token_text, offsets[d.index])
+                offsets[d.index] += len(d.text)
+                if not d.text and lp is None and not d.finished:
+                    continue
+                yield chunk([R.completion_chunk_choice(d.index, d.text, lp, d.finish_reason if d.finished else None)])
+        if req.include_usage:
+            yield R.sse(R.usage_chunk(rid, sub.created, model, "text_completion", sub.prompt_tokens,
+                                      completion_tokens))
+        yield R.SSE_DONE
+
+    return _stream(sub, events)
+
+
+def _raw_prompt(state: ServerState, prompt: Union[str, list[int]], index: int, count: int) -> ProcessedPrompt:
+    """A completion prompt is raw text (no chat template) or token ids; no image tokens allowed."""
+    tokenizer = state.engine.tokenizer
+    where = f"prompt {index}" if count > 1 else "the prompt"
+    if isinstance(prompt, str):
+        for token in _RESERVED_TOKENS:
+            if token in prompt:
+                raise InputError(f"{where} may not contain the reserved token {token!r} (send images to "
+                                 "/v1/chat/completions)")
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        if not ids:
+            raise InputError(f"{where} is empty")
+        return ProcessedPrompt(token_ids=list(ids), text=prompt)
+    vocab = len(tokenizer)
+    reserved = {tokenizer.convert_tokens_to_ids(t) for t in _RESERVED_TOKENS}
+    for tid in prompt:
+        if not 0 <= tid < vocab:
+            raise InputError(f"{where} has token id {tid}, outside the vocabulary (0..{vocab - 1})")
+        if tid in reserved:
+            raise InputError(f"{where} may not contain image or video placeholder token ids ({tid})")
+    return ProcessedPrompt(token_ids=list(prompt))
+
+
+def _prompt_text(state: ServerState, prompt: ProcessedPrompt) -> str:
+    return prompt.text or state.engine.tokenizer.decode(prompt.token_ids)
+
+
+__all__ = ["chat_completions", "completions", "merge_batch", "RequestTracker"]

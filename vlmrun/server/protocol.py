@@ -1,0 +1,257 @@
+"""Request bodies of the OpenAI API → validated dataclasses and `SamplingParams`.
+
+Parsing is strict about the fields the server uses (type and range, with the field named in the
+error) and lenient about the rest: unknown fields are ignored, as OpenAI-compatible servers do,
+except features this server does not have (tools, logit_bias, structured output, suffix), which
+are refused with 400 rather than silently ignored.
+
+Extensions beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`,
+`min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+`skip_special_tokens`, `chat_template_kwargs`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from vlmrun.sampling_params import SamplingParams
+from vlmrun.server.errors import APIError, bad_request
+
+MAX_TOP_LOGPROBS = 20
+_NUMBER = (int, float)
+
+
+@dataclass
+class ChatRequest:
+    model: Optional[str]
+    messages: list[Any]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+@dataclass
+class CompletionRequest:
+    model: Optional[str]
+    prompts: list[Union[str, list[int]]]
+    params: SamplingParams
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise bad_request("the request body is empty: send a JSON object")
+    try:
+        body = json.loads(raw)
+    except UnicodeDecodeError:
+        raise bad_request("the request body is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
+                          code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def parse_chat_request(body: dict[str, Any], max_n: int) -> ChatRequest:
+    _refuse_unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list of {'role', 'content'} objects", param="messages")
+    messages = [_normalise_role(m) for m in messages]
+    logprobs = _opt_bool(body, "logprobs", False)
+    top = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    max_tokens = _opt_int(body, "max_completion_tokens", None, lo=1)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", None, lo=1)
+    params = _sampling_params(body, max_n, max_tokens, top if logprobs else None)
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    return ChatRequest(model=_opt_model(body), messages=messages, params=params, stream=_opt_bool(body, "stream", False),
+                       include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top,
+                       chat_template_kwargs=kwargs,
+                       add_generation_prompt=_opt_bool(body, "add_generation_prompt", True))
+
+
+def parse_completion_request(body: dict[str, Any], max_n: int) -> CompletionRequest:
+    _refuse_unsupported(body)
+    if body.get("suffix"):
+        raise bad_request("'suffix' is not supported by this server", param="suffix")
+    prompts = _prompts(body.get("prompt"))
+    logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    echo = _opt_bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
+    max_tokens = _opt_int(body, "max_tokens", 16, lo=1)
+    params = _sampling_params(body, max_n, max_tokens, logprobs)
+    best_of = _opt_int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of != params.n:
+        raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
+    return CompletionRequest(model=_opt_model(body), prompts=prompts, params=params,
+                             stream=_opt_bool(body, "stream", False), include_usage=_include_usage(body),
+                             logprobs=logprobs, echo=echo)
+
+
+def split_choices(params: SamplingParams) -> list[SamplingParams]:
+    """The `n` single-choice params of a request; seeded requests give choice i the seed + i."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+
+
+# ---------------------------------------------------------------------------- pieces
+
+
+def _sampling_params(body: dict[str, Any], max_n: int, max_tokens: Optional[int],
+                     logprobs: Optional[int]) -> SamplingParams:
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("'stop' must be a string or a list of strings", param="stop")
+    if isinstance(stop, str) and not stop:
+        stop = None
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list)
+                                 or not all(_is_int(t) and t >= 0 for t in stop_ids)):
+        raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
+    top_k = _opt_int(body, "top_k", 0, lo=-1)
+    kwargs = dict(
+        n=_opt_int(body, "n", 1, lo=1, hi=max_n),
+        temperature=_opt_float(body, "temperature", 1.0, lo=0.0),
+        top_p=_opt_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=top_k,
+        min_p=_opt_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=_opt_float(body, "repetition_penalty", 1.0, lo=0.0),
+        presence_penalty=_opt_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=_opt_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        seed=_opt_int(body, "seed", None),
+        max_tokens=max_tokens,
+        min_tokens=_opt_int(body, "min_tokens", 0, lo=0),
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=_opt_bool(body, "ignore_eos", False),
+        logprobs=logprobs,
+        include_stop_str_in_output=_opt_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
+    )
+    if kwargs["top_p"] == 0.0:
+        raise bad_request("'top_p' must be in (0, 1]", param="top_p")
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        message = str(exc)
+        raise bad_request(message, param=message.split(" ", 1)[0]) from None
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    if body.get("tools") or body.get("functions"):
+        raise bad_request("tool / function calling is not supported by this server", param="tools")
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported by this server", param="logit_bias")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported by this server",
+                              param="response_format")
+
+
+def _normalise_role(message: Any) -> Any:
+    if isinstance(message, dict) and message.get("role") == "developer":
+        return {**message, "role": "system"}
+    return message
+
+
+def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
+    what = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists"
+    if isinstance(prompt, str):
+        prompts: list[Any] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt:
+        prompts = prompt
+    else:
+        raise bad_request(what, param="prompt")
+    for p in prompts:
+        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_int(t) for t in p))
+        if not ok:
+            raise bad_request(what + " (and none may be empty)", param="prompt")
+    return prompts
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
+    return _opt_bool(opts, "include_usage", False)
+
+
+def _opt_model(body: dict[str, Any]) -> Optional[str]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model")
+    return model or None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_request(f"'{name}' must be true or false, got {value!r}", param=name)
+    return value
+
+
+def _opt_int(body: dict[str, Any], name: str, default: Any, lo: Optional[int] = None,
+             hi: Optional[int] = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value):
+        raise bad_request(f"'{name}' must be an integer, got {value!r}", param=name)
+    _check_range(name, value, lo, hi)
+    return value
+
+
+def _opt_float(body: dict[str, Any], name: str, default: float, lo: Optional[float] = None,
+               hi: Optional[float] = None) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, _NUMBER) or isinstance(value, bool) or value != value:
+        raise bad_request(f"'{name}' must be a number, got {value!r}", param=name)
+    _check_range(name, value, lo, hi)
+    return float(value)
+
+
+def _check_range(name: str, value: Any, lo: Any, hi: Any) -> None:
+    if lo is not None and value < lo:
+        raise bad_request(f"'{name}' must be >= {lo}, got {value}", param=name)
+    if hi is not None and value > hi:
+        raise bad_request(f"'{name}' must be <= {hi}, got {value}", param=name)
+
+
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_json", "parse_chat_request",
+           "parse_completion_request", "split_choices"]

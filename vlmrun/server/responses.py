@@ -1,0 +1,173 @@
+"""Response bodies of the OpenAI API: chat completions, text completions, their stream chunks,
+logprobs in both formats, usage.
+
+Everything here is a pure function of collected output; the handlers decide when to send what.
+A token's text in logprobs is `tokenizer.decode([token_id])` (a token that is part of a multi-byte
+character decodes to U+FFFD; its `bytes` are then those of that replacement text).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from vlmrun.engine.async_engine import FINISH_ABORT
+
+
+@dataclass
+class ChoiceState:
+    """One choice as collected so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    num_prompt_tokens: int = 0
+
+
+class TokenText:
+    """Token id → text for logprobs, cached per response."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._cache[token_id] = text
+        return text
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def client_finish_reason(reason: Optional[str]) -> Optional[str]:
+    """The engine's reasons are OpenAI's ("stop", "length"); an abort reads as "stop" if ever seen."""
+    return "stop" if reason == FINISH_ABORT else reason
+
+
+def sse(payload: Any) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+SSE_DONE = sse("[DONE]")
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int,
+                  token_text: TokenText) -> dict[str, Any]:
+    content = []
+    for tid, lp in zip(token_ids, logprobs):
+        text = token_text(tid)
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        content.append({
+            "token": text, "logprob": _finite(lp.get(tid)), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": _finite(v),
+                              "bytes": list(token_text(t).encode("utf-8"))} for t, v in ranked],
+        })
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int,
+                        token_text: TokenText, text_offset: int = 0) -> dict[str, Any]:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for tid, lp in zip(token_ids, logprobs):
+        text = token_text(tid)
+        tokens.append(text)
+        token_lps.append(_finite(lp.get(tid)))
+        ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+        tops.append({token_text(t): _finite(v) for t, v in ranked})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(value: Optional[float]) -> float:
+    """JSON has no -inf: clamp impossible tokens to a very negative finite number."""
+    if value is None:
+        return -9999.0
+    return max(float(value), -9999.0)
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceState], want_logprobs: bool,
+                    top: int, token_text: TokenText, prompt_tokens: int) -> dict[str, Any]:
+    out = []
+    for c in choices:
+        out.append({
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "logprobs": chat_logprobs(c.token_ids, c.logprobs, top, token_text) if want_logprobs else None,
+            "finish_reason": client_finish_reason(c.finish_reason),
+        })
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
+            "usage": usage(prompt_tokens, completion), "system_fingerprint": None}
+
+
+def chat_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+               include_usage: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                             "choices": choices, "system_fingerprint": None}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: Optional[dict[str, Any]] = None,
+                      finish_reason: Optional[str] = None) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs,
+            "finish_reason": client_finish_reason(finish_reason)}
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+def text_completion(rid: str, created: int, model: str, choices: list[ChoiceState], logprobs: Optional[int],
+                    token_text: TokenText, prefixes: list[str], prompt_tokens: int) -> dict[str, Any]:
+    out = []
+    for c, prefix in zip(choices, prefixes):
+        lp = (completion_logprobs(c.token_ids, c.logprobs, logprobs, token_text, len(prefix))
+              if logprobs is not None else None)
+        out.append({"index": c.index, "text": prefix + c.text, "logprobs": lp,
+                    "finish_reason": client_finish_reason(c.finish_reason)})
+    completion = sum(len(c.token_ids) for c in choices)
+    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
+            "usage": usage(prompt_tokens, completion), "system_fingerprint": None}
+
+
+def completion_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],
+                     include_usage: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": choices, "system_fingerprint": None}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def completion_chunk_choice(index: int, text: str, logprobs: Optional[dict[str, Any]] = None,
+                            finish_reason: Optional[str] = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": client_finish_reason(finish_reason)}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int,
+                completion_tokens: int) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+
+
+def error_event(message: str, kind: str = "server_error", code: Optional[str] = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}

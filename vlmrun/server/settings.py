@@ -1,0 +1,49 @@
+"""`ServerSettings`: the knobs of the HTTP layer (the engine's own live in `EngineConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MiB = 1 << 20
+
+
+@dataclass
+class ServerSettings:
+    """served_model_name: the id clients put in `model` (and /v1/models lists).
+    api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>` (/health and
+        /metrics stay open).
+    max_request_bytes: request bodies above this get 413 (base64 images make bodies large).
+    max_queued_requests: engine requests that may wait beyond the `max_num_seqs` that run;
+        more get 429. Counted from admission (before preprocessing) to the end of the request.
+    max_n: the largest `n` (choices per request) accepted.
+    preprocess_workers: threads that parse bodies, fetch and preprocess images.
+    allow_remote_urls / allow_private_urls: http(s) image URLs are fetched by the server; by
+        default only to public addresses (private, loopback, link-local and reserved ones are
+        refused unless allow_private_urls).
+    allowed_local_media_path: a directory whose image files clients may name by path or
+        file:// URI; None refuses all local paths.
+    url_timeout_s / max_image_bytes / max_url_redirects: bounds on one image fetch.
+    """
+
+    served_model_name: str
+    api_key: Optional[str] = None
+    max_request_bytes: int = 64 * MiB
+    max_queued_requests: int = 1024
+    max_n: int = 16
+    preprocess_workers: int = 4
+    allow_remote_urls: bool = True
+    allow_private_urls: bool = False
+    allowed_local_media_path: Optional[str] = None
+    url_timeout_s: float = 10.0
+    max_image_bytes: int = 20 * MiB
+    max_url_redirects: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServerSettings.{name} must be >= 1")
+        if self.max_queued_requests < 0:
+            raise ValueError("ServerSettings.max_queued_requests must be >= 0")
+        if self.url_timeout_s <= 0:
+            raise ValueError("ServerSettings.url_timeout_s must be > 0")

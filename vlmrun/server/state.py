@@ -1,0 +1,91 @@
+"""What one server instance holds (kept in `app.state.vlmrun`, never in module globals).
+
+`ServerState` bundles the async engine, the settings, the server's own `Processor` (local paths
+and URLs off: the `MediaResolver` hands it bytes), the preprocessing thread pool, the metrics and
+the admission counter that turns a full queue into 429.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional, TypeVar
+
+from processors import Processor
+from vlmrun.engine.async_engine import AsyncEngine
+from vlmrun.server.errors import model_not_found, queue_full
+from vlmrun.server.media import MediaPolicy, MediaResolver
+from vlmrun.server.metrics import ServerMetrics
+from vlmrun.server.settings import ServerSettings
+
+T = TypeVar("T")
+
+
+class Admission:
+    """Counts engine requests in flight; refuses (429) beyond `limit`. Event-loop thread only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+
+    def admit(self, n: int) -> "Ticket":
+        if self.in_flight + n > self.limit:
+            raise queue_full(self.limit)
+        self.in_flight += n
+        return Ticket(self, n)
+
+
+@dataclass
+class Ticket:
+    admission: Admission
+    n: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission.in_flight -= self.n
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    settings: ServerSettings
+    processor: Processor
+    media: MediaResolver
+    executor: ThreadPoolExecutor
+    metrics: ServerMetrics
+    admission: Admission
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerState":
+        base = engine.engine.processor
+        limits = dataclasses.replace(base.limits, allow_local_paths=False, allow_remote_urls=False,
+                                     max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes))
+        processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
+                              device=base.device, source=base.source)
+        media = MediaResolver(MediaPolicy(
+            allow_remote_urls=settings.allow_remote_urls, allow_private_urls=settings.allow_private_urls,
+            allowed_local_media_path=settings.allowed_local_media_path, url_timeout_s=settings.url_timeout_s,
+            max_image_bytes=limits.max_image_bytes,
+            max_redirects=settings.max_url_redirects))
+        admission = Admission(engine.engine.config.max_num_seqs + settings.max_queued_requests)
+        metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)
+        executor = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-preprocess")
+        return cls(engine, settings, processor, media, executor, metrics, admission)
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.served_model_name
+
+    def check_model(self, model: Optional[str]) -> None:
+        """None means the served model; any other name than the served one is a 404."""
+        if model is not None and model != self.model_name:
+            raise model_not_found(model, [self.model_name])
+
+    async def in_pool(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)

@@ -1,0 +1,113 @@
+"""HTTP plumbing the handlers share: a capped body read, and client-disconnect handling.
+
+A client that goes away must not keep its request running. Two cases:
+
+- non-streaming: `until_done_or_disconnected` runs the work beside a task that waits for the
+  ASGI `http.disconnect` message; a disconnect cancels the work (whose `finally` aborts the
+  engine requests) and raises `ClientDisconnected`;
+- streaming: `SSEResponse` pumps the event stream and listens for the disconnect at the same
+  time, so a client that leaves while the engine is still in prefill (nothing to send yet) is
+  noticed at once, not at the next write. Either way the event generator is closed, and its
+  `finally` aborts what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from vlmrun.server.errors import too_large
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was complete."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    chunks: list[bytes] = []
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_done_or_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    raise ClientDisconnected()
+
+
+class SSEResponse(StreamingResponse):
+    """`text/event-stream` whose generator is closed as soon as the client disconnects.
+
+    `on_close` runs once the response is over, however it ended (even if the generator never
+    started), so the handler's cleanup cannot be skipped.
+    """
+
+    def __init__(self, events: AsyncIterator[bytes], on_close: Optional[Callable[[], None]] = None,
+                 headers: Optional[dict[str, str]] = None):
+        base = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(events, media_type="text/event-stream", headers={**base, **(headers or {})})
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
+        try:
+            done, _ = await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if pump not in done:
+                pump.cancel()
+            try:
+                await pump
+            except (asyncio.CancelledError, OSError):
+                pass
+        finally:
+            watcher.cancel()
+            pump.cancel()
+            aclose: Any = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self._on_close is not None:  # also when the generator never started
+                self._on_close()
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self._events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

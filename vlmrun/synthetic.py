@@ -1,0 +1,242 @@
+"""Deterministic synthetic scenes: coloured shapes on plain or lightly textured backgrounds.
+
+A scene holds 1-3 shapes (circle, square, triangle) in five colours and two sizes, each in its
+own horizontal third of the picture (left, middle, right). Everything about a scene (image size
+and aspect ratio, background, texture, shapes, their exact pixel positions and tints) follows from
+one `(split_seed, index)` pair, so the same pair always gives the same picture and text.
+
+Each scene has one canonical caption, listing the shapes from left to right:
+
+    "a small red circle on the left, a large blue square in the middle and a small green triangle on the right"
+
+and question-answer pairs about colour, count, shape and position (`Scene.qa_pairs`). The bundled
+default model (`vlmrun.default_model`) is trained on these scenes; `training/` holds the recipe.
+
+Sizes are absolute in pixels (small shapes span 16-22 px, large ones 34-44 px), and image sides stay
+within 64-256 px with at most 36 864 pixels, so the model's preprocessing (multiples of 32 px, at
+most 36 merged vision tokens) rescales a scene by at most ~15 % and never blurs small into large.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
+COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (215, 38, 38),
+    "green": (34, 150, 58),
+    "blue": (38, 84, 214),
+    "yellow": (238, 200, 30),
+    "purple": (132, 52, 170),
+}
+SIZES: tuple[str, ...] = ("small", "large")
+SLOTS: tuple[str, ...] = ("left", "middle", "right")
+SLOT_PHRASES: dict[str, str] = {"left": "on the left", "middle": "in the middle", "right": "on the right"}
+COUNT_WORDS: tuple[str, ...] = ("zero", "one", "two", "three")
+
+# Background base colours (RGB) and textures; shape colours stay clearly apart from all of them.
+BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "white": (246, 246, 244),
+    "light grey": (214, 214, 212),
+    "cream": (240, 230, 204),
+    "pale blue": (212, 226, 240),
+    "dark grey": (58, 58, 62),
+}
+TEXTURES: tuple[str, ...] = ("plain", "noise", "gradient", "stripes")
+
+SMALL_EXTENT = (16, 22)  # bounding-box side in pixels, inclusive
+LARGE_EXTENT = (34, 44)
+MIN_SIDE = 64
+MAX_SIDE = 256
+MAX_PIXELS = 36 * 32 * 32  # 36 merged vision tokens of 32x32 px: the default model's preprocessing limit
+COUNT_WEIGHTS = (0.25, 0.35, 0.40)  # scenes with 1, 2, 3 shapes
+COLOUR_JITTER = 14  # per-channel uniform jitter of a shape's colour
+SUPERSAMPLE = 4  # shapes are drawn at 4x and box-filtered down (anti-aliased edges)
+
+DESCRIBE_PROMPT = "Describe the image."
+COUNT_QUESTION = "How many shapes are there?"
+
+# Splits: training draws scenes from TRAIN_SEED; evaluation uses seeds never used in training.
+TRAIN_SEED = 0
+EVAL_SEED = 1
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One shape: what it is and where it is drawn (centre and bounding-box side in pixels)."""
+
+    kind: str
+    colour: str
+    size: str
+    slot: str
+    cx: float
+    cy: float
+    extent: int
+    rgb: tuple[int, int, int]
+
+    @property
+    def phrase(self) -> str:
+        """'a small red circle on the left'."""
+        return f"a {self.size} {self.colour} {self.kind} {SLOT_PHRASES[self.slot]}"
+
+
+@dataclass(frozen=True)
+class QA:
+    """A question about a scene, its one correct answer, and its kind (count, colour, shape, ...)."""
+
+    question: str
+    answer: str
+    kind: str
+
+
+@dataclass(frozen=True)
+class Scene:
+    """A full scene description; `render()` draws it, `caption` and `qa_pairs()` describe it."""
+
+    split_seed: int
+    index: int
+    width: int
+    height: int
+    background: str
+    texture: str
+    shapes: tuple[Shape, ...]  # ordered left to right
+
+    @property
+    def caption(self) -> str:
+        phrases = [s.phrase for s in self.shapes]
+        if len(phrases) == 1:
+            return phrases[0]
+        return ", ".join(phrases[:-1]) + " and " + phrases[-1]
+
+    def qa_pairs(self) -> list[QA]:
+        """Every question this scene answers unambiguously, in a fixed order."""
+        pairs = [QA(COUNT_QUESTION, COUNT_WORDS[len(self.shapes)], "count")]
+        kinds = [s.kind for s in self.shapes]
+        for kind in SHAPES:
+            pairs.append(QA(f"How many {kind}s are there?", COUNT_WORDS[kinds.count(kind)], "count_kind"))
+        for shape in self.shapes:
+            if kinds.count(shape.kind) == 1:
+                pairs.append(QA(f"What colour is the {shape.kind}?", shape.colour, "colour"))
+                pairs.append(QA(f"What size is the {shape.kind}?", shape.size, "size"))
+        by_slot = {s.slot: s for s in self.shapes}
+        for slot in SLOTS:
+            answer = by_slot[slot].kind if slot in by_slot else "nothing"
+            pairs.append(QA(f"What shape is {SLOT_PHRASES[slot]}?", answer, "shape"))
+        named = [(s.colour, s.kind) for s in self.shapes]
+        for shape in self.shapes:
+            if named.count((shape.colour, shape.kind)) == 1:
+                pairs.append(QA(f"Where is the {shape.colour} {shape.kind}?", SLOT_PHRASES[shape.slot], "position"))
+        return pairs
+
+    def render(self) -> Image.Image:
+        """The scene as an RGB image of width x height pixels (deterministic)."""
+        rng = np.random.default_rng([self.split_seed, self.index, 7])
+        canvas = _background(self.width, self.height, self.background, self.texture, rng)
+        for shape in self.shapes:
+            alpha = _shape_mask(shape, self.width, self.height)[..., None]
+            canvas = canvas * (1.0 - alpha) + np.asarray(shape.rgb, dtype=np.float32) * alpha
+        return Image.fromarray(np.clip(np.rint(canvas), 0, 255).astype(np.uint8), "RGB")
+
+
+def make_scene(split_seed: int, index: int) -> Scene:
+    """The scene number `index` of split `split_seed` (pure function of the two integers)."""
+    rng = random.Random(f"vlmrun-shapes/{split_seed}/{index}")
+    count = rng.choices((1, 2, 3), weights=COUNT_WEIGHTS)[0]
+    slots = sorted(rng.sample(range(len(SLOTS)), count))
+    picks = []
+    for slot in slots:
+        size = rng.choice(SIZES)
+        lo, hi = SMALL_EXTENT if size == "small" else LARGE_EXTENT
+        picks.append((SLOTS[slot], rng.choice(SHAPES), rng.choice(list(COLOURS)), size, rng.randint(lo, hi)))
+    biggest = max(p[4] for p in picks)
+    # Each third must hold its shape with a margin; keep the area within the pixel budget.
+    min_width = max(MIN_SIDE, 3 * (biggest + 6))
+    width = rng.randint(min_width, MAX_SIDE)
+    min_height = max(MIN_SIDE, biggest + 10)
+    max_height = min(MAX_SIDE, MAX_PIXELS // width)
+    height = rng.randint(min_height, max(min_height, max_height))
+    background = rng.choice(list(BACKGROUNDS))
+    texture = rng.choice(TEXTURES)
+    third = width / 3
+    shapes = []
+    for slot, kind, colour, size, extent in picks:
+        k = SLOTS.index(slot)
+        half = extent / 2
+        lo_x, hi_x = k * third + half + 2, (k + 1) * third - half - 2
+        cx = rng.uniform(lo_x, max(lo_x, hi_x))
+        cy = rng.uniform(half + 3, height - half - 3)
+        rgb = tuple(min(255, max(0, c + rng.randint(-COLOUR_JITTER, COLOUR_JITTER))) for c in COLOURS[colour])
+        shapes.append(Shape(kind, colour, size, slot, round(cx, 2), round(cy, 2), extent, rgb))  # type: ignore[arg-type]
+    return Scene(split_seed, index, width, height, background, texture, tuple(shapes))
+
+
+def iter_scenes(split_seed: int, start: int = 0, count: int | None = None) -> Iterator[Scene]:
+    """Scenes `start, start+1, ...` of a split (endless when count is None)."""
+    index = start
+    while count is None or index < start + count:
+        yield make_scene(split_seed, index)
+        index += 1
+
+
+def eval_scenes(count: int = 300, split_seed: int = EVAL_SEED) -> list[Scene]:
+    """The held-out evaluation scenes (a split seed never used in training)."""
+    return list(iter_scenes(split_seed, 0, count))
+
+
+def eval_question(scene: Scene) -> QA:
+    """The one question asked about an evaluation scene: kinds cycle with the index, then a fixed pick."""
+    pairs = scene.qa_pairs()
+    kinds = sorted({p.kind for p in pairs}, key=_QA_KIND_ORDER.index)
+    kind = kinds[scene.index % len(kinds)]
+    candidates = [p for p in pairs if p.kind == kind]
+    return candidates[random.Random(f"eval-question/{scene.split_seed}/{scene.index}").randrange(len(candidates))]
+
+
+_QA_KIND_ORDER = ["count", "count_kind", "colour", "size", "shape", "position"]
+
+
+# --------------------------------------------------------------------------------------------
+# Drawing
+# --------------------------------------------------------------------------------------------
+
+
+def _background(width: int, height: int, name: str, texture: str, rng: np.random.Generator) -> np.ndarray:
+    base = np.asarray(BACKGROUNDS[name], dtype=np.float32)
+    canvas = np.broadcast_to(base, (height, width, 3)).copy()
+    if texture == "noise":
+        canvas += rng.normal(0.0, 6.0, size=(height, width, 1)).astype(np.float32)
+    elif texture == "gradient":
+        angle = rng.uniform(0, 2 * np.pi)
+        ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+        ramp = (np.cos(angle) * xs / width + np.sin(angle) * ys / height) * 24.0
+        canvas += (ramp - ramp.mean())[..., None]
+    elif texture == "stripes":
+        period = rng.uniform(6, 14)
+        phase = rng.uniform(0, period)
+        ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+        canvas += (6.0 * np.sin(2 * np.pi * (xs + ys + phase) / period))[..., None]
+    return canvas
+
+
+def _shape_mask(shape: Shape, width: int, height: int) -> np.ndarray:
+    """Coverage in [0, 1] of one shape, drawn at SUPERSAMPLE x and box-filtered down."""
+    s = SUPERSAMPLE
+    mask = Image.new("L", (width * s, height * s), 0)
+    draw = ImageDraw.Draw(mask)
+    cx, cy, half = shape.cx * s, shape.cy * s, shape.extent * s / 2
+    if shape.kind == "circle":
+        draw.ellipse((cx - half, cy - half, cx + half, cy + half), fill=255)
+    elif shape.kind == "square":
+        side = half * 0.9  # a square looks larger than a circle of the same box; even them out
+        draw.rectangle((cx - side, cy - side, cx + side, cy + side), fill=255)
+    elif shape.kind == "triangle":
+        draw.polygon([(cx, cy - half), (cx + half, cy + half * 0.85), (cx - half, cy + half * 0.85)], fill=255)
+    else:
+        raise ValueError(f"unknown shape kind {shape.kind!r}")
+    small = mask.resize((width, height), Image.Resampling.BOX)
+    return np.asarray(small, dtype=np.float32) / 255.0

@@ -1,0 +1,113 @@
+"""The Gradio demo: chat about images with a vlmrun (or any OpenAI-compatible) server.
+
+Upload one or more images and type a question; the answer streams in. Turns accumulate into a
+multi-turn chat (earlier images stay in the conversation). Sampling controls sit beside the chat;
+Stop cancels the answer (the connection closes and the server aborts the request); the status
+line shows the model and the speed in tokens/s. Example images come from `assets/images/`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, AsyncIterator, Optional
+
+import gradio as gr
+
+from web.client import ChatClient, ServerError, Speed
+from web.conversation import Turn, to_chatbot, to_openai, user_turn
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
+EXAMPLE_PROMPTS = ("Describe this image.", "What is in the picture?", "What colours dominate this image?")
+
+
+def example_images(directory: Path = ASSETS, limit: int = 6) -> list[str]:
+    if not directory.is_dir():
+        return []
+    return [str(p) for p in sorted(directory.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES][:limit]
+
+
+def sampling_params(temperature: float, top_p: float, top_k: int, max_tokens: int, repetition_penalty: float,
+                    seed: Optional[float]) -> dict[str, Any]:
+    params: dict[str, Any] = {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k),
+                              "max_tokens": int(max_tokens), "repetition_penalty": float(repetition_penalty)}
+    if seed is not None and int(seed) >= 0:
+        params["seed"] = int(seed)
+    return params
+
+
+def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Path = ASSETS) -> gr.Blocks:
+    model = model or client.model_name()
+
+    async def respond(message: Any, turns: list[Turn], system_prompt: str, temperature: float, top_p: float,
+                      top_k: int, max_tokens: int, repetition_penalty: float,
+                      seed: Optional[float]) -> AsyncIterator[tuple]:
+        turn = user_turn(message)
+        if not turn.text and not turn.images:
+            yield to_chatbot(turns), turns, gr.MultimodalTextbox(), _status(model, "type a question or add an image")
+            return
+        if not turn.text:
+            turn.text = "Describe the image." if len(turn.images) == 1 else "Describe the images."
+        turns = [*turns, turn]
+        cleared = gr.MultimodalTextbox(value=None)
+        speed = Speed()
+        label = f"answer {len(turns)}"
+        yield to_chatbot(turns), turns, cleared, _status(model, f"{label}: generating…")
+        params = sampling_params(temperature, top_p, top_k, max_tokens, repetition_penalty, seed)
+        try:
+            async for event in client.stream_chat(model, to_openai(turns, system_prompt), params):
+                speed.observe(event)
+                turn.answer += event.text
+                if event.text or event.completion_tokens is not None:
+                    yield to_chatbot(turns), turns, cleared, _status(model, f"{label}: {speed.describe()}")
+        except ServerError as exc:
+            turns = turns[:-1]
+            yield to_chatbot(turns), turns, gr.MultimodalTextbox(value=message), _status(model, f"error: {exc}")
+            return
+        yield to_chatbot(turns), turns, cleared, _status(model, f"{label}: {speed.describe()}")
+
+    with gr.Blocks(title=f"vlmrun · {model}", analytics_enabled=False) as demo:
+        gr.Markdown(f"## vlmrun web demo\nChat about images with **{model}**.")
+        turns_state = gr.State([])
+        with gr.Row():
+            with gr.Column(scale=3):
+                chatbot = gr.Chatbot(label=model, height=480, elem_id="chat")
+                textbox = gr.MultimodalTextbox(file_types=["image"], file_count="multiple", sources=["upload"],
+                                               placeholder="Add images and ask about them…", show_label=False,
+                                               elem_id="prompt")
+                with gr.Row():
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                    clear = gr.Button("Clear chat", elem_id="clear")
+                status = gr.Markdown(_status(model, "ready"), elem_id="status")
+            with gr.Column(scale=1):
+                system_prompt = gr.Textbox(label="System prompt", lines=2, value="")
+                temperature = gr.Slider(0.0, 2.0, value=0.7, step=0.05, label="Temperature")
+                top_p = gr.Slider(0.05, 1.0, value=0.9, step=0.05, label="Top-p")
+                top_k = gr.Slider(0, 200, value=50, step=1, label="Top-k (0: off)")
+                max_tokens = gr.Slider(1, 2048, value=256, step=1, label="Max new tokens",
+                                       elem_id="max-tokens")
+                repetition_penalty = gr.Slider(0.8, 2.0, value=1.05, step=0.01, label="Repetition penalty")
+                seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
+        images = example_images(examples_dir)
+        if images:
+            gr.Examples(examples=[{"text": EXAMPLE_PROMPTS[i % len(EXAMPLE_PROMPTS)], "files": [p]}
+                                  for i, p in enumerate(images)], inputs=[textbox], label="Examples")
+
+        inputs = [textbox, turns_state, system_prompt, temperature, top_p, top_k, max_tokens, repetition_penalty,
+                  seed]
+        outputs = [chatbot, turns_state, textbox, status]
+        answering = textbox.submit(respond, inputs, outputs)
+        stop.click(None, None, None, cancels=[answering])
+        clear.click(lambda: ([], [], _status(model, "ready")), None, [chatbot, turns_state, status],
+                    cancels=[answering])
+    return demo
+
+
+def _status(model: str, text: str) -> str:
+    return f"Model: `{model}` · {text}"
+
+
+def theme() -> gr.themes.Base:
+    """The default look with system fonts: the page loads nothing from outside the server."""
+    return gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
+                             font_mono=["ui-monospace", "monospace"])

@@ -1,0 +1,53 @@
+"""`vlmrun web`: the Gradio demo, against a running server (`--server URL`) or a model loaded in
+this process (`--model M`, served by an in-process OpenAI-compatible server on a free loopback
+port, so both modes run the same client code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def web(args: argparse.Namespace) -> int:
+    if bool(args.model) == bool(args.server):
+        print("vlmrun web: give exactly one of --model M or --server URL", file=sys.stderr)
+        return 2
+    from web.app import ASSETS, build_demo, theme
+    from web.client import ChatClient
+
+    engine = server = None
+    try:
+        if args.model:
+            from vlmrun.server.cli import engine_config
+            from vlmrun.server.launch import build_engine, serve_in_thread
+            from vlmrun.server.settings import ServerSettings
+
+            engine = build_engine(engine_config(args))
+            server = serve_in_thread(engine, ServerSettings(served_model_name=args.model))
+            client = ChatClient(server.base_url)
+        else:
+            client = ChatClient(args.server, api_key=args.api_key)
+        demo = build_demo(client)
+        demo.queue(default_concurrency_limit=args.concurrency)
+        demo.launch(server_name=args.host, server_port=args.port, theme=theme(), ssr_mode=False,
+                    allowed_paths=[str(ASSETS)], share=False)
+    finally:
+        if server is not None:
+            server.stop()
+        if engine is not None:
+            engine.shutdown()
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from vlmrun.server.cli import add_engine_args
+
+    p = sub.add_parser("web", help="Gradio web demo (chat about images)")
+    add_engine_args(p)
+    p.add_argument("--server", default=None, help="URL of a running OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", default=None, help="API key for --server")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--concurrency", type=int, default=8, help="answers streamed at once")
+    p.set_defaults(func=web)

@@ -1,0 +1,64 @@
+"""The demo's conversation: a list of turns, rendered for the Chatbot and for the server.
+
+A `Turn` is one user message (text and any number of image files) and the answer so far. The
+Chatbot shows the images from their files; the server receives them as base64 data URIs, so the
+demo works against any OpenAI-compatible server, local or not, without sharing a filesystem.
+"""
+
+from __future__ import annotations
+
+import base64
+import mimetypes
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Turn:
+    text: str
+    images: list[str] = field(default_factory=list)  # file paths
+    answer: str = ""
+
+
+def image_data_uri(path: str) -> str:
+    media_type = mimetypes.guess_type(path)[0] or "image/png"
+    if not media_type.startswith("image/"):
+        media_type = "application/octet-stream"
+    data = base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    return f"data:{media_type};base64,{data}"
+
+
+def to_openai(turns: list[Turn], system_prompt: str = "") -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if system_prompt.strip():
+        messages.append({"role": "system", "content": system_prompt.strip()})
+    for i, turn in enumerate(turns):
+        content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": image_data_uri(p)}}
+                                         for p in turn.images]
+        content.append({"type": "text", "text": turn.text})
+        messages.append({"role": "user", "content": content})
+        if i < len(turns) - 1:  # the last turn is the one being answered
+            messages.append({"role": "assistant", "content": turn.answer})
+    return messages
+
+
+def to_chatbot(turns: list[Turn]) -> list[dict[str, Any]]:
+    """Chatbot messages: each image as its own file message, then the text, then the answer."""
+    shown: list[dict[str, Any]] = []
+    for turn in turns:
+        for path in turn.images:
+            shown.append({"role": "user", "content": {"path": path}})
+        if turn.text:
+            shown.append({"role": "user", "content": turn.text})
+        shown.append({"role": "assistant", "content": turn.answer})
+    return shown
+
+
+def user_turn(message: Any) -> Turn:
+    """A Turn from the MultimodalTextbox value {"text": str, "files": [path | {"path": ...}]}."""
+    message = message or {}
+    files = []
+    for f in message.get("files") or []:
+        files.append(f["path"] if isinstance(f, dict) else str(f))
+    return Turn(text=(message.get("text") or "").strip(), images=files)
