@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from processors import Processor
+from training.aux_targets import cell_labels
 from vlmrun.synthetic import DESCRIBE_PROMPT, QA, Scene, make_scene
 
 IGNORE = -100
@@ -27,6 +28,7 @@ class Example:
     n_prompt: int
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
+    aux_labels: torch.Tensor  # [merged tokens, 4] (see training.aux_targets)
 
 
 def pick_task(scene: Scene, seed: int) -> QA:
@@ -41,11 +43,15 @@ def pick_task(scene: Scene, seed: int) -> QA:
 
 
 def encode(processor: Processor, scene: Scene, qa: QA) -> Example:
-    prompt = processor.process_prompt(qa.question, [scene.render()])
+    image, masks = scene.render_with_masks()
+    prompt = processor.process_prompt(qa.question, [image])
     answer = processor.tokenizer.encode(qa.answer, add_special_tokens=False)
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     (item,) = prompt.mm_items
-    return Example(list(prompt.token_ids) + answer + [end], len(prompt.token_ids), item.pixel_values, item.grid_thw)
+    _, gh, gw = item.grid_thw
+    aux = cell_labels(scene, masks, gh // 2, gw // 2)
+    return Example(list(prompt.token_ids) + answer + [end], len(prompt.token_ids), item.pixel_values, item.grid_thw,
+                   aux)
 
 
 def training_batch(processor: Processor, split_seed: int, start: int, size: int, task_seed: int) -> list[Example]:
@@ -58,7 +64,8 @@ def training_batch(processor: Processor, split_seed: int, start: int, size: int,
 
 
 def collate(examples: list[Example], pad_id: int, image_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, attention_mask, labels (next-token targets), pixels, grids, token types."""
+    """Right-padded batch: input_ids, attention_mask, labels (next-token targets), pixels, grids, token
+    types, and the vision tokens' auxiliary labels (popped before the model's forward)."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), length), dtype=torch.long)
@@ -76,4 +83,5 @@ def collate(examples: list[Example], pad_id: int, image_id: int) -> dict[str, to
         "pixel_values": torch.cat([e.pixel_values for e in examples]),
         "image_grid_thw": torch.tensor([e.grid_thw for e in examples], dtype=torch.long),
         "mm_token_type_ids": (ids == image_id).to(torch.int32),
+        "aux_labels": torch.cat([e.aux_labels for e in examples]),
     }

@@ -29,6 +29,7 @@ from processors import Processor  # noqa: E402
 from training.checkpoint_files import (  # noqa: E402
     ModelSize, build_config, generation_config, write_preprocessor_config, write_tokenizer,
 )
+from training.aux_targets import AuxProbe  # noqa: E402
 from training.data import IGNORE, collate, training_batch  # noqa: E402
 from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
 from training.fast_ops import linear_patch_embed, restore_patch_embed  # noqa: E402
@@ -42,11 +43,12 @@ class Recipe:
 
     steps: int = 4000
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 1.5e-3
     min_lr_ratio: float = 0.05
     warmup: int = 150
     weight_decay: float = 0.05
     grad_clip: float = 1.0
+    aux_weight: float = 1.0  # the vision-token probe's loss (training.aux_targets), added to the answer loss
     seed: int = 1234
     eval_scenes: int = 300
 
@@ -107,10 +109,14 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
     torch.manual_seed(recipe.seed)
     model = Qwen3_5ForConditionalGeneration(config).to(torch.float32).train()
     linear_patch_embed(model)
+    probe = AuxProbe(config.text_config.hidden_size)
+    vision_tokens: dict[str, torch.Tensor] = {}
+    hook = model.model.visual.merger.register_forward_hook(lambda m, i, o: vision_tokens.__setitem__("out", o))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; vocab {config.text_config.vocab_size}", flush=True)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    named = list(model.named_parameters()) + [(f"probe.{n}", p) for n, p in probe.named_parameters()]
+    decay = [p for n, p in named if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in named if not (p.dim() >= 2 and "embed" not in n)]
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
 
@@ -120,28 +126,33 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
     )
     start = time.time()
     history = []
-    running = 0.0
+    running, running_aux = 0.0, 0.0
     for step, batch in enumerate(loader):
         for group in optim.param_groups:
             group["lr"] = lr_at(step, recipe)
         labels = batch.pop("labels")
+        aux_labels = batch.pop("aux_labels")
         logits = model(**batch, use_cache=False).logits
         loss = answer_loss(logits, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+        aux = probe.loss(vision_tokens.pop("out"), aux_labels)
+        (loss + recipe.aux_weight * aux).backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], recipe.grad_clip)
         optim.step()
         optim.zero_grad(set_to_none=True)
         running += loss.item()
+        running_aux += aux.item()
         if (step + 1) % log_every == 0:
             elapsed = time.time() - start
-            print(f"step {step + 1}/{recipe.steps} loss {running / log_every:.4f} lr {lr_at(step, recipe):.2e} "
-                  f"{elapsed / 60:.1f} min", flush=True)
-            history.append({"step": step + 1, "loss": round(running / log_every, 5), "minutes": round(elapsed / 60, 2)})
-            running = 0.0
+            print(f"step {step + 1}/{recipe.steps} loss {running / log_every:.4f} aux {running_aux / log_every:.4f} "
+                  f"lr {lr_at(step, recipe):.2e} {elapsed / 60:.1f} min", flush=True)
+            history.append({"step": step + 1, "loss": round(running / log_every, 5),
+                            "aux": round(running_aux / log_every, 5), "minutes": round(elapsed / 60, 2)})
+            running, running_aux = 0.0, 0.0
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < recipe.steps:
             print(f"  eval@{step + 1}: {evaluate(model, processor, 100)}", flush=True)
     train_minutes = (time.time() - start) / 60
 
+    hook.remove()
     restore_patch_embed(model)
     model.eval()
     model.generation_config = generation_config(tokenizer)

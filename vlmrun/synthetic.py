@@ -135,12 +135,19 @@ class Scene:
 
     def render(self) -> Image.Image:
         """The scene as an RGB image of width x height pixels (deterministic)."""
+        return self.render_with_masks()[0]
+
+    def render_with_masks(self) -> tuple[Image.Image, list[np.ndarray]]:
+        """The image and, per shape (left to right), its coverage in [0, 1] as a [height, width] array."""
         rng = np.random.default_rng([self.split_seed, self.index, 7])
         canvas = _background(self.width, self.height, self.background, self.texture, rng)
+        masks = []
         for shape in self.shapes:
-            alpha = _shape_mask(shape, self.width, self.height)[..., None]
-            canvas = canvas * (1.0 - alpha) + np.asarray(shape.rgb, dtype=np.float32) * alpha
-        return Image.fromarray(np.clip(np.rint(canvas), 0, 255).astype(np.uint8), "RGB")
+            alpha = _shape_mask(shape, self.width, self.height)
+            masks.append(alpha)
+            canvas = canvas * (1.0 - alpha[..., None]) + np.asarray(shape.rgb, dtype=np.float32) * alpha[..., None]
+        image = Image.fromarray(np.clip(np.rint(canvas), 0, 255).astype(np.uint8), "RGB")
+        return image, masks
 
 
 def make_scene(split_seed: int, index: int) -> Scene:

@@ -1,1 +1,12 @@
-"""Batch jobs: captioning many images (CLI, streaming pipeline, Ray Data)."""
+"""Batch jobs: captioning many images, resumably, on one engine or on Ray Data.
+
+- `cli`: the `vlmrun caption` command (flags -> `CaptionJobConfig`, exit status).
+- `config`: `CaptionJobConfig`, `RayOptions`, and `default_model()`, where a bundled default plugs in.
+- `inputs`: INPUT arguments (files, directories, globs, URLs, manifests) -> a lazy stream of `JobItem`s.
+- `pipeline`: `CaptionPipeline`, the streaming loop: worker threads preprocess, one thread drives the engine.
+- `sink`: the crash-safe JSONL journal, JSONL / Parquet / print outputs, resume state.
+- `records`: `CaptionRecord`, the record schema and key hashing.
+- `progress`: counters, the live bar, the final `JobSummary`.
+- `runner`: `run_caption_job`, which ties them together (and hands off to `vlmrun.ray` with --ray).
+- `samples`: synthetic image folders (good and broken files) for tests and benchmarks.
+"""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Optional
 
@@ -40,10 +41,12 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def render_line(c: JobCounters, now: Optional[float] = None) -> str:
-    """`[#####-----] 1,204/2,000  60%  35.1 img/s  412 tok/s  ETA 0:22  failed 3`"""
+def render_line(c: JobCounters, now: Optional[float] = None, rates: Optional[tuple[float, float]] = None) -> str:
+    """`[#####-----] 1,204/2,000  60%  35.1 img/s  412 tok/s  ETA 0:22  failed 3`
+
+    rates: (images/s, tokens/s) to show (a recent window); default the averages since the start."""
     elapsed = c.elapsed(now)
-    rate = c.done / elapsed
+    rate, token_rate = rates if rates is not None else (c.done / elapsed, c.tokens / elapsed)
     parts = []
     if c.total:
         frac = min(c.done / c.total, 1.0)
@@ -53,7 +56,7 @@ def render_line(c: JobCounters, now: Optional[float] = None) -> str:
     else:
         parts.append(f"{c.done:,}/{'?' if c.total is None else c.total}")
     parts.append(f"{rate:.1f} img/s")
-    parts.append(f"{c.tokens / elapsed:.0f} tok/s")
+    parts.append(f"{token_rate:.0f} tok/s")
     if c.total and rate > 0 and c.done < c.total:
         parts.append(f"ETA {_fmt_duration((c.total - c.done) / rate)}")
     else:
@@ -63,10 +66,13 @@ def render_line(c: JobCounters, now: Optional[float] = None) -> str:
 
 
 class ProgressBar:
-    """Draws `render_line` to `stream` (stderr by default) as the counters change."""
+    """Draws `render_line` to `stream` (stderr by default) as the counters change.
+
+    Rates and ETA are measured over the last `window` seconds, so the engine's warm-up and
+    changes of pace (image sizes, caption lengths) fade out of them."""
 
     def __init__(self, counters: JobCounters, stream: Optional[IO[str]] = None, enabled: bool = True,
-                 interval: float = 0.25, log_interval: float = 15.0):
+                 interval: float = 0.25, log_interval: float = 15.0, window: float = 20.0):
         self.counters = counters
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
@@ -74,6 +80,18 @@ class ProgressBar:
         self.interval = interval if self.tty else log_interval
         self._last = 0.0 if self.tty else time.monotonic()  # a log gets its first line after log_interval
         self._width = 0
+        self.window = window
+        self._samples: deque[tuple[float, int, int]] = deque()  # (time, done, tokens)
+
+    def _recent_rates(self, now: float) -> Optional[tuple[float, float]]:
+        c = self.counters
+        self._samples.append((now, c.done, c.tokens))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window:
+            self._samples.popleft()
+        t0, done0, tokens0 = self._samples[0]
+        if now - t0 < 1.0:  # too short to say; the averages since the start
+            return None
+        return (c.done - done0) / (now - t0), (c.tokens - tokens0) / (now - t0)
 
     def refresh(self, force: bool = False) -> None:
         if not self.enabled:
@@ -82,7 +100,7 @@ class ProgressBar:
         if not force and now - self._last < self.interval:
             return
         self._last = now
-        line = render_line(self.counters, now)
+        line = render_line(self.counters, now, self._recent_rates(now))
         if self.tty:
             pad = max(self._width - len(line), 0)
             self.stream.write("\r" + line + " " * pad)
