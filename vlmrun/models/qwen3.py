@@ -72,11 +72,15 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE)
+
+
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool):
+    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
+                 mlp: Optional[nn.Module] = None):
         super().__init__()
         self.self_attn = Qwen3Attention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias)
-        self.mlp = Qwen3MLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.mlp = mlp or Qwen3MLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -94,11 +98,12 @@ class Qwen3TextModel(nn.Module):
     """
 
     def __init__(self, config: Any, rotary_emb: nn.Module, *, qkv_bias: bool = False, qk_norm: bool = True,
-                 o_bias: bool = False):
+                 o_bias: bool = False, make_mlp: Optional[MakeMLP] = None):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias)
+            Qwen3DecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias,
+                              mlp=make_mlp(i) if make_mlp else None)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -13,7 +13,7 @@ transformers-5 layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`) 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Optional, Iterable
 
 import torch
 from torch import nn
@@ -161,11 +161,19 @@ class Qwen3VLForConditionalGeneration(nn.Module):
 
         self.visual = Qwen3VLVisionModel(vision)
         bias = bool(getattr(text, "attention_bias", False))
-        self.language_model = Qwen3TextModel(text, rotary, qkv_bias=bias, o_bias=bias)
+        self.language_model = Qwen3TextModel(text, rotary, qkv_bias=bias, o_bias=bias,
+                                             make_mlp=lambda i: self.make_text_mlp(text, i))
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tied = tie_word_embeddings(config)
+        self.tied = self.ties_embeddings(config)
         if self.tied:
             self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    # Hooks for variants (Qwen3-VL-MoE): the MLP of text layer i, and whether lm_head is tied.
+    def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
+        return None  # the dense SwiGLU MLP
+
+    def ties_embeddings(self, config: Any) -> bool:
+        return tie_word_embeddings(config)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, deepstack = self.visual(pixel_values, grid_thw)
