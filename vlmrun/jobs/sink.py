@@ -25,6 +25,7 @@ A lock file `<out>.lock` (flock) stops two jobs from appending to the same outpu
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -286,7 +287,7 @@ class ParquetOutput:
 
     def __init__(self, path: str, *, overwrite: bool = False, retry_errors: bool = False,
                  fsync_interval: float = 1.0, row_group_size: int = PARQUET_ROW_GROUP):
-        import pyarrow.parquet  # noqa: F401  (fail now, not at the end, if pyarrow is missing)
+        importlib.import_module("pyarrow.parquet")  # fail now, not at the end, if pyarrow is missing
 
         self.path = path
         self.journal_path = path + JOURNAL_SUFFIX
