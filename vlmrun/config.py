@@ -31,6 +31,11 @@ class EngineConfig:
     kv_cache_memory_bytes: Optional[int] = None  # explicit cache budget (KV + GDN state); default on CPU: 2 GiB
     gdn_state_dtype: str = "float32"  # hybrid models: dtype of the GDN recurrent state (float32 | bfloat16 | float16)
     encoder_cache_tokens: int = 32768  # vision embeddings kept by image hash
+    enable_prefix_caching: bool = True  # reuse the KV of full prompt pages across requests (docs/prefix_cache.md)
+    # Hybrid models: GDN state snapshots for prefix hits. None = as many as max_num_seqs that fit in the
+    # budget the KV pool cannot use anyway (often none on a tight budget); an int takes them from the budget.
+    gdn_prefix_snapshots: Optional[int] = None
+    prefix_snapshot_interval: int = 512  # hybrid models: snapshot every this many prompt tokens (and at the last full page)
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
     seed: int = 0
@@ -44,6 +49,10 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.gdn_prefix_snapshots is not None and self.gdn_prefix_snapshots < 0:
+            raise ValueError(f"gdn_prefix_snapshots must be >= 0, got {self.gdn_prefix_snapshots}")
+        if self.prefix_snapshot_interval < 1:
+            raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

@@ -50,3 +50,44 @@ class GDNPool:
         slots = slots.to(self.conv_state.device)
         self.conv_state.index_fill_(1, slots, 0)
         self.recurrent_state.index_fill_(1, slots, 0)
+
+
+class GDNSnapshotPool:
+    """A bounded store of GDN states taken at prefix-cache boundaries (hybrid models).
+
+    Snapshot i holds conv and recurrent state of every GDN layer:
+      conv       [n_gdn_layers, num_snapshots, conv_dim, kernel - 1]
+      recurrent  [n_gdn_layers, num_snapshots, Hv, Dv, Dk]
+    with the dtypes of the `GDNPool` it copies from and to. Its memory is counted in the one cache
+    budget (`plan_cache_memory`). The prefix cache decides which snapshot belongs to which page.
+    """
+
+    def __init__(self, pool: GDNPool, num_snapshots: int):
+        if num_snapshots < 1:
+            raise ValueError(f"a snapshot pool needs at least one snapshot, got {num_snapshots}")
+        self.pool = pool
+        self.num_snapshots = num_snapshots
+        conv, rec = pool.conv_state, pool.recurrent_state
+        self.conv = torch.zeros((conv.shape[0], num_snapshots, *conv.shape[2:]), dtype=conv.dtype, device=conv.device)
+        self.recurrent = torch.zeros((rec.shape[0], num_snapshots, *rec.shape[2:]), dtype=rec.dtype,
+                                     device=rec.device)
+        self.free_ids: list[int] = list(range(num_snapshots - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self.free_ids.pop() if self.free_ids else None
+
+    def free(self, idx: int) -> None:
+        self.free_ids.append(idx)
+
+    def num_free(self) -> int:
+        return len(self.free_ids)
+
+    def save(self, slot: int, idx: int) -> None:
+        """Copy the state of GDN slot `slot` into snapshot `idx` (no host sync)."""
+        self.conv[:, idx].copy_(self.pool.conv_state[:, slot])
+        self.recurrent[:, idx].copy_(self.pool.recurrent_state[:, slot])
+
+    def restore(self, idx: int, slot: int) -> None:
+        """Copy snapshot `idx` into GDN slot `slot`."""
+        self.pool.conv_state[:, slot].copy_(self.conv[:, idx])
+        self.pool.recurrent_state[:, slot].copy_(self.recurrent[:, idx])

@@ -8,6 +8,9 @@ write there and nothing reads it.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import Callable, Optional
+
 import torch
 
 
@@ -58,7 +61,13 @@ class KVPool:
 
 
 class PageAllocator:
-    """Hands out pages of `page_size` slots. Page 0 is reserved as the dummy page."""
+    """Hands out pages of `page_size` slots, refcounted. Page 0 is reserved as the dummy page.
+
+    A page has one reference per request holding it. A page the prefix cache indexes
+    (`mark_cached`) is not freed when its last reference goes: it joins an LRU of evictable pages
+    that `alloc` reclaims, oldest first, only when the free list runs short (`on_evict(page)` tells
+    the prefix cache to forget it). Evictable pages count as free in `num_free_pages`.
+    """
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
@@ -66,20 +75,57 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.free_pages: list[int] = list(range(num_pages - 1, 0, -1))  # pop() yields 1, 2, ...
+        self.refcount: list[int] = [0] * num_pages
+        self.cached: set[int] = set()  # pages the prefix cache indexes
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached pages no request holds, LRU first
+        self.on_evict: Optional[Callable[[int], None]] = None
 
     def num_free_pages(self) -> int:
-        return len(self.free_pages)
+        """Pages an allocation can get: free ones plus cached pages no request holds."""
+        return len(self.free_pages) + len(self.evictable)
 
     def num_usable_pages(self) -> int:
         return self.num_pages - 1
 
+    def num_evictable_pages(self) -> int:
+        return len(self.evictable)
+
     def alloc(self, n: int) -> list[int] | None:
-        if n > len(self.free_pages):
+        if n > self.num_free_pages():
             return None
-        return [self.free_pages.pop() for _ in range(n)]
+        while len(self.free_pages) < n:
+            page, _ = self.evictable.popitem(last=False)
+            self.cached.discard(page)
+            if self.on_evict is not None:
+                self.on_evict(page)
+            self.free_pages.append(page)
+        pages = [self.free_pages.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more reference to each of `pages` (cached pages reused by a prefix hit)."""
+        for p in pages:
+            self.refcount[p] += 1
+            self.evictable.pop(p, None)
+
+    def mark_cached(self, page: int) -> None:
+        self.cached.add(page)
 
     def free(self, pages: list[int]) -> None:
-        self.free_pages.extend(reversed(pages))
+        """Drop one reference to each page; the last one frees it (or makes a cached page evictable).
+
+        Pages are released last first, so a prefix's deeper pages are evicted before its first ones.
+        """
+        for p in reversed(pages):
+            self.refcount[p] -= 1
+            if self.refcount[p] > 0:
+                continue
+            if p in self.cached:
+                self.evictable[p] = None
+            else:
+                self.free_pages.append(p)
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:

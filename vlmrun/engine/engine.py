@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
+from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request, RequestStatus
@@ -52,10 +53,26 @@ class Engine:
         self.runner = ModelRunner(self.model_config, config, self.device)
         self.max_model_len = self.runner.max_model_len
         self._log_cache_plan()
+        self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.runner.allocator, self.runner.req_pool, self.runner.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
+                                   snapshot_interval=config.prefix_snapshot_interval)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
+
+    def _make_prefix_cache(self) -> Optional[PrefixCache]:
+        if not self.config.enable_prefix_caching:
+            return None
+        runner = self.runner
+        if runner.gdn_pool is not None and runner.gdn_snapshots is None:
+            logger.info("prefix caching is off for this hybrid model: the budget leaves no room for GDN state "
+                        "snapshots (set gdn_prefix_snapshots to take some from the cache budget)")
+            return None
+        return PrefixCache(runner.allocator, runner.gdn_snapshots, needs_snapshots=runner.gdn_pool is not None)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prefix-cache counters (all zero when caching is off); `.hit_rate` = hit tokens / looked-up tokens."""
+        return dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache is not None else PrefixCacheStats()
 
     def _log_cache_plan(self) -> None:
         plan = self.runner.cache_plan
@@ -68,6 +85,9 @@ class Engine:
                     plan.kv_bytes_per_token, (plan.num_pages - 1) * plan.page_size, plan.kv_bytes,
                     plan.gdn_bytes_per_request, plan.num_gdn_slots, plan.gdn_bytes, plan.max_num_seqs,
                     plan.max_model_len)
+        if plan.num_gdn_snapshots:
+            logger.info("prefix cache: %d GDN state snapshots (%d bytes)", plan.num_gdn_snapshots,
+                        plan.gdn_snapshot_bytes)
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
@@ -110,6 +130,9 @@ class Engine:
             generator.manual_seed(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator)
+        if self.prefix_cache is not None:
+            page_size = self.runner.page_size
+            req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size)
         self.requests[request_id] = req
         self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
                                                      self.model_config.eos_token_ids, self.max_model_len)
@@ -137,6 +160,7 @@ class Engine:
         for chunk, sampled in zip(chunks, results):
             req = chunk.request
             req.num_computed_tokens = chunk.end
+            self.scheduler.commit(req)  # index new full pages (and snapshot GDN state) before a finish frees them
             if sampled is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now

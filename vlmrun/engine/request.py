@@ -34,7 +34,12 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     req_pool_idx: Optional[int] = None  # row in ReqToTokenPool while running
-    pages: list[int] = field(default_factory=list)  # KV pages owned, in token order
+    pages: list[int] = field(default_factory=list)  # KV pages held (owned or shared via the prefix cache), in token order
+    # Prefix cache: chained keys of the prompt's full pages (empty when caching is off), how many of
+    # this request's pages are indexed, and the tokens the last admission reused.
+    page_keys: list[bytes] = field(default_factory=list)
+    num_indexed_pages: int = 0
+    prefix_hit_tokens: int = 0
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     first_token_time: Optional[float] = None

@@ -5,14 +5,26 @@ first: a decode costs one token, an unfinished prefill takes as much of its rema
 the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs`.
 When the KV pool has no page for a running request, the newest running request is preempted:
 its pages are freed and it waits to recompute its prompt and the tokens it already generated.
+
+With a prefix cache (docs/prefix_cache.md), an admitted request first takes the longest run of
+cached full prompt pages (always leaving at least one token to compute) and starts its first
+chunk there; for a hybrid model the run ends at a page that has a GDN state snapshot, which is
+copied into the request's slot. After each step `commit` indexes the request's newly computed
+full prompt pages and, for hybrid models, snapshots the GDN state when a chunk ends at a
+snapshot point (the scheduler cuts prefill chunks so that they do).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
+import torch
+
+from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.kv_pool import PageAllocator, ReqToTokenPool, pages_needed
+from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
 
 
@@ -34,7 +46,8 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, max_num_seqs: int,
-                 max_num_batched_tokens: int):
+                 max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
+                 snapshot_interval: int = 512):
         self.allocator = allocator
         self.req_pool = req_pool
         self.page_size = allocator.page_size
@@ -43,6 +56,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache = prefix_cache
+        # hybrid models: snapshot points every this many tokens (a page multiple) and at the last full page
+        self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
+        self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
 
     @property
     def capacity_tokens(self) -> int:
@@ -64,7 +81,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_len(req, budget)
             if not self._grow_or_preempt(req, req.num_computed_tokens + n):
                 if len(self.running) == 1:  # alone and still no room: the pool is too small for it
                     self.running.remove(req)
@@ -81,13 +98,18 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
             row = self.req_pool.alloc()
             if row is None:
                 break
+            match = self._reuse_prefix(req, row)
+            n = self._chunk_len(req, budget)
             if not self._grow(req, req.num_computed_tokens + n):
+                self._release(req)
                 self.req_pool.free(row)
+                req.num_computed_tokens = req.num_indexed_pages = req.prefix_hit_tokens = 0
                 break
+            if match is not None:
+                self._count_lookup(req, match.num_pages)
             self.waiting.popleft()
             req.req_pool_idx = row
             req.status = RequestStatus.RUNNING
@@ -95,6 +117,76 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
         return chunks, too_long
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _reuse_prefix(self, req: Request, row: int) -> Optional[PrefixMatch]:
+        """Take the cached prefix of a request being admitted (row `row`); the match or None without a cache."""
+        cache = self.prefix_cache
+        if cache is None or req.num_computed_tokens or not req.page_keys:
+            return None
+        max_pages = min(len(req.page_keys), (req.num_tokens - 1) // self.page_size)  # leave >= 1 token
+        match = cache.match(req.page_keys, max_pages)
+        if not match.pages:
+            return match
+        n = match.num_pages * self.page_size
+        req.pages = list(match.pages)
+        req.num_computed_tokens = req.prefix_hit_tokens = n
+        req.num_indexed_pages = match.num_pages
+        pages = torch.tensor(match.pages, dtype=torch.int64)
+        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()  # [n]
+        self.req_pool.req_to_token[row, :n] = slots.to(self.req_pool.req_to_token.device)
+        if match.snapshot is not None:
+            cache.restore_snapshot(match.snapshot, gdn_slot_for_row(row))
+        return match
+
+    def _count_lookup(self, req: Request, hit_pages: int) -> None:
+        stats = self.prefix_cache.stats
+        hit = hit_pages * self.page_size
+        stats.queries += 1
+        stats.query_tokens += req.num_prompt_tokens
+        stats.hits += hit > 0
+        stats.hit_tokens += hit
+        stats.images_skipped += sum(it.offset + it.length <= hit for it in req.prompt.mm_items)
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        """Tokens to feed: what is left within the budget, cut back to a snapshot point (hybrid models)."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
+        if not self.cut_at_snapshots or start >= req.num_prompt_tokens:
+            return n
+        end = start + n
+        limit = min(end, req.num_prompt_tokens)
+        last_full = len(req.page_keys) * self.page_size
+        points = [p for p in (last_full, limit // self.snapshot_interval * self.snapshot_interval)
+                  if start < p <= limit]
+        if not points:
+            return n
+        point = max(points)
+        if point < end and not self.prefix_cache.has_snapshot(req.page_keys[point // self.page_size - 1]):
+            return point - start
+        return n
+
+    def is_snapshot_point(self, req: Request, boundary: int) -> bool:
+        if boundary <= 0 or boundary % self.page_size or boundary > len(req.page_keys) * self.page_size:
+            return False
+        return boundary == len(req.page_keys) * self.page_size or boundary % self.snapshot_interval == 0
+
+    def commit(self, req: Request) -> None:
+        """After a step computed `req` up to `num_computed_tokens`: index its new full prompt pages,
+        and snapshot its GDN state when the step ended at a snapshot point (hybrid models)."""
+        cache = self.prefix_cache
+        if cache is None or not req.page_keys:
+            return
+        done = min(req.num_computed_tokens // self.page_size, len(req.page_keys))
+        for j in range(req.num_indexed_pages, done):
+            cache.insert(req.page_keys[j], req.pages[j])
+        req.num_indexed_pages = max(req.num_indexed_pages, done)
+        end = req.num_computed_tokens
+        if cache.snapshots is not None and self.is_snapshot_point(req, end):
+            cache.save_snapshot(req.pages[end // self.page_size - 1], gdn_slot_for_row(req.req_pool_idx))
+
+    # ------------------------------------------------------------------ pages
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         need = pages_needed(num_tokens, self.page_size) - len(req.pages)
@@ -118,7 +210,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_indexed_pages = req.prefix_hit_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from vlmrun.cache.encoder_cache import EncoderCache
-from vlmrun.cache.gdn_pool import GDNPool, gdn_slot_for_row
+from vlmrun.cache.gdn_pool import GDNPool, GDNSnapshotPool, gdn_slot_for_row
 from vlmrun.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.engine.scheduler import ScheduledChunk
@@ -48,6 +48,7 @@ class CachePlan:
     kv_bytes_per_token: int
     gdn_bytes_per_request: int  # 0 for a model without GDN layers
     num_gdn_slots: int  # max_num_seqs + 1 (slot 0 is the dummy); 0 without GDN layers
+    num_gdn_snapshots: int = 0  # GDN states kept for prefix-cache hits (hybrid models)
 
     @property
     def kv_bytes(self) -> int:
@@ -56,6 +57,10 @@ class CachePlan:
     @property
     def gdn_bytes(self) -> int:
         return self.num_gdn_slots * self.gdn_bytes_per_request
+
+    @property
+    def gdn_snapshot_bytes(self) -> int:
+        return self.num_gdn_snapshots * self.gdn_bytes_per_request
 
 
 def kv_bytes_per_token(shape: CacheShape, dtype: torch.dtype) -> int:
@@ -72,13 +77,18 @@ def gdn_bytes_per_request(shape: CacheShape, conv_dtype: torch.dtype, state_dtyp
 
 def plan_cache_memory(shape: CacheShape, budget_bytes: int, *, dtype: torch.dtype, gdn_state_dtype: torch.dtype,
                       max_num_seqs: int, max_model_len: int, page_size: int,
-                      max_model_len_fixed: bool) -> CachePlan:
+                      max_model_len_fixed: bool, gdn_snapshots: Optional[int] = 0) -> CachePlan:
     """Split one budget: the GDN pool takes `max_num_seqs + 1` slots, the KV pool gets the rest.
 
     If the GDN state of `max_num_seqs` requests does not fit in the budget, `max_num_seqs` is
     lowered so that the GDN pool takes at most `GDN_MAX_BUDGET_SHARE` of it. KV pages are capped
     at what `max_num_seqs` requests of `max_model_len` tokens can use; `max_model_len` shrinks to
     the KV capacity unless it was set by the user (`max_model_len_fixed`).
+
+    Hybrid models with prefix caching keep GDN state snapshots (`gdn_snapshots`, each the size of
+    one request's state): an int takes them from the budget before the KV pool; None takes up to
+    `max_num_seqs` of them only from what the KV pool cannot use (the budget beyond
+    `max_num_seqs * max_model_len` tokens); 0 keeps none.
     """
     per_token = kv_bytes_per_token(shape, dtype)
     per_request = gdn_bytes_per_request(shape, dtype, gdn_state_dtype)
@@ -91,16 +101,24 @@ def plan_cache_memory(shape: CacheShape, budget_bytes: int, *, dtype: torch.dtyp
                              f"gpu_memory_utilization")
     num_slots = seqs + 1 if per_request else 0
     kv_budget = budget_bytes - num_slots * per_request
+    snapshots = 0
+    if per_request and gdn_snapshots:
+        snapshots = gdn_snapshots
+        kv_budget -= snapshots * per_request
     wanted_tokens = seqs * max_model_len
     tokens = min(kv_budget // per_token, wanted_tokens) if per_token else wanted_tokens
     num_pages = tokens // page_size + 1  # + the dummy page
     if num_pages < 2:
         raise ValueError(f"the KV budget of {kv_budget} bytes holds no page of {page_size} tokens "
                          f"({per_token} bytes per token); raise kv_cache_memory_bytes or gpu_memory_utilization")
+    if per_request and gdn_snapshots is None:
+        surplus = kv_budget - num_pages * page_size * per_token
+        snapshots = min(seqs, max(surplus, 0) // per_request)
     capacity = (num_pages - 1) * page_size
     max_len = max_model_len if max_model_len_fixed else min(max_model_len, capacity)
     return CachePlan(num_pages=num_pages, page_size=page_size, max_model_len=max_len, max_num_seqs=seqs,
-                     kv_bytes_per_token=per_token, gdn_bytes_per_request=per_request, num_gdn_slots=num_slots)
+                     kv_bytes_per_token=per_token, gdn_bytes_per_request=per_request, num_gdn_slots=num_slots,
+                     num_gdn_snapshots=snapshots)
 
 
 class ModelRunner:
@@ -114,7 +132,9 @@ class ModelRunner:
         plan = plan_cache_memory(self.cache_shape, self._cache_budget_bytes(), dtype=model_config.dtype,
                                  gdn_state_dtype=engine_config.gdn_state_torch_dtype,
                                  max_num_seqs=engine_config.max_num_seqs, max_model_len=model_config.max_model_len,
-                                 page_size=self.page_size, max_model_len_fixed=engine_config.max_model_len is not None)
+                                 page_size=self.page_size, max_model_len_fixed=engine_config.max_model_len is not None,
+                                 gdn_snapshots=(engine_config.gdn_prefix_snapshots
+                                                if engine_config.enable_prefix_caching else 0))
         self.cache_plan = plan
         self.max_model_len = plan.max_model_len
         self.max_num_seqs = plan.max_num_seqs
@@ -126,6 +146,7 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(self.max_num_seqs, self.max_model_len, device)
         self.allocator = PageAllocator(plan.num_pages, self.page_size)
         self.gdn_pool: Optional[GDNPool] = None
+        self.gdn_snapshots: Optional[GDNSnapshotPool] = None  # prefix-cache snapshots (hybrid models)
         self.attn_backend: AttentionBackend = TorchAttnBackend(self.kv_pool, self.req_pool)
         if shape.is_hybrid:
             self.gdn_pool = GDNPool(shape.num_linear_layers, plan.num_gdn_slots, shape.linear_conv_dim,
@@ -133,6 +154,8 @@ class ModelRunner:
                                     shape.linear_head_k_dim, model_config.dtype,
                                     engine_config.gdn_state_torch_dtype, device)
             self.attn_backend = HybridAttnBackend(self.attn_backend, GDNBackend(self.gdn_pool))
+            if plan.num_gdn_snapshots:
+                self.gdn_snapshots = GDNSnapshotPool(self.gdn_pool, plan.num_gdn_snapshots)
         self.vision = (VisionStage(self.model, EncoderCache(engine_config.encoder_cache_tokens), device,
                                    model_config.dtype) if hasattr(self.model, "encode_images") else None)
         self.sampler = Sampler()
