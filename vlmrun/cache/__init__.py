@@ -1,1 +1,1 @@
-"""KV pool, page allocator, encoder cache (and later GDN and prefix caches)."""
+"""KV pool and page allocator, GDN state pool and snapshots, prefix cache, encoder cache."""
