@@ -116,6 +116,13 @@ def test_models_health_and_metrics(client, server):
                  "vlmrun_kv_cache_usage_ratio", "vlmrun_generation_tokens_total", "vlmrun_prompt_tokens_total"):
         assert name in text, name
     assert "vlmrun_gdn_pool" not in text  # no hybrid model: no GDN pool
+    long_prompt = "Describe every colour of the sea and the sky at dawn, slowly and in detail. " * 3
+    chat(client, long_prompt, max_tokens=2)
+    chat(client, long_prompt, max_tokens=2)  # the same prompt again: its full pages hit the prefix cache
+    text = httpx.get(server.base_url + "/metrics").text
+    hits = [float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("vlmrun_prefix_cache_hit_tokens_total")]
+    assert hits and hits[0] > 0, "the second identical prompt must be served from the prefix cache"
 
 
 def test_plain_and_streamed_chat_agree(client):

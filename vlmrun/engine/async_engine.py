@@ -80,6 +80,8 @@ class EngineStats:
     gdn_slots_total: Optional[int] = None
     num_steps: int = 0
     num_preemptions: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     time: float = 0.0
 
     @property
@@ -396,13 +398,15 @@ class AsyncEngine:
         allocator = runner.allocator
         sched = self.engine.scheduler
         gdn = gdn_pool_usage(runner)
+        prefix = self.engine.prefix_cache_stats()
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_groups=len(self._groups),
             kv_pages_used=allocator.num_usable_pages() - allocator.num_free_pages(),
             kv_pages_total=allocator.num_usable_pages(),
             req_rows_used=runner.req_pool.max_reqs - runner.req_pool.num_free(),
             gdn_slots_used=gdn[0] if gdn else None, gdn_slots_total=gdn[1] if gdn else None,
-            num_steps=self._num_steps, num_preemptions=sched.num_preemptions, time=time.monotonic())
+            num_steps=self._num_steps, num_preemptions=sched.num_preemptions,
+            prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens, time=time.monotonic())
 
     def _drain_after_stop(self) -> None:
         """After the loop ended: refuse whatever is still queued."""

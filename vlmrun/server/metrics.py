@@ -80,6 +80,13 @@ class _EngineCollector:
             yield gauge("vlmrun_gdn_pool_usage_ratio", "Share of GDN state slots in use", s.gdn_usage or 0.0)
             yield gauge("vlmrun_gdn_pool_slots_used", "GDN state slots in use", s.gdn_slots_used or 0)
             yield gauge("vlmrun_gdn_pool_slots_total", "GDN state slots usable", s.gdn_slots_total)
+        for name, doc, value in (
+                ("vlmrun_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache", s.prefix_query_tokens),
+                ("vlmrun_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache",
+                 s.prefix_hit_tokens)):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
         steps = CounterMetricFamily("vlmrun_engine_steps", "Engine steps run", labels=names)
         steps.add_metric(values, s.num_steps)
         yield steps
