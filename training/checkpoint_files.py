@@ -5,7 +5,7 @@ trained on the vocabulary of the synthetic scenes (captions, questions, answers)
 model reads or writes is one token; any other text still encodes, byte by byte. The Qwen special
 tokens follow the learned vocabulary, and the chat template is ChatML (Qwen's conversation format).
 The model config is a Qwen3.5 (`Qwen3_5ForConditionalGeneration`) at a tiny size: a 3-block vision
-tower (patch 16, merge 2) and a 4-layer hybrid text stack (3 Gated DeltaNet + 1 full attention).
+tower (patch 16, merge 2) and a 4-layer hybrid text stack (Gated DeltaNet and full attention alternating).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class ModelSize:
 
     text_hidden: int = 192
     text_intermediate: int = 512
-    text_layers: tuple[str, ...] = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+    text_layers: tuple[str, ...] = ("linear_attention", "full_attention", "linear_attention", "full_attention")
     attn_heads: int = 4
     attn_kv_heads: int = 2
     attn_head_dim: int = 64

@@ -17,7 +17,7 @@ from training.aux_targets import cell_labels
 from vlmrun.synthetic import DESCRIBE_PROMPT, QA, Scene, make_scene
 
 IGNORE = -100
-CAPTION_FRACTION = 0.4  # of training examples; the rest are questions (kind uniform, then the pair)
+CAPTION_FRACTION = 0.3  # of training examples; the rest are questions (kind uniform, then the pair)
 
 
 @dataclass

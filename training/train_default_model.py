@@ -32,7 +32,7 @@ from training.checkpoint_files import (  # noqa: E402
 from training.aux_targets import AuxProbe  # noqa: E402
 from training.data import IGNORE, collate, training_batch  # noqa: E402
 from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
-from training.fast_ops import linear_patch_embed, restore_patch_embed  # noqa: E402
+from training.fast_ops import linear_patch_embed, restore_patch_embed, short_gdn_chunks  # noqa: E402
 from training.model_card import write_model_card  # noqa: E402
 from vlmrun.synthetic import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
 
@@ -125,6 +125,15 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
         batch_size=None, shuffle=False, num_workers=1, prefetch_factor=4, persistent_workers=False,
     )
     start = time.time()
+    with short_gdn_chunks():
+        history = _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe, eval_every, log_every)
+    train_minutes = (time.time() - start) / 60
+    return _finish(out, model, hook, tokenizer, processor, recipe, size, n_params, train_minutes, history)
+
+
+def _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe: Recipe, eval_every: int,
+          log_every: int) -> list[dict]:
+    start = time.time()
     history = []
     running, running_aux = 0.0, 0.0
     for step, batch in enumerate(loader):
@@ -150,8 +159,11 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
             running, running_aux = 0.0, 0.0
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < recipe.steps:
             print(f"  eval@{step + 1}: {evaluate(model, processor, 100)}", flush=True)
-    train_minutes = (time.time() - start) / 60
+    return history
 
+
+def _finish(out: Path, model, hook, tokenizer, processor, recipe: Recipe, size: ModelSize, n_params: int,
+            train_minutes: float, history: list[dict]) -> dict:
     hook.remove()
     restore_patch_embed(model)
     model.eval()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vlmrun.synthetic import COUNT_QUESTION, DESCRIBE_PROMPT, SHAPES, SLOT_PHRASES
+from vlmrun.synthetic import COUNT_QUESTION, DESCRIBE_PROMPT, SLOT_PHRASES
 
 MODEL_DIR_NAME = "vlmrun-shapes-qwen3_5"
 
@@ -21,7 +21,6 @@ CAPTION_PROMPT = DESCRIBE_PROMPT
 # vlmrun.synthetic.COLOURS, {where} one of "on the left", "in the middle", "on the right".
 QUESTION_TEMPLATES: tuple[str, ...] = (
     COUNT_QUESTION,
-    "How many {shape}s are there?",
     "What colour is the {shape}?",
     "What size is the {shape}?",
     "What shape is {where}?",
@@ -32,7 +31,6 @@ QUESTION_TEMPLATES: tuple[str, ...] = (
 PROMPTS: tuple[str, ...] = (
     CAPTION_PROMPT,
     COUNT_QUESTION,
-    *(f"How many {shape}s are there?" for shape in SHAPES),
     *(f"What shape is {where}?" for where in SLOT_PHRASES.values()),
     "What colour is the circle?",
     "Where is the red square?",

@@ -9,10 +9,11 @@ Each scene has one canonical caption, listing the shapes from left to right:
 
     "a small red circle on the left, a large blue square in the middle and a small green triangle on the right"
 
-and question-answer pairs about colour, count, shape and position (`Scene.qa_pairs`). The bundled
+and question-answer pairs about the number of shapes, the colour and size of a shape, the shape in
+a third and the position of a shape (`Scene.qa_pairs`). The bundled
 default model (`vlmrun.default_model`) is trained on these scenes; `training/` holds the recipe.
 
-Sizes are absolute in pixels (small shapes span 16-22 px, large ones 34-44 px), and image sides stay
+Sizes are absolute in pixels (small shapes span 20-26 px, large ones 38-48 px), and image sides stay
 within 64-256 px with at most 36 864 pixels, so the model's preprocessing (multiples of 32 px, at
 most 36 merged vision tokens) rescales a scene by at most ~15 % and never blurs small into large.
 """
@@ -49,8 +50,8 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 }
 TEXTURES: tuple[str, ...] = ("plain", "noise", "gradient", "stripes")
 
-SMALL_EXTENT = (16, 22)  # bounding-box side in pixels, inclusive
-LARGE_EXTENT = (34, 44)
+SMALL_EXTENT = (20, 26)  # bounding-box side in pixels, inclusive
+LARGE_EXTENT = (38, 48)
 MIN_SIDE = 64
 MAX_SIDE = 256
 MAX_PIXELS = 36 * 32 * 32  # 36 merged vision tokens of 32x32 px: the default model's preprocessing limit
@@ -117,8 +118,6 @@ class Scene:
         """Every question this scene answers unambiguously, in a fixed order."""
         pairs = [QA(COUNT_QUESTION, COUNT_WORDS[len(self.shapes)], "count")]
         kinds = [s.kind for s in self.shapes]
-        for kind in SHAPES:
-            pairs.append(QA(f"How many {kind}s are there?", COUNT_WORDS[kinds.count(kind)], "count_kind"))
         for shape in self.shapes:
             if kinds.count(shape.kind) == 1:
                 pairs.append(QA(f"What colour is the {shape.kind}?", shape.colour, "colour"))
@@ -204,7 +203,7 @@ def eval_question(scene: Scene) -> QA:
     return candidates[random.Random(f"eval-question/{scene.split_seed}/{scene.index}").randrange(len(candidates))]
 
 
-_QA_KIND_ORDER = ["count", "count_kind", "colour", "size", "shape", "position"]
+_QA_KIND_ORDER = ["count", "colour", "size", "shape", "position"]
 
 
 # --------------------------------------------------------------------------------------------
