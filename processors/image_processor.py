@@ -293,7 +293,7 @@ class ImageProcessor:
         if (tw, th) != image.size:
             image = image.resize((tw, th), resample=cfg.resample)
         pixels = np.array(image, dtype=np.uint8)  # [H, W, 3] uint8, writable, C-contiguous
-        p, m = cfg.patch_size, cfg.merge_size
+        p = cfg.patch_size
         grid = (1, th // p, tw // p)
 
         digest = hashlib.sha256()

@@ -10,7 +10,7 @@ tower (patch 16, merge 2) and a 4-layer hybrid text stack (Gated DeltaNet and fu
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 

@@ -12,7 +12,6 @@ for parity tests.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path

@@ -19,7 +19,7 @@ from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.engine.detokenizer import OutputTextStream
-from vlmrun.engine.request import Request, RequestStatus
+from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.model_runner import ModelRunner, SampledToken
 from vlmrun.loader import resolve_model_path

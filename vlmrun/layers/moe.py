@@ -26,20 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
-
-
-class SwiGLUMLP(nn.Module):
-    """down(act(gate(x)) * up(x)); the shared expert."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = get_act_fn(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+from vlmrun.layers.mlp import SwiGLUMLP
 
 
 class FusedExperts(nn.Module):

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.activation import get_act_fn
 from vlmrun.layers.attention import Attention
+from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import apply_rotary, build_text_rotary
 
@@ -60,18 +60,6 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out)
 
 
-class Qwen3MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.act_fn = get_act_fn(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE)
 
 
@@ -80,7 +68,7 @@ class Qwen3DecoderLayer(nn.Module):
                  mlp: Optional[nn.Module] = None):
         super().__init__()
         self.self_attn = Qwen3Attention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias)
-        self.mlp = mlp or Qwen3MLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.mlp = mlp or SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -24,7 +24,7 @@ from torch import nn
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.moe import load_checkpoint
 from vlmrun.layers.rotary import MRotaryEmbedding
-from vlmrun.models.qwen3 import Qwen3MLP
+from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.models.qwen3_next import (
     GatedDeltaNet,
     HybridTextModel,
@@ -88,7 +88,7 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     @staticmethod
     def make_mlp(text: Any, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer `layer_idx` (dense SwiGLU; the MoE variant overrides this)."""
-        return Qwen3MLP(text.hidden_size, text.intermediate_size, getattr(text, "hidden_act", "silu"))
+        return SwiGLUMLP(text.hidden_size, text.intermediate_size, getattr(text, "hidden_act", "silu"))
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, _ = self.visual(pixel_values, grid_thw)

@@ -29,7 +29,8 @@ from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention, LinearAttention
 from vlmrun.layers.moe import SparseMoeBlock, load_checkpoint
 from vlmrun.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
-from vlmrun.models.qwen3 import Qwen3MLP, text_head_dim
+from vlmrun.layers.mlp import SwiGLUMLP
+from vlmrun.models.qwen3 import text_head_dim
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -298,7 +299,7 @@ class Qwen3NextForCausalLM(nn.Module):
         def make_mlp(i: int) -> nn.Module:
             if is_moe_layer(config, i):
                 return moe_block(config, shared=True, norm_topk_prob=norm_topk)
-            return Qwen3MLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+            return SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
 
         self.model = HybridTextModel(config, rotary, make_mlp, GatedDeltaNet)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
