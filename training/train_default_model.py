@@ -7,6 +7,7 @@ One command, fixed seeds, a deterministic data order: scene k of the training sp
 repeatable, and robust on a shared machine) while one worker process renders and tokenises the next
 batches. At the end it evaluates on held-out scenes (`EVAL_SEED`) with HF greedy decoding and writes
 the checkpoint (safetensors, config, tokenizer, chat template, preprocessor config, model card).
+An interrupted run continues from its last snapshot when started again with the same --out.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
 from training.fast_ops import linear_patch_embed, restore_patch_embed, short_gdn_chunks  # noqa: E402
 from training.model_card import write_model_card  # noqa: E402
 from vlmrun.synthetic import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
+
+
+RESUME_FILE = "resume_state.pt"  # written every SNAPSHOT_EVERY steps, deleted when training ends
+SNAPSHOT_EVERY = 250
 
 
 @dataclass(frozen=True)
@@ -120,23 +125,46 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
     optim = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                                {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.98))
 
+    first_step, history, minutes_before = _resume(out, model, probe, optim)
     loader = torch.utils.data.DataLoader(
         _Batches(out, recipe.steps, recipe.batch_size, recipe.seed, pad, image),
         batch_size=None, shuffle=False, num_workers=1, prefetch_factor=4, persistent_workers=False,
+        sampler=range(first_step, recipe.steps),
     )
     start = time.time()
     with short_gdn_chunks():
-        history = _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe, eval_every, log_every)
-    train_minutes = (time.time() - start) / 60
+        history = _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe, eval_every, log_every,
+                        out, first_step, history, minutes_before)
+    train_minutes = minutes_before + (time.time() - start) / 60
+    (out / RESUME_FILE).unlink(missing_ok=True)
     return _finish(out, model, hook, tokenizer, processor, recipe, size, n_params, train_minutes, history)
 
 
+def _resume(out: Path, model, probe, optim) -> tuple[int, list[dict], float]:
+    """Continue an interrupted run from its last snapshot (same result: no randomness after init)."""
+    path = out / RESUME_FILE
+    if not path.exists():
+        return 0, [], 0.0
+    state = torch.load(path, weights_only=False)
+    model.load_state_dict(state["model"])
+    probe.load_state_dict(state["probe"])
+    optim.load_state_dict(state["optim"])
+    print(f"resuming at step {state['step']} from {path}", flush=True)
+    return state["step"], state["history"], state["minutes"]
+
+
+def _snapshot(out: Path, model, probe, optim, step: int, history: list[dict], minutes: float) -> None:
+    tmp = out / (RESUME_FILE + ".tmp")
+    torch.save({"model": model.state_dict(), "probe": probe.state_dict(), "optim": optim.state_dict(),
+                "step": step, "history": history, "minutes": minutes}, tmp)
+    tmp.replace(out / RESUME_FILE)
+
+
 def _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe: Recipe, eval_every: int,
-          log_every: int) -> list[dict]:
+          log_every: int, out: Path, first_step: int, history: list[dict], minutes_before: float) -> list[dict]:
     start = time.time()
-    history = []
     running, running_aux = 0.0, 0.0
-    for step, batch in enumerate(loader):
+    for step, batch in enumerate(loader, start=first_step):
         for group in optim.param_groups:
             group["lr"] = lr_at(step, recipe)
         labels = batch.pop("labels")
@@ -151,12 +179,14 @@ def _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe: 
         running += loss.item()
         running_aux += aux.item()
         if (step + 1) % log_every == 0:
-            elapsed = time.time() - start
+            elapsed = minutes_before * 60 + time.time() - start
             print(f"step {step + 1}/{recipe.steps} loss {running / log_every:.4f} aux {running_aux / log_every:.4f} "
                   f"lr {lr_at(step, recipe):.2e} {elapsed / 60:.1f} min", flush=True)
             history.append({"step": step + 1, "loss": round(running / log_every, 5),
                             "aux": round(running_aux / log_every, 5), "minutes": round(elapsed / 60, 2)})
             running, running_aux = 0.0, 0.0
+        if (step + 1) % SNAPSHOT_EVERY == 0 and step + 1 < recipe.steps:
+            _snapshot(out, model, probe, optim, step + 1, history, minutes_before + (time.time() - start) / 60)
         if eval_every and (step + 1) % eval_every == 0 and step + 1 < recipe.steps:
             print(f"  eval@{step + 1}: {evaluate(model, processor, 100)}", flush=True)
     return history
