@@ -249,7 +249,7 @@ def test_api_key(engine):
     wait_until_idle(engine)
 
 
-def test_cli_registers_serve_and_web(capsys):
+def test_cli_registers_serve_and_web(capsys, monkeypatch, tmp_path):
     from vlmrun.cli import build_parser, main
     from vlmrun.server.cli import server_settings
 
@@ -258,6 +258,8 @@ def test_cli_registers_serve_and_web(capsys):
     settings = server_settings(args)
     assert (args.port, settings.served_model_name, settings.api_key) == (9001, "some/model", "k")
     assert settings.allow_private_urls and settings.allowed_local_media_path == "/srv/media"
-    assert main(["serve"]) == 2
+    monkeypatch.setattr("vlmrun.default_model.default_model_path", lambda: tmp_path / "absent")
+    assert main(["serve"]) == 2  # no --model and no bundled default: a clear error, not a traceback
+    assert "bundled default model is missing" in capsys.readouterr().err
     assert main(["web"]) == 2 and main(["web", "--model", "m", "--server", "http://x"]) == 2
     assert "--model" in capsys.readouterr().err

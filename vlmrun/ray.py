@@ -32,7 +32,8 @@ import dataclasses
 import os
 from typing import Any, Callable, Iterator, Mapping, Optional
 
-from vlmrun.jobs.config import DEFAULT_MAX_TOKENS, DEFAULT_PREFETCH, DEFAULT_PROMPT, default_workers, resolve_model
+from vlmrun.default_model import resolve_model
+from vlmrun.jobs.config import DEFAULT_MAX_TOKENS, DEFAULT_PREFETCH, DEFAULT_PROMPT, default_workers
 from vlmrun.jobs.inputs import JobItem
 from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord
 
@@ -52,7 +53,7 @@ def import_ray() -> Any:
 class VlmrunCaptioner:
     """A callable class for `Dataset.map_batches`: one engine per actor, one caption per row.
 
-    model: checkpoint dir or hub id (default: the bundled default model, once there is one).
+    model: checkpoint dir or hub id (default: the bundled shapes model).
     sampling: SamplingParams keywords (greedy unless given); engine_options: EngineConfig keywords.
     image_column: the column to caption; key_column: the column that names each image in the
     record (default: "path" if present, else the image column when it holds strings).

@@ -3,7 +3,9 @@
 Upload one or more images and type a question; the answer streams in. Turns accumulate into a
 multi-turn chat (earlier images stay in the conversation). Sampling controls sit beside the chat;
 Stop cancels the answer (the connection closes and the server aborts the request); the status
-line shows the model and the speed in tokens/s. Example images come from `assets/images/`.
+line shows the model and the speed in tokens/s. Example images come from `assets/images/`: the
+generator scenes with the questions the bundled shapes model was trained on when it is the model,
+else the photos.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, AsyncIterator, Optional
 
 import gradio as gr
 
+from vlmrun.default_model import MODEL_DIR_NAME, PROMPTS
 from web.client import ChatClient, ServerError, Speed
 from web.conversation import Turn, to_chatbot, to_openai, user_turn
 
@@ -21,10 +24,15 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 EXAMPLE_PROMPTS = ("Describe this image.", "What is in the picture?", "What colours dominate this image?")
 
 
-def example_images(directory: Path = ASSETS, limit: int = 6) -> list[str]:
+def examples(model: str, directory: Path = ASSETS, limit: int = 6) -> list[dict[str, Any]]:
+    """Example messages (text + one image file) suited to the model."""
     if not directory.is_dir():
         return []
-    return [str(p) for p in sorted(directory.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES][:limit]
+    images = [p for p in sorted(directory.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
+    shapes_model = model == MODEL_DIR_NAME
+    prompts = PROMPTS if shapes_model else EXAMPLE_PROMPTS
+    chosen = [p for p in images if p.name.startswith("scene_") == shapes_model][:limit]
+    return [{"text": prompts[i % len(prompts)], "files": [str(p)]} for i, p in enumerate(chosen)]
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, max_tokens: int, repetition_penalty: float,
@@ -88,10 +96,9 @@ def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Pa
                                        elem_id="max-tokens")
                 repetition_penalty = gr.Slider(0.8, 2.0, value=1.05, step=0.01, label="Repetition penalty")
                 seed = gr.Number(value=-1, precision=0, label="Seed (-1: random)")
-        images = example_images(examples_dir)
-        if images:
-            gr.Examples(examples=[{"text": EXAMPLE_PROMPTS[i % len(EXAMPLE_PROMPTS)], "files": [p]}
-                                  for i, p in enumerate(images)], inputs=[textbox], label="Examples")
+        shown = examples(model, examples_dir)
+        if shown:
+            gr.Examples(examples=shown, inputs=[textbox], label="Examples")
 
         inputs = [textbox, turns_state, system_prompt, temperature, top_p, top_k, max_tokens, repetition_penalty,
                   seed]

@@ -1,6 +1,6 @@
 """`vlmrun web`: the Gradio demo, against a running server (`--server URL`) or a model loaded in
-this process (`--model M`, served by an in-process OpenAI-compatible server on a free loopback
-port, so both modes run the same client code).
+this process (`--model M`, or the bundled default model when neither is given), served by an
+in-process OpenAI-compatible server on a free loopback port, so both modes run the same client code.
 """
 
 from __future__ import annotations
@@ -10,21 +10,30 @@ import sys
 
 
 def web(args: argparse.Namespace) -> int:
-    if bool(args.model) == bool(args.server):
-        print("vlmrun web: give exactly one of --model M or --server URL", file=sys.stderr)
+    if args.model and args.server:
+        print("vlmrun web: give --model M or --server URL, not both", file=sys.stderr)
         return 2
+    if not args.server:
+        from vlmrun.default_model import resolve_model
+
+        try:
+            resolve_model(args.model)
+        except FileNotFoundError as exc:
+            print(f"vlmrun web: {exc}", file=sys.stderr)
+            return 2
     from web.app import ASSETS, build_demo, theme
     from web.client import ChatClient
 
     engine = server = None
     try:
-        if args.model:
+        if not args.server:
+            from vlmrun.default_model import served_name
             from vlmrun.server.cli import engine_config
             from vlmrun.server.launch import build_engine, serve_in_thread
             from vlmrun.server.settings import ServerSettings
 
             engine = build_engine(engine_config(args))
-            server = serve_in_thread(engine, ServerSettings(served_model_name=args.model))
+            server = serve_in_thread(engine, ServerSettings(served_model_name=served_name(args.model)))
             client = ChatClient(server.base_url)
         else:
             client = ChatClient(args.server, api_key=args.api_key)

@@ -18,6 +18,7 @@ import torch
 from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
 from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
@@ -44,9 +45,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.resolve_device()
-        if config.model is None:
-            raise ValueError("no model given: pass a checkpoint directory or hub id (model=...)")
-        path = resolve_model_path(config.model, config.revision)
+        path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits())
         self.tokenizer = self.processor.tokenizer

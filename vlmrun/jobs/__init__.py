@@ -1,7 +1,7 @@
 """Batch jobs: captioning many images, resumably, on one engine or on Ray Data.
 
 - `cli`: the `vlmrun caption` command (flags -> `CaptionJobConfig`, exit status).
-- `config`: `CaptionJobConfig`, `RayOptions`, and `default_model()`, where a bundled default plugs in.
+- `config`: `CaptionJobConfig`, `RayOptions` and the job defaults.
 - `inputs`: INPUT arguments (files, directories, globs, URLs, manifests) -> a lazy stream of `JobItem`s.
 - `pipeline`: `CaptionPipeline`, the streaming loop: worker threads preprocess, one thread drives the engine.
 - `sink`: the crash-safe JSONL journal, JSONL / Parquet / print outputs, resume state.

@@ -24,7 +24,6 @@ from vlmrun.jobs.config import (
     DEFAULT_PROMPT,
     CaptionJobConfig,
     RayOptions,
-    default_model,
     default_workers,
 )
 
@@ -33,7 +32,7 @@ EXIT_USAGE = 2
 
 def build_config(args: argparse.Namespace) -> CaptionJobConfig:
     """The job settings the parsed command line asks for (ValueError for bad values)."""
-    from vlmrun.jobs.config import resolve_model
+    from vlmrun.default_model import resolve_model
     from vlmrun.sampling_params import SamplingParams
 
     sampling = SamplingParams(
@@ -101,9 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="image file, directory (recursive), glob, URL, or manifest (.txt/.csv/.jsonl/.parquet)")
     cap.add_argument("--out", default=None, metavar="FILE",
                      help="write one record per image to FILE (*.jsonl or *.parquet); without it, print lines")
-    has_default = default_model() is not None
-    cap.add_argument("--model", required=not has_default, default=None,
-                     help="HF checkpoint directory or hub id" + ("" if not has_default else f" (default {default_model()})"))
+    cap.add_argument("--model", default=None,
+                     help="HF checkpoint directory or hub id (default: the bundled shapes model, assets/model/)")
     cap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"instruction given with each image ({DEFAULT_PROMPT!r})")
     cap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="caption length cap in tokens")
 

@@ -1,7 +1,6 @@
 """The settings of a caption job, and the one place its defaults live.
 
-`default_model()` is where the bundled default model plugs in: while it returns None, `--model`
-is required; once it returns a checkpoint, `--model` becomes optional everywhere (CLI, Ray).
+Without `--model` a job runs the bundled default model (`vlmrun.default_model.resolve_model`).
 """
 
 from __future__ import annotations
@@ -15,18 +14,6 @@ DEFAULT_PROMPT = "Describe the image."
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_PREFETCH = 64
 MAX_DEFAULT_WORKERS = 8
-
-
-def default_model() -> Optional[str]:
-    """The checkpoint a caption job uses without --model (None: no default model is bundled yet)."""
-    return None
-
-
-def resolve_model(model: Optional[str]) -> str:
-    chosen = model or default_model()
-    if chosen is None:
-        raise ValueError("no model given: pass --model (a checkpoint directory or a hub id)")
-    return chosen
 
 
 def default_workers() -> int:

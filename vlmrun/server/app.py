@@ -92,7 +92,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vlmrun",
-            "root": str(state.engine.engine.config.model), "parent": None,
+            "root": str(state.engine.engine.model_config.path), "parent": None,
             "max_model_len": state.engine.max_model_len}
 
 

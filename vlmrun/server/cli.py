@@ -6,12 +6,14 @@ import argparse
 import os
 import sys
 
+from vlmrun.default_model import resolve_model, served_name
 from vlmrun.server.settings import MiB
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by `serve` and `web --model`."""
-    p.add_argument("--model", default=None, help="HF checkpoint directory or hub id")
+    """Engine options shared by `serve` and `web` (in-process model)."""
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory or hub id (default: the bundled shapes model, assets/model/)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -37,7 +39,7 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
     from vlmrun.server.settings import ServerSettings
 
     return ServerSettings(
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=args.served_model_name or served_name(args.model),
         api_key=args.api_key or os.environ.get("VLMRUN_API_KEY") or None,
         max_request_bytes=args.max_request_mb * MiB, max_queued_requests=args.max_queued_requests,
         max_n=args.max_n, preprocess_workers=args.preprocess_workers,
@@ -47,7 +49,7 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or the bundled model's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or VLMRUN_API_KEY)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose images clients may name by path or file:// URI (default: none)")
@@ -64,8 +66,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    if not args.model:
-        print("vlmrun serve: --model is required (a checkpoint directory or hub id)", file=sys.stderr)
+    try:
+        resolve_model(args.model)
+    except FileNotFoundError as exc:
+        print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
