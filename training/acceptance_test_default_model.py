@@ -1,16 +1,23 @@
-"""The bundled default model (assets/model/vlmrun-shapes-qwen3_5): files, accuracy, HF parity.
+"""The bundled default model (assets/model/vlmrun-shapes-qwen3_5): files, accuracy, HF parity, wiring.
 
 - The checkpoint is a complete HF Qwen3.5 checkpoint of at most 20 MB.
 - On 300 held-out scenes (split seed `EVAL_SEED`, never used in training), vlmrun with greedy
   decoding gets >= 90 % of captions exactly right and >= 90 % of questions (one per scene). All
-  600 requests go through one `LLM.generate` call (continuous batching), float32 on CPU.
+  600 requests go through one `LLM.generate` call (continuous batching), float32 on CPU, on the
+  `LLM()` built without a model name (the default).
 - HF transformers' greedy `generate` (float32, one request at a time) gives the same tokens as
   vlmrun on a subset: the first PARITY_SCENES scenes, caption and question each.
-- The generator scenes shipped in assets/images are captioned exactly.
+- The generator scenes shipped in assets/images are captioned exactly, by `vlmrun caption` without
+  --model (the README's main command) and by `vlmrun.generate` without a model.
+
+It lives outside tests/ until a shipped model passes it (docs/default_model.md); then it moves to
+tests/test_default_model.py and runs in CI. The wiring that needs no weights is tested in CI by
+tests/test_default_model_wiring.py.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -18,12 +25,15 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+import vlmrun
 from training.evaluate import MAX_NEW_TOKENS, eval_requests, score
 from vlmrun import LLM, SamplingParams
-from vlmrun.default_model import CAPTION_PROMPT, default_model_path
+from vlmrun.cli import main
+from vlmrun.default_model import MODEL_DIR_NAME, default_model_path
 from vlmrun.synthetic import EVAL_SEED, eval_scenes, make_scene
 
 MODEL = default_model_path()
+ASSET_IMAGES = Path(__file__).resolve().parents[1] / "assets" / "images"
 N_SCENES = 300
 PARITY_SCENES = 16
 MIN_ACCURACY = 0.90
@@ -35,9 +45,22 @@ def _params() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
 
+def _scene_assets() -> list[tuple[Path, str]]:
+    """(file, the generator's caption of it) for each scene shipped in assets/images."""
+    files = sorted(p for p in ASSET_IMAGES.iterdir() if SCENE_ASSET.fullmatch(p.name))
+    assert len(files) >= 3, "assets/images should hold a few generator scenes"
+    out = []
+    for path in files:
+        scene = make_scene(*map(int, SCENE_ASSET.fullmatch(path.name).groups()))
+        with Image.open(path) as image:
+            assert image.size == (scene.width, scene.height)
+        out.append((path, scene.caption))
+    return out
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(str(MODEL), dtype="float32", device="cpu")
+    return LLM(dtype="float32", device="cpu")  # no model named: the bundled default
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +86,12 @@ def test_checkpoint_files():
     size = sum(p.stat().st_size for p in MODEL.iterdir() if p.is_file())
     assert size <= MAX_BYTES, f"the default model takes {size / 2**20:.1f} MiB on disk (limit 20)"
     card = (MODEL / "README.md").read_text()
-    assert "python training/train_default_model.py --out assets/model/" in card
+    assert f"python training/train_default_model.py --out assets/model/{MODEL_DIR_NAME}" in card
+
+
+def test_llm_without_model_runs_the_default(llm):
+    assert llm.engine.model_config.path == MODEL
+    assert llm.engine.model_config.architecture == "Qwen3_5ForConditionalGeneration"
 
 
 def test_heldout_accuracy(heldout):
@@ -93,14 +121,17 @@ def test_hf_greedy_is_token_identical(heldout):
         assert ours == theirs, f"scene {r.scene.index} {r.prompt!r}: vlmrun {out.text!r} vs HF {hf.tokenizer.decode(theirs)!r}"
 
 
-def test_shipped_scene_images_are_captioned(llm):
-    root = Path(__file__).resolve().parents[1] / "assets" / "images"
-    files = sorted(p for p in root.iterdir() if SCENE_ASSET.fullmatch(p.name))
-    assert len(files) >= 3, "assets/images should hold a few generator scenes"
-    outs = llm.generate([{"prompt": CAPTION_PROMPT, "images": [str(p)]} for p in files], _params(), use_tqdm=False)
-    for path, out in zip(files, outs):
-        seed, index = map(int, SCENE_ASSET.fullmatch(path.name).groups())
-        scene = make_scene(seed, index)
-        with Image.open(path) as image:
-            assert image.size == (scene.width, scene.height)
-        assert out.text == scene.caption, f"{path.name}: {out.text!r}"
+def test_readme_main_command_captions_the_scene_assets(capsys):
+    """`vlmrun caption assets/images` (no --model): exact captions for the scenes, a caption for every photo."""
+    assert main(["caption", str(ASSET_IMAGES), "--no-progress", "--device", "cpu"]) == 0
+    lines = [line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line]
+    printed = {image: ast.literal_eval(text) for image, text in lines}  # `path: 'caption'`
+    for path, caption in _scene_assets():
+        assert printed[str(path)] == caption, path.name
+    photos = [p for p in ASSET_IMAGES.iterdir() if p.suffix in (".jpg", ".png") and not SCENE_ASSET.fullmatch(p.name)]
+    assert all(printed[str(p)] for p in photos)
+
+
+def test_generate_without_model():
+    path, caption = _scene_assets()[0]
+    assert vlmrun.generate(images=[str(path)], device="cpu", dtype="float32") == caption

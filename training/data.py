@@ -13,11 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from processors import Processor
-from training.aux_targets import cell_labels
-from vlmrun.synthetic import DESCRIBE_PROMPT, QA, Scene, make_scene
+from training.aux_targets import cell_labels, subject_labels
+from vlmrun.synthetic import DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene
 
 IGNORE = -100
-CAPTION_FRACTION = 0.3  # of training examples; the rest are questions (kind uniform, then the pair)
+# Counting and colours are learned early; telling circles, squares and triangles apart takes longest.
+KIND_WEIGHTS: dict[str, float] = {"count": 0.1, "colour": 0.2, "shape": 0.35, "position": 0.35}
 
 
 @dataclass
@@ -29,16 +30,19 @@ class Example:
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
     aux_labels: torch.Tensor  # [merged tokens, 4] (see training.aux_targets)
+    subject_pos: int  # index of the last word of the question, which names the shape (-1: names none)
+    subject_labels: tuple[int, int, int]  # kind, colour and third of the named shape (training.aux_targets)
 
 
-def pick_task(scene: Scene, seed: int) -> QA:
-    """The training prompt/answer drawn for this scene (a fixed function of the scene and seed)."""
+def pick_task(scene: Scene, seed: int, caption_fraction: float) -> QA:
+    """The training prompt/answer drawn for this scene (a fixed function of the scene and seed): its
+    caption with probability caption_fraction, else a question (a kind by KIND_WEIGHTS, then a pair)."""
     rng = random.Random(f"task/{seed}/{scene.split_seed}/{scene.index}")
-    if rng.random() < CAPTION_FRACTION:
+    if rng.random() < caption_fraction:
         return QA(DESCRIBE_PROMPT, scene.caption, "caption")
     pairs = scene.qa_pairs()
-    kinds = sorted({p.kind for p in pairs})
-    kind = rng.choice(kinds)
+    kinds = sorted({p.kind for p in pairs}, key=QA_KINDS.index)
+    kind = rng.choices(kinds, weights=[KIND_WEIGHTS[k] for k in kinds])[0]
     return rng.choice([p for p in pairs if p.kind == kind])
 
 
@@ -50,22 +54,28 @@ def encode(processor: Processor, scene: Scene, qa: QA) -> Example:
     (item,) = prompt.mm_items
     _, gh, gw = item.grid_thw
     aux = cell_labels(scene, masks, gh // 2, gw // 2)
+    subject_pos, subject = -1, (0, 0, 0)
+    if qa.subject is not None:
+        mark = processor.tokenizer.convert_tokens_to_ids("?")
+        subject_pos = max(i for i, t in enumerate(prompt.token_ids) if t == mark) - 1  # "circle" in "...circle?"
+        subject = subject_labels(scene, qa.subject)
     return Example(list(prompt.token_ids) + answer + [end], len(prompt.token_ids), item.pixel_values, item.grid_thw,
-                   aux)
+                   aux, subject_pos, subject)
 
 
-def training_batch(processor: Processor, split_seed: int, start: int, size: int, task_seed: int) -> list[Example]:
+def training_batch(processor: Processor, split_seed: int, start: int, size: int, task_seed: int,
+                   caption_fraction: float) -> list[Example]:
     """Scenes start .. start+size-1 of the split, one task each."""
     out = []
     for index in range(start, start + size):
         scene = make_scene(split_seed, index)
-        out.append(encode(processor, scene, pick_task(scene, task_seed)))
+        out.append(encode(processor, scene, pick_task(scene, task_seed, caption_fraction)))
     return out
 
 
 def collate(examples: list[Example], pad_id: int, image_id: int) -> dict[str, torch.Tensor]:
     """Right-padded batch: input_ids, attention_mask, labels (next-token targets), pixels, grids, token
-    types, and the vision tokens' auxiliary labels (popped before the model's forward)."""
+    types, and the probes' targets (aux_labels, subject_pos, subject_labels: popped before the model's forward)."""
     length = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), length), dtype=torch.long)
@@ -84,4 +94,6 @@ def collate(examples: list[Example], pad_id: int, image_id: int) -> dict[str, to
         "image_grid_thw": torch.tensor([e.grid_thw for e in examples], dtype=torch.long),
         "mm_token_type_ids": (ids == image_id).to(torch.int32),
         "aux_labels": torch.cat([e.aux_labels for e in examples]),
+        "subject_pos": torch.tensor([e.subject_pos for e in examples], dtype=torch.long),
+        "subject_labels": torch.tensor([e.subject_labels for e in examples], dtype=torch.long),
     }

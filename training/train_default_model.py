@@ -53,7 +53,8 @@ class Recipe:
     warmup: int = 150
     weight_decay: float = 0.05
     grad_clip: float = 1.0
-    aux_weight: float = 1.0  # the vision-token probe's loss (training.aux_targets), added to the answer loss
+    caption_fraction: float = 0.3  # of training examples; the rest are questions (training.data.pick_task)
+    aux_weight: float = 1.0  # the probes' losses (training.aux_targets), added to the answer loss
     seed: int = 1234
     eval_scenes: int = 300
 
@@ -61,18 +62,20 @@ class Recipe:
 class _Batches(torch.utils.data.Dataset):
     """Batch number s of the deterministic training stream (rendered in a worker process)."""
 
-    def __init__(self, model_dir: Path, steps: int, batch_size: int, seed: int, pad: int, image: int):
-        self.model_dir, self.steps, self.batch_size, self.seed = model_dir, steps, batch_size, seed
+    def __init__(self, model_dir: Path, recipe: Recipe, pad: int, image: int):
+        self.model_dir, self.recipe = model_dir, recipe
         self.pad, self.image = pad, image
         self._processor: Processor | None = None
 
     def __len__(self) -> int:
-        return self.steps
+        return self.recipe.steps
 
     def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
         if self._processor is None:
             self._processor = Processor.from_pretrained(self.model_dir)
-        examples = training_batch(self._processor, TRAIN_SEED, step * self.batch_size, self.batch_size, self.seed)
+        r = self.recipe
+        examples = training_batch(self._processor, TRAIN_SEED, step * r.batch_size, r.batch_size, r.seed,
+                                  r.caption_fraction)
         return collate(examples, self.pad, self.image)
 
 
@@ -85,7 +88,9 @@ def lr_at(step: int, recipe: Recipe) -> float:
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    keep = labels != IGNORE
+    """Mean cross-entropy over the batch's answer tokens (captions, being longer, weigh more: averaging
+    per example instead slowed learning to tell the shapes apart, so captions lagged; see docs/default_model.md)."""
+    keep = labels != IGNORE  # [batch, seq]
     return torch.nn.functional.cross_entropy(logits[keep], labels[keep])
 
 
@@ -115,8 +120,13 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
     model = Qwen3_5ForConditionalGeneration(config).to(torch.float32).train()
     linear_patch_embed(model)
     probe = AuxProbe(config.text_config.hidden_size)
-    vision_tokens: dict[str, torch.Tensor] = {}
-    hook = model.model.visual.merger.register_forward_hook(lambda m, i, o: vision_tokens.__setitem__("out", o))
+    probed: dict[str, torch.Tensor] = {}  # what the probes read in this forward
+    first_full = config.text_config.layer_types.index("full_attention")
+    hooks = [
+        model.model.visual.merger.register_forward_hook(lambda m, i, o: probed.__setitem__("vision", o)),
+        model.model.language_model.layers[first_full].register_forward_hook(
+            lambda m, i, o: probed.__setitem__("hidden", o[0] if isinstance(o, tuple) else o)),
+    ]
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f} M parameters; vocab {config.text_config.vocab_size}", flush=True)
     named = list(model.named_parameters()) + [(f"probe.{n}", p) for n, p in probe.named_parameters()]
@@ -127,17 +137,17 @@ def train(out: Path, recipe: Recipe, size: ModelSize, eval_every: int, log_every
 
     first_step, history, minutes_before = _resume(out, model, probe, optim)
     loader = torch.utils.data.DataLoader(
-        _Batches(out, recipe.steps, recipe.batch_size, recipe.seed, pad, image),
+        _Batches(out, recipe, pad, image),
         batch_size=None, shuffle=False, num_workers=1, prefetch_factor=4, persistent_workers=False,
         sampler=range(first_step, recipe.steps),
     )
     start = time.time()
     with short_gdn_chunks():
-        history = _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe, eval_every, log_every,
+        history = _loop(model, probe, named, optim, loader, probed, processor, recipe, eval_every, log_every,
                         out, first_step, history, minutes_before)
     train_minutes = minutes_before + (time.time() - start) / 60
     (out / RESUME_FILE).unlink(missing_ok=True)
-    return _finish(out, model, hook, tokenizer, processor, recipe, size, n_params, train_minutes, history)
+    return _finish(out, model, hooks, tokenizer, processor, recipe, size, n_params, train_minutes, history)
 
 
 def _resume(out: Path, model, probe, optim) -> tuple[int, list[dict], float]:
@@ -160,7 +170,7 @@ def _snapshot(out: Path, model, probe, optim, step: int, history: list[dict], mi
     tmp.replace(out / RESUME_FILE)
 
 
-def _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe: Recipe, eval_every: int,
+def _loop(model, probe, named, optim, loader, probed, processor, recipe: Recipe, eval_every: int,
           log_every: int, out: Path, first_step: int, history: list[dict], minutes_before: float) -> list[dict]:
     start = time.time()
     running, running_aux = 0.0, 0.0
@@ -169,9 +179,11 @@ def _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe: 
             group["lr"] = lr_at(step, recipe)
         labels = batch.pop("labels")
         aux_labels = batch.pop("aux_labels")
+        subject_pos, subject_labels = batch.pop("subject_pos"), batch.pop("subject_labels")
         logits = model(**batch, use_cache=False).logits
         loss = answer_loss(logits, labels)
-        aux = probe.loss(vision_tokens.pop("out"), aux_labels)
+        aux = (probe.vision_loss(probed.pop("vision"), aux_labels)
+               + probe.question_loss(probed.pop("hidden"), subject_pos, subject_labels))
         (loss + recipe.aux_weight * aux).backward()
         torch.nn.utils.clip_grad_norm_([p for _, p in named], recipe.grad_clip)
         optim.step()
@@ -192,9 +204,10 @@ def _loop(model, probe, named, optim, loader, vision_tokens, processor, recipe: 
     return history
 
 
-def _finish(out: Path, model, hook, tokenizer, processor, recipe: Recipe, size: ModelSize, n_params: int,
+def _finish(out: Path, model, hooks, tokenizer, processor, recipe: Recipe, size: ModelSize, n_params: int,
             train_minutes: float, history: list[dict]) -> dict:
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     restore_patch_embed(model)
     model.eval()
     model.generation_config = generation_config(tokenizer)
@@ -226,11 +239,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--caption-fraction", type=float, default=d.caption_fraction)
     parser.add_argument("--eval-scenes", type=int, default=d.eval_scenes)
     parser.add_argument("--eval-every", type=int, default=0, help="steps between dev evals on 100 scenes (0: none)")
     parser.add_argument("--log-every", type=int, default=50)
     args = parser.parse_args(argv)
     recipe = Recipe(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                    caption_fraction=args.caption_fraction,
                     eval_scenes=args.eval_scenes, warmup=min(d.warmup, max(1, args.steps // 10)))
     train(args.out, recipe, ModelSize(), args.eval_every, args.log_every)
 

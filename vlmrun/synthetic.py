@@ -9,8 +9,8 @@ Each scene has one canonical caption, listing the shapes from left to right:
 
     "a small red circle on the left, a large blue square in the middle and a small green triangle on the right"
 
-and question-answer pairs about the number of shapes, the colour and size of a shape, the shape in
-a third and the position of a shape (`Scene.qa_pairs`). The bundled
+and question-answer pairs of four kinds: the number of shapes, the colour and the kind of the shape
+in a third, and the position of a shape named by colour and kind (`Scene.qa_pairs`). The bundled
 default model (`vlmrun.default_model`) is trained on these scenes; `training/` holds the recipe.
 
 Sizes are absolute in pixels (small shapes span 20-26 px, large ones 38-48 px), and image sides stay
@@ -61,6 +61,7 @@ SUPERSAMPLE = 4  # shapes are drawn at 4x and box-filtered down (anti-aliased ed
 
 DESCRIBE_PROMPT = "Describe the image."
 COUNT_QUESTION = "How many shapes are there?"
+QA_KINDS: tuple[str, ...] = ("count", "colour", "shape", "position")  # the question kinds, in eval order
 
 # Splits: training draws scenes from TRAIN_SEED; evaluation uses seeds never used in training.
 TRAIN_SEED = 0
@@ -88,11 +89,13 @@ class Shape:
 
 @dataclass(frozen=True)
 class QA:
-    """A question about a scene, its one correct answer, and its kind (count, colour, shape, ...)."""
+    """A question about a scene, its one correct answer, its kind (one of QA_KINDS), and the
+    shape it names (an index into `Scene.shapes`; None when it names none)."""
 
     question: str
     answer: str
     kind: str
+    subject: int | None = None
 
 
 @dataclass(frozen=True)
@@ -117,19 +120,13 @@ class Scene:
     def qa_pairs(self) -> list[QA]:
         """Every question this scene answers unambiguously, in a fixed order."""
         pairs = [QA(COUNT_QUESTION, COUNT_WORDS[len(self.shapes)], "count")]
-        kinds = [s.kind for s in self.shapes]
-        for shape in self.shapes:
-            if kinds.count(shape.kind) == 1:
-                pairs.append(QA(f"What colour is the {shape.kind}?", shape.colour, "colour"))
-                pairs.append(QA(f"What size is the {shape.kind}?", shape.size, "size"))
-        by_slot = {s.slot: s for s in self.shapes}
-        for slot in SLOTS:
-            answer = by_slot[slot].kind if slot in by_slot else "nothing"
-            pairs.append(QA(f"What shape is {SLOT_PHRASES[slot]}?", answer, "shape"))
+        for k, shape in enumerate(self.shapes):
+            pairs.append(QA(f"What colour is the shape {SLOT_PHRASES[shape.slot]}?", shape.colour, "colour", k))
+            pairs.append(QA(f"What shape is {SLOT_PHRASES[shape.slot]}?", shape.kind, "shape", k))
         named = [(s.colour, s.kind) for s in self.shapes]
-        for shape in self.shapes:
+        for k, shape in enumerate(self.shapes):
             if named.count((shape.colour, shape.kind)) == 1:
-                pairs.append(QA(f"Where is the {shape.colour} {shape.kind}?", SLOT_PHRASES[shape.slot], "position"))
+                pairs.append(QA(f"Where is the {shape.colour} {shape.kind}?", SLOT_PHRASES[shape.slot], "position", k))
         return pairs
 
     def render(self) -> Image.Image:
@@ -197,13 +194,11 @@ def eval_scenes(count: int = 300, split_seed: int = EVAL_SEED) -> list[Scene]:
 def eval_question(scene: Scene) -> QA:
     """The one question asked about an evaluation scene: kinds cycle with the index, then a fixed pick."""
     pairs = scene.qa_pairs()
-    kinds = sorted({p.kind for p in pairs}, key=_QA_KIND_ORDER.index)
+    kinds = sorted({p.kind for p in pairs}, key=QA_KINDS.index)
     kind = kinds[scene.index % len(kinds)]
     candidates = [p for p in pairs if p.kind == kind]
     return candidates[random.Random(f"eval-question/{scene.split_seed}/{scene.index}").randrange(len(candidates))]
 
-
-_QA_KIND_ORDER = ["count", "colour", "size", "shape", "position"]
 
 
 # --------------------------------------------------------------------------------------------
