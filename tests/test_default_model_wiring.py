@@ -26,7 +26,7 @@ def tiny_as_default(monkeypatch, qwen3_vl_dir) -> Path:
     return Path(qwen3_vl_dir)
 
 
-def test_resolve_model(no_default, tiny_as_default):
+def test_resolve_model(tiny_as_default):
     assert resolve_model("some/model") == "some/model"
     assert resolve_model(None) == str(tiny_as_default)
     assert resolve_model("") == str(tiny_as_default)

@@ -1,4 +1,5 @@
-"""The SwiGLU MLP: down(act(gate(x)) * up(x)), the dense MLP of the Qwen text models and the MoE shared expert."""
+"""The SwiGLU MLP: down(act(gate(x)) * up(x)), the dense MLP of the Qwen text models, the MoE shared
+expert, and (with biases) the Qwen2.5-VL vision blocks."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ from vlmrun.layers.activation import get_act_fn
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act_fn = get_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.activation import get_act_fn
+from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import MRotaryEmbedding, rope_parameters
 from vlmrun.models.qwen3 import Qwen3TextModel, load_named_weights, text_head_dim, tie_word_embeddings
@@ -43,20 +43,6 @@ from vlmrun.models.vision_common import (
 # ----------------------------------------------------------------------------------------------
 
 
-class VisionMLP(nn.Module):
-    """SwiGLU with bias: down(act(gate(x)) * up(x))."""
-
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=True)
-        self.up_proj = nn.Linear(dim, hidden, bias=True)
-        self.down_proj = nn.Linear(hidden, dim, bias=True)
-        self.act_fn = get_act_fn(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-
 class VisionBlock(nn.Module):
     """Pre-norm block: x + attn(norm1(x)), then x + mlp(norm2(x))."""
 
@@ -65,7 +51,7 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(dim, eps=1e-6)
         self.norm2 = RMSNorm(dim, eps=1e-6)
         self.attn = VisionAttention(dim, num_heads)
-        self.mlp = VisionMLP(dim, mlp_hidden, act)
+        self.mlp = SwiGLUMLP(dim, mlp_hidden, act, bias=True)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [N, dim]; cu_seqlens: attention segments of this block (windows or frames)
