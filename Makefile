@@ -4,7 +4,6 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-TINY := .cache/tiny-qwen3-vl
 
 .PHONY: install demo test clean
 
@@ -17,11 +16,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	@echo "NOTE: no trained default model is bundled yet. This demo captions assets/images with a TINY"
-	@echo "      RANDOM-WEIGHT Qwen3-VL checkpoint built on the fly: the captions are meaningless tokens."
-	@echo "      It shows the pipeline end to end; pass --model to vlmrun caption for a real checkpoint."
-	$(PY) -m vlmrun.tiny_models qwen3_vl $(TINY)
-	$(PY) -m vlmrun.cli caption assets/images --model $(TINY) --max-tokens 24
+	$(PY) -m vlmrun.cli caption assets/images
 
 # The browser test drives Debian's chromium (no browser download); install it when missing.
 test: install

@@ -1,6 +1,6 @@
 """Every entry point falls back to the bundled default model when no model is named; without the
-model's files that fallback is a clear error, never a crash deep in loading. (The model's own
-acceptance test, which needs its weights, is training/acceptance_test_default_model.py.)"""
+model's files that fallback is a clear error, never a crash deep in loading. (The shipped model
+itself, its accuracy and its HF parity are tested by tests/test_default_model.py.)"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 `eval_requests` lists what is asked: for each scene its caption prompt and one question
 (`vlmrun.synthetic.eval_question`). `hf_greedy` batches prompts (left-padded) through HF's
 `generate`; `score` compares the answers with the references (exact string match after strip).
-The acceptance test (`training/acceptance_test_default_model.py`) asks the same through vlmrun.
+The test `tests/test_default_model.py` asks the same through vlmrun.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ SNAPSHOT_EVERY = 250
 class Recipe:
     """The shipped recipe (the command-line defaults)."""
 
-    steps: int = 4000
+    steps: int = 5000
     batch_size: int = 16
     lr: float = 1.5e-3
     min_lr_ratio: float = 0.05

@@ -13,7 +13,7 @@ and question-answer pairs of four kinds: the number of shapes, the colour and th
 in a third, and the position of a shape named by colour and kind (`Scene.qa_pairs`). The bundled
 default model (`vlmrun.default_model`) is trained on these scenes; `training/` holds the recipe.
 
-Sizes are absolute in pixels (small shapes span 20-26 px, large ones 38-48 px), and image sides stay
+Sizes are absolute in pixels (small shapes span 30-36 px, large ones 54-64 px), and image sides stay
 within 64-256 px with at most 36 864 pixels, so the model's preprocessing (multiples of 32 px, at
 most 36 merged vision tokens) rescales a scene by at most ~15 % and never blurs small into large.
 """
@@ -50,8 +50,8 @@ BACKGROUNDS: dict[str, tuple[int, int, int]] = {
 }
 TEXTURES: tuple[str, ...] = ("plain", "noise", "gradient", "stripes")
 
-SMALL_EXTENT = (20, 26)  # bounding-box side in pixels, inclusive
-LARGE_EXTENT = (38, 48)
+SMALL_EXTENT = (30, 36)  # bounding-box side in pixels, inclusive
+LARGE_EXTENT = (54, 64)
 MIN_SIDE = 64
 MAX_SIDE = 256
 MAX_PIXELS = 36 * 32 * 32  # 36 merged vision tokens of 32x32 px: the default model's preprocessing limit

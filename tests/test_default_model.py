@@ -10,9 +10,8 @@
 - The generator scenes shipped in assets/images are captioned exactly, by `vlmrun caption` without
   --model (the README's main command) and by `vlmrun.generate` without a model.
 
-It lives outside tests/ until a shipped model passes it (docs/default_model.md); then it moves to
-tests/test_default_model.py and runs in CI. The wiring that needs no weights is tested in CI by
-tests/test_default_model_wiring.py.
+The wiring that needs no weights (the error when the checkpoint is missing, each entry point's
+fallback) is tested by tests/test_default_model_wiring.py with a stand-in checkpoint.
 """
 
 from __future__ import annotations
