@@ -15,7 +15,8 @@ default model (`vlmrun.default_model`) is trained on these scenes; `training/` h
 
 Sizes are absolute in pixels (small shapes span 30-36 px, large ones 54-64 px), and image sides stay
 within 64-256 px with at most 36 864 pixels, so the model's preprocessing (multiples of 32 px, at
-most 36 merged vision tokens) rescales a scene by at most ~15 % and never blurs small into large.
+most 36 merged vision tokens) rescales a side by at most 25 % and never makes a small shape as large
+as a large one (checked on 3,000 training scenes).
 """
 
 from __future__ import annotations

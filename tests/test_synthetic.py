@@ -1,0 +1,74 @@
+"""The synthetic scene generator the default model is trained and evaluated on (vlmrun/synthetic.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from processors.image_processor import smart_resize
+from vlmrun.synthetic import (
+    COUNT_WORDS, EVAL_SEED, MAX_PIXELS, MAX_SIDE, MIN_SIDE, SLOTS, TRAIN_SEED, eval_question, make_scene,
+)
+
+N = 300
+
+
+def test_a_scene_is_a_pure_function_of_its_seed_and_index():
+    a, b = make_scene(TRAIN_SEED, 7), make_scene(TRAIN_SEED, 7)
+    assert a == b
+    assert np.array_equal(np.asarray(a.render()), np.asarray(b.render()))
+    assert make_scene(EVAL_SEED, 7) != a  # the held-out split draws other scenes
+
+
+def test_scene_layout_stays_within_its_bounds():
+    for index in range(N):
+        scene = make_scene(TRAIN_SEED, index)
+        assert MIN_SIDE <= scene.width <= MAX_SIDE and MIN_SIDE <= scene.height <= MAX_SIDE
+        assert scene.width * scene.height <= MAX_PIXELS
+        assert 1 <= len(scene.shapes) <= 3
+        slots = [SLOTS.index(s.slot) for s in scene.shapes]
+        assert slots == sorted(set(slots)), "one shape per third, listed left to right"
+        third = scene.width / 3
+        for shape, k in zip(scene.shapes, slots):
+            half = shape.extent / 2
+            assert k * third <= shape.cx - half and shape.cx + half <= (k + 1) * third
+            assert 0 <= shape.cy - half and shape.cy + half <= scene.height
+
+
+def test_caption_and_answers_follow_the_shapes():
+    scene = make_scene(TRAIN_SEED, 1)
+    phrases = [s.phrase for s in scene.shapes]
+    assert scene.caption == (phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1])
+    answers = {qa.question: qa.answer for qa in scene.qa_pairs()}
+    assert answers["How many shapes are there?"] == COUNT_WORDS[len(scene.shapes)]
+    for shape in scene.shapes:
+        where = shape.phrase.split(f"{shape.kind} ", 1)[1]  # 'on the left'
+        assert answers[f"What colour is the shape {where}?"] == shape.colour
+        assert answers[f"What shape is {where}?"] == shape.kind
+    for index in range(N):
+        scene = make_scene(EVAL_SEED, index)
+        assert eval_question(scene) in scene.qa_pairs()
+
+
+def test_rendered_shapes_have_their_colour():
+    scene = make_scene(TRAIN_SEED, 3)
+    image, masks = scene.render_with_masks()
+    pixels = np.asarray(image).astype(int)
+    for shape, mask in zip(scene.shapes, masks):
+        inside = pixels[mask >= 0.999]  # fully covered pixels
+        assert len(inside) > 0.5 * shape.extent ** 2 * 0.4  # a triangle covers half its box
+        assert np.abs(inside - np.asarray(shape.rgb)).max() <= 1
+
+
+def test_preprocessing_never_makes_a_small_shape_look_large():
+    """The model sees each scene resized to multiples of 32 px within 36 merged tokens: sizes stay apart."""
+    largest_small, smallest_large = 0.0, float("inf")
+    for index in range(N):
+        scene = make_scene(TRAIN_SEED, index)
+        height, width = smart_resize(scene.height, scene.width, 32, 4 * 1024, MAX_PIXELS)
+        grow, shrink = max(width / scene.width, height / scene.height), min(width / scene.width, height / scene.height)
+        for shape in scene.shapes:
+            if shape.size == "small":
+                largest_small = max(largest_small, shape.extent * grow)
+            else:
+                smallest_large = min(smallest_large, shape.extent * shrink)
+    assert largest_small < smallest_large
