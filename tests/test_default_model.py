@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from training.evaluate import MAX_NEW_TOKENS, eval_requests, score
 from vlmrun import LLM, SamplingParams
 from vlmrun.cli import main
 from vlmrun.default_model import MODEL_DIR_NAME, default_model_path
-from vlmrun.synthetic import EVAL_SEED, eval_scenes, make_scene
+from vlmrun.synthetic import DESCRIBE_PROMPT, EVAL_SEED, eval_scenes, scene_from_file
 
 MODEL = default_model_path()
 ASSET_IMAGES = Path(__file__).resolve().parents[1] / "assets" / "images"
@@ -37,7 +36,6 @@ N_SCENES = 300
 PARITY_SCENES = 16
 MIN_ACCURACY = 0.90
 MAX_BYTES = 20 * 1024 * 1024
-SCENE_ASSET = re.compile(r"scene_s(\d+)_i(\d+)\.png")
 
 
 def _params() -> SamplingParams:
@@ -46,11 +44,10 @@ def _params() -> SamplingParams:
 
 def _scene_assets() -> list[tuple[Path, str]]:
     """(file, the generator's caption of it) for each scene shipped in assets/images."""
-    files = sorted(p for p in ASSET_IMAGES.iterdir() if SCENE_ASSET.fullmatch(p.name))
-    assert len(files) >= 3, "assets/images should hold a few generator scenes"
+    scenes = [(p, scene) for p in sorted(ASSET_IMAGES.iterdir()) if (scene := scene_from_file(p)) is not None]
+    assert len(scenes) >= 3, "assets/images should hold a few generator scenes"
     out = []
-    for path in files:
-        scene = make_scene(*map(int, SCENE_ASSET.fullmatch(path.name).groups()))
+    for path, scene in scenes:
         with Image.open(path) as image:
             assert image.size == (scene.width, scene.height)
         out.append((path, scene.caption))
@@ -127,10 +124,25 @@ def test_readme_main_command_captions_the_scene_assets(capsys):
     printed = {image: ast.literal_eval(text) for image, text in lines}  # `path: 'caption'`
     for path, caption in _scene_assets():
         assert printed[str(path)] == caption, path.name
-    photos = [p for p in ASSET_IMAGES.iterdir() if p.suffix in (".jpg", ".png") and not SCENE_ASSET.fullmatch(p.name)]
+    photos = [p for p in ASSET_IMAGES.iterdir() if p.suffix in (".jpg", ".png") and scene_from_file(p) is None]
     assert all(printed[str(p)] for p in photos)
 
 
 def test_generate_without_model():
     path, caption = _scene_assets()[0]
     assert vlmrun.generate(images=[str(path)], device="cpu", dtype="float32") == caption
+
+
+def test_web_examples_ask_what_the_scene_answers(llm):
+    """The web demo's examples for this model: scenes with a question each one answers, answered right."""
+    from web.app import examples
+
+    shown = examples(MODEL_DIR_NAME, ASSET_IMAGES)
+    references = []
+    for example in shown:
+        scene = scene_from_file(example["files"][0])
+        answers = {qa.question: qa.answer for qa in scene.qa_pairs()} | {DESCRIBE_PROMPT: scene.caption}
+        references.append(answers[example["text"]])
+    assert len({e["text"] for e in shown}) >= 4  # captions and several question kinds
+    outs = llm.generate([{"prompt": e["text"], "images": e["files"]} for e in shown], _params(), use_tqdm=False)
+    assert [o.text.strip() for o in outs] == references

@@ -7,6 +7,7 @@ import numpy as np
 from processors.image_processor import smart_resize
 from vlmrun.synthetic import (
     COUNT_WORDS, EVAL_SEED, MAX_PIXELS, MAX_SIDE, MIN_SIDE, SLOTS, TRAIN_SEED, eval_question, make_scene,
+    scene_file_name, scene_from_file,
 )
 
 N = 300
@@ -72,3 +73,11 @@ def test_preprocessing_never_makes_a_small_shape_look_large():
             else:
                 smallest_large = min(smallest_large, shape.extent * shrink)
     assert largest_small < smallest_large
+
+
+def test_a_saved_scene_is_found_again_from_its_file_name(tmp_path):
+    scene = make_scene(2, 8)
+    assert scene_file_name(scene) == "scene_s2_i8.png"
+    assert scene_from_file(tmp_path / scene_file_name(scene)) == scene
+    assert scene_from_file("assets/images/chelsea_451x300.jpg") is None
+    assert scene_from_file("scene_s2_i8.png.bak") is None

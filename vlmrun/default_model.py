@@ -27,7 +27,8 @@ QUESTION_TEMPLATES: tuple[str, ...] = (
     "Where is the {colour} {shape}?",
 )
 
-# A few concrete prompts, e.g. for the web demo's examples.
+# A few concrete prompts; they are part of the tokenizer's training text (training/checkpoint_files.py),
+# so changing them changes the shipped tokenizer.
 PROMPTS: tuple[str, ...] = (
     CAPTION_PROMPT,
     COUNT_QUESTION,

@@ -22,7 +22,9 @@ as a large one (checked on 3,000 training scenes).
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -67,6 +69,8 @@ QA_KINDS: tuple[str, ...] = ("count", "colour", "shape", "position")  # the ques
 # Splits: training draws scenes from TRAIN_SEED; evaluation uses seeds never used in training.
 TRAIN_SEED = 0
 EVAL_SEED = 1
+
+SCENE_FILE = re.compile(r"scene_s(\d+)_i(\d+)\.png")  # a saved scene's file name: split seed, index
 
 
 @dataclass(frozen=True)
@@ -242,3 +246,14 @@ def _shape_mask(shape: Shape, width: int, height: int) -> np.ndarray:
         raise ValueError(f"unknown shape kind {shape.kind!r}")
     small = mask.resize((width, height), Image.Resampling.BOX)
     return np.asarray(small, dtype=np.float32) / 255.0
+
+
+def scene_file_name(scene: Scene) -> str:
+    """'scene_s2_i8.png': the name a saved scene goes by, from which `scene_from_file` rebuilds it."""
+    return f"scene_s{scene.split_seed}_i{scene.index}.png"
+
+
+def scene_from_file(path: str | Path) -> Scene | None:
+    """The scene a file named by `scene_file_name` shows (its caption, its questions); None for any other file."""
+    match = SCENE_FILE.fullmatch(Path(path).name)
+    return make_scene(int(match.group(1)), int(match.group(2))) if match else None

@@ -3,9 +3,9 @@
 Upload one or more images and type a question; the answer streams in. Turns accumulate into a
 multi-turn chat (earlier images stay in the conversation). Sampling controls sit beside the chat;
 Stop cancels the answer (the connection closes and the server aborts the request); the status
-line shows the model and the speed in tokens/s. Example images come from `assets/images/`: the
-generator scenes with the questions the bundled shapes model was trained on when it is the model,
-else the photos.
+line shows the model and the speed in tokens/s. Example images come from `assets/images/`: for the
+bundled shapes model the generator scenes, each with its caption prompt or a question that scene
+answers; else the photos.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Any, AsyncIterator, Optional
 
 import gradio as gr
 
-from vlmrun.default_model import MODEL_DIR_NAME, PROMPTS
+from vlmrun.default_model import MODEL_DIR_NAME
+from vlmrun.synthetic import DESCRIBE_PROMPT, QA_KINDS, Scene, scene_from_file
 from web.client import ChatClient, ServerError, Speed
 from web.conversation import Turn, to_chatbot, to_openai, user_turn
 
@@ -29,10 +30,18 @@ def examples(model: str, directory: Path = ASSETS, limit: int = 6) -> list[dict[
     if not directory.is_dir():
         return []
     images = [p for p in sorted(directory.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
-    shapes_model = model == MODEL_DIR_NAME
-    prompts = PROMPTS if shapes_model else EXAMPLE_PROMPTS
-    chosen = [p for p in images if p.name.startswith("scene_") == shapes_model][:limit]
-    return [{"text": prompts[i % len(prompts)], "files": [str(p)]} for i, p in enumerate(chosen)]
+    if model != MODEL_DIR_NAME:
+        photos = [p for p in images if scene_from_file(p) is None][:limit]
+        return [{"text": EXAMPLE_PROMPTS[i % len(EXAMPLE_PROMPTS)], "files": [str(p)]} for i, p in enumerate(photos)]
+    scenes = [(p, scene) for p in images if (scene := scene_from_file(p)) is not None][:limit]
+    return [{"text": _scene_prompt(scene, i), "files": [str(p)]} for i, (p, scene) in enumerate(scenes)]
+
+
+def _scene_prompt(scene: Scene, i: int) -> str:
+    """The i-th example's prompt: the caption prompt, then one question of each kind in turn (that the scene answers)."""
+    kind = ("caption", *QA_KINDS)[i % (1 + len(QA_KINDS))]
+    questions = [qa.question for qa in scene.qa_pairs() if qa.kind == kind]
+    return questions[0] if questions else DESCRIBE_PROMPT
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, max_tokens: int, repetition_penalty: float,
