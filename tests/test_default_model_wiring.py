@@ -11,6 +11,7 @@ import pytest
 from vlmrun.cli import build_parser, main
 from vlmrun.config import EngineConfig
 from vlmrun.default_model import MODEL_DIR_NAME, resolve_model, served_name
+from vlmrun.synthetic import scene_from_file
 
 
 @pytest.fixture
@@ -70,6 +71,6 @@ def test_serve_and_web_default_to_it():
     assert web_args.model is None and web_args.server is None
 
     shown = examples(MODEL_DIR_NAME)  # the shapes model gets the generator scenes and its own questions
-    assert shown and all(Path(e["files"][0]).name.startswith("scene_") for e in shown)
+    assert shown and all(scene_from_file(e["files"][0]) is not None for e in shown)
     others = examples("Qwen/Qwen3-VL-2B-Instruct")
-    assert others and all(not Path(e["files"][0]).name.startswith("scene_") for e in others)
+    assert others and all(scene_from_file(e["files"][0]) is None for e in others)

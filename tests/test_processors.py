@@ -39,6 +39,7 @@ from processors import (
     load_image,
     smart_resize,
 )
+from vlmrun.synthetic import scene_from_file
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
 
@@ -628,13 +629,13 @@ def test_bad_messages(qwen2_5_vl_dir: Path) -> None:
 
 def test_assets_load() -> None:
     files = sorted(ASSETS.glob("*.*g"))
-    photos = [f for f in files if not f.name.startswith("scene_")]  # the rest are small generator scenes
+    photos = [f for f in files if scene_from_file(f) is None]  # the rest are small generator scenes
     assert len(photos) >= 5
     total = sum(f.stat().st_size for f in files)
     assert total < 1_000_000
     for f in files:
         image = load_image(f)
-        assert image.mode == "RGB" and min(image.size) >= (64 if f.name.startswith("scene_") else 200)
+        assert image.mode == "RGB" and min(image.size) >= (200 if f in photos else 64)
 
 
 # =============================================================================================

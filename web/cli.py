@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vlmrun.default_model import resolve_model, served_name
+
 
 def web(args: argparse.Namespace) -> int:
     if args.model and args.server:
         print("vlmrun web: give --model M or --server URL, not both", file=sys.stderr)
         return 2
     if not args.server:
-        from vlmrun.default_model import resolve_model
-
         try:
             resolve_model(args.model)
         except FileNotFoundError as exc:
@@ -27,7 +27,6 @@ def web(args: argparse.Namespace) -> int:
     engine = server = None
     try:
         if not args.server:
-            from vlmrun.default_model import served_name
             from vlmrun.server.cli import engine_config
             from vlmrun.server.launch import build_engine, serve_in_thread
             from vlmrun.server.settings import ServerSettings
