@@ -5,8 +5,10 @@
   decoding gets >= 90 % of captions exactly right and >= 90 % of questions (one per scene). All
   600 requests go through one `LLM.generate` call (continuous batching), float32 on CPU, on the
   `LLM()` built without a model name (the default).
-- HF transformers' greedy `generate` (float32, one request at a time) gives the same tokens as
-  vlmrun on a subset: the first PARITY_SCENES scenes, caption and question each.
+- HF transformers' greedy `generate` (float32) gives the same tokens as vlmrun: one request at a
+  time through HF's own processor on the first PARITY_SCENES scenes (caption and question each),
+  and batched on all 600 requests (with vlmrun's preprocessing, as the training script evaluates).
+- `python -m pytest -q -s tests/test_default_model.py -k accuracy` prints the accuracy and every wrong answer.
 - The generator scenes shipped in assets/images are captioned exactly, by `vlmrun caption` without
   --model (the README's main command) and by `vlmrun.generate` without a model.
 
@@ -24,7 +26,8 @@ import pytest
 from PIL import Image
 
 import vlmrun
-from training.evaluate import MAX_NEW_TOKENS, eval_requests, score
+from processors import Processor
+from training.evaluate import MAX_NEW_TOKENS, eval_requests, hf_greedy, score
 from vlmrun import LLM, SamplingParams
 from vlmrun.cli import main
 from vlmrun.default_model import MODEL_DIR_NAME, default_model_path
@@ -97,6 +100,9 @@ def test_heldout_accuracy(heldout):
     assert all(o.finish_reason == "stop" for o in outs), "every answer should end with <|im_end|>"
     metrics = score(requests, [o.text for o in outs])
     wrong = [(r.prompt, r.reference, o.text) for r, o in zip(requests, outs) if o.text.strip() != r.reference]
+    print(f"\nheld-out accuracy through vlmrun ({N_SCENES} scenes): {metrics}")  # shown with pytest -s
+    for prompt, reference, answer in wrong:
+        print(f"  {prompt!r}: expected {reference!r}, got {answer!r}")
     assert metrics["caption"] >= MIN_ACCURACY, (metrics, wrong[:5])
     assert metrics["question"] >= MIN_ACCURACY, (metrics, wrong[:5])
 
@@ -115,6 +121,20 @@ def test_hf_greedy_is_token_identical(heldout):
         ours = [t for t in out.token_ids if t not in stops]
         theirs = [t for t in ref.token_ids if t not in stops]
         assert ours == theirs, f"scene {r.scene.index} {r.prompt!r}: vlmrun {out.text!r} vs HF {hf.tokenizer.decode(theirs)!r}"
+
+
+def test_hf_batched_greedy_matches_on_every_scene(heldout):
+    """All 600 held-out requests: HF generate (batched, left-padded, vlmrun's preprocessing) gives vlmrun's tokens."""
+    import torch
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    requests, _, outs = heldout
+    model = Qwen3_5ForConditionalGeneration.from_pretrained(MODEL, dtype=torch.float32).eval()
+    theirs = hf_greedy(model, Processor.from_pretrained(MODEL), requests)
+    stops = set(model.generation_config.eos_token_id)
+    ours = [[t for t in out.token_ids if t not in stops] for out in outs]
+    differ = [r.prompt for r, a, b in zip(requests, ours, theirs) if a != b]
+    assert not differ, f"{len(differ)} of {len(requests)} requests differ, e.g. {differ[:3]}"
 
 
 def test_readme_main_command_captions_the_scene_assets(capsys):
