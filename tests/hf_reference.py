@@ -2,7 +2,8 @@
 
 Builds HF's inputs the way HF's Qwen VL processors do (chat template → text, each image pad
 expanded to grid_t*grid_h*grid_w/merge² copies → tokenizer) with HF's own PIL image processor,
-then runs HF `generate` greedily in float32 and returns tokens and per-step log-softmax.
+then runs HF `generate` greedily (float32 eager attention on CPU unless told otherwise) and returns
+tokens and per-step log-softmax.
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ class HFResult:
 
 
 class HFReference:
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 attn_implementation: str = "eager"):
         self.dir = Path(model_dir)
+        self.device = torch.device(device)
         self.config = AutoConfig.from_pretrained(self.dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir)
         self.is_vl = getattr(self.config, "vision_config", None) is not None
         cls = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
-        self.model = cls.from_pretrained(self.dir, dtype=torch.float32, attn_implementation="eager").eval()
+        self.model = cls.from_pretrained(self.dir, dtype=dtype, attn_implementation=attn_implementation)
+        self.model = self.model.to(self.device).eval()
         if self.is_vl:
             from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -57,10 +61,10 @@ class HFReference:
 
     @torch.no_grad()
     def generate(self, messages: list[dict], max_new_tokens: int) -> HFResult:
-        inputs = self.inputs(messages)
+        inputs = {k: v.to(self.device) for k, v in self.inputs(messages).items()}
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True)
         n_prompt = inputs["input_ids"].shape[1]
         tokens = out.sequences[0, n_prompt:].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits][: len(tokens)]
+        logprobs = [torch.log_softmax(step[0].float(), dim=-1).cpu() for step in out.logits][: len(tokens)]
         return HFResult(inputs["input_ids"][0].tolist(), tokens, logprobs)

@@ -84,8 +84,11 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 class VisionPatchEmbed(nn.Module):
     """Conv3d with kernel == stride over pre-flattened patches.
 
-    Mathematically a linear layer; it runs as the conv HF runs so float32 sums round the same way
-    (a matmul differs by ~1e-5, which the parity tests would see). A fused path may swap it later.
+    Mathematically a linear layer. On CPU it runs as the conv HF runs, so float32 sums round the
+    same way (a matmul differs by ~1e-5, which the CPU parity tests would see). On CUDA it runs as
+    the matmul: cuDNN would run the conv in TF32 (torch's default for convolutions), which put
+    float32 image prompts 4e-3 to 2.5e-2 off the CPU engine in logprob (measured on an H100); the
+    matmul keeps full float32 and is one GEMM.
     """
 
     def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int, bias: bool):
@@ -96,7 +99,9 @@ class VisionPatchEmbed(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values: [num_patches, in_channels * temporal_patch * patch * patch] -> [num_patches, embed_dim]
-        weight = self.proj.weight
+        weight = self.proj.weight  # [embed_dim, C, T, P, P]
+        if weight.is_cuda:
+            return F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.proj.bias)
         patches = pixel_values.to(weight.dtype).view(-1, *weight.shape[1:])  # [num_patches, C, T, P, P]
         return self.proj(patches).view(-1, self.embed_dim)
 
