@@ -125,8 +125,9 @@ class VlmrunSide:
                 total += p.numel() * p.element_size() if tied else 0
                 continue
             total += p.numel() * p.element_size()
-        total += context_tokens * runner.kv_bytes_per_token
-        total += 2 * runner.gdn_bytes_per_request  # GDN conv + recurrent state, read and written
+        plan = self.llm.engine.caches.plan
+        total += context_tokens * plan.kv_bytes_per_token
+        total += 2 * plan.gdn_bytes_per_request  # GDN conv + recurrent state, read and written
         return total
 
 

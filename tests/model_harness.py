@@ -46,7 +46,7 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         mm_embeds=mm_embeds,
         deepstack_embeds=deepstack_embeds,
     )
-    backend.init_forward_metadata(fb)
+    backend.prepare(fb)
     with torch.no_grad():
         hidden = model(fb.input_ids, fb.positions, fb)
         return model.compute_logits(hidden[fb.logits_indices])

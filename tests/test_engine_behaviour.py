@@ -55,7 +55,7 @@ def test_bad_images_fail_alone_and_engine_keeps_serving(llm, tmp_path):
     assert "pixel" in outs[5].error.lower()
     again = llm.generate([{"prompt": "Describe.", "images": [good]}], params, use_tqdm=False)[0]
     assert again.token_ids == outs[0].token_ids
-    assert llm.engine.runner.allocator.num_free_pages() == llm.engine.runner.allocator.num_usable_pages()
+    assert llm.engine.caches.allocator.num_free_pages() == llm.engine.caches.allocator.num_usable_pages()
 
 
 def test_too_many_images_and_too_long_prompt(qwen3_vl_dir):

@@ -144,7 +144,7 @@ def test_preemption_by_recompute(arch_setup):
               max_num_seqs=seqs, kv_cache_memory_bytes=budget)
     run_cases(llm, cases, expected, repeat=3)
     assert llm.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
-    assert llm.engine.runner.allocator.num_free_pages() == llm.engine.runner.allocator.num_usable_pages()
+    assert llm.engine.caches.allocator.num_free_pages() == llm.engine.caches.allocator.num_usable_pages()
 
 
 @pytest.mark.parametrize("arch", HYBRID)

@@ -12,10 +12,10 @@ from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
 from vlmrun.cache.gdn_pool import GDNPool, gdn_slot_for_row
 from vlmrun.config import CacheShape
-from vlmrun.executor.model_runner import gdn_bytes_per_request, kv_bytes_per_token, plan_cache_memory
+from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token, plan_cache_memory
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import LinearAttention
-from vlmrun.layers.attention.gdn_backend import GDNBackend
+from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
 from vlmrun.layers.gdn_ops import causal_conv1d, chunk_gated_delta_rule
 
 GIB = 1 << 30
@@ -159,7 +159,7 @@ def test_zero_resets_only_the_given_slots():
             assert torch.equal(pool.recurrent_state[:, slot], before_rec[:, slot])
 
 
-def gdn_batch(backend: GDNBackend, lens: list[int], prefix: list[int], slots: list[int]) -> ForwardBatch:
+def gdn_batch(backend: TorchGDNBackend, lens: list[int], prefix: list[int], slots: list[int]) -> ForwardBatch:
     num_tokens = sum(lens)
     seq_lens = [p + n for p, n in zip(prefix, lens)]
     fb = ForwardBatch(
@@ -171,7 +171,7 @@ def gdn_batch(backend: GDNBackend, lens: list[int], prefix: list[int], slots: li
         extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, logits_indices=torch.zeros(0, dtype=torch.int64),
         attn_backend=backend, state_slots=torch.tensor(slots),
     )
-    backend.init_forward_metadata(fb)
+    backend.prepare(fb)
     return fb
 
 
@@ -193,7 +193,7 @@ class Stream:
         return out[0]
 
 
-def run_steps(backend: GDNBackend, layer: LinearAttention, weight: torch.Tensor,
+def run_steps(backend: TorchGDNBackend, layer: LinearAttention, weight: torch.Tensor,
               plan: list[list[tuple[Stream, int, int, int]]]) -> dict[int, list[torch.Tensor]]:
     """Each step: [(stream, slot, start, n)]; returns the outputs of each stream id, in order."""
     outs: dict[int, list[torch.Tensor]] = {}
@@ -202,7 +202,7 @@ def run_steps(backend: GDNBackend, layer: LinearAttention, weight: torch.Tensor,
         x = torch.cat([st.x[s:s + n] for st, _, s, n in step])
         g = torch.cat([st.g[s:s + n] for st, _, s, n in step])
         beta = torch.cat([st.beta[s:s + n] for st, _, s, n in step])
-        out = layer(x, g, beta, weight, fb)
+        out = backend.forward(x, g, beta, weight, layer, fb)
         row = 0
         for st, _, _, n in step:
             outs.setdefault(id(st), []).append(out[row:row + n])
@@ -212,7 +212,7 @@ def run_steps(backend: GDNBackend, layer: LinearAttention, weight: torch.Tensor,
 
 def test_mixed_batches_through_the_backend_match_whole_sequences():
     pool = make_pool()
-    backend = GDNBackend(pool)
+    backend = TorchGDNBackend(pool)
     layer = LinearAttention(1, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(0)) * 0.5
     a, b, c = Stream(150, 1), Stream(72, 2), Stream(7, 3)
@@ -232,14 +232,14 @@ def test_mixed_batches_through_the_backend_match_whole_sequences():
 
 def test_reused_slot_shows_no_state_of_the_previous_request():
     pool = make_pool()
-    backend = GDNBackend(pool)
+    backend = TorchGDNBackend(pool)
     layer = LinearAttention(0, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(1)) * 0.5
     old, new = Stream(90, 10), Stream(40, 11)
     run_steps(backend, layer, weight, [[(old, 2, 0, 89)], [(old, 2, 89, 1)]])  # the old request ends in slot 2
     assert pool.recurrent_state[0, 2].abs().sum() > 0
 
-    pool.zero(torch.tensor([2]))  # what the runner does before a request's first extend
+    pool.zero(torch.tensor([2]))  # what the scheduler does before a request's first extend
     outs = run_steps(backend, layer, weight, [[(new, 2, 0, 30)], [(new, 2, 30, 10)]])
     torch.testing.assert_close(torch.cat(outs[id(new)]), new.reference(weight), atol=1e-5, rtol=1e-5)
 

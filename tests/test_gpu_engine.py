@@ -113,7 +113,7 @@ def test_bfloat16_cuda_follows_hf(request, arch):
     expected = {name: hf.generate(msgs, MAX_NEW) for name, msgs in cases.items()}
     del hf
     llm = cuda_llm(model_dir, "bfloat16")
-    assert llm.engine.runner.model_config.dtype == torch.bfloat16
+    assert llm.engine.model_config.dtype == torch.bfloat16
     outs = llm.chat(list(cases.values()), params(), use_tqdm=False)
     failures, ours_errors, hf_errors = [], [], []
     for (name, ref), out in zip(expected.items(), outs):
@@ -140,9 +140,9 @@ def test_bfloat16_cuda_follows_hf(request, arch):
 
 def test_auto_device_and_dtype_pick_cuda_bfloat16(qwen3_vl_dir):
     llm = LLM(str(qwen3_vl_dir))  # default device, dtype and cache budget (gpu_memory_utilization)
-    runner = llm.engine.runner
-    assert runner.device.type == "cuda" and runner.model_config.dtype == torch.bfloat16
-    assert runner.kv_pool.k_buffers[0].is_cuda
+    runner, caches = llm.engine.runner, llm.engine.caches
+    assert runner.device.type == "cuda" and llm.engine.model_config.dtype == torch.bfloat16
+    assert caches.kv_pool.k_buffers[0].is_cuda
     out = llm.generate({"prompt": "Describe.", "images": [torch.randint(0, 255, (40, 60, 3), dtype=torch.uint8).numpy()]},
                        SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert out.error is None and len(out.token_ids) == 4

@@ -24,8 +24,8 @@ from transformers.utils import logging as hf_logging
 from processors import ProcessedPrompt
 from vlmrun import LLM, SamplingParams
 from vlmrun.config import CacheShape
-from vlmrun.executor import model_runner
-from vlmrun.executor.model_runner import gdn_bytes_per_request, kv_bytes_per_token
+from vlmrun.engine import engine as engine_module
+from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, LinearAttention
 
@@ -141,7 +141,7 @@ def hybrid_model(qwen3_dir):
 
 @pytest.fixture
 def make_llm(qwen3_dir, hybrid_model, monkeypatch):
-    monkeypatch.setattr(model_runner, "load_model", lambda model_config, device: hybrid_model)
+    monkeypatch.setattr(engine_module, "load_model", lambda model_config, device: hybrid_model)
 
     def make(**kwargs) -> LLM:
         return LLM(str(qwen3_dir), dtype="float32", device="cpu", **kwargs)
@@ -176,32 +176,32 @@ def run_and_compare(llm: LLM, model: TinyHybridLM, prompts: list[ProcessedPrompt
         for step, (ours, lp) in enumerate(zip(out.logprobs, ref)):
             for tok, value in ours.items():
                 assert abs(value - lp[tok].item()) < ATOL, f"request {i} step {step} token {tok}"
-    runner = llm.engine.runner
-    assert runner.allocator.num_free_pages() == runner.allocator.num_usable_pages()
-    assert runner.req_pool.num_free() == runner.req_pool.max_reqs
+    caches = llm.engine.caches
+    assert caches.allocator.num_free_pages() == caches.allocator.num_usable_pages()
+    assert caches.req_to_token.num_free() == caches.req_to_token.max_reqs
 
 
 def test_runner_builds_a_gdn_pool_and_reports_bytes(make_llm, caplog):
     with caplog.at_level(logging.INFO, logger="vlmrun.engine.engine"):
         llm = make_llm(max_num_seqs=4)
-    runner = llm.engine.runner
+    runner, caches = llm.engine.runner, llm.engine.caches
     shape = CacheShape.from_model(runner.model)
-    assert runner.kv_pool.num_layers == 1, "KV only for the full-attention layer"
-    assert runner.gdn_pool.conv_state.shape == (2, 5, CONV_DIM, KERNEL - 1)
-    assert runner.gdn_pool.recurrent_state.shape == (2, 5, HV, DV, DK)
-    assert runner.gdn_pool.recurrent_state.dtype == torch.float32
-    assert runner.kv_bytes_per_token == kv_bytes_per_token(shape, torch.float32) == 2 * KV_HEADS * HEAD_DIM * 4
-    assert runner.gdn_bytes_per_request == gdn_bytes_per_request(shape, torch.float32, torch.float32) \
+    assert caches.kv_pool.num_layers == 1, "KV only for the full-attention layer"
+    assert caches.gdn_pool.conv_state.shape == (2, 5, CONV_DIM, KERNEL - 1)
+    assert caches.gdn_pool.recurrent_state.shape == (2, 5, HV, DV, DK)
+    assert caches.gdn_pool.recurrent_state.dtype == torch.float32
+    assert caches.plan.kv_bytes_per_token == kv_bytes_per_token(shape, torch.float32) == 2 * KV_HEADS * HEAD_DIM * 4
+    assert caches.plan.gdn_bytes_per_request == gdn_bytes_per_request(shape, torch.float32, torch.float32) \
         == 2 * (CONV_DIM * (KERNEL - 1) * 4 + HV * DV * DK * 4)
     line = [r.getMessage() for r in caplog.records if "GDN state" in r.getMessage()]
-    assert line and f"{runner.gdn_bytes_per_request} bytes/request" in line[0]
-    assert f"KV {runner.kv_bytes_per_token} bytes/token" in line[0]
+    assert line and f"{caches.plan.gdn_bytes_per_request} bytes/request" in line[0]
+    assert f"KV {caches.plan.kv_bytes_per_token} bytes/token" in line[0]
 
 
 def test_gdn_state_dtype_option(make_llm):
     llm = make_llm(max_num_seqs=2, gdn_state_dtype="bfloat16")
-    assert llm.engine.runner.gdn_pool.recurrent_state.dtype == torch.bfloat16
-    assert llm.engine.runner.gdn_pool.conv_state.dtype == torch.float32  # the model dtype
+    assert llm.engine.caches.gdn_pool.recurrent_state.dtype == torch.bfloat16
+    assert llm.engine.caches.gdn_pool.conv_state.dtype == torch.float32  # the model dtype
 
 
 def test_mixed_batch_with_chunked_prefill(make_llm, hybrid_model):
@@ -228,7 +228,7 @@ def test_preemption_and_recompute(make_llm, hybrid_model):
     budget = (pages * page * kv_bytes_per_token(shape, torch.float32)
               + (seqs + 1) * gdn_bytes_per_request(shape, torch.float32, torch.float32))
     llm = make_llm(page_size=page, max_num_batched_tokens=16, max_num_seqs=seqs, kv_cache_memory_bytes=budget)
-    assert llm.engine.runner.max_num_seqs == seqs
+    assert llm.engine.caches.plan.max_num_seqs == seqs
     run_and_compare(llm, hybrid_model, prompts + prompts, max_new=max_new)
     assert llm.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
 
@@ -237,13 +237,13 @@ def test_slot_reuse(make_llm, hybrid_model):
     # Two rows (GDN slots 1 and 2) serve seven requests one after another: every new request
     # starts from a zeroed slot that another request used before.
     llm = make_llm(max_num_seqs=2, max_num_batched_tokens=50)
-    assert llm.engine.runner.gdn_pool.num_slots == 3
+    assert llm.engine.caches.gdn_pool.num_slots == 3
     run_and_compare(llm, hybrid_model, prompts_of([90, 5, 66, 12, 140, 3, 64], seed=5), max_new=5)
     run_and_compare(llm, hybrid_model, prompts_of([20, 21], seed=6), max_new=3)
 
 
 def test_non_hybrid_model_has_no_gdn_pool(qwen3_dir):
     llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", max_num_seqs=2)
-    runner = llm.engine.runner
-    assert runner.gdn_pool is None and runner.gdn_bytes_per_request == 0
+    runner, caches = llm.engine.runner, llm.engine.caches
+    assert caches.gdn_pool is None and caches.plan.gdn_bytes_per_request == 0
     assert type(runner.attn_backend).__name__ == "TorchAttnBackend"

@@ -1,7 +1,7 @@
 """Qwen3.5, Qwen3.5-MoE, Qwen3-Next and Qwen3-VL-MoE parity with HF transformers (float32, CPU), model level.
 
 The hybrid models' GDN layers run on the engine's reference backends (`HybridAttnBackend` over
-`TorchAttnBackend` + `GDNBackend` with a `GDNPool`), outside the engine: each call prefills fresh
+`TorchAttnBackend` + `TorchGDNBackend` with a `GDNPool`), outside the engine: each call prefills fresh
 sequences, batched. Checked here: attributes the runner reads, vision towers, the MoE block (routing
 and both expert weight layouts), full logits for text and image prompts (including prompts longer
 than three 64-token GDN chunks), batched vs single, and weight loading (layouts, clear errors).
@@ -21,7 +21,7 @@ from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention import Attention, LinearAttention
-from vlmrun.layers.attention.gdn_backend import GDNBackend
+from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 from vlmrun.layers.moe import SparseMoeBlock, load_checkpoint
@@ -60,7 +60,7 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         gdn_pool = GDNPool(model.num_linear_layers, len(sequences) + 1, model.linear_conv_dim, model.linear_conv_kernel,
                            model.linear_num_v_heads, model.linear_head_v_dim, model.linear_head_k_dim, torch.float32,
                            torch.float32, cpu)
-        backend = HybridAttnBackend(backend, GDNBackend(gdn_pool))
+        backend = HybridAttnBackend(backend, TorchGDNBackend(gdn_pool))
     fb = ForwardBatch(
         mode=ForwardMode.EXTEND,
         input_ids=torch.cat(sequences),
@@ -80,7 +80,7 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         deepstack_embeds=deepstack_embeds,
         state_slots=torch.arange(1, len(sequences) + 1),  # GDN slot 0 is the dummy
     )
-    backend.init_forward_metadata(fb)
+    backend.prepare(fb)
     with torch.no_grad():
         return model.compute_logits(model(fb.input_ids, fb.positions, fb))
 

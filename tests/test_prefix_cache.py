@@ -41,7 +41,7 @@ def stats(engine_llm: LLM):
 
 
 def assert_no_page_leak(engine_llm: LLM) -> None:
-    alloc = engine_llm.engine.runner.allocator
+    alloc = engine_llm.engine.caches.allocator
     assert alloc.num_free_pages() == alloc.num_usable_pages()
     assert all(r == 0 for r in alloc.refcount), "a page is still referenced"
     assert alloc.num_evictable_pages() == len(alloc.cached)
@@ -87,7 +87,7 @@ def test_snapshot_memory_is_counted_in_the_one_budget():
     import torch
 
     from vlmrun.config import CacheShape
-    from vlmrun.executor.model_runner import plan_cache_memory
+    from vlmrun.cache.plan import plan_cache_memory
 
     shape = CacheShape(num_attention_layers=1, num_kv_heads=2, head_dim=8, num_linear_layers=2, linear_conv_dim=64,
                        linear_conv_kernel=4, linear_num_v_heads=4, linear_head_v_dim=8, linear_head_k_dim=8)
@@ -198,7 +198,7 @@ def test_hybrid_hits_only_at_snapshot_boundaries(qwen3_5_dir):
     interval = next(i for i in (16, 24, 32, 40, 48) if 0 < full // i * i < full)
     expected = full // interval * interval
     e = llm(qwen3_5_dir, page_size=page, max_num_batched_tokens=24, prefix_snapshot_interval=interval)
-    assert e.engine.runner.gdn_snapshots is not None
+    assert e.engine.caches.gdn_snapshots is not None
     exp_a = hf.generate(a, 10)
     assert_matches(chat_one(e, a), exp_a, "a")
     out_b = chat_one(e, b)
@@ -237,8 +237,8 @@ def test_stress_cache_on_matches_off(request, arch):
     off = llm(model_dir, enable_prefix_caching=False, **{k: v for k, v in kw.items() if v is not None})
     ref = off.chat(convs, params(), use_tqdm=False)
     # a pool of 60 pages: the cache must evict, and with 4 running requests preemption happens too
-    per_page = off.engine.runner.kv_bytes_per_token * 4
-    gdn = off.engine.runner.gdn_bytes_per_request
+    per_page = off.engine.caches.plan.kv_bytes_per_token * 4
+    gdn = off.engine.caches.plan.gdn_bytes_per_request
     budget = 60 * per_page + (4 + 1 + 8) * gdn
     on = llm(model_dir, gdn_prefix_snapshots=8 if gdn else None, kv_cache_memory_bytes=budget,
              prefix_snapshot_interval=8, **{k: v for k, v in kw.items() if v is not None})
@@ -253,4 +253,4 @@ def test_stress_cache_on_matches_off(request, arch):
     assert s.evicted_pages > 0, "the small pool should have forced evictions"
     assert on.engine.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
     assert_no_page_leak(on)
-    assert on.engine.runner.req_pool.num_free() == on.engine.runner.req_pool.max_reqs
+    assert on.engine.caches.req_to_token.num_free() == on.engine.caches.req_to_token.max_reqs

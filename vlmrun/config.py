@@ -23,6 +23,8 @@ class EngineConfig:
     revision: Optional[str] = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "torch"  # full-attention kernels (layers/attention/factory.py)
+    gdn_backend: str = "torch"  # hybrid models: linear-attention (Gated DeltaNet) kernels
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

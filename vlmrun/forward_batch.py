@@ -8,7 +8,7 @@ A decode is an extend of one token. Chunked-prefill chunks and decodes can share
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, auto
 from typing import Any, Optional
 
@@ -36,9 +36,11 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     # Rows of the token stream whose logits are wanted (the last fed token of sequences that sample).
     logits_indices: torch.Tensor  # [num_sampled] int64
-    # The attention backend of this step and the metadata it prepared in init_forward_metadata.
+    # The attention backend of this step (a HybridAttnBackend for hybrid models) and the metadata its
+    # `prepare` built: full attention's, and the linear-attention (GDN) layers' for hybrid models.
     attn_backend: Any = None
     attn_metadata: Any = None
+    linear_attn_metadata: Any = None
     # Multimodal splice: embeddings for the rows of input_ids where mm_mask is True, in row order.
     mm_mask: Optional[torch.Tensor] = None  # [num_tokens] bool
     mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]
@@ -46,7 +48,6 @@ class ForwardBatch:
     deepstack_embeds: Optional[torch.Tensor] = None  # [num_deepstack_layers, num_mm_tokens, hidden]
     # Hybrid models: the GDN state-pool slot of each sequence (slot 0 is the dummy for padding rows).
     state_slots: Optional[torch.Tensor] = None  # [batch] int64
-    extras: dict = field(default_factory=dict)  # backend-specific per-step data (e.g. GDN slots)
 
     @property
     def batch_size(self) -> int:

@@ -6,7 +6,7 @@ A GDN layer keeps no per-token cache, only a fixed-size state per sequence:
 
 Slot 0 is a dummy that padding rows (CUDA-graph batches) read and write. A running request owns
 slot `row + 1`, where `row` is its ReqToTokenPool row, so a slot is taken and freed with the row
-and there are `max_reqs + 1` slots. The runner zeroes a request's slot before its first extend
+and there are `max_reqs + 1` slots. The scheduler zeroes a request's slot before its first extend
 (also the recompute after a preemption); chunked prefill carries the state from chunk to chunk.
 """
 

@@ -31,6 +31,11 @@ class ReqToTokenPool:
     def num_free(self) -> int:
         return len(self.free_rows)
 
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i]; host tensors [n] int64, moved in one copy each."""
+        device = self.req_to_token.device
+        self.req_to_token[rows.to(device), positions.to(device)] = slots.to(device)
+
 
 class KVPool:
     """Per full-attention layer: k and v buffers of [num_slots, num_kv_heads, head_dim]."""
@@ -130,3 +135,9 @@ class PageAllocator:
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     return (num_tokens + page_size - 1) // page_size
+
+
+def token_slots(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """KV slots [end - start] int64 of token positions start..end-1 of a request holding `pages` in order."""
+    pos = torch.arange(start, end, dtype=torch.int64)
+    return torch.tensor(pages, dtype=torch.int64)[pos // page_size] * page_size + pos % page_size

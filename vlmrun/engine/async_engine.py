@@ -394,16 +394,17 @@ class AsyncEngine:
         self._outbox.setdefault(loop, []).append((fut, exc))
 
     def _publish_stats(self) -> None:
-        runner = self.engine.runner
-        allocator = runner.allocator
+        caches = self.engine.caches
+        allocator = caches.allocator
         sched = self.engine.scheduler
-        gdn = gdn_pool_usage(runner)
+        rows_used = caches.req_to_token.max_reqs - caches.req_to_token.num_free()
+        gdn = None if caches.gdn_pool is None else (rows_used, caches.gdn_pool.num_slots - 1)  # slot = row + 1
         prefix = self.engine.prefix_cache_stats()
         self._stats = EngineStats(
             num_running=len(sched.running), num_waiting=len(sched.waiting), num_groups=len(self._groups),
             kv_pages_used=allocator.num_usable_pages() - allocator.num_free_pages(),
             kv_pages_total=allocator.num_usable_pages(),
-            req_rows_used=runner.req_pool.max_reqs - runner.req_pool.num_free(),
+            req_rows_used=rows_used,
             gdn_slots_used=gdn[0] if gdn else None, gdn_slots_total=gdn[1] if gdn else None,
             num_steps=self._num_steps, num_preemptions=sched.num_preemptions,
             prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens, time=time.monotonic())

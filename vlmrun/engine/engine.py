@@ -16,14 +16,18 @@ from typing import Any, Optional
 import torch
 
 from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
+from vlmrun.cache.encoder_cache import EncoderCache
+from vlmrun.cache.plan import build_caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
-from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.model_runner import ModelRunner, SampledToken
-from vlmrun.loader import resolve_model_path
+from vlmrun.layers.attention import create_attention_backend
+from vlmrun.loader import load_model, resolve_model_path
+from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams
 
@@ -49,12 +53,18 @@ class Engine:
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits())
         self.tokenizer = self.processor.tokenizer
-        self.runner = ModelRunner(self.model_config, config, self.device)
-        self.max_model_len = self.runner.max_model_len
+        model = load_model(self.model_config, self.device)
+        dtype = self.model_config.dtype
+        self.caches = build_caches(CacheShape.from_model(model), config, dtype=dtype,
+                                   max_model_len=self.model_config.max_model_len, device=self.device)
+        self.max_model_len = self.caches.plan.max_model_len
         self._log_cache_plan()
+        vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), self.device, dtype)
+                  if hasattr(model, "encode_images") else None)
+        backend = create_attention_backend(self.caches, config.attention_backend, config.gdn_backend)
+        self.runner = ModelRunner(model, self.caches, backend, vision, self.device)
         self.prefix_cache = self._make_prefix_cache()
-        self.scheduler = Scheduler(self.runner.allocator, self.runner.req_pool, self.runner.max_num_seqs,
-                                   config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
+        self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
@@ -62,19 +72,19 @@ class Engine:
     def _make_prefix_cache(self) -> Optional[PrefixCache]:
         if not self.config.enable_prefix_caching:
             return None
-        runner = self.runner
-        if runner.gdn_pool is not None and runner.gdn_snapshots is None:
+        caches = self.caches
+        if caches.gdn_pool is not None and caches.gdn_snapshots is None:
             logger.info("prefix caching is off for this hybrid model: the budget leaves no room for GDN state "
                         "snapshots (set gdn_prefix_snapshots to take some from the cache budget)")
             return None
-        return PrefixCache(runner.allocator, runner.gdn_snapshots, needs_snapshots=runner.gdn_pool is not None)
+        return PrefixCache(caches.allocator, caches.gdn_snapshots, needs_snapshots=caches.gdn_pool is not None)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prefix-cache counters (all zero when caching is off); `.hit_rate` = hit tokens / looked-up tokens."""
         return dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache is not None else PrefixCacheStats()
 
     def _log_cache_plan(self) -> None:
-        plan = self.runner.cache_plan
+        plan = self.caches.plan
         if plan.max_num_seqs < self.config.max_num_seqs:
             logger.warning("max_num_seqs lowered from %d to %d: the GDN state of %d bytes per request must fit "
                            "the cache budget (raise kv_cache_memory_bytes or gpu_memory_utilization)",
@@ -130,7 +140,7 @@ class Engine:
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator)
         if self.prefix_cache is not None:
-            page_size = self.runner.page_size
+            page_size = self.caches.plan.page_size
             req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size)
         self.requests[request_id] = req
         self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
@@ -154,7 +164,7 @@ class Engine:
         updates = [self._finish(req, "length") for req in too_long]
         if not chunks:
             return updates
-        results = self.runner.execute(chunks)
+        results = self.runner.execute([c.to_input() for c in chunks])
         now = time.monotonic()
         for chunk, sampled in zip(chunks, results):
             req = chunk.request

@@ -6,6 +6,10 @@ the budget allows. Waiting requests are then admitted, oldest first, up to `max_
 When the KV pool has no page for a running request, the newest running request is preempted:
 its pages are freed and it waits to recompute its prompt and the tokens it already generated.
 
+The scheduler is the only writer of the caches' bookkeeping: for every chunk it picks it writes
+the page table (`ReqToTokenPool`) rows of the tokens the chunk feeds and zeroes the GDN slot of a
+request that starts from its first token; the model runner only reads them.
+
 With a prefix cache (docs/prefix_cache.md), an admitted request first takes the longest run of
 cached full prompt pages (always leaving at least one token to compute) and starts its first
 chunk there; for a hybrid model the run ends at a page that has a GDN state snapshot, which is
@@ -23,9 +27,12 @@ from typing import Optional
 import torch
 
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
-from vlmrun.cache.kv_pool import PageAllocator, ReqToTokenPool, pages_needed
+from vlmrun.cache.kv_pool import pages_needed, token_slots
+from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
+from vlmrun.executor.step_input import ChunkInput
+from vlmrun.layers.sampler import SamplingRow
 
 
 @dataclass
@@ -33,6 +40,8 @@ class ScheduledChunk:
     request: Request
     start: int  # tokens already in the cache
     num_tokens: int  # tokens fed this step
+    admitted: bool = False  # the request joined the running set this step (its page table row is new)
+    kv_slots: Optional[torch.Tensor] = None  # [num_tokens] int64 KV slots of the fed tokens, set by the scheduler
 
     @property
     def end(self) -> int:
@@ -43,15 +52,25 @@ class ScheduledChunk:
         """The chunk reaches the request's last known token, so its logits give the next token."""
         return self.end == self.request.num_tokens
 
+    def to_input(self) -> ChunkInput:
+        """What the model runner needs of this chunk."""
+        req = self.request
+        overlaps_prompt = req.prompt.mm_items and self.start < req.num_prompt_tokens
+        sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                                req.eos_token_ids) if self.samples else None)
+        return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=req.token_ids_slice(self.start, self.end),
+                          positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
+                          mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling)
+
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, req_pool: ReqToTokenPool, max_num_seqs: int,
-                 max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
+    def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
                  snapshot_interval: int = 512):
-        self.allocator = allocator
-        self.req_pool = req_pool
-        self.page_size = allocator.page_size
-        self.max_num_seqs = max_num_seqs
+        self.allocator = caches.allocator
+        self.req_pool = caches.req_to_token
+        self.gdn_pool = caches.gdn_pool
+        self.page_size = caches.allocator.page_size
+        self.max_num_seqs = caches.plan.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -72,7 +91,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> tuple[list[ScheduledChunk], list[Request]]:
-        """Chunks to run this step, and requests that can never fit (to be finished by the engine)."""
+        """Chunks to run this step, and requests that can never fit (to be finished by the engine).
+
+        The chunks' page table rows and KV slots are written, and fresh GDN slots zeroed, on return."""
+        chunks, too_long = self._pick_chunks()
+        self._map_tokens(chunks)
+        self._zero_fresh_gdn_slots(chunks)
+        return chunks, too_long
+
+    def _pick_chunks(self) -> tuple[list[ScheduledChunk], list[Request]]:
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         too_long: list[Request] = []
@@ -114,9 +141,34 @@ class Scheduler:
             req.req_pool_idx = row
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, admitted=True))
             budget -= n
         return chunks, too_long
+
+    # ------------------------------------------------------------------ cache bookkeeping
+
+    def _map_tokens(self, chunks: list[ScheduledChunk]) -> None:
+        """Set each chunk's KV slots and write them into its page table row, in one copy for the step.
+
+        A request admitted this step also gets the rows of its cached prefix (a prefix-cache hit)."""
+        rows, positions, slots = [], [], []
+        for c in chunks:
+            req = c.request
+            first = 0 if c.admitted else c.start
+            mapped = token_slots(req.pages, first, c.end, self.page_size)  # [end - first]
+            c.kv_slots = mapped[c.start - first:]
+            rows.append(torch.full((c.end - first,), req.req_pool_idx, dtype=torch.int64))
+            positions.append(torch.arange(first, c.end, dtype=torch.int64))
+            slots.append(mapped)
+        if chunks:
+            self.req_pool.write(torch.cat(rows), torch.cat(positions), torch.cat(slots))
+
+    def _zero_fresh_gdn_slots(self, chunks: list[ScheduledChunk]) -> None:
+        """A request computing from its first token (new, or recomputing after a preemption) starts
+        from zero GDN state; one resuming a prefix-cache hit had its snapshot restored at admission."""
+        fresh = [gdn_slot_for_row(c.request.req_pool_idx) for c in chunks if c.start == 0]
+        if self.gdn_pool is not None and fresh:
+            self.gdn_pool.zero(torch.tensor(fresh, dtype=torch.int64))
 
     # ------------------------------------------------------------------ prefix cache
 
@@ -133,9 +185,6 @@ class Scheduler:
         req.pages = list(match.pages)
         req.num_computed_tokens = req.prefix_hit_tokens = n
         req.num_indexed_pages = match.num_pages
-        pages = torch.tensor(match.pages, dtype=torch.int64)
-        slots = (pages[:, None] * self.page_size + torch.arange(self.page_size)).flatten()  # [n]
-        self.req_pool.req_to_token[row, :n] = slots.to(self.req_pool.req_to_token.device)
         if match.snapshot is not None:
             cache.restore_snapshot(match.snapshot, gdn_slot_for_row(row))
         return match

@@ -1,5 +1,6 @@
-"""Attention layer and backends."""
+"""Attention layers, the two backend interfaces, the backends and their factory."""
 
-from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention
+from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention, LinearAttentionBackend
+from vlmrun.layers.attention.factory import create_attention_backend
 
-__all__ = ["Attention", "AttentionBackend", "LinearAttention"]
+__all__ = ["Attention", "AttentionBackend", "LinearAttention", "LinearAttentionBackend", "create_attention_backend"]

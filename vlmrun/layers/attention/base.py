@@ -1,7 +1,19 @@
-"""The attention-backend interface and the `Attention` layer that model code calls.
+"""The two attention-backend interfaces and the `Attention` / `LinearAttention` layers models call.
 
-Model code builds q, k, v and calls `self.attn(q, k, v, forward_batch)`; the backend behind
-`forward_batch.attn_backend` writes k/v into the KV pool and computes attention over the cache.
+Model code builds q, k, v and calls `self.attn(q, k, v, fb)` (full attention), or builds the
+Gated DeltaNet inputs and calls `self.linear_attn(...)` (linear attention, hybrid models). The
+layers hold no weights: they hand the call to the step's backend, `fb.attn_backend`.
+
+- `AttentionBackend`: full attention over the paged KV pool. `prepare(fb)` builds the step's
+  metadata once, before the model runs, onto `fb.attn_metadata`; `forward` writes the layer's
+  k/v at `fb.out_cache_loc` and attends over the cache.
+- `LinearAttentionBackend`: GDN layers over the GDN state pool. `prepare(fb)` builds its metadata
+  onto `fb.linear_attn_metadata`; `forward` runs the causal conv and the gated delta rule from
+  each sequence's slot (`fb.state_slots`) and writes the states back.
+- `HybridAttnBackend` (hybrid_backend.py) composes one of each for hybrid models.
+
+Backends are made by `create_attention_backend` (factory.py), keyed by name. The torch backends
+are the reference every fast backend is tested against.
 """
 
 from __future__ import annotations
@@ -15,11 +27,11 @@ from vlmrun.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
-    """One implementation per kernel family. The torch backend is the reference."""
+    """Full (softmax) attention over the paged KV pool; one implementation per kernel family."""
 
     @abstractmethod
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        """Prepare per-step metadata once, before the model runs, and store it on `fb.attn_metadata`."""
+    def prepare(self, fb: ForwardBatch) -> None:
+        """Build the step's metadata once, before the model runs, and store it on `fb.attn_metadata`."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "Attention", fb: ForwardBatch) -> torch.Tensor:
@@ -28,20 +40,21 @@ class AttentionBackend(ABC):
         Writes k, v at `fb.out_cache_loc` of `layer.layer_id`, returns [num_tokens, num_heads * head_dim].
         """
 
-    def forward_linear(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       conv_weight: torch.Tensor, layer: "LinearAttention", fb: ForwardBatch) -> torch.Tensor:
-        """Gated DeltaNet core for hybrid models (see `LinearAttention`); full-attention-only backends lack it."""
-        raise NotImplementedError(f"{type(self).__name__} has no linear-attention (GDN) support")
 
-    # CUDA-graph hooks; backends that do not support graphs keep these defaults.
-    def init_cuda_graph_state(self, max_bs: int) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+class LinearAttentionBackend(ABC):
+    """Gated DeltaNet layers over the GDN state pool; one implementation per kernel family."""
 
-    def init_forward_metadata_capture(self, fb: ForwardBatch) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+    @abstractmethod
+    def prepare(self, fb: ForwardBatch) -> None:
+        """Build the step's metadata once, before the model runs, and store it on `fb.linear_attn_metadata`."""
 
-    def init_forward_metadata_replay(self, fb: ForwardBatch) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+    @abstractmethod
+    def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                layer: "LinearAttention", fb: ForwardBatch) -> torch.Tensor:
+        """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv].
+
+        Reads and writes the conv and recurrent state of each sequence's slot (`fb.state_slots`).
+        """
 
 
 class Attention(nn.Module):
@@ -83,4 +96,4 @@ class LinearAttention(nn.Module):
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        return fb.attn_backend.forward_linear(mixed_qkv, g, beta, conv_weight, self, fb)
+        return fb.attn_backend.forward_linear(mixed_qkv, g, beta, conv_weight, self, fb)  # a HybridAttnBackend

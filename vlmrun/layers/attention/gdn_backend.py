@@ -1,6 +1,6 @@
 """The reference Gated DeltaNet backend: torch ops over the GDN state pool, any device.
 
-`forward_linear` serves the `LinearAttention` layers of a hybrid model. For each sequence of the
+`forward` serves the `LinearAttention` layers of a hybrid model. For each sequence of the
 ragged batch it reads the sequence's slot (`fb.state_slots`), runs the causal conv1d from the
 slot's conv state and the gated delta rule from the slot's recurrent state, and writes both
 states back:
@@ -8,9 +8,8 @@ states back:
     on its own; a later chunk starts from the state the previous chunk left;
   - all sequences feeding one token (decodes) run together as one `recurrent_gated_delta_rule`
     step, gathered and scattered by slot.
-The per-step split is computed once in `init_forward_metadata` from host lists (no device→host sync)
-and kept on `fb.extras[GDN_METADATA_KEY]`, so a flash-linear-attention backend can take the same
-seam later.
+The per-step split is computed once in `prepare` from host lists (no device→host sync) and kept
+on `fb.linear_attn_metadata`, so a flash-linear-attention backend can take the same seam.
 """
 
 from __future__ import annotations
@@ -22,16 +21,13 @@ import torch
 
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention
+from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
 from vlmrun.layers.gdn_ops import (
     causal_conv1d,
     causal_conv1d_step,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
-
-GDN_METADATA_KEY = "gdn"
-
 
 @dataclass
 class ExtendSpan:
@@ -48,13 +44,13 @@ class GDNMetadata:
     decode_is_whole_batch: bool  # a DECODE step: every sequence feeds one token, rows are the stream in order
 
 
-class GDNBackend(AttentionBackend):
-    """Linear-attention (GDN) layers only; full attention belongs to the backend beside it."""
+class TorchGDNBackend(LinearAttentionBackend):
+    """Linear-attention (GDN) layers in torch ops; full attention belongs to the backend beside it."""
 
     def __init__(self, pool: GDNPool):
         self.pool = pool
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def prepare(self, fb: ForwardBatch) -> None:
         if fb.state_slots is None:
             raise ValueError("a hybrid model's ForwardBatch needs state_slots (the GDN slot of each sequence)")
         extends: list[ExtendSpan] = []
@@ -76,17 +72,12 @@ class GDNBackend(AttentionBackend):
             device = fb.state_slots.device
             rows = torch.tensor(decode_rows, dtype=torch.int64).to(device)
             slots = fb.state_slots[torch.tensor(decode_batch, dtype=torch.int64).to(device)]
-        fb.extras[GDN_METADATA_KEY] = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole)
+        fb.linear_attn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
-                fb: ForwardBatch) -> torch.Tensor:
-        raise NotImplementedError("GDNBackend serves linear-attention layers only; pair it with a full-attention "
-                                  "backend in HybridAttnBackend")
-
-    def forward_linear(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       conv_weight: torch.Tensor, layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
+    def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv]."""
-        md: GDNMetadata = fb.extras[GDN_METADATA_KEY]
+        md: GDNMetadata = fb.linear_attn_metadata
         conv_state = self.pool.conv_state[layer.layer_id]  # [slots, conv_dim, K-1]
         rec_state = self.pool.recurrent_state[layer.layer_id]  # [slots, Hv, Dv, Dk]
         if md.decode_is_whole_batch:

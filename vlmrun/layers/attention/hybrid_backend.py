@@ -1,9 +1,9 @@
 """The backend of hybrid models: full-attention layers to one backend, GDN layers to another.
 
 `Attention` layers call `forward` and go to the full-attention backend (paged KV pool);
-`LinearAttention` layers call `forward_linear` and go to the GDN backend (GDN state pool).
-Both prepare their per-step metadata once per step: the full backend on `fb.attn_metadata`,
-the GDN backend on `fb.extras` (see `gdn_backend.GDN_METADATA_KEY`).
+`LinearAttention` layers call `forward_linear` and go to the linear-attention backend (GDN state
+pool). `prepare` prepares both once per step: the full backend's metadata on `fb.attn_metadata`,
+the linear one's on `fb.linear_attn_metadata`.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ from __future__ import annotations
 import torch
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention
+from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention, LinearAttentionBackend
 
 
 class HybridAttnBackend(AttentionBackend):
-    def __init__(self, full: AttentionBackend, linear: AttentionBackend):
+    def __init__(self, full: AttentionBackend, linear: LinearAttentionBackend):
         self.full = full
         self.linear = linear
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
-        self.full.init_forward_metadata(fb)
-        self.linear.init_forward_metadata(fb)
+    def prepare(self, fb: ForwardBatch) -> None:
+        self.full.prepare(fb)
+        self.linear.prepare(fb)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 fb: ForwardBatch) -> torch.Tensor:
@@ -29,16 +29,4 @@ class HybridAttnBackend(AttentionBackend):
 
     def forward_linear(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        conv_weight: torch.Tensor, layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self.linear.forward_linear(mixed_qkv, g, beta, conv_weight, layer, fb)
-
-    def init_cuda_graph_state(self, max_bs: int) -> None:
-        self.full.init_cuda_graph_state(max_bs)
-        self.linear.init_cuda_graph_state(max_bs)
-
-    def init_forward_metadata_capture(self, fb: ForwardBatch) -> None:
-        self.full.init_forward_metadata_capture(fb)
-        self.linear.init_forward_metadata_capture(fb)
-
-    def init_forward_metadata_replay(self, fb: ForwardBatch) -> None:
-        self.full.init_forward_metadata_replay(fb)
-        self.linear.init_forward_metadata_replay(fb)
+        return self.linear.forward(mixed_qkv, g, beta, conv_weight, layer, fb)

@@ -32,7 +32,7 @@ class TorchAttnBackend(AttentionBackend):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
 
-    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+    def prepare(self, fb: ForwardBatch) -> None:
         device = fb.input_ids.device
         max_extend = max(fb.extend_seq_lens_cpu)
         max_seq = max(fb.seq_lens_cpu)

@@ -1,0 +1,35 @@
+"""What the model runner is given for one step: one `ChunkInput` per scheduled request.
+
+The scheduler decides the chunks and writes the cache bookkeeping for them (page table rows, KV
+slots, a fresh request's zeroed GDN slot) before the step; the engine turns each scheduled chunk
+into a `ChunkInput`. The runner only reads these and the caches, so the types it needs live here,
+below the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from vlmrun.layers.sampler import SamplingRow
+
+
+@dataclass
+class ChunkInput:
+    row: int  # the request's ReqToTokenPool row (its GDN slot is gdn_slot_for_row(row))
+    start: int  # tokens of the request already in the cache
+    token_ids: list[int]  # tokens fed this step
+    positions: torch.Tensor  # [3, num_tokens] int64 M-RoPE positions of the fed tokens (CPU)
+    kv_slots: torch.Tensor  # [num_tokens] int64 KV slots the fed tokens write (CPU)
+    mm_items: Sequence  # processors.MMItem of the request's prompt when the chunk overlaps it, else ()
+    sampling: Optional[SamplingRow] = None  # set when the chunk reaches the last known token: sample after it
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
