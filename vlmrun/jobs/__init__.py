@@ -7,6 +7,7 @@
 - `sink`: the crash-safe JSONL journal, JSONL / Parquet / print outputs, resume state.
 - `records`: `CaptionRecord`, the record schema and key hashing.
 - `progress`: counters, the live bar, the final `JobSummary`.
-- `runner`: `run_caption_job`, which ties them together (and hands off to `vlmrun.ray` with --ray).
+- `runner`: `run_caption_job`, which ties them together (and hands off to `ray_data` with --ray).
+- `ray_data`: `VlmrunCaptioner` for `Dataset.map_batches` and `run_ray_job` (public as `vlmrun.ray`).
 - `samples`: synthetic image folders (good and broken files) for tests and benchmarks.
 """

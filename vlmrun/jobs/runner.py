@@ -74,7 +74,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
 
 def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounters, on_record, bar: ProgressBar) -> None:
     if config.ray is not None:
-        from vlmrun.ray import run_ray_job
+        from vlmrun.jobs.ray_data import run_ray_job
 
         def start() -> None:
             counters.started = time.monotonic()
