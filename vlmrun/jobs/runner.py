@@ -18,7 +18,8 @@ from vlmrun.jobs.inputs import InputStats, JobItem, count_new, iter_items, new_i
 from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
-from vlmrun.jobs.sink import ResumeState, open_output
+from vlmrun.jobs.journal import ResumeState
+from vlmrun.jobs.sink import open_output
 
 
 class NoInputsError(ValueError):
