@@ -35,7 +35,7 @@ def build_checkpoint(out_dir: Path) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from vlmrun.tiny_models import build_tiny_tokenizer, reinit_weights, special_ids
+    from tests.tiny_models import build_tiny_tokenizer, reinit_weights, special_ids
 
     build_tiny_tokenizer(out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)

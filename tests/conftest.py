@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vlmrun.tiny_models import build_tiny_checkpoint, build_tiny_tokenizer
+from tests.tiny_models import build_tiny_checkpoint, build_tiny_tokenizer
 
 
 def pytest_configure(config: pytest.Config) -> None:

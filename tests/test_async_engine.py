@@ -11,7 +11,8 @@ import pytest
 from processors import InputError, ProcessedPrompt
 from tests.test_server import tiny_engine, wait_until_idle
 from vlmrun import LLM
-from vlmrun.engine.async_engine import AsyncEngine, EngineDeadError, EngineStepError, gdn_pool_usage
+from vlmrun.engine.async_engine import AsyncEngine
+from vlmrun.engine.request_group import EngineDeadError, EngineStepError
 from vlmrun.sampling_params import SamplingParams
 
 
@@ -161,28 +162,27 @@ def test_shutdown_fails_waiters_and_refuses_new_work(qwen3_vl_dir):
     assert not eng.is_running
 
 
-def test_gdn_pool_usage_duck_typing():
-    class FreeListPool:
-        def __init__(self):
-            self.free_slots = [3, 4, 5]
-            self.num_slots = 8
-
-    class RowPool:  # slots follow request rows: slot = row + 1, slot 0 the dummy
-        num_slots = 5
-
-    class Rows:
-        max_reqs = 4
-
-        def num_free(self):
-            return 1
-
-    class FreeListRunner:
-        gdn_pool = FreeListPool()
-
-    class RowRunner:
-        gdn_pool = RowPool()
-        req_pool = Rows()
-
-    assert gdn_pool_usage(FreeListRunner()) == (5, 8)
-    assert gdn_pool_usage(RowRunner()) == (3, 4)
-    assert gdn_pool_usage(object()) is None
+def test_engine_stats_count_queues_and_pools(qwen3_vl_dir, qwen3_5_dir):
+    """`Engine.stats()` (what the async engine publishes): queues, KV pages, request rows and, for a
+    hybrid model only, GDN slots (one per running request)."""
+    for model_dir, hybrid in ((qwen3_vl_dir, False), (qwen3_5_dir, True)):
+        eng = LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=256, max_num_seqs=4,
+                  kv_cache_memory_bytes=8 << 20).engine
+        idle = eng.stats()
+        assert (idle.num_running, idle.num_waiting, idle.kv_pages_used, idle.req_rows_used) == (0, 0, 0, 0)
+        assert idle.kv_pages_total > 0 and idle.req_rows_total == 4
+        eng.add_request("a", eng.processor.process_prompt("Hello there.", []),
+                        SamplingParams(max_tokens=4, ignore_eos=True))
+        assert eng.stats().num_waiting == 1
+        eng.step()
+        busy = eng.stats()
+        assert (busy.num_running, busy.num_waiting, busy.req_rows_used) == (1, 0, 1) and busy.kv_pages_used > 0
+        if hybrid:
+            assert (busy.gdn_slots_used, busy.gdn_slots_total) == (1, 4) and busy.gdn_usage == 0.25
+        else:
+            assert busy.gdn_slots_used is None and busy.gdn_slots_total is None and busy.gdn_usage is None
+        while eng.has_unfinished():
+            eng.step()
+        done = eng.stats()
+        assert (done.num_running, done.kv_pages_used, done.req_rows_used) == (0, 0, 0)
+        assert done.gdn_slots_used == (0 if hybrid else None)

@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from vlmrun.jobs.journal import scan_journal
 from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, key_hash
-from vlmrun.jobs.sink import (
-    JOURNAL_SUFFIX,
-    OutputError,
-    ParquetOutput,
-    open_output,
-    output_format,
-    scan_journal,
-)
+from vlmrun.jobs.sink import JOURNAL_SUFFIX, OutputError, ParquetOutput, open_output, output_format
 
 
 def _record(image: str, error: str | None = None) -> CaptionRecord:

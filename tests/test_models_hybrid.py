@@ -28,7 +28,7 @@ from vlmrun.layers.moe import SparseMoeBlock, load_checkpoint
 from vlmrun.loader import iter_weights
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
-from vlmrun.tiny_models import build_hf_inputs
+from tests.tiny_models import build_hf_inputs
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]

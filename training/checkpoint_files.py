@@ -18,9 +18,8 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from vlmrun.default_model import PROMPTS
-from vlmrun.synthetic import TRAIN_SEED, iter_scenes
-from vlmrun.tiny_models import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS
+from tests.tiny_models import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS  # the test tokenizer's Qwen conventions
+from vlmrun.synthetic import PROMPTS, TRAIN_SEED, iter_scenes
 
 # Qwen's pre-tokeniser split: contractions, letter runs, single digits, punctuation runs, spaces.
 SPLIT_PATTERN = (

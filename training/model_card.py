@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from training.data import KIND_WEIGHTS
-from vlmrun.default_model import MODEL_DIR_NAME, QUESTION_TEMPLATES
-from vlmrun.synthetic import COLOURS, LARGE_EXTENT, SHAPES, SMALL_EXTENT
+from vlmrun.default_model import MODEL_DIR_NAME
+from vlmrun.synthetic import COLOURS, LARGE_EXTENT, QUESTION_TEMPLATES, SHAPES, SMALL_EXTENT
 
 
 def _pct(x: float) -> str:

@@ -1,6 +1,6 @@
 """vlmrun: a vision-language inference engine. Images and text in, tokens out.
 
-The public names load lazily, so `import vlmrun.tiny_models` (or any submodule) stays light.
+The public names load lazily, so importing a submodule (`import vlmrun.config`, ...) stays light.
 """
 
 from typing import Any

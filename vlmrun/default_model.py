@@ -1,9 +1,10 @@
-"""The bundled default model: where it lives and the prompts it was trained on.
+"""The bundled default model: where it lives, and the model a command uses when none is named.
 
 `assets/model/vlmrun-shapes-qwen3_5/` holds a tiny Qwen3.5-architecture checkpoint
 (`Qwen3_5ForConditionalGeneration`, HF format, float32) trained from scratch on the synthetic
-scenes of `vlmrun.synthetic`: it captions and answers questions about coloured shapes, nothing
-else. `training/train_default_model.py` rebuilds it from one command.
+scenes of `vlmrun.synthetic` (which also holds the prompts it was trained on): it captions and
+answers questions about coloured shapes, nothing else. `training/train_default_model.py` rebuilds
+it from one command. This module only resolves paths, so the engine can import it cheaply.
 """
 
 from __future__ import annotations
@@ -11,32 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from vlmrun.synthetic import COUNT_QUESTION, DESCRIBE_PROMPT
-
 MODEL_DIR_NAME = "vlmrun-shapes-qwen3_5"
-
-# The caption prompt (also vlmrun.generate's default prompt).
-CAPTION_PROMPT = DESCRIBE_PROMPT
-
-# Question templates the model was trained on; {where} is "on the left", "in the middle" or "on the
-# right" (also the answers to "Where ..."), {colour} one of vlmrun.synthetic.COLOURS, {shape} one of SHAPES.
-QUESTION_TEMPLATES: tuple[str, ...] = (
-    COUNT_QUESTION,
-    "What colour is the shape {where}?",
-    "What shape is {where}?",
-    "Where is the {colour} {shape}?",
-)
-
-# A few concrete prompts; they are part of the tokenizer's training text (training/checkpoint_files.py),
-# so changing them changes the shipped tokenizer.
-PROMPTS: tuple[str, ...] = (
-    CAPTION_PROMPT,
-    COUNT_QUESTION,
-    "What colour is the shape on the left?",
-    "What colour is the shape in the middle?",
-    "Where is the red square?",
-    "Where is the blue circle?",
-)
 
 
 def repo_root() -> Path:

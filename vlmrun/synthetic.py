@@ -66,6 +66,26 @@ DESCRIBE_PROMPT = "Describe the image."
 COUNT_QUESTION = "How many shapes are there?"
 QA_KINDS: tuple[str, ...] = ("count", "colour", "shape", "position")  # the question kinds, in eval order
 
+# The question of each kind as a template (`Scene.qa_pairs` asks them); {where} is "on the left", "in the
+# middle" or "on the right" (also the answers to "Where ..."), {colour} one of COLOURS, {shape} one of SHAPES.
+QUESTION_TEMPLATES: tuple[str, ...] = (
+    COUNT_QUESTION,
+    "What colour is the shape {where}?",
+    "What shape is {where}?",
+    "Where is the {colour} {shape}?",
+)
+
+# A few concrete prompts; they are part of the default model's tokenizer training text
+# (training/checkpoint_files.py), so changing them changes the shipped tokenizer.
+PROMPTS: tuple[str, ...] = (
+    DESCRIBE_PROMPT,
+    COUNT_QUESTION,
+    "What colour is the shape on the left?",
+    "What colour is the shape in the middle?",
+    "Where is the red square?",
+    "Where is the blue circle?",
+)
+
 # Splits: training draws scenes from TRAIN_SEED; evaluation uses seeds never used in training.
 TRAIN_SEED = 0
 EVAL_SEED = 1

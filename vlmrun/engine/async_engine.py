@@ -15,8 +15,9 @@ talks to it through a thread-safe command queue:
 
 Results reach asyncio through `loop.call_soon_threadsafe`, once per engine step and event loop
 (not once per token), so the HTTP handlers never block on the engine and the engine never waits
-for the handlers. The engine thread publishes an `EngineStats` snapshot after every iteration
-(read it from any thread: it is replaced, never mutated).
+for the handlers. The engine thread publishes an `AsyncEngineStats` snapshot (`Engine.stats()`
+plus its own counts) after every iteration (read it from any thread: it is replaced, never mutated).
+The event-loop side of a group (`RequestGroup`, `ChoiceDelta`, the errors) is `request_group.py`.
 """
 
 from __future__ import annotations
@@ -26,134 +27,31 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
 
 from processors import ProcessedPrompt
-from vlmrun.engine.engine import Engine, RequestUpdate
+from vlmrun.engine.engine import Engine, EngineStats, RequestUpdate
+from vlmrun.engine.request_group import (
+    FINISH_ABORT,
+    ChoiceDelta,
+    EngineDeadError,
+    EngineStepError,
+    RequestGroup,
+    deliver,
+)
 from vlmrun.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-FINISH_ABORT = "abort"
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (never started, shut down, or crashed)."""
-
-
-class EngineStepError(RuntimeError):
-    """An engine step failed; the requests it touched were dropped."""
-
-
-@dataclass
-class ChoiceDelta:
-    """What one engine iteration produced for one choice of a group.
-
-    On the last delta of a choice (`finished`), `num_prompt_tokens` / `num_output_tokens` are the
-    final counts and `first_token_time` the `time.monotonic()` of its first token (None if none).
-    """
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    finish_reason: Optional[str] = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    first_token_time: Optional[float] = None
-
 
 @dataclass(frozen=True)
-class EngineStats:
-    """A snapshot taken by the engine thread after an iteration."""
+class AsyncEngineStats(EngineStats):
+    """`Engine.stats()` as the engine thread took it after an iteration, plus the thread's own counts."""
 
-    num_running: int = 0
-    num_waiting: int = 0
     num_groups: int = 0
-    kv_pages_used: int = 0
-    kv_pages_total: int = 0
-    req_rows_used: int = 0
-    gdn_slots_used: Optional[int] = None  # None: the model has no GDN state pool
-    gdn_slots_total: Optional[int] = None
-    num_steps: int = 0
-    num_preemptions: int = 0
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    time: float = 0.0
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
-
-    @property
-    def gdn_usage(self) -> Optional[float]:
-        if self.gdn_slots_used is None or not self.gdn_slots_total:
-            return None
-        return self.gdn_slots_used / self.gdn_slots_total
-
-
-class RequestGroup:
-    """The output side of one submitted group; lives on the event loop that submitted it."""
-
-    def __init__(self, engine: "AsyncEngine", group_id: str, size: int, loop: asyncio.AbstractEventLoop):
-        self.group_id = group_id
-        self.size = size
-        self.loop = loop
-        self._engine = engine
-        self._pending: deque[Union[ChoiceDelta, BaseException]] = deque()
-        self._wakeup = asyncio.Event()
-        self._open = set(range(size))  # choices not finished yet (as seen by the consumer)
-        self.submit_time = time.monotonic()
-
-    @property
-    def finished(self) -> bool:
-        return not self._open
-
-    def _push(self, item: Union[ChoiceDelta, BaseException]) -> None:  # event-loop thread only
-        if self._open:  # after an abort (or the end), late output is dropped
-            self._pending.append(item)
-        self._wakeup.set()
-
-    async def next_batch(self) -> list[ChoiceDelta]:
-        """Wait for output; return every delta queued so far (empty once the group is finished).
-
-        Raises EngineStepError / EngineDeadError when the engine failed this group.
-        """
-        while not self._pending:
-            if self.finished:
-                return []
-            self._wakeup.clear()
-            await self._wakeup.wait()
-        out: list[ChoiceDelta] = []
-        while self._pending:
-            item = self._pending.popleft()
-            if isinstance(item, BaseException):
-                self._open.clear()
-                raise item
-            if item.finished:
-                self._open.discard(item.index)
-            out.append(item)
-        return out
-
-    def __aiter__(self) -> "RequestGroup":
-        return self
-
-    async def __anext__(self) -> list[ChoiceDelta]:
-        batch = await self.next_batch()
-        if not batch and self.finished:
-            raise StopAsyncIteration
-        return batch
-
-    def abort(self) -> None:
-        """Drop the unfinished requests of this group (no-op when all are finished); output not
-        yet read is discarded and `next_batch` returns [] from now on."""
-        if not self.finished:
-            self._open.clear()
-            self._pending.clear()
-            self._engine.abort(self.group_id)
+    num_steps: int = 0  # engine steps run (failed steps not counted)
+    time: float = 0.0  # time.monotonic() of the snapshot
 
 
 # ---------------------------------------------------------------------------- commands
@@ -193,7 +91,7 @@ class AsyncEngine:
         self._commands: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._idle_poll_s = idle_poll_s
-        self._stats = EngineStats()
+        self._stats = AsyncEngineStats()
         self._dead: Optional[str] = None
         # Engine-thread state (touched only there):
         self._live: dict[str, _Live] = {}
@@ -224,7 +122,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
-    def stats(self) -> EngineStats:
+    def stats(self) -> AsyncEngineStats:
         return self._stats
 
     @property
@@ -245,7 +143,7 @@ class AsyncEngine:
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
         loop = asyncio.get_running_loop()
-        group = RequestGroup(self, group_id, len(items), loop)
+        group = RequestGroup(group_id, len(items), loop, self.abort)
         accepted = loop.create_future()
         self._commands.put(_Add(group, list(items), accepted))
         try:
@@ -386,7 +284,7 @@ class AsyncEngine:
         outbox, self._outbox = self._outbox, {}
         for loop, items in outbox.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 pass
 
@@ -394,20 +292,8 @@ class AsyncEngine:
         self._outbox.setdefault(loop, []).append((fut, exc))
 
     def _publish_stats(self) -> None:
-        caches = self.engine.caches
-        allocator = caches.allocator
-        sched = self.engine.scheduler
-        rows_used = caches.req_to_token.max_reqs - caches.req_to_token.num_free()
-        gdn = None if caches.gdn_pool is None else (rows_used, caches.gdn_pool.num_slots - 1)  # slot = row + 1
-        prefix = self.engine.prefix_cache_stats()
-        self._stats = EngineStats(
-            num_running=len(sched.running), num_waiting=len(sched.waiting), num_groups=len(self._groups),
-            kv_pages_used=allocator.num_usable_pages() - allocator.num_free_pages(),
-            kv_pages_total=allocator.num_usable_pages(),
-            req_rows_used=rows_used,
-            gdn_slots_used=gdn[0] if gdn else None, gdn_slots_total=gdn[1] if gdn else None,
-            num_steps=self._num_steps, num_preemptions=sched.num_preemptions,
-            prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens, time=time.monotonic())
+        self._stats = AsyncEngineStats(**asdict(self.engine.stats()), num_groups=len(self._groups),
+                                       num_steps=self._num_steps, time=time.monotonic())
 
     def _drain_after_stop(self) -> None:
         """After the loop ended: refuse whatever is still queued."""
@@ -424,54 +310,3 @@ class AsyncEngine:
             self._publish_stats()
         except Exception:  # the engine itself may be what broke
             pass
-
-
-def _deliver(items: list[tuple[Any, Any]]) -> None:
-    """On the event loop: push outputs to their groups, settle acceptance futures."""
-    for target, item in items:
-        if isinstance(target, RequestGroup):
-            target._push(item)
-        elif not target.done():  # an acceptance future (its waiter may have been cancelled)
-            if item is None:
-                target.set_result(None)
-            else:
-                target.set_exception(item)
-
-
-def gdn_pool_usage(runner: Any) -> Optional[tuple[int, int]]:
-    """(slots used, slots usable) of the runner's GDN state pool, or None when it has none.
-
-    The pool is `runner.gdn_pool` (or `state_pool`). If it keeps its own free list
-    (`num_free_slots()`, `num_free()` or `free_slots`, with `num_usable_slots()`, `num_slots` or
-    `max_slots`), that is read; otherwise slots follow the request rows (slot = row + 1, slot 0
-    the dummy), so the slots in use are the `ReqToTokenPool` rows in use.
-    """
-    pool = next((getattr(runner, name) for name in ("gdn_pool", "state_pool")
-                 if getattr(runner, name, None) is not None), None)
-    if pool is None:
-        return None
-    free = _first_count(pool, ("num_free_slots", "num_free", "free_slots"))
-    total = _first_count(pool, ("num_usable_slots", "max_slots"))
-    if free is not None:
-        total = total if total is not None else _first_count(pool, ("num_slots",))
-        return (total - free, total) if total is not None else None
-    req_pool = getattr(runner, "req_pool", None)
-    if req_pool is None:
-        return None
-    slots = _first_count(pool, ("num_slots",))
-    usable = slots - 1 if slots is not None else req_pool.max_reqs
-    return req_pool.max_reqs - req_pool.num_free(), usable
-
-
-def _first_count(obj: Any, names: Sequence[str]) -> Optional[int]:
-    for name in names:
-        value = getattr(obj, name, None)
-        if value is None:
-            continue
-        if callable(value):
-            value = value()
-        if isinstance(value, (list, tuple, set, deque)):
-            value = len(value)
-        if isinstance(value, int):
-            return value
-    return None

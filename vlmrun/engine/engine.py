@@ -45,6 +45,33 @@ class RequestUpdate:
     finish_reason: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine holds at one moment (`Engine.stats()`): queues, cache occupancy, counters."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_used: int = 0
+    kv_pages_total: int = 0  # usable pages (the dummy page not counted)
+    req_rows_used: int = 0
+    req_rows_total: int = 0
+    gdn_slots_used: Optional[int] = None  # None: the model has no GDN state pool
+    gdn_slots_total: Optional[int] = None  # usable slots (the dummy slot not counted)
+    num_preemptions: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
+
+    @property
+    def gdn_usage(self) -> Optional[float]:
+        if self.gdn_slots_used is None or not self.gdn_slots_total:
+            return None
+        return self.gdn_slots_used / self.gdn_slots_total
+
+
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -82,6 +109,21 @@ class Engine:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Prefix-cache counters (all zero when caching is off); `.hit_rate` = hit tokens / looked-up tokens."""
         return dataclasses.replace(self.prefix_cache.stats) if self.prefix_cache is not None else PrefixCacheStats()
+
+    def stats(self) -> EngineStats:
+        """Queue lengths, cache occupancy and counters now (the one place that reads the pools for them)."""
+        allocator, rows = self.caches.allocator, self.caches.req_to_token
+        rows_used = rows.max_reqs - rows.num_free()
+        gdn_used = gdn_total = None
+        if self.caches.gdn_pool is not None:  # a request's GDN slot is its row + 1 (slot 0 the dummy)
+            gdn_used, gdn_total = rows_used, self.caches.gdn_pool.num_slots - 1
+        prefix = self.prefix_cache_stats()
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_pages_used=allocator.num_usable_pages() - allocator.num_free_pages(),
+            kv_pages_total=allocator.num_usable_pages(), req_rows_used=rows_used, req_rows_total=rows.max_reqs,
+            gdn_slots_used=gdn_used, gdn_slots_total=gdn_total, num_preemptions=self.scheduler.num_preemptions,
+            prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens)
 
     def _log_cache_plan(self) -> None:
         plan = self.caches.plan

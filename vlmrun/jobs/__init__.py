@@ -4,9 +4,11 @@
 - `config`: `CaptionJobConfig`, `RayOptions` and the job defaults.
 - `inputs`: INPUT arguments (files, directories, globs, URLs, manifests) -> a lazy stream of `JobItem`s.
 - `pipeline`: `CaptionPipeline`, the streaming loop: worker threads preprocess, one thread drives the engine.
-- `sink`: the crash-safe JSONL journal, JSONL / Parquet / print outputs, resume state.
+- `journal`: the crash-safe JSONL journal (append, repair, scan) and `ResumeState`, what an output holds.
+- `sink`: the JSONL / Parquet / print outputs built on the journal, and their lock.
 - `records`: `CaptionRecord`, the record schema and key hashing.
 - `progress`: counters, the live bar, the final `JobSummary`.
-- `runner`: `run_caption_job`, which ties them together (and hands off to `vlmrun.ray` with --ray).
+- `runner`: `run_caption_job`, which ties them together (and hands off to `ray_data` with --ray).
+- `ray_data`: `VlmrunCaptioner` for `Dataset.map_batches` and `run_ray_job` (public as `vlmrun.ray`).
 - `samples`: synthetic image folders (good and broken files) for tests and benchmarks.
 """

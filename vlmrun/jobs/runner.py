@@ -18,7 +18,8 @@ from vlmrun.jobs.inputs import InputStats, JobItem, count_new, iter_items, new_i
 from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
-from vlmrun.jobs.sink import ResumeState, open_output
+from vlmrun.jobs.journal import ResumeState
+from vlmrun.jobs.sink import open_output
 
 
 class NoInputsError(ValueError):
@@ -74,7 +75,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
 
 def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounters, on_record, bar: ProgressBar) -> None:
     if config.ray is not None:
-        from vlmrun.ray import run_ray_job
+        from vlmrun.jobs.ray_data import run_ray_job
 
         def start() -> None:
             counters.started = time.monotonic()

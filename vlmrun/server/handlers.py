@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from processors import InputError, ProcessedPrompt
-from vlmrun.engine.async_engine import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
+from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.errors import APIError, bad_request, internal, unavailable

@@ -2,7 +2,7 @@
 
 Counters and histograms are updated by the handlers on the event loop; the gauges (queue depth,
 running requests, KV and GDN pool use) are read at scrape time from the engine thread's latest
-`EngineStats` snapshot, plus the server's own count of admitted requests. GDN gauges appear only
+`AsyncEngineStats` snapshot, plus the server's own count of admitted requests. GDN gauges appear only
 when the engine has a GDN state pool (hybrid models).
 """
 
@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from vlmrun.engine.async_engine import EngineStats
+from vlmrun.engine.async_engine import AsyncEngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -22,7 +22,7 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], pending: Callable[[], int], model: str):
+    def __init__(self, stats: Callable[[], AsyncEngineStats], pending: Callable[[], int], model: str):
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model}
         self._model = model
@@ -50,7 +50,7 @@ class ServerMetrics:
 class _EngineCollector:
     """Scrape-time gauges from the engine's stats snapshot."""
 
-    def __init__(self, stats: Callable[[], EngineStats], pending: Callable[[], int], labels: dict[str, str]):
+    def __init__(self, stats: Callable[[], AsyncEngineStats], pending: Callable[[], int], labels: dict[str, str]):
         self._stats = stats
         self._pending = pending
         self._labels = labels

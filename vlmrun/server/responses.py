@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from vlmrun.engine.async_engine import FINISH_ABORT
+from vlmrun.engine.request_group import FINISH_ABORT
 
 
 @dataclass

@@ -662,7 +662,7 @@ def greedy_margins(model: Any, inputs: dict[str, Any], steps: int = 20) -> tuple
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m vlmrun.tiny_models ARCH OUT_DIR`: build one tiny random checkpoint (for trying the engine without downloads)."""
+    """`python -m tests.tiny_models ARCH OUT_DIR`: build one tiny random checkpoint (for trying the engine without downloads)."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Build a tiny random-weight checkpoint.")

@@ -1,0 +1,243 @@
+"""Imports run downward and never in a circle: a walk over the source of `vlmrun/`, `processors/`, `web/`.
+
+The floors, top to bottom (docs/architecture.md): api / cli / server / web / jobs / ray -> engine ->
+executor -> models, multimodal -> layers, cache -> processors, loader, config, forward_batch. A module
+may import modules of its own floor and of any floor below, never of a floor above. Neither modules
+nor the parts of the table (`FLOORS`' keys: a package or a module) may import each other in a circle.
+
+The source is parsed with `ast`, nothing is imported, and every import statement counts: at module
+level, inside functions (lazy imports) and under `if TYPE_CHECKING`. Imports by string
+(`importlib.import_module(name)`, as the model registry does) are not seen.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("vlmrun", "processors", "web")  # the packages pyproject ships
+
+# Module prefix -> floor (higher floors import lower ones). A key covers that module and everything
+# under it; the longest key wins. A module under no other key falls under "vlmrun": the top floor,
+# which nothing below may import, so a new module must be given its floor here before they can.
+FLOORS: dict[str, int] = {
+    "vlmrun": 6, "vlmrun.api": 6, "vlmrun.cli": 6, "vlmrun.server": 6, "web": 6, "vlmrun.jobs": 6,
+    "vlmrun.ray": 6, "vlmrun.synthetic": 6,
+    "vlmrun.engine": 5,
+    "vlmrun.executor": 4,
+    "vlmrun.models": 3, "vlmrun.multimodal": 3,
+    "vlmrun.layers": 2, "vlmrun.cache": 2,
+    "processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
+    "vlmrun.sampling_params": 1, "vlmrun.default_model": 1,
+}
+
+
+@dataclass(frozen=True)
+class Edge:
+    """`source` imports `target` (both module names), first at `path:line`."""
+
+    source: str
+    target: str
+    path: str
+    line: int
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+# ------------------------------------------------------------------------------------ the import graph
+
+
+def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
+    """Dotted module name -> source file, for every .py file of `packages` under `root`."""
+    files: dict[str, Path] = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join(parts)] = path
+    return files
+
+
+def _known(name: str, modules: dict[str, Path]) -> str | None:
+    """The longest prefix of dotted `name` that is one of `modules` (None: not ours)."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, modules: dict[str, Path]) -> list[str]:
+    """The modules of ours that one import statement in `module` names."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+        return [t for t in (_known(n, modules) for n in names) if t]
+    base = node.module or ""
+    if node.level:  # relative: start from the module's package, one level up per extra dot
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[:len(package) - (node.level - 1)]
+        base = ".".join(package + ([node.module] if node.module else []))
+    found = []
+    for alias in node.names:  # `from pkg import mod` names a module; `from mod import name` the module itself
+        target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else _known(base, modules)
+        if target:
+            found.append(target)
+    return found
+
+
+def import_graph(root: Path, packages: tuple[str, ...]) -> list[Edge]:
+    """Every (importer, imported) pair of modules of `packages`, with where it first happens."""
+    modules = module_files(root, packages)
+    edges: dict[tuple[str, str], Edge] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        nodes = sorted((n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))),
+                       key=lambda n: n.lineno)
+        for node in nodes:
+            for target in _targets(node, module, path.name == "__init__.py", modules):
+                if target != module and (module, target) not in edges:
+                    edges[(module, target)] = Edge(module, target, str(path.relative_to(root)), node.lineno)
+    return list(edges.values())
+
+
+# ------------------------------------------------------------------------------------ the rules
+
+
+def part_of(module: str, floors: dict[str, int]) -> str:
+    """The key of `floors` that covers `module` (the longest one)."""
+    keys = [k for k in floors if module == k or module.startswith(k + ".")]
+    if not keys:
+        raise KeyError(f"{module} is under no key of the floor table")
+    return max(keys, key=len)
+
+
+def upward_imports(edges: list[Edge], floors: dict[str, int]) -> list[str]:
+    found = []
+    for e in edges:
+        low, high = part_of(e.source, floors), part_of(e.target, floors)
+        if floors[high] > floors[low]:
+            found.append(f"upward import: {e.source} ({low}, floor {floors[low]}) imports {e.target} "
+                         f"({high}, floor {floors[high]}) at {e.where()}")
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a, b, ..., a) through each strongly connected group of more than one node."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return [_cycle_through(min(group), set(group), graph) for group in groups]
+
+
+def _cycle_through(start: str, group: set[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest path start -> ... -> start inside `group` (breadth first)."""
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph[node] & group):
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(came_from[path[-1]])
+                    return [*reversed(path), start]
+                if nxt not in came_from:
+                    came_from[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"no cycle through {start}")  # a strongly connected group always has one
+
+
+def import_cycles(edges: list[Edge], floors: dict[str, int]) -> list[str]:
+    """Cycles between modules, and between the parts of the floor table (packages that import each other)."""
+    found = []
+    for kind, name in (("module", lambda m: m), ("package", lambda m: part_of(m, floors))):
+        graph: dict[str, set[str]] = defaultdict(set)
+        first: dict[tuple[str, str], Edge] = {}
+        for e in edges:
+            a, b = name(e.source), name(e.target)
+            if a != b:
+                graph[a].add(b)
+                first.setdefault((a, b), e)
+        for cycle in sorted(_cycles(graph)):
+            steps = [first[(a, b)] for a, b in zip(cycle, cycle[1:])]
+            via = "; ".join(f"{s.source} -> {s.target} at {s.where()}" for s in steps)
+            found.append(f"{kind} cycle: {' -> '.join(cycle)} ({via})")
+    return found
+
+
+def violations(root: Path, packages: tuple[str, ...], floors: dict[str, int]) -> list[str]:
+    edges = import_graph(root, packages)
+    return upward_imports(edges, floors) + import_cycles(edges, floors)
+
+
+# ------------------------------------------------------------------------------------ the tests
+
+
+def test_imports_run_downward_and_never_in_a_circle() -> None:
+    found = violations(REPO, PACKAGES, FLOORS)
+    assert not found, f"{len(found)} import rule violation(s):\n" + "\n".join(found)
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+
+
+def test_the_walk_catches_upward_imports_and_cycles(tmp_path: Path) -> None:
+    """A fake package: a lazy upward import, a relative import cycle, a package cycle, and clean imports."""
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/top.py": "from pkg.low import base\nimport pkg.mid.a\n",
+        "pkg/low/__init__.py": "",
+        "pkg/low/base.py": "import os\n\ndef f():\n    from pkg import top  # lazy, still upward\n",
+        "pkg/mid/__init__.py": "",
+        "pkg/mid/a.py": "from . import b\nfrom pkg.side import s\n",
+        "pkg/mid/b.py": "from .a import thing\n",
+        "pkg/side.py": "from pkg.mid import b as s\n",
+    })
+    floors = {"pkg": 3, "pkg.mid": 2, "pkg.side": 2, "pkg.low": 1}
+    found = violations(tmp_path, ("pkg",), floors)
+    assert found == [
+        "upward import: pkg.low.base (pkg.low, floor 1) imports pkg.top (pkg, floor 3) at pkg/low/base.py:4",
+        "module cycle: pkg.low.base -> pkg.top -> pkg.low.base "
+        "(pkg.low.base -> pkg.top at pkg/low/base.py:4; pkg.top -> pkg.low.base at pkg/top.py:1)",
+        "module cycle: pkg.mid.a -> pkg.mid.b -> pkg.mid.a "
+        "(pkg.mid.a -> pkg.mid.b at pkg/mid/a.py:1; pkg.mid.b -> pkg.mid.a at pkg/mid/b.py:1)",
+        "package cycle: pkg -> pkg.low -> pkg "
+        "(pkg.top -> pkg.low.base at pkg/top.py:1; pkg.low.base -> pkg.top at pkg/low/base.py:4)",
+        "package cycle: pkg.mid -> pkg.side -> pkg.mid "
+        "(pkg.mid.a -> pkg.side at pkg/mid/a.py:2; pkg.side -> pkg.mid.b at pkg/side.py:1)",
+    ]
+    _write(tmp_path, {"pkg/low/base.py": "import os\n", "pkg/mid/b.py": "x = 1\n", "pkg/side.py": "y = 2\n"})
+    assert violations(tmp_path, ("pkg",), floors) == []

@@ -1,0 +1,173 @@
+"""The journal: an append-only JSONL file of caption records, crash-safe and resumable.
+
+Crash safety rests on this one file format: one JSON record per line, each line written by a
+single `os.write` on a file opened with O_APPEND, so a killed process leaves whole lines (the
+kernel has them as soon as `write` returns) and at worst, after a power loss or a full disk, a
+torn last line. The file is fsynced at most every `fsync_interval` seconds and at close (a power
+loss can cost the last second of records, which a resume then redoes).
+
+Scanning a journal **repairs** it: a last line without its newline is cut off, and complete lines
+that are not records are dropped (the file is rewritten through a temporary file and an atomic
+rename). What remains is the set of recorded images (`ResumeState`), which `--resume` skips.
+The outputs built on it are in `sink.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from vlmrun.jobs.records import key_hash
+
+
+@dataclass
+class ResumeState:
+    """What an existing output already holds."""
+
+    done: set[int] = field(default_factory=set)  # key hashes of recorded images
+    ok: int = 0
+    failed: int = 0
+    dropped_lines: int = 0  # torn or invalid lines removed by the repair
+    retried: int = 0  # error records removed for --retry-errors
+    models: set[str] = field(default_factory=set)
+    prompts: set[str] = field(default_factory=set)
+
+
+def encode_record(record: dict[str, Any]) -> bytes:
+    """One journal line. Text is kept as UTF-8; strings a UTF-8 encoder refuses (lone surrogates
+    from undecodable file names) fall back to JSON escapes, so every line is valid JSON."""
+    text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8") + b"\n"
+    except UnicodeEncodeError:
+        return json.dumps(record, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def _parse_line(line: bytes) -> Optional[dict[str, Any]]:
+    try:
+        value = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if isinstance(value, dict) and isinstance(value.get("image"), str):
+        return value
+    return None
+
+
+def iter_journal(path: str) -> Iterator[dict[str, Any]]:
+    """The whole-line records of a journal (a torn last line and invalid lines are skipped)."""
+    with open(path, "rb") as fh:
+        for line in fh:
+            if line.endswith(b"\n"):
+                record = _parse_line(line)
+                if record is not None:
+                    yield record
+
+
+def fsync_dir(path: str) -> None:
+    """Make the creation, rename or removal of `path` durable: fsync its folder (best effort)."""
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def rewrite_journal(path: str, records: Iterator[dict[str, Any]]) -> None:
+    """Replace `path` atomically by a journal of `records`."""
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as fh:
+            for record in records:
+                fh.write(encode_record(record))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    fsync_dir(path)
+
+
+def scan_records(records: Iterator[dict[str, Any]], retry_errors: bool,
+                  state: Optional[ResumeState] = None) -> ResumeState:
+    """Count `records` into `state` (error records left out with retry_errors)."""
+    state = state if state is not None else ResumeState()
+    for record in records:
+        failed = record.get("error") is not None
+        if failed and retry_errors:
+            state.retried += 1
+            continue
+        h = key_hash(record["image"])
+        if h in state.done:  # never written twice by a job; tolerated if edited by hand
+            continue
+        state.done.add(h)
+        state.ok += not failed
+        state.failed += failed
+        if isinstance(record.get("model"), str):
+            state.models.add(record["model"])
+        if isinstance(record.get("prompt"), str):
+            state.prompts.add(record["prompt"])
+    return state
+
+
+def scan_journal(path: str, retry_errors: bool = False) -> ResumeState:
+    """Repair the journal at `path` (if it exists) and return what it records.
+
+    retry_errors: drop the error records, so that their images are captioned again."""
+    state = ResumeState()
+    if not os.path.exists(path):
+        return state
+    with open(path, "rb") as fh:
+        for line in fh:
+            if not line.endswith(b"\n") or _parse_line(line) is None:
+                state.dropped_lines += 1
+    scan_records(iter_journal(path), retry_errors, state)
+    if state.dropped_lines or state.retried:
+        rewrite_journal(path, (r for r in iter_journal(path) if not (retry_errors and r.get("error") is not None)))
+    return state
+
+
+class Journal:
+    """Appends records to a JSONL file: one write per line, fsync at most every interval."""
+
+    def __init__(self, path: str, fsync_interval: float = 1.0, truncate: bool = False):
+        self.path = path
+        self.fsync_interval = fsync_interval
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
+        created = not os.path.exists(path)
+        self._fd: Optional[int] = os.open(path, flags, 0o644)
+        if created or truncate:
+            os.fsync(self._fd)
+            fsync_dir(path)
+        self._last_sync = time.monotonic()
+        self._dirty = False
+
+    def append(self, record: dict[str, Any]) -> None:
+        assert self._fd is not None, "journal is closed"
+        data = memoryview(encode_record(record))
+        while data:  # a regular file takes it in one write; loop for the pathological case
+            n = os.write(self._fd, data)
+            data = data[n:]
+        self._dirty = True
+        if self.fsync_interval <= 0 or time.monotonic() - self._last_sync >= self.fsync_interval:
+            self.sync()
+
+    def sync(self) -> None:
+        if self._fd is not None and self._dirty:
+            os.fsync(self._fd)
+            self._dirty = False
+        self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
