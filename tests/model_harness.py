@@ -8,18 +8,21 @@ from __future__ import annotations
 import torch
 
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
+from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.layers.attention.base import Attention, LinearAttention
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
 
 def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.Tensor], *,
-                   num_attn_layers: int, num_kv_heads: int, head_dim: int,
                    mm_mask: torch.Tensor | None = None, mm_embeds: torch.Tensor | None = None,
                    deepstack_embeds: torch.Tensor | None = None, all_logits: bool = True) -> torch.Tensor:
     """sequences[i]: [L_i] token ids; positions[i]: [3, L_i]. Returns logits [sum L_i, vocab] (or last rows)."""
     lens = [int(s.shape[0]) for s in sequences]
     total = sum(lens)
-    kv_pool = KVPool(num_attn_layers, total + 1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    shape = model.cache_shape()
+    kv_pool = KVPool(shape.num_attention_layers, total + 1, shape.num_kv_heads, shape.head_dim, torch.float32,
+                     torch.device("cpu"))
     req_pool = ReqToTokenPool(len(sequences), max(lens), torch.device("cpu"))
     slots = torch.arange(1, total + 1)  # slot 0 is the dummy
     start = 0
@@ -50,3 +53,16 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
     with torch.no_grad():
         hidden = model(fb.input_ids, fb.positions, fb)
         return model.compute_logits(hidden[fb.logits_indices])
+
+
+def cache_shape_of_layers(model) -> CacheShape:
+    """The cache shape the built layers need, read off their `Attention` / `LinearAttention` modules."""
+    full = [m for m in model.modules() if isinstance(m, Attention)]
+    linear = [m for m in model.modules() if isinstance(m, LinearAttention)]
+    fields = dict(num_attention_layers=len(full), num_kv_heads=full[0].num_kv_heads, head_dim=full[0].head_dim,
+                  num_linear_layers=len(linear))
+    if linear:
+        fields.update(linear_conv_dim=linear[0].conv_dim, linear_conv_kernel=linear[0].conv_kernel_size,
+                      linear_num_v_heads=linear[0].num_v_heads, linear_head_v_dim=linear[0].head_v_dim,
+                      linear_head_k_dim=linear[0].head_k_dim)
+    return CacheShape(**fields)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 
+from tests.model_harness import cache_shape_of_layers
 from vlmrun.cache.gdn_pool import GDNPool, gdn_slot_for_row
 from vlmrun.config import CacheShape
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token, plan_cache_memory
@@ -101,7 +102,7 @@ def test_gdn_state_dtype_is_configurable():
 
 
 def test_model_attributes_agree_with_the_config():
-    """Once the hybrid models are registered, the attributes the runner reads match `from_hf_config`."""
+    """The cache shape a hybrid model declares is the one its built layers need, and the config's."""
     from vlmrun.models.registry import get_model_class
 
     tiny = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -117,7 +118,8 @@ def test_model_attributes_agree_with_the_config():
         except ValueError:
             continue
         config.architectures = [arch]
-        assert CacheShape.from_model(cls(config)) == CacheShape.from_hf_config(config), arch
+        model = cls(config)
+        assert cache_shape_of_layers(model) == model.cache_shape() == CacheShape.from_hf_config(config), arch
         checked += 1
     if not checked:
         pytest.skip("no hybrid model class is registered yet")

@@ -93,17 +93,14 @@ class TinyAttention(nn.Module):
 
 
 class TinyHybridLM(nn.Module):
-    """GDN, full attention, GDN: the attributes below are what the runner reads."""
+    """GDN, full attention, GDN; implements the part of `vlmrun.models.base.Model` the engine calls."""
 
-    num_attention_layers = 1
-    num_kv_heads = KV_HEADS
-    head_dim = HEAD_DIM
-    num_linear_layers = 2
-    linear_conv_dim = CONV_DIM
-    linear_conv_kernel = KERNEL
-    linear_num_v_heads = HV
-    linear_head_v_dim = DV
-    linear_head_k_dim = DK
+    supports_images = False
+
+    def cache_shape(self) -> CacheShape:
+        return CacheShape(num_attention_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_linear_layers=2,
+                          linear_conv_dim=CONV_DIM, linear_conv_kernel=KERNEL, linear_num_v_heads=HV,
+                          linear_head_v_dim=DV, linear_head_k_dim=DK)
 
     def __init__(self, vocab_size: int, seed: int = 0):
         super().__init__()
@@ -185,7 +182,7 @@ def test_runner_builds_a_gdn_pool_and_reports_bytes(make_llm, caplog):
     with caplog.at_level(logging.INFO, logger="vlmrun.engine.engine"):
         llm = make_llm(max_num_seqs=4)
     runner, caches = llm.engine.runner, llm.engine.caches
-    shape = CacheShape.from_model(runner.model)
+    shape = runner.model.cache_shape()
     assert caches.kv_pool.num_layers == 1, "KV only for the full-attention layer"
     assert caches.gdn_pool.conv_state.shape == (2, 5, CONV_DIM, KERNEL - 1)
     assert caches.gdn_pool.recurrent_state.shape == (2, 5, HV, DV, DK)
@@ -224,7 +221,7 @@ def test_preemption_and_recompute(make_llm, hybrid_model):
     max_new, page, seqs = 10, 4, 8
     longest = max(len(p.token_ids) for p in prompts) + max_new
     pages = (longest + page - 1) // page + 2  # room for the longest request alone, not for all at once
-    shape = CacheShape.from_model(hybrid_model)
+    shape = hybrid_model.cache_shape()
     budget = (pages * page * kv_bytes_per_token(shape, torch.float32)
               + (seqs + 1) * gdn_bytes_per_request(shape, torch.float32, torch.float32))
     llm = make_llm(page_size=page, max_num_batched_tokens=16, max_num_seqs=seqs, kv_cache_memory_bytes=budget)

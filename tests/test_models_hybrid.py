@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.model_harness import cache_shape_of_layers
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.config import CacheShape
@@ -24,8 +25,9 @@ from vlmrun.layers.attention import Attention, LinearAttention
 from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
-from vlmrun.layers.moe import SparseMoeBlock, load_checkpoint
+from vlmrun.layers.moe import SparseMoeBlock
 from vlmrun.loader import iter_weights
+from vlmrun.models.weights import load_checkpoint
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from tests.tiny_models import build_hf_inputs
@@ -48,7 +50,7 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
     cpu = torch.device("cpu")
     lens = [int(s.shape[0]) for s in sequences]
     total = sum(lens)
-    kv_pool = KVPool(model.num_attention_layers, total + 1, model.num_kv_heads, model.head_dim, torch.float32, cpu)
+    kv_pool = KVPool(model.cache_shape().num_attention_layers, total + 1, model.cache_shape().num_kv_heads, model.cache_shape().head_dim, torch.float32, cpu)
     req_pool = ReqToTokenPool(len(sequences), max(lens), cpu)
     slots = torch.arange(1, total + 1)  # KV slot 0 is the dummy
     start = 0
@@ -56,9 +58,9 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         req_pool.req_to_token[i, :n] = slots[start:start + n]
         start += n
     backend = TorchAttnBackend(kv_pool, req_pool)
-    if getattr(model, "num_linear_layers", 0):
-        gdn_pool = GDNPool(model.num_linear_layers, len(sequences) + 1, model.linear_conv_dim, model.linear_conv_kernel,
-                           model.linear_num_v_heads, model.linear_head_v_dim, model.linear_head_k_dim, torch.float32,
+    if model.cache_shape().is_hybrid:
+        gdn_pool = GDNPool(model.cache_shape().num_linear_layers, len(sequences) + 1, model.cache_shape().linear_conv_dim, model.cache_shape().linear_conv_kernel,
+                           model.cache_shape().linear_num_v_heads, model.cache_shape().linear_head_v_dim, model.cache_shape().linear_head_k_dim, torch.float32,
                            torch.float32, cpu)
         backend = HybridAttnBackend(backend, TorchGDNBackend(gdn_pool))
     fb = ForwardBatch(
@@ -100,7 +102,7 @@ def _our_logits(model, batch: list[dict], hf_features=None) -> torch.Tensor:
         seqs.append(ids)
         positions.append(pos)
         if grids:
-            masks.append(ids == model.image_token_id)
+            masks.append(ids == model.config.image_token_id)
             if hf_features is not None:
                 e, d = hf_features
             else:
@@ -167,24 +169,21 @@ def loaded(request):
 def test_attributes(loaded, arch):
     _, ours, hf = loaded(arch)
     text = hf.config.get_text_config()
-    assert ours.hidden_size == text.hidden_size and ours.vocab_size == text.vocab_size
-    assert ours.num_kv_heads == text.num_key_value_heads and ours.head_dim == text.head_dim
+    assert ours.lm_head.in_features == text.hidden_size and ours.lm_head.out_features == text.vocab_size
+    assert ours.cache_shape().num_kv_heads == text.num_key_value_heads and ours.cache_shape().head_dim == text.head_dim
     # the runner's view of the caches equals what the HF config describes
-    assert CacheShape.from_model(ours) == CacheShape.from_hf_config(hf.config)
+    assert cache_shape_of_layers(ours) == ours.cache_shape() == CacheShape.from_hf_config(hf.config)
     if arch in HYBRID:
         types = text.layer_types
-        assert ours.num_attention_layers == types.count("full_attention") > 0
-        assert ours.num_linear_layers == types.count("linear_attention") > 0
-        assert ours.linear_conv_dim == 2 * text.linear_num_key_heads * text.linear_key_head_dim \
+        assert ours.cache_shape().num_attention_layers == types.count("full_attention") > 0
+        assert ours.cache_shape().num_linear_layers == types.count("linear_attention") > 0
+        assert ours.cache_shape().linear_conv_dim == 2 * text.linear_num_key_heads * text.linear_key_head_dim \
             + text.linear_num_value_heads * text.linear_value_head_dim
-        assert (ours.linear_conv_kernel, ours.linear_num_v_heads, ours.linear_head_v_dim, ours.linear_head_k_dim) == (
+        assert (ours.cache_shape().linear_conv_kernel, ours.cache_shape().linear_num_v_heads, ours.cache_shape().linear_head_v_dim, ours.cache_shape().linear_head_k_dim) == (
             text.linear_conv_kernel_dim, text.linear_num_value_heads, text.linear_value_head_dim,
             text.linear_key_head_dim)
     else:
-        assert ours.num_attention_layers == text.num_hidden_layers
-    if arch in VL:
-        assert ours.spatial_merge_size == hf.config.vision_config.spatial_merge_size
-        assert ours.image_token_id == hf.config.image_token_id
+        assert ours.cache_shape().num_attention_layers == text.num_hidden_layers
 
 
 def test_layer_ids_follow_layer_order(loaded, arch):
@@ -192,8 +191,8 @@ def test_layer_ids_follow_layer_order(loaded, arch):
     _, ours, _ = loaded(arch)
     full = [m.layer_id for m in ours.modules() if isinstance(m, Attention)]
     linear = [m.layer_id for m in ours.modules() if isinstance(m, LinearAttention)]
-    assert full == list(range(ours.num_attention_layers))
-    assert linear == list(range(getattr(ours, "num_linear_layers", 0)))
+    assert full == list(range(ours.cache_shape().num_attention_layers))
+    assert linear == list(range(ours.cache_shape().num_linear_layers))
 
 
 def test_tiny_checkpoints_have_clear_greedy_margins(loaded, arch):
@@ -226,7 +225,7 @@ def test_vision_tower_matches_hf(loaded, name):
         ref_deep = torch.stack([torch.cat(f) for f in ref.deepstack_features])
         assert vis.deepstack.shape == ref_deep.shape and _rel_diff(vis.deepstack, ref_deep) < 1e-5
     else:  # Qwen3.5 has no DeepStack
-        assert vis.deepstack is None and ours.num_deepstack_layers == 0
+        assert vis.deepstack is None and not ours.visual.deepstack_visual_indexes
 
 
 @pytest.mark.parametrize("name", VL)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.model_harness import prefill_logits
+from tests.model_harness import cache_shape_of_layers, prefill_logits
 from vlmrun.loader import iter_weights
 from vlmrun.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, build_vision_layout
 from vlmrun.models.registry import get_model_class
@@ -58,8 +58,7 @@ def _positions(input_ids: torch.Tensor, grids: torch.Tensor | None, hf) -> torch
 
 
 def _prefill(model, seqs, positions, mm_mask=None, mm_embeds=None) -> torch.Tensor:
-    return prefill_logits(model, seqs, positions, num_attn_layers=model.num_attention_layers,
-                          num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+    return prefill_logits(model, seqs, positions,
                           mm_mask=mm_mask, mm_embeds=mm_embeds)
 
 
@@ -79,13 +78,12 @@ def _image_prompt(ckpt, images):
 def test_attributes(models, config):
     ours, _ = models
     text = config.text_config
-    assert ours.num_attention_layers == text.num_hidden_layers
-    assert ours.num_kv_heads == text.num_key_value_heads
-    assert ours.head_dim == text.hidden_size // text.num_attention_heads
-    assert ours.hidden_size == text.hidden_size and ours.vocab_size == text.vocab_size
-    assert ours.spatial_merge_size == config.vision_config.spatial_merge_size
-    assert ours.image_token_id == config.image_token_id
-    assert not ours.tied and ours.lm_head.weight is not ours.language_model.embed_tokens.weight
+    assert cache_shape_of_layers(ours) == ours.cache_shape()  # the shape it declares is what its layers need
+    assert ours.cache_shape().num_attention_layers == text.num_hidden_layers
+    assert ours.cache_shape().num_kv_heads == text.num_key_value_heads
+    assert ours.cache_shape().head_dim == text.hidden_size // text.num_attention_heads
+    assert ours.lm_head.in_features == text.hidden_size and ours.lm_head.out_features == text.vocab_size
+    assert not ours.ties_word_embeddings and ours.lm_head.weight is not ours.language_model.embed_tokens.weight
 
 
 @pytest.mark.parametrize("grids", [
@@ -119,7 +117,7 @@ def test_vision_tower_matches_hf(models, grids):
         ref = torch.cat(hf.model.get_image_features(pixels, grid_thw).pooler_output)
         out = ours.encode_images(pixels, grid_thw)
     assert out.deepstack is None
-    assert out.embeds.shape == ref.shape == (num_patches // 4, ours.hidden_size)
+    assert out.embeds.shape == ref.shape == (num_patches // 4, ours.lm_head.in_features)
     # 1e-5 relative to the output scale: the patch embed is a matmul here and a Conv3d in HF, whose
     # float32 sums round differently (~1e-6 relative); everything after it follows HF op for op.
     scale = max(1.0, float(ref.abs().max()))
@@ -151,7 +149,7 @@ def test_image_prompt_logits_match_hf(models, ckpt):
         ref = hf(**inputs).logits[0]
         embeds = ours.encode_images(inputs["pixel_values"], grids).embeds
     ids = inputs["input_ids"][0]
-    mm_mask = ids == ours.image_token_id
+    mm_mask = ids == ours.config.image_token_id
     assert int(mm_mask.sum()) == embeds.shape[0]
 
     positions = _positions(ids, grids, hf)
@@ -220,12 +218,14 @@ def test_tied_embeddings(config, ckpt, where):
     cfg = copy.deepcopy(config)
     if where == "top":
         cfg.tie_word_embeddings = True
-    else:  # pre-v5 checkpoints set the flag inside text_config
-        cfg.text_config.tie_word_embeddings = True
+    else:  # pre-v5 checkpoints set the flag inside text_config; the config class forwards it on load
+        data = cfg.to_dict()
+        data["text_config"]["tie_word_embeddings"] = True
+        cfg = type(cfg).from_dict(data)
     model = Qwen2_5_VLForConditionalGeneration(cfg)
     assert model.lm_head.weight is model.language_model.embed_tokens.weight
     weights = [(n, t) for n, t in iter_weights(ckpt) if n != "lm_head.weight"]
     model.load_weights(weights)
     embed = next(t for n, t in weights if n.endswith("embed_tokens.weight"))
-    hidden = torch.randn(3, model.hidden_size)
+    hidden = torch.randn(3, model.lm_head.in_features)
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ embed.t())

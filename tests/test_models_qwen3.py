@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model_harness import prefill_logits
+from tests.model_harness import cache_shape_of_layers, prefill_logits
 from vlmrun.loader import iter_weights
 from vlmrun.models.registry import get_model_class
 
@@ -24,24 +24,24 @@ def models(qwen3_dir):
 
 def _ours(model, seqs):
     positions = [torch.arange(len(s)).expand(3, -1) for s in seqs]
-    return prefill_logits(model, seqs, positions, num_attn_layers=model.num_attention_layers,
-                          num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
+    return prefill_logits(model, seqs, positions)
 
 
 def test_attributes(models):
     ours, hf = models
     cfg = hf.config
-    assert ours.num_attention_layers == cfg.num_hidden_layers
-    assert ours.num_kv_heads == cfg.num_key_value_heads
-    assert ours.head_dim == cfg.head_dim
-    assert ours.hidden_size == cfg.hidden_size and ours.vocab_size == cfg.vocab_size
+    assert cache_shape_of_layers(ours) == ours.cache_shape()  # the shape it declares is what its layers need
+    assert ours.cache_shape().num_attention_layers == cfg.num_hidden_layers
+    assert ours.cache_shape().num_kv_heads == cfg.num_key_value_heads
+    assert ours.cache_shape().head_dim == cfg.head_dim
+    assert ours.lm_head.in_features == cfg.hidden_size and ours.lm_head.out_features == cfg.vocab_size
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # tiny qwen3 ties embeddings
 
 
 def test_logits_match_hf_single_and_batched(models):
     ours, hf = models
     gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(0, ours.vocab_size, (n,), generator=gen) for n in (17, 6)]
+    seqs = [torch.randint(0, ours.lm_head.out_features, (n,), generator=gen) for n in (17, 6)]
     batched = _ours(ours, seqs)
     start = 0
     for s in seqs:

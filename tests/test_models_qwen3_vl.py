@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.model_harness import prefill_logits
+from tests.model_harness import cache_shape_of_layers, prefill_logits
 from vlmrun.loader import iter_weights
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
@@ -53,7 +53,7 @@ def _our_logits(model, batch: list[dict]) -> torch.Tensor:
         pos, _ = compute_mrope_positions(ids.tolist(), grids, model.config)
         seqs.append(ids)
         positions.append(pos)
-        masks.append(ids == model.image_token_id)
+        masks.append(ids == model.config.image_token_id)
         if grids:
             with torch.no_grad():
                 vis = model.encode_images(inp["pixel_values"], inp["image_grid_thw"])
@@ -61,8 +61,7 @@ def _our_logits(model, batch: list[dict]) -> torch.Tensor:
             deepstack.append(vis.deepstack)
     mm = dict(mm_mask=torch.cat(masks), mm_embeds=torch.cat(embeds), deepstack_embeds=torch.cat(deepstack, dim=1)) \
         if embeds else {}
-    return prefill_logits(model, seqs, positions, num_attn_layers=model.num_attention_layers,
-                          num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, **mm)
+    return prefill_logits(model, seqs, positions, **mm)
 
 
 def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,11 +76,11 @@ def _hf_logits(hf, inp: dict) -> torch.Tensor:
 def test_attributes(models):
     ours, hf = models
     text = hf.config.text_config
-    assert (ours.num_attention_layers, ours.num_kv_heads, ours.head_dim) == (
+    assert cache_shape_of_layers(ours) == ours.cache_shape()  # the shape it declares is what its layers need
+    assert (ours.cache_shape().num_attention_layers, ours.cache_shape().num_kv_heads, ours.cache_shape().head_dim) == (
         text.num_hidden_layers, text.num_key_value_heads, text.head_dim)
-    assert ours.hidden_size == text.hidden_size and ours.vocab_size == text.vocab_size
-    assert ours.spatial_merge_size == hf.config.vision_config.spatial_merge_size
-    assert ours.image_token_id == hf.config.image_token_id
+    assert ours.lm_head.in_features == text.hidden_size and ours.lm_head.out_features == text.vocab_size
+    assert ours.config.image_token_id == hf.config.image_token_id
 
 
 def test_vision_tower_matches_hf(models, ckpt):
@@ -125,8 +124,7 @@ def test_logits_match_hf(models, ckpt, name):
             feats = hf.model.get_image_features(inp["pixel_values"], inp["image_grid_thw"])
         pos, _ = compute_mrope_positions(ids.tolist(), inp["image_grid_thw"].tolist(), ours.config)
         logits = prefill_logits(
-            ours, [ids], [pos], num_attn_layers=ours.num_attention_layers, num_kv_heads=ours.num_kv_heads,
-            head_dim=ours.head_dim, mm_mask=ids == ours.image_token_id, mm_embeds=torch.cat(feats.pooler_output),
+            ours, [ids], [pos], mm_mask=ids == ours.config.image_token_id, mm_embeds=torch.cat(feats.pooler_output),
             deepstack_embeds=torch.stack([torch.cat(f) for f in feats.deepstack_features]))
     else:
         logits = _our_logits(ours, [inp])

@@ -115,10 +115,8 @@ class ModelConfig:
 class CacheShape:
     """What the caches hold for a model: KV per token (full-attention layers), GDN state per request.
 
-    The runner reads it off the built model (`from_model`, the attributes in docs/contracts.md,
-    "Hybrid models"); `from_hf_config` derives the same numbers from an HF config without building
-    the model (used for memory planning by hand and in tests). A model is hybrid when
-    `num_linear_layers > 0`.
+    Derived once, from the HF config (`from_hf_config`); a model gives its own through
+    `Model.cache_shape()`. A model is hybrid when `num_linear_layers > 0`.
     """
     num_attention_layers: int  # full-attention layers: the only ones with KV
     num_kv_heads: int
@@ -135,19 +133,11 @@ class CacheShape:
         return self.num_linear_layers > 0
 
     @classmethod
-    def from_model(cls, model: Any) -> "CacheShape":
-        linear = int(getattr(model, "num_linear_layers", 0) or 0)
-        fields = dict(num_attention_layers=model.num_attention_layers, num_kv_heads=model.num_kv_heads,
-                      head_dim=model.head_dim, num_linear_layers=linear)
-        if linear:
-            fields.update({name: int(getattr(model, name)) for name in _LINEAR_ATTRS})
-        return cls(**fields)
-
-    @classmethod
     def from_hf_config(cls, hf_config: Any) -> "CacheShape":
         """From a Qwen3.5 / Qwen3-Next style config (`layer_types`, `linear_*`) or a plain decoder config."""
         text = text_config(hf_config)
         layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
+        layer_types = layer_types[: text.num_hidden_layers]
         linear = sum(t == "linear_attention" for t in layer_types)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         shape = dict(num_attention_layers=len(layer_types) - linear,
@@ -159,10 +149,6 @@ class CacheShape:
             shape.update(linear_conv_dim=2 * hk * dk + hv * dv, linear_conv_kernel=text.linear_conv_kernel_dim,
                          linear_num_v_heads=hv, linear_head_v_dim=dv, linear_head_k_dim=dk)
         return cls(**shape)
-
-
-_LINEAR_ATTRS = ("linear_conv_dim", "linear_conv_kernel", "linear_num_v_heads", "linear_head_v_dim",
-                 "linear_head_k_dim")
 
 
 def text_config(hf_config: Any) -> Any:

@@ -1,21 +1,17 @@
-"""Checkpoint loading: a local HF checkpoint dir or a hub id → a model on its device with its weights.
+"""Checkpoint files: a local HF checkpoint dir or a hub id → its path, and its weights streamed by name.
 
 Hub ids go through huggingface_hub, which honours its cache and `HF_HUB_OFFLINE`. Weights are
-streamed from (sharded) safetensors; each model's `load_weights` maps HF names onto its own.
+streamed from (sharded) safetensors; `vlmrun.models.registry.load_model` builds the model and each
+model's `load_weights` maps HF names onto its own.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
-from torch import nn
-
-from vlmrun.config import ModelConfig
-from vlmrun.models.registry import get_model_class
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 
@@ -63,25 +59,3 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
-def load_model(model_config: ModelConfig, device: torch.device) -> nn.Module:
-    cls = get_model_class(model_config.hf_config.architectures)
-    with default_dtype(model_config.dtype), torch.device(device):
-        model = cls(model_config.hf_config)
-    loaded = model.load_weights(iter_weights(model_config.path))
-    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
-    if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ValueError(f"{model_config.path}: the checkpoint lacks {len(missing)} weights: {shown}")
-    return model.eval()

@@ -19,14 +19,15 @@ from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
 from vlmrun.cache.encoder_cache import EncoderCache
 from vlmrun.cache.plan import build_caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
-from vlmrun.config import CacheShape, EngineConfig, ModelConfig
+from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.model_runner import ModelRunner, SampledToken
 from vlmrun.layers.attention import create_attention_backend
-from vlmrun.loader import load_model, resolve_model_path
+from vlmrun.loader import resolve_model_path
+from vlmrun.models import load_model
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams
@@ -82,12 +83,12 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         model = load_model(self.model_config, self.device)
         dtype = self.model_config.dtype
-        self.caches = build_caches(CacheShape.from_model(model), config, dtype=dtype,
+        self.caches = build_caches(model.cache_shape(), config, dtype=dtype,
                                    max_model_len=self.model_config.max_model_len, device=self.device)
         self.max_model_len = self.caches.plan.max_model_len
         self._log_cache_plan()
         vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), self.device, dtype)
-                  if hasattr(model, "encode_images") else None)
+                  if model.supports_images else None)
         backend = create_attention_backend(self.caches, config.attention_backend, config.gdn_backend)
         self.runner = ModelRunner(model, self.caches, backend, vision, self.device)
         self.prefix_cache = self._make_prefix_cache()

@@ -1,4 +1,4 @@
-"""Sparse mixture-of-experts MLP (Qwen3-MoE / Qwen3-VL-MoE / Qwen3-Next / Qwen3.5-MoE) and its weight loading.
+"""Sparse mixture-of-experts MLP (Qwen3-MoE / Qwen3-VL-MoE / Qwen3-Next / Qwen3.5-MoE).
 
 Routing, as HF's Qwen MoE blocks: router logits = x @ gate.T; softmax in float32 over all experts;
 top-k; optionally renormalise the k weights to sum to 1; cast to the activation dtype. Each chosen
@@ -7,10 +7,8 @@ summed (in expert order). An optional shared expert runs on every token, scaled 
 sigmoid(shared_expert_gate(x)), and is added on top.
 
 Expert weights live fused, as transformers 5 stores them: `experts.gate_up_proj` [E, 2*I, H]
-(gate rows then up rows) and `experts.down_proj` [E, H, I]. `load_checkpoint` also takes per-expert
-tensors (`experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]) as hub
-checkpoints store them, and fused tensors saved transposed ([E, H, 2*I] / [E, I, H]) as the
-Qwen3-VL-MoE hub checkpoints store them.
+(gate rows then up rows) and `experts.down_proj` [E, H, I]; the one checkpoint loader
+(`vlmrun.models.weights.load_checkpoint`) also fills them from per-expert or transposed tensors.
 
 The expert loop is the torch reference: one host sync per layer (the per-expert token counts), one
 gathered matmul pair per expert that received tokens. A fused grouped-GEMM kernel replaces it on GPU.
@@ -18,8 +16,7 @@ gathered matmul pair per expert that received tokens. A fused grouped-GEMM kerne
 
 from __future__ import annotations
 
-import re
-from typing import Callable, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -95,76 +92,16 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-# --------------------------------------------------------------------------------------------
-# Weight loading
-# --------------------------------------------------------------------------------------------
-
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = ("experts.gate_up_proj", "experts.down_proj")
-
-Rename = Callable[[str], Optional[str]]
-Transform = Callable[[str, torch.Tensor], torch.Tensor]
+def is_moe_layer(config: Any, i: int) -> bool:
+    """HF's rule: MoE unless listed in mlp_only_layers, when experts exist and (i + 1) % decoder_sparse_step == 0."""
+    return (i not in (getattr(config, "mlp_only_layers", None) or [])
+            and getattr(config, "num_experts", 0) > 0
+            and (i + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
 
 
-def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Rename, *,
-                    transform: Optional[Transform] = None, optional: Iterable[str] = ()) -> set[str]:
-    """Copy checkpoint tensors into `module`'s parameters; MoE expert layouts are converted on the way.
-
-    `rename(hf_name)` gives our parameter name (per-expert names keep their `experts.{e}.*` tail) or
-    None to skip; `transform(our_name, tensor)` may rearrange a tensor before the copy (e.g. reorder
-    fused projection rows). A tensor whose shape fits neither the parameter nor (for fused experts)
-    its transpose raises, naming it; so does any parameter the checkpoint leaves unset. Returns the
-    set of loaded parameter names.
-    """
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    expert_pieces: dict[str, set[tuple[int, str]]] = {}  # fused param -> (expert, kind) pieces seen
-    for hf_name, tensor in weights:
-        name = rename(hf_name)
-        if name is None:
-            continue
-        m = _PER_EXPERT.match(name)
-        if m:
-            kind = m["kind"]
-            target = f"{m['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
-            if target not in params:
-                continue
-            param, e = params[target], int(m["e"])
-            if e >= param.shape[0]:
-                raise ValueError(f"{hf_name}: expert {e} out of range, the model has {param.shape[0]} experts")
-            half = param.shape[1] // 2
-            dst = {"gate_proj": param[e, :half], "up_proj": param[e, half:], "down_proj": param[e]}[kind]
-            _copy(dst, tensor, hf_name, target)
-            expert_pieces.setdefault(target, set()).add((e, kind))
-            continue
-        if name not in params:
-            continue
-        param = params[name]
-        if transform is not None:
-            tensor = transform(name, tensor)
-        if name.endswith(_FUSED) and tensor.shape != param.shape and tensor.dim() == 3 \
-                and tensor.transpose(1, 2).shape == param.shape:
-            tensor = tensor.transpose(1, 2)  # fused experts saved as [E, in, out]
-        _copy(param, tensor, hf_name, name)
-        loaded.add(name)
-    for target, pieces in expert_pieces.items():
-        num_experts = params[target].shape[0]
-        kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
-        absent = [f"{e}.{k}" for e in range(num_experts) for k in kinds if (e, k) not in pieces]
-        if absent:
-            shown = ", ".join(absent[:8]) + (" ..." if len(absent) > 8 else "")
-            raise ValueError(f"{target}: the checkpoint lacks {len(absent)} per-expert weights: experts.{shown}")
-        loaded.add(target)
-    missing = sorted(set(params) - loaded - set(optional))
-    if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ValueError(f"{len(missing)} parameters missing from the checkpoint: {shown}")
-    return loaded
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"shape mismatch for {hf_name} -> {name}: checkpoint {tuple(src.shape)}, "
-                         f"model {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(src.to(dst.dtype))
+def moe_block(config: Any, *, shared: bool, norm_topk_prob: bool) -> SparseMoeBlock:
+    """The sparse MoE block a text config describes (`shared`: with its shared expert)."""
+    return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
+                          config.num_experts_per_tok, norm_topk_prob=norm_topk_prob,
+                          act=getattr(config, "hidden_act", "silu"),
+                          shared_intermediate=config.shared_expert_intermediate_size if shared else 0)

@@ -1,5 +1,7 @@
 """Rotary position embeddings: 1-D RoPE and multimodal (3-D) M-RoPE.
 
+Buffers are made on the CPU explicitly: models are constructed on the meta device and their
+buffers moved to the target device afterwards (`vlmrun.models.weights.build_model`).
 Both modules map positions to `(cos, sin)` tables of shape [num_tokens, head_dim] in float32 using
 the "rotate half" layout (the two halves of head_dim share frequencies). Positions arrive as
 `[3, num_tokens]` (rows t, h, w); 1-D RoPE reads row 0.
@@ -34,8 +36,16 @@ def rope_parameters(config: Any) -> dict:
     return params
 
 
+def default_rope_parameters(config: Any) -> dict:
+    """`rope_parameters(config)`, refusing every rope type but the default (no scaling) one."""
+    params = rope_parameters(config)
+    if params["rope_type"] != "default":
+        raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
+    return params
+
+
 def _inv_freq(head_dim: int, base: float) -> torch.Tensor:
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))  # [head_dim // 2]
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))  # [head_dim // 2]
 
 
 def _cos_sin(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +83,11 @@ class MRotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", _inv_freq(head_dim, base), persistent=False)
         # row_of_freq[j]: which position row (0=t, 1=h, 2=w) drives frequency j.
         if interleaved:
-            row = torch.zeros(half, dtype=torch.long)
+            row = torch.zeros(half, dtype=torch.long, device="cpu")
             for r in (1, 2):
                 row[r:3 * mrope_section[r]:3] = r
         else:
-            row = torch.cat([torch.full((n,), r % 3, dtype=torch.long) for r, n in enumerate(mrope_section)])
+            row = torch.cat([torch.full((n,), r % 3, dtype=torch.long, device="cpu") for r, n in enumerate(mrope_section)])
         self.register_buffer("row_of_freq", row, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,9 +116,7 @@ def build_text_rotary(config: Any, head_dim: int, *, interleaved: bool | None = 
 
     `interleaved` forces the M-RoPE layout; None reads `mrope_interleaved` from the config (default False).
     """
-    params = rope_parameters(config)
-    if params["rope_type"] != "default":
-        raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
+    params = default_rope_parameters(config)
     base = float(params["rope_theta"])
     section = params.get("mrope_section")
     if section is None:

@@ -16,7 +16,7 @@ varlen kernel replaces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +25,10 @@ from torch import nn
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
-from vlmrun.layers.rotary import MRotaryEmbedding, rope_parameters
-from vlmrun.models.qwen3 import Qwen3TextModel, load_named_weights, text_head_dim, tie_word_embeddings
-from vlmrun.models.vision_common import (
+from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
+from vlmrun.models.base import Model, vl_checkpoint_name
+from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
+from vlmrun.models.blocks.vision_common import (
     GridTHW,
     VisionAttention,
     VisionEmbeddings,
@@ -168,59 +169,39 @@ class Qwen2_5_VisionTower(nn.Module):
 # The full model
 # ----------------------------------------------------------------------------------------------
 
-# Checkpoint prefix -> our module prefix. transformers-5 layout first, then the original hub layout.
-_PREFIXES: tuple[tuple[str, str], ...] = (
-    ("model.language_model.", "language_model."),
-    ("model.visual.", "visual."),
-    ("model.", "language_model."),
-    ("visual.", "visual."),
-    ("lm_head.", "lm_head."),
-)
-
-
 def _mrope_rotary(text_config) -> MRotaryEmbedding:
     """Sectioned (non-interleaved) M-RoPE from the text config; HF's default sections are [16, 24, 24]."""
-    params = rope_parameters(text_config)
-    if params["rope_type"] != "default":
-        raise NotImplementedError(f"Qwen2.5-VL rope_type {params['rope_type']!r} is not supported")
+    params = default_rope_parameters(text_config)
     head_dim = text_config.hidden_size // text_config.num_attention_heads
     section = list(params.get("mrope_section") or [16, 24, 24])
     return MRotaryEmbedding(head_dim, float(params["rope_theta"]), section, interleaved=False)
 
 
-class Qwen2_5_VLForConditionalGeneration(nn.Module):
-    """`visual` (Qwen2.5 ViT) + `language_model` (Qwen2-style text stack) + `lm_head`."""
+class Qwen2_5_VLForConditionalGeneration(Model):
+    """`visual` (Qwen2.5 ViT) + `language_model` (Qwen2-style text stack) + `lm_head`.
+
+    Loads transformers-5 names (`model.language_model.*`, `model.visual.*`) and the original hub
+    names (`model.layers.*`, `model.embed_tokens.*`, `model.norm.*`, `visual.*`); `lm_head.*`.
+    """
+
+    supports_images = True
 
     def __init__(self, config):
-        super().__init__()
+        super().__init__(config)
         text, vision = config.text_config, config.vision_config
-        self.config = config
-        self.hidden_size = text.hidden_size
-        self.vocab_size = text.vocab_size
-        self.num_attention_layers = text.num_hidden_layers
-        self.num_kv_heads = text.num_key_value_heads or text.num_attention_heads
-        self.head_dim = text.hidden_size // text.num_attention_heads  # HF ignores any head_dim here
-        self.spatial_merge_size = vision.spatial_merge_size
-        self.image_token_id = config.image_token_id
-        if text_head_dim(text) != self.head_dim:
+        head_dim = text.hidden_size // text.num_attention_heads  # HF ignores any head_dim here
+        if text_head_dim(text) != head_dim:
             raise ValueError(f"Qwen2.5-VL text head_dim must be hidden_size // num_attention_heads = "
-                             f"{self.head_dim}, config says {text_head_dim(text)}")
+                             f"{head_dim}, config says {text_head_dim(text)}")
         if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
             raise NotImplementedError("Qwen2.5-VL sliding-window text layers are not supported")
-
         self.visual = Qwen2_5_VisionTower(vision)
         self.language_model = Qwen3TextModel(text, _mrope_rotary(text), qkv_bias=True, qk_norm=False)
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tied = tie_word_embeddings(config)
-        if self.tied:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
+        self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """input_ids: [T]; positions: [3, T] M-RoPE rows; image rows come from fb.mm_mask / fb.mm_embeds."""
         return self.language_model(input_ids, positions, fb)  # [T, hidden]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab]
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | GridTHW) -> VisionEmbeddings:
         """pixel_values: [num_patches, C * tp * p * p]; grid_thw: [num_images, 3]. Rows image by image."""
@@ -228,14 +209,5 @@ class Qwen2_5_VLForConditionalGeneration(nn.Module):
         embeds = self.visual(pixel_values.to(dtype), grid_thw)  # [num_image_tokens, hidden]
         return VisionEmbeddings(embeds=embeds, deepstack=None)
 
-    def _rename(self, name: str) -> str | None:
-        for src, dst in _PREFIXES:
-            if name.startswith(src):
-                mapped = dst + name[len(src):]
-                return None if self.tied and mapped == "lm_head.weight" else mapped
-        return None
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Accepts transformers-5 names (`model.language_model.*`, `model.visual.*`) and the original
-        hub names (`model.layers.*`, `model.embed_tokens.*`, `model.norm.*`, `visual.*`); `lm_head.*`."""
-        return load_named_weights(self, weights, self._rename)
+    def checkpoint_name(self, hf_name: str) -> Optional[str]:
+        return vl_checkpoint_name(hf_name)

@@ -1,188 +1,30 @@
-"""Qwen3 / Qwen2-style decoder-only text model.
-
-`Qwen3TextModel` is the text stack shared by the text-only Qwen3 model and the VL models:
-embed -> (multimodal splice) -> decoder layers (with DeepStack adds after the first layers when
-the batch carries them) -> final norm. It knows nothing of batching: attention goes through
-`Attention(q, k, v, forward_batch)`. Qwen3 uses per-head q/k RMSNorm and no qkv bias; Qwen2-style
-text (Qwen2.5-VL) uses qkv bias and no q/k norm.
-
-Parameter names mirror the HF text model (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so
-loading a checkpoint is a prefix mapping.
-"""
+"""Qwen3: the text-only decoder (`Qwen3TextModel` with 1-D RoPE) and its LM head."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention import Attention
-from vlmrun.layers.mlp import SwiGLUMLP
-from vlmrun.layers.norm import RMSNorm
-from vlmrun.layers.rotary import apply_rotary, build_text_rotary
+from vlmrun.layers.rotary import build_text_rotary
+from vlmrun.models.base import Model
+from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
 
 
-def text_head_dim(config: Any) -> int:
-    """head_dim from the config, or hidden_size // num_attention_heads when absent."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-class Qwen3Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool):
-        super().__init__()
-        hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = text_head_dim(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, self.q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
-        self.qk_norm = qk_norm
-        if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_id)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = self.v_proj(x)  # [num_tokens, num_kv_heads * head_dim]
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, fb)  # [num_tokens, q_size]
-        return self.o_proj(out)
-
-
-MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE)
-
-
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
-                 mlp: Optional[nn.Module] = None):
-        super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias)
-        self.mlp = mlp or SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        # h: [num_tokens, hidden]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, fb)
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class Qwen3TextModel(nn.Module):
-    """Embeddings, decoder layers and final norm. Returns hidden states [num_tokens, hidden].
-
-    Qwen3 / Qwen3-VL text: qkv_bias = o_bias = config.attention_bias (False in released models), qk_norm.
-    Qwen2-style text (Qwen2.5-VL): qkv_bias=True, qk_norm=False, o_bias=False.
-    """
-
-    def __init__(self, config: Any, rotary_emb: nn.Module, *, qkv_bias: bool = False, qk_norm: bool = True,
-                 o_bias: bool = False, make_mlp: Optional[MakeMLP] = None):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias,
-                              mlp=make_mlp(i) if make_mlp else None)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = rotary_emb
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        # masked_scatter rather than boolean indexing: no device->host sync on the mask
-        rows = None if fb.mm_mask is None else fb.mm_mask[:, None]  # [num_tokens, 1] bool
-        if fb.mm_embeds is not None:
-            h = h.masked_scatter(rows, fb.mm_embeds.to(h.dtype))
-        cos, sin = self.rotary_emb(positions)  # [num_tokens, head_dim] each
-        deepstack = fb.deepstack_embeds  # [k, num_mm_tokens, hidden] | None
-        num_deepstack = 0 if deepstack is None else deepstack.shape[0]
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, fb)
-            if i < num_deepstack:  # DeepStack: add visual features to the image rows after layer i
-                h = h + torch.zeros_like(h).masked_scatter(rows, deepstack[i].to(h.dtype))
-        return self.norm(h)
-
-
-WeightRename = Callable[[str], Optional[str]]
-
-
-def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: WeightRename,
-                       *, optional: Iterable[str] = ()) -> set[str]:
-    """Copy checkpoint tensors into `module`'s parameters by name.
-
-    `rename(hf_name)` returns the parameter name in `module`, or None to skip the tensor. Tensors
-    that map to no parameter are ignored; parameters left unloaded raise (except those in `optional`).
-    Returns the set of loaded parameter names.
-    """
-    params = dict(module.named_parameters())
-    loaded: set[str] = set()
-    for hf_name, tensor in weights:
-        name = rename(hf_name)
-        if name is None or name not in params:
-            continue
-        param = params[name]
-        if param.shape != tensor.shape:
-            raise ValueError(f"shape mismatch for {hf_name} -> {name}: checkpoint {tuple(tensor.shape)}, "
-                             f"model {tuple(param.shape)}")
-        with torch.no_grad():
-            param.copy_(tensor.to(param.dtype))
-        loaded.add(name)
-    missing = sorted(set(params) - loaded - set(optional))
-    if missing:
-        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-        raise ValueError(f"{len(missing)} parameters missing from the checkpoint: {shown}")
-    return loaded
-
-
-def tie_word_embeddings(config: Any) -> bool:
-    """Tied lm_head? transformers 5 reads the top-level flag; older VL checkpoints set it in text_config."""
-    if getattr(config, "tie_word_embeddings", False):
-        return True
-    text = config.get_text_config() if hasattr(config, "get_text_config") else None
-    return text is not None and text is not config and bool(getattr(text, "tie_word_embeddings", False))
-
-
-class Qwen3ForCausalLM(nn.Module):
-    """Text-only Qwen3: `model` (Qwen3TextModel) + `lm_head`."""
+class Qwen3ForCausalLM(Model):
+    """`model` (Qwen3TextModel) + `lm_head`; loads the HF names as they are."""
 
     def __init__(self, config: Any):
-        super().__init__()
+        super().__init__(config)
         if getattr(config, "use_sliding_window", False):
             raise NotImplementedError("Qwen3 sliding-window attention layers are not supported")
-        self.config = config
-        self.head_dim = text_head_dim(config)
-        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
-        self.num_attention_layers = config.num_hidden_layers
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
-        rotary = build_text_rotary(config, self.head_dim)
         bias = bool(getattr(config, "attention_bias", False))
-        self.model = Qwen3TextModel(config, rotary, qkv_bias=bias, o_bias=bias)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tied = tie_word_embeddings(config)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = Qwen3TextModel(config, build_text_rotary(config, text_head_dim(config)), qkv_bias=bias, o_bias=bias)
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if self.tied and name == "lm_head.weight":
-                return None  # shares embed_tokens
-            return name
-
-        return load_named_weights(self, weights, rename)
+    def checkpoint_name(self, hf_name: str) -> Optional[str]:
+        return hf_name

@@ -1,39 +1,35 @@
-"""Qwen3.5: the Qwen3-VL vision tower (without DeepStack) on a hybrid Gated DeltaNet / gated-attention text model.
+"""Qwen3.5 and Qwen3.5-MoE: the Qwen3-VL vision tower (without DeepStack) on the hybrid Gated DeltaNet / gated-attention text model.
 
-Vision tower: Qwen3-VL's (patch embed + interpolated learned positions + 2-D rope blocks + merger);
-Qwen3.5 has no DeepStack mergers, so `encode_images` returns no deepstack features.
-Text model: `HybridTextModel` (see `qwen3_next.py`) per `text_config.layer_types`, with
+Vision tower: `blocks/qwen3_vl_vision.py`; Qwen3.5 has no DeepStack mergers, so `encode_images`
+returns no deepstack features. Text model: `HybridTextModel` (`blocks/hybrid_decoder.py`) per
+`text_config.layer_types`, with
 - GDN layers whose projections are separate: `in_proj_qkv` (q | k | v), `in_proj_z`, `in_proj_b`, `in_proj_a`;
 - gated full attention with interleaved M-RoPE on the first head_dim * partial_rotary_factor dims
   (`mrope_section` splits those rotary frequencies between t, h, w);
-- zero-centred RMSNorms and a dense SwiGLU MLP (Qwen3.5-MoE swaps in the sparse MoE block).
+- zero-centred RMSNorms and a dense SwiGLU MLP; Qwen3.5-MoE has a sparse MoE block in every layer
+  (softmax top-k renormalised, plus a sigmoid-gated shared expert).
 M-RoPE positions for images are Qwen3-VL's (`vlmrun.multimodal.mrope`).
 
-Internal parameter names: `visual.*`, `language_model.*`, `lm_head.*`. `load_weights` accepts the
-transformers-5 layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`) and the hub layout
+Internal parameter names: `visual.*`, `language_model.*`, `lm_head.*`; checkpoints load in the
+transformers-5 layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`) or the hub layout
 (`visual.*`, `model.*`, `lm_head.*`); `mtp.*` weights (multi-token prediction) are skipped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.moe import load_checkpoint
-from vlmrun.layers.rotary import MRotaryEmbedding
 from vlmrun.layers.mlp import SwiGLUMLP
-from vlmrun.models.qwen3_next import (
-    GatedDeltaNet,
-    HybridTextModel,
-    check_rope_type,
-    rotary_dim,
-    set_hybrid_attributes,
-)
-from vlmrun.models.qwen3_vl import Qwen3VLVisionModel
-from vlmrun.models.vision_common import GridTHW, VisionEmbeddings
+from vlmrun.layers.moe import moe_block
+from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
+from vlmrun.models.base import Model, vl_checkpoint_name
+from vlmrun.models.blocks.hybrid_decoder import GatedDeltaNet, HybridTextModel, rotary_dim
+from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
+from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):
@@ -61,32 +57,20 @@ class _NoDeepStack:
         return getattr(self._config, name)
 
 
-class Qwen3_5ForConditionalGeneration(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
-        text = config.text_config
-        vision = config.vision_config
-        set_hybrid_attributes(self, text)
-        self.spatial_merge_size = vision.spatial_merge_size
-        self.image_token_id = config.image_token_id
-        self.video_token_id = getattr(config, "video_token_id", None)
-        self.vision_start_token_id = getattr(config, "vision_start_token_id", None)
-        self.num_deepstack_layers = 0
+class Qwen3_5ForConditionalGeneration(Model):
+    supports_images = True
 
-        params = check_rope_type(text)
+    def __init__(self, config: Any):
+        super().__init__(config)
+        text = config.text_config
+        params = default_rope_parameters(text)
         section = list(params.get("mrope_section") or [11, 11, 10])
         rotary = MRotaryEmbedding(rotary_dim(text), float(params["rope_theta"]), section, interleaved=True)
-
-        self.visual = Qwen3VLVisionModel(_NoDeepStack(vision))
+        self.visual = Qwen3VLVisionModel(_NoDeepStack(config.vision_config))
         self.language_model = HybridTextModel(text, rotary, lambda i: self.make_mlp(text, i), Qwen3_5GatedDeltaNet)
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))  # the top-level flag, as transformers 5
-        if self.tied:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
+        self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
-    @staticmethod
-    def make_mlp(text: Any, layer_idx: int) -> nn.Module:
+    def make_mlp(self, text: Any, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer `layer_idx` (dense SwiGLU; the MoE variant overrides this)."""
         return SwiGLUMLP(text.hidden_size, text.intermediate_size, getattr(text, "hidden_act", "silu"))
 
@@ -97,18 +81,10 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.language_model(input_ids, positions, fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab]
+    def checkpoint_name(self, hf_name: str) -> Optional[str]:
+        return vl_checkpoint_name(hf_name)  # mtp.* and the rest skipped
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint(self, weights, self._rename)
 
-    def _rename(self, name: str) -> str | None:
-        """Checkpoint name -> our parameter name (None to skip)."""
-        for prefix, ours in (("model.language_model.", "language_model."), ("model.visual.", "visual."),
-                             ("visual.", "visual."), ("model.", "language_model.")):
-            if name.startswith(prefix):
-                return ours + name[len(prefix):]
-        if name.startswith("lm_head."):
-            return None if self.tied else name
-        return None  # mtp.* and anything else
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    def make_mlp(self, text: Any, layer_idx: int) -> nn.Module:
+        return moe_block(text, shared=True, norm_topk_prob=True)

@@ -1,165 +1,27 @@
-"""Qwen3-Next: a hybrid decoder of Gated DeltaNet (linear attention) and gated full attention, with sparse MoE.
+"""Qwen3-Next: the hybrid decoder (Gated DeltaNet + gated full attention, 1-D partial rope) with sparse MoE.
 
-This file also holds the hybrid pieces Qwen3.5 reuses:
-
-- `ZeroCenteredRMSNorm`: RMSNorm scaled by (1 + weight), multiply in float32 (weights stored around 0).
-- `GatedRMSNorm`: the GDN output norm, weight * rmsnorm(core) * silu(z), per value head.
-- `GatedAttention`: q_proj yields the query and an output gate per head; q/k zero-centred norms;
-  rotary on the first `rotary_dim` dims of each head only (partial rope); output * sigmoid(gate).
-- `GatedDeltaNet`: projections -> `LinearAttention` (causal conv + gated delta rule in the backend)
-  -> gated norm -> out_proj. The seam takes q|k|v before the conv, g = -exp(A_log) * softplus(a + dt_bias)
-  and beta = sigmoid(b).
-- `HybridTextModel`: embeddings (+ multimodal splice), decoder layers per `config.layer_types`, final norm.
-  Full-attention layers get KV-pool ids 0..n-1 in layer order, GDN layers GDN-pool ids 0..m-1.
+Decoder blocks: `blocks/hybrid_decoder.py`. MLPs: a sparse MoE block with a shared expert
+(sigmoid-gated) in every layer `is_moe_layer` names, a dense SwiGLU elsewhere.
 
 Qwen3-Next's fused GDN projections store rows grouped per key head ([q k v z] of head 0, then head 1,
 ...; [b a] likewise); the loader reorders them once into (q | k | v | z) and (b | a) blocks, so the
-forward is two matmuls and plain splits.
+forward is two matmuls and plain splits. Loads the HF layout (`model.*`, `lm_head.*`); `mtp.*`
+(multi-token prediction) weights are skipped.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention import Attention, LinearAttention
-from vlmrun.layers.moe import SparseMoeBlock, load_checkpoint
-from vlmrun.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
 from vlmrun.layers.mlp import SwiGLUMLP
-from vlmrun.models.qwen3 import text_head_dim
-
-FULL_ATTENTION = "full_attention"
-LINEAR_ATTENTION = "linear_attention"
-
-
-class ZeroCenteredRMSNorm(nn.Module):
-    """rmsnorm(x) * (1 + weight), computed in float32 and cast back (Qwen3-Next / Qwen3.5)."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [..., hidden_size]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).to(x.dtype)
-
-
-class GatedRMSNorm(nn.Module):
-    """weight * rmsnorm(x) * silu(gate): normalise in float32, scale in x's dtype, gate in float32."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        # x, gate: [..., hidden_size]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * xf.to(x.dtype)
-        return (out * F.silu(gate.float())).to(x.dtype)
-
-
-def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] dims of each head; the rest pass through.
-
-    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, rotary_dim].
-    """
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return apply_rotary(x, cos, sin)
-    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin), x[..., rotary_dim:]), dim=-1)
-
-
-def rotary_dim(config: Any) -> int:
-    """head_dim * partial_rotary_factor: how many dims of each head the rotary embedding turns."""
-    factor = rope_parameters(config).get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return int(text_head_dim(config) * float(factor))
-
-
-class GatedAttention(nn.Module):
-    """Full attention with a per-head sigmoid output gate, q/k zero-centred norms and partial rope."""
-
-    def __init__(self, config: Any, layer_id: int):
-        super().__init__()
-        hidden = config.hidden_size
-        bias = bool(getattr(config, "attention_bias", False))
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
-        self.head_dim = text_head_dim(config)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, 2 * self.q_size, bias=bias)  # per head: query then gate
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_id)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [n, heads, head_dim]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), self.v_proj(x), fb)  # [n, q_size]
-        return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.q_size)))
-
-
-class GatedDeltaNet(nn.Module):
-    """Gated DeltaNet layer with Qwen3-Next's fused projections.
-
-    in_proj_qkvz: hidden -> (q | k | v | z) after the loader's reordering; in_proj_ba: hidden -> (b | a).
-    Subclasses with other projections override `project`.
-    """
-
-    def __init__(self, config: Any, layer_id: int):
-        super().__init__()
-        hidden = config.hidden_size
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
-        self.head_k_dim = config.linear_key_head_dim
-        self.head_v_dim = config.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.conv_dim = 2 * self.key_dim + self.value_dim
-        kernel = config.linear_conv_kernel_dim
-        self._init_projections(hidden)
-        # Depthwise causal conv over q|k|v; only its weight [conv_dim, 1, kernel] is used (by the backend).
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
-        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
-        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.attn = LinearAttention(layer_id, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                                    kernel)
-
-    def _init_projections(self, hidden: int) -> None:
-        self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> mixed_qkv [T, conv_dim], z [T, value_dim], b [T, Hv], a [T, Hv]."""
-        mixed_qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x).chunk(2, dim=-1)
-        return mixed_qkv, z, b, a
-
-    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        mixed_qkv, z, b, a = self.project(x)
-        beta = torch.sigmoid(b)  # [n, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [n, Hv] float32 log decay
-        core = self.attn(mixed_qkv, g, beta, self.conv1d.weight.squeeze(1), fb)  # [n, Hv, Dv]
-        out = self.norm(core, z.view(n, self.num_v_heads, self.head_v_dim))
-        return self.out_proj(out.reshape(n, self.value_dim))
+from vlmrun.layers.moe import is_moe_layer, moe_block
+from vlmrun.layers.rotary import RotaryEmbedding, default_rope_parameters
+from vlmrun.models.base import Model
+from vlmrun.models.blocks.hybrid_decoder import GatedDeltaNet, HybridTextModel, rotary_dim
 
 
 def ungroup_qkvz(weight: torch.Tensor, config: Any) -> torch.Tensor:
@@ -183,117 +45,12 @@ def ungroup_ba(weight: torch.Tensor, config: Any) -> torch.Tensor:
     return torch.cat([b.reshape(-1, weight.shape[-1]), a.reshape(-1, weight.shape[-1])])
 
 
-def kind_indices(layer_types: list[str]) -> list[int]:
-    """Each layer's index among the layers of its own type (its KV-pool or GDN-pool layer_id)."""
-    seen: dict[str, int] = {}
-    out = []
-    for t in layer_types:
-        if t not in (FULL_ATTENTION, LINEAR_ATTENTION):
-            raise NotImplementedError(f"layer type {t!r} is not supported")
-        out.append(seen.get(t, 0))
-        seen[t] = out[-1] + 1
-    return out
-
-
-class HybridDecoderLayer(nn.Module):
-    """Pre-norm residual block: token mixer (GDN or gated attention) then MLP (dense or MoE)."""
-
-    def __init__(self, config: Any, layer_type: str, kind_id: int, mlp: nn.Module,
-                 gdn_cls: type[GatedDeltaNet]):
-        super().__init__()
-        self.is_linear = layer_type == LINEAR_ATTENTION
-        if self.is_linear:
-            self.linear_attn = gdn_cls(config, kind_id)
-        else:
-            self.self_attn = GatedAttention(config, kind_id)
-        self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        # h: [num_tokens, hidden]
-        x = self.input_layernorm(h)
-        h = h + (self.linear_attn(x, fb) if self.is_linear else self.self_attn(x, cos, sin, fb))
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-class HybridTextModel(nn.Module):
-    """Embeddings (+ image splice), hybrid decoder layers, final norm -> hidden [num_tokens, hidden]."""
-
-    def __init__(self, config: Any, rotary_emb: nn.Module, make_mlp: Callable[[int], nn.Module],
-                 gdn_cls: type[GatedDeltaNet]):
-        super().__init__()
-        layer_types = list(config.layer_types)[: config.num_hidden_layers]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, t, kind_id, make_mlp(i), gdn_cls)
-            for i, (t, kind_id) in enumerate(zip(layer_types, kind_indices(layer_types)))
-        )
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = rotary_emb
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        if fb.mm_embeds is not None:  # masked_scatter: no device->host sync on the mask
-            h = h.masked_scatter(fb.mm_mask[:, None], fb.mm_embeds.to(h.dtype))
-        cos, sin = self.rotary_emb(positions)  # [num_tokens, rotary_dim] each
-        for layer in self.layers:
-            h = layer(h, cos, sin, fb)
-        return self.norm(h)
-
-
-def set_hybrid_attributes(model: nn.Module, text: Any) -> None:
-    """The sizes the model runner reads to build the KV pool (full attention) and the GDN state pool."""
-    layer_types = list(text.layer_types)[: text.num_hidden_layers]
-    model.layer_types = layer_types
-    model.num_attention_layers = layer_types.count(FULL_ATTENTION)
-    model.num_linear_layers = layer_types.count(LINEAR_ATTENTION)
-    model.num_kv_heads = text.num_key_value_heads or text.num_attention_heads
-    model.head_dim = text_head_dim(text)
-    model.hidden_size = text.hidden_size
-    model.vocab_size = text.vocab_size
-    model.linear_num_k_heads = text.linear_num_key_heads
-    model.linear_num_v_heads = text.linear_num_value_heads
-    model.linear_head_k_dim = text.linear_key_head_dim
-    model.linear_head_v_dim = text.linear_value_head_dim
-    model.linear_conv_kernel = text.linear_conv_kernel_dim
-    model.linear_conv_dim = 2 * text.linear_num_key_heads * text.linear_key_head_dim \
-        + text.linear_num_value_heads * text.linear_value_head_dim
-
-
-def is_moe_layer(config: Any, i: int) -> bool:
-    """HF's rule: MoE unless listed in mlp_only_layers, when experts exist and (i + 1) % decoder_sparse_step == 0."""
-    return (i not in (getattr(config, "mlp_only_layers", None) or [])
-            and getattr(config, "num_experts", 0) > 0
-            and (i + 1) % getattr(config, "decoder_sparse_step", 1) == 0)
-
-
-def moe_block(config: Any, *, shared: bool, norm_topk_prob: bool) -> SparseMoeBlock:
-    return SparseMoeBlock(config.hidden_size, config.moe_intermediate_size, config.num_experts,
-                          config.num_experts_per_tok, norm_topk_prob=norm_topk_prob,
-                          act=getattr(config, "hidden_act", "silu"),
-                          shared_intermediate=config.shared_expert_intermediate_size if shared else 0)
-
-
-def check_rope_type(config: Any) -> dict:
-    params = rope_parameters(config)
-    if params["rope_type"] != "default":
-        raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
-    return params
-
-
-class Qwen3NextForCausalLM(nn.Module):
-    """Text-only Qwen3-Next: `model` (HybridTextModel, 1-D partial rope, MoE with shared expert) + `lm_head`.
-
-    Loads the HF layout (`model.*`, `lm_head.*`); `mtp.*` (multi-token prediction) weights are skipped.
-    """
+class Qwen3NextForCausalLM(Model):
+    """`model` (HybridTextModel) + `lm_head`."""
 
     def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
-        set_hybrid_attributes(self, config)
-        params = check_rope_type(config)
-        rotary = RotaryEmbedding(rotary_dim(config), float(params["rope_theta"]))
+        super().__init__(config)
+        rotary = RotaryEmbedding(rotary_dim(config), float(default_rope_parameters(config)["rope_theta"]))
         norm_topk = bool(getattr(config, "norm_topk_prob", True))
 
         def make_mlp(i: int) -> nn.Module:
@@ -302,30 +59,17 @@ class Qwen3NextForCausalLM(nn.Module):
             return SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
 
         self.model = HybridTextModel(config, rotary, make_mlp, GatedDeltaNet)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab]
+    def checkpoint_name(self, hf_name: str) -> Optional[str]:
+        return hf_name if hf_name.startswith(("model.", "lm_head.")) else None  # mtp.* and the rest skipped
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if name.startswith("model."):
-                return name
-            if name.startswith("lm_head."):
-                return None if self.tied else name
-            return None  # mtp.* and anything else
-
-        def transform(name: str, tensor: torch.Tensor) -> torch.Tensor:
-            if name.endswith("linear_attn.in_proj_qkvz.weight"):
-                return ungroup_qkvz(tensor, self.config)
-            if name.endswith("linear_attn.in_proj_ba.weight"):
-                return ungroup_ba(tensor, self.config)
-            return tensor
-
-        return load_checkpoint(self, weights, rename, transform=transform)
+    def transform_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name.endswith("linear_attn.in_proj_qkvz.weight"):
+            return ungroup_qkvz(tensor, self.config)
+        if name.endswith("linear_attn.in_proj_ba.weight"):
+            return ungroup_ba(tensor, self.config)
+        return tensor

@@ -1,179 +1,48 @@
-"""Qwen3-VL: a ViT with learned (interpolated) position embeddings and DeepStack, on a Qwen3 text model.
+"""Qwen3-VL and Qwen3-VL-MoE: the Qwen3-VL vision tower (DeepStack) on a Qwen3 text model with interleaved M-RoPE.
 
-Vision tower: patch embed -> + bilinearly resampled learned position table -> blocks (LayerNorm,
-2-D rope attention within each image, GELU MLP) -> patch merger (2x2 patches -> one text token).
-Outputs of the blocks listed in `deepstack_visual_indexes` go through their own mergers; the text
-model adds those features to the image-token rows after its first decoder layers (DeepStack).
-Text model: `Qwen3TextModel` with interleaved M-RoPE.
+Vision tower: `blocks/qwen3_vl_vision.py`. Text model: `Qwen3TextModel`; in Qwen3-VL-MoE a decoder
+layer's MLP is a sparse MoE block (softmax routing, top-k renormalised, no shared expert) unless
+the layer is listed in `mlp_only_layers` or falls between `decoder_sparse_step`s.
 
-Internal parameter names: `visual.*`, `language_model.*`, `lm_head.*`. `load_weights` accepts the
-transformers-5 layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`) and the hub layout
-(`visual.*`, `model.*`, `lm_head.*`).
+Internal parameter names: `visual.*`, `language_model.*`, `lm_head.*`; checkpoints load in the
+transformers-5 layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`) or the hub layout
+(`visual.*`, `model.*`, `lm_head.*`); MoE experts fused, transposed or per expert.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Iterable
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.activation import get_act_fn
-from vlmrun.layers.rotary import MRotaryEmbedding, rope_parameters
-from vlmrun.models.qwen3 import Qwen3TextModel, load_named_weights, text_head_dim, tie_word_embeddings
-from vlmrun.models.vision_common import (
-    GridTHW,
-    VisionAttention,
-    VisionEmbeddings,
-    VisionPatchEmbed,
-    VisionRotaryEmbedding,
-    grid_list,
-    vision_cu_seqlens,
-    vision_rope_positions,
-)
+from vlmrun.layers.moe import is_moe_layer, moe_block
+from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
+from vlmrun.models.base import Model, vl_checkpoint_name
+from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
+from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
+from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
 
 
-def interpolate_pos_embed(table: torch.Tensor, grids: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
-    """Resample a square learned position table to each image's patch grid.
+class Qwen3VLForConditionalGeneration(Model):
+    supports_images = True
 
-    Bilinear with align_corners=True (grid corners map to table corners); patches come out in
-    spatial-merge-block order, repeated per frame. table: [side * side, dim] -> [num_patches, dim].
-    """
-    side = int(table.shape[0] ** 0.5)
-    device = table.device
-    rc = vision_rope_positions(grids, merge, device)  # [num_patches, 2] (row, col)
-    sizes = torch.cat([torch.tensor([[h, w]], device=device).expand(t * h * w, 2) for t, h, w in grids])
-    src = rc.float() * (side - 1) / (sizes - 1).clamp(min=1)  # [num_patches, 2] fractional table coords
-    lo = src.floor()
-    frac = src - lo  # [num_patches, 2]
-    lo = lo.long()
-    hi = (lo + 1).clamp(max=side - 1)
-    (r0, c0), (r1, c1) = lo.unbind(-1), hi.unbind(-1)
-    fr, fc = frac.unbind(-1)
-    out = (table[r0 * side + c0] * ((1 - fr) * (1 - fc))[:, None]
-           + table[r0 * side + c1] * ((1 - fr) * fc)[:, None]
-           + table[r1 * side + c0] * (fr * (1 - fc))[:, None]
-           + table[r1 * side + c1] * (fr * fc)[:, None])
-    return out  # [num_patches, dim]
-
-
-class Qwen3VLVisionMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int, act: str):
-        super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
-        self.act_fn = get_act_fn(act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
-
-
-class Qwen3VLVisionBlock(nn.Module):
     def __init__(self, config: Any):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.attn = VisionAttention(config.hidden_size, config.num_heads)
-        self.mlp = Qwen3VLVisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
-
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
-        return x + self.mlp(self.norm2(x))
-
-
-class Qwen3VLPatchMerger(nn.Module):
-    """merge x merge neighbouring patches -> one text-width token. `postshuffle` norms after the concat."""
-
-    def __init__(self, config: Any, postshuffle: bool):
-        super().__init__()
-        self.merged_dim = config.hidden_size * config.spatial_merge_size ** 2
-        self.postshuffle = postshuffle
-        self.norm = nn.LayerNorm(self.merged_dim if postshuffle else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
-        self.act_fn = nn.GELU()
-        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_patches, vision_hidden] -> [num_patches // merge**2, out_hidden]
-        if self.postshuffle:
-            x = self.norm(x.view(-1, self.merged_dim))
-        else:
-            x = self.norm(x).view(-1, self.merged_dim)
-        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
-
-
-class Qwen3VLVisionModel(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.spatial_merge_size = config.spatial_merge_size
-        self.patch_embed = VisionPatchEmbed(config.in_channels, config.temporal_patch_size, config.patch_size,
-                                            config.hidden_size, bias=True)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        head_dim = config.hidden_size // config.num_heads
-        self.rotary_pos_emb = VisionRotaryEmbedding(head_dim, float(rope_parameters(config)["rope_theta"]))
-        self.blocks = nn.ModuleList(Qwen3VLVisionBlock(config) for _ in range(config.depth))
-        self.merger = Qwen3VLPatchMerger(config, postshuffle=False)
-        self.deepstack_visual_indexes = list(config.deepstack_visual_indexes)
-        self.deepstack_merger_list = nn.ModuleList(
-            Qwen3VLPatchMerger(config, postshuffle=True) for _ in self.deepstack_visual_indexes
-        )
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """pixel_values: [num_patches, C*T*P*P] -> (merged [num_tokens, out_hidden], deepstack list of same)."""
-        grids = grid_list(grid_thw)
-        device = pixel_values.device
-        merge = self.spatial_merge_size
-        x = self.patch_embed(pixel_values)  # [num_patches, hidden]
-        x = x + interpolate_pos_embed(self.pos_embed.weight, grids, merge).to(x.dtype)
-        cos, sin = self.rotary_pos_emb(vision_rope_positions(grids, merge, device))  # [num_patches, head_dim]
-        cu_seqlens = vision_cu_seqlens(grids, device)
-        deepstack = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cu_seqlens, cos, sin)
-            if i in self.deepstack_visual_indexes:
-                deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
-        return self.merger(x), deepstack
-
-
-class Qwen3VLForConditionalGeneration(nn.Module):
-    def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         text = config.text_config
-        vision = config.vision_config
-        self.head_dim = text_head_dim(text)
-        self.num_kv_heads = text.num_key_value_heads or text.num_attention_heads
-        self.num_attention_layers = text.num_hidden_layers
-        self.hidden_size = text.hidden_size
-        self.vocab_size = text.vocab_size
-        self.spatial_merge_size = vision.spatial_merge_size
-        self.image_token_id = config.image_token_id
-        self.video_token_id = getattr(config, "video_token_id", None)
-        self.vision_start_token_id = getattr(config, "vision_start_token_id", None)
-        self.num_deepstack_layers = len(vision.deepstack_visual_indexes)
-
-        params = rope_parameters(text)
-        if params["rope_type"] != "default":
-            raise NotImplementedError(f"rope_type {params['rope_type']!r} is not supported")
+        params = default_rope_parameters(text)
         section = params.get("mrope_section") or [24, 20, 20]
-        rotary = MRotaryEmbedding(self.head_dim, float(params["rope_theta"]), list(section), interleaved=True)
-
-        self.visual = Qwen3VLVisionModel(vision)
+        rotary = MRotaryEmbedding(text_head_dim(text), float(params["rope_theta"]), list(section), interleaved=True)
+        self.visual = Qwen3VLVisionModel(config.vision_config)
         bias = bool(getattr(text, "attention_bias", False))
         self.language_model = Qwen3TextModel(text, rotary, qkv_bias=bias, o_bias=bias,
                                              make_mlp=lambda i: self.make_text_mlp(text, i))
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tied = self.ties_embeddings(config)
-        if self.tied:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
+        self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
-    # Hooks for variants (Qwen3-VL-MoE): the MLP of text layer i, and whether lm_head is tied.
     def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
-        return None  # the dense SwiGLU MLP
-
-    def ties_embeddings(self, config: Any) -> bool:
-        return tie_word_embeddings(config)
+        """The MLP of text layer `layer`: None for the dense SwiGLU MLP (the MoE variant overrides this)."""
+        return None
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, deepstack = self.visual(pixel_values, grid_thw)
@@ -182,18 +51,14 @@ class Qwen3VLForConditionalGeneration(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.language_model(input_ids, positions, fb)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [n, vocab]
+    def checkpoint_name(self, hf_name: str) -> Optional[str]:
+        return vl_checkpoint_name(hf_name)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named_weights(self, weights, self._rename)
 
-    def _rename(self, name: str) -> str | None:
-        """Checkpoint name -> our parameter name (None to skip)."""
-        for prefix, ours in (("model.language_model.", "language_model."), ("model.visual.", "visual."),
-                             ("visual.", "visual."), ("model.", "language_model.")):
-            if name.startswith(prefix):
-                return ours + name[len(prefix):]
-        if name.startswith("lm_head."):
-            return None if self.tied else name
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL with sparse MoE MLPs in the text layers; everything else is Qwen3-VL's."""
+
+    def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
+        if is_moe_layer(text_config, layer):
+            return moe_block(text_config, shared=False, norm_topk_prob=True)
         return None

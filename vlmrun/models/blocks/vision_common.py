@@ -112,7 +112,7 @@ class VisionRotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
         spatial = head_dim // 2
-        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, spatial, 2, dtype=torch.float, device="cpu") / spatial))
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [head_dim // 4]
 
     def forward(self, pos_hw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

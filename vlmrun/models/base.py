@@ -1,0 +1,90 @@
+"""The interface every model implements, in code: `Model`.
+
+A model is built from its HF config (`transformers.AutoConfig`) and gives the engine:
+- `forward(input_ids [T], positions [3, T], fb) -> hidden [T, hidden]`: full-attention layers call
+  `Attention` and GDN layers `LinearAttention` (`vlmrun.layers.attention`); the backend behind
+  `fb` does the rest. Image rows come spliced from `fb.mm_mask` / `fb.mm_embeds`.
+- `compute_logits(hidden [n, hidden]) -> [n, vocab]` float32, through `lm_head`.
+- `load_weights(weights) -> set[str]`: HF-named tensors into parameters through the one loader
+  (`vlmrun.models.weights.load_checkpoint`), by the model's `checkpoint_name` (and
+  `transform_weight` where a layout needs rearranging).
+- `cache_shape() -> CacheShape`: what the KV pool and the GDN state pool hold for it.
+- `supports_images` and `encode_images(pixel_values, grid_thw) -> VisionEmbeddings` for VL models.
+
+The LM head is tied to the input embeddings when the config's top-level `tie_word_embeddings`
+says so: the rule transformers 5 applies.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Iterable, Optional
+
+import torch
+from torch import nn
+
+from vlmrun.config import CacheShape
+from vlmrun.forward_batch import ForwardBatch
+from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
+from vlmrun.models.weights import load_checkpoint
+
+
+class Model(nn.Module, ABC):
+    supports_images: ClassVar[bool] = False
+    lm_head: nn.Linear
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+
+    @abstractmethod
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """input_ids [T], positions [3, T] -> hidden states [T, hidden]."""
+
+    @abstractmethod
+    def checkpoint_name(self, hf_name: str) -> Optional[str]:
+        """Our parameter name for a checkpoint tensor, or None to skip it."""
+
+    def transform_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Rearrange a checkpoint tensor before it is copied into parameter `name` (as is by default)."""
+        return tensor
+
+    @property
+    def ties_word_embeddings(self) -> bool:
+        return bool(getattr(self.config, "tie_word_embeddings", False))
+
+    def make_lm_head(self, embed: nn.Embedding) -> nn.Linear:
+        """The LM head over `embed`'s vocabulary, sharing its weight when the config ties them."""
+        head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+        if self.ties_word_embeddings:
+            head.weight = embed.weight
+        return head
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [n, vocab]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        tied = self.ties_word_embeddings
+
+        def rename(hf_name: str) -> Optional[str]:
+            name = self.checkpoint_name(hf_name)
+            return None if tied and name == "lm_head.weight" else name  # it is the embedding
+
+        return load_checkpoint(self, weights, rename, transform=self.transform_weight)
+
+    def cache_shape(self) -> CacheShape:
+        return CacheShape.from_hf_config(self.config)
+
+    def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
+        """pixel_values [num_patches, C * T * P * P] -> embeddings, rows image by image (VL models)."""
+        raise NotImplementedError(f"{type(self).__name__} takes no images")
+
+
+def vl_checkpoint_name(name: str) -> Optional[str]:
+    """The VL families' names: transformers 5 (`model.language_model.*`, `model.visual.*`) or hub
+    (`model.*`, `visual.*`) -> `language_model.*` / `visual.*`; `lm_head.*` as is; others skipped."""
+    for prefix, ours in (("model.language_model.", "language_model."), ("model.visual.", "visual."),
+                         ("visual.", "visual."), ("model.", "language_model."), ("lm_head.", "lm_head.")):
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return None

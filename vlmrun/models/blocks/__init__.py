@@ -1,0 +1,1 @@
+"""Blocks shared by several model families: text decoders, the hybrid decoder, vision towers."""

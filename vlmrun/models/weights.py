@@ -1,0 +1,117 @@
+"""Weights into a model: building it on its device in its dtype, and the one checkpoint loader.
+
+`build_model(cls, config, dtype, device)` constructs a model on the meta device (no memory, and
+no process-wide default-dtype switch), then gives every parameter its storage once, empty, in
+`dtype` on `device`; buffers (made on the CPU at construction, e.g. rotary frequencies) move to
+`device` as they are. The checkpoint then fills every parameter: `load_checkpoint` refuses to
+leave one unset, so no uninitialised storage survives.
+
+`load_checkpoint(module, weights, rename, transform=None)` copies HF-named tensors into the
+parameters. MoE expert weights are taken fused (`experts.gate_up_proj` [E, 2I, H] /
+`experts.down_proj` [E, H, I], as transformers 5 stores them), fused but transposed
+([E, H, 2I] / [E, I, H], the Qwen3-VL-MoE hub layout), or per expert (`experts.{e}.gate_proj.weight`
+[I, H], `up_proj` [I, H], `down_proj` [H, I], the hub layout of the others).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch import nn
+
+
+def build_model(cls: Callable[[Any], nn.Module], config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """`cls(config)` with empty parameters in `dtype` (floating ones) on `device`; tied ones stay tied."""
+    with torch.device("meta"):
+        model = cls(config)
+    storage: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in storage:
+                kind = dtype if param.is_floating_point() else param.dtype
+                storage[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
+                                                  requires_grad=False)
+            module._parameters[name] = storage[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is None:
+                continue
+            if buffer.is_meta:
+                raise RuntimeError(f"{type(module).__name__}.{name}: a buffer made on the default device; "
+                                   f"create it with device='cpu'")
+            module._buffers[name] = buffer.to(device)
+    return model
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED = ("experts.gate_up_proj", "experts.down_proj")
+
+Rename = Callable[[str], Optional[str]]
+Transform = Callable[[str, torch.Tensor], torch.Tensor]
+
+
+def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Rename, *,
+                    transform: Optional[Transform] = None) -> set[str]:
+    """Copy checkpoint tensors into `module`'s parameters; MoE expert layouts are converted on the way.
+
+    `rename(hf_name)` gives our parameter name (per-expert names keep their `experts.{e}.*` tail) or
+    None to skip; `transform(our_name, tensor)` may rearrange a tensor before the copy (e.g. reorder
+    fused projection rows). A tensor whose shape fits neither the parameter nor (for fused experts)
+    its transpose raises, naming it; so does any parameter the checkpoint leaves unset. Returns the
+    set of loaded parameter names.
+    """
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    expert_pieces: dict[str, set[tuple[int, str]]] = {}  # fused param -> (expert, kind) pieces seen
+    for hf_name, tensor in weights:
+        name = rename(hf_name)
+        if name is None:
+            continue
+        m = _PER_EXPERT.match(name)
+        if m:
+            kind = m["kind"]
+            target = f"{m['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+            if target not in params:
+                continue
+            param, e = params[target], int(m["e"])
+            if e >= param.shape[0]:
+                raise ValueError(f"{hf_name}: expert {e} out of range, the model has {param.shape[0]} experts")
+            half = param.shape[1] // 2
+            dst = {"gate_proj": param[e, :half], "up_proj": param[e, half:], "down_proj": param[e]}[kind]
+            _copy(dst, tensor, hf_name, target)
+            expert_pieces.setdefault(target, set()).add((e, kind))
+            continue
+        if name not in params:
+            continue
+        param = params[name]
+        if transform is not None:
+            tensor = transform(name, tensor)
+        if name.endswith(_FUSED) and tensor.shape != param.shape and tensor.dim() == 3 \
+                and tensor.transpose(1, 2).shape == param.shape:
+            tensor = tensor.transpose(1, 2)  # fused experts saved as [E, in, out]
+        _copy(param, tensor, hf_name, name)
+        loaded.add(name)
+    for target, pieces in expert_pieces.items():
+        num_experts = params[target].shape[0]
+        kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
+        absent = [f"{e}.{k}" for e in range(num_experts) for k in kinds if (e, k) not in pieces]
+        if absent:
+            shown = ", ".join(absent[:8]) + (" ..." if len(absent) > 8 else "")
+            raise ValueError(f"{target}: the checkpoint lacks {len(absent)} per-expert weights: experts.{shown}")
+        loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"{len(missing)} parameters missing from the checkpoint: {shown}")
+    return loaded
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str, name: str) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"shape mismatch for {hf_name} -> {name}: checkpoint {tuple(src.shape)}, "
+                         f"model {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src.to(dst.dtype))
