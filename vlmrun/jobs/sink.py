@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO, Any, Iterator, Optional, Protocol
 
-from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash
+from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key
 
 try:  # POSIX only; elsewhere the lock is skipped
     import fcntl
@@ -151,7 +151,7 @@ def _scan_records(records: Iterator[dict[str, Any]], retry_errors: bool,
         if failed and retry_errors:
             state.retried += 1
             continue
-        h = key_hash(record["image"])
+        h = key_hash(record_key(record))
         if h in state.done:  # never written twice by a job; tolerated if edited by hand
             continue
         state.done.add(h)
@@ -408,7 +408,7 @@ def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: 
             batch.clear()
 
         for record in records:
-            h = key_hash(record["image"])
+            h = key_hash(record_key(record))
             if h in seen:
                 continue
             seen.add(h)
