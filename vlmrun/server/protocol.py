@@ -26,6 +26,11 @@ MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Arguments of the tokenizer's apply_chat_template call: not template variables, so not client-settable.
+_TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _NUMBER = (int, float)
 
 
@@ -100,6 +105,10 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = sorted(set(kwargs) & _TEMPLATE_CALL_ARGS)
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets those "
+                          "(template variables only)", param="chat_template_kwargs")
     return ChatRequest(model=_opt_model(body), messages=messages, params=params, stream=_opt_bool(body, "stream", False),
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top,
                        chat_template_kwargs=kwargs,
