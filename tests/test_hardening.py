@@ -280,3 +280,14 @@ def test_non_utf8_file_names_are_recorded_losslessly_and_resumed(qwen3_vl_dir: P
         sink = open_output(str(out))
         sink.close()
         assert sink.state.done == {key_hash(key), key_hash(str(plain))}
+
+
+def test_serve_flags_set_the_stop_limits():
+    import argparse
+
+    from vlmrun.server.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-stop-strings", "4", "--max-stop-string-length", "9", "--max-stop-token-ids", "2"])
+    assert StopLimits.of(engine_config(args)) == StopLimits(4, 9, 2)
