@@ -228,9 +228,10 @@ class StopStringMatcher:
 def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str],
                      include_stop_str_in_output: bool = False) -> Optional[StopMatch]:
     """The earliest stop occurrence ending inside the last `num_new_chars` chars of `text`."""
+    old = len(text) - min(max(num_new_chars, 0), len(text))
     matcher = StopStringMatcher(stop, include_stop_str_in_output)
-    matcher.feed(text[:len(text) - num_new_chars])
-    return matcher.feed(text[len(text) - num_new_chars:]) if num_new_chars > 0 else None
+    matcher.feed(text[:old])
+    return matcher.feed(text[old:]) if old < len(text) else None
 
 
 def safe_length(text: str, stop: Sequence[str], include_stop_str_in_output: bool = False) -> int:
