@@ -163,6 +163,8 @@ CASES = {
     "tool_without_tool_call": (user("hi") | {"messages": [{"role": "user", "content": "hi"},
                                                           {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
                                400, ("tool call",), "messages"),
+    "tool_call_id_a_list": (user("hi") | {"messages": [{"role": "tool", "content": "42", "tool_call_id": []}]},
+                            400, ("tool call",), "messages"),
     "content_null": (user("hi") | {"messages": [{"role": "user", "content": None}]}, 400, ("no content",),
                      "messages"),
     "content_missing": (user("hi") | {"messages": [{"role": "user"}]}, 400, ("no content",), "messages"),

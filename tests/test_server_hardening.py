@@ -171,7 +171,9 @@ VALID = {
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.booleans(),
 }
-CHAT = {**VALID, "messages": st.lists(VALID_MESSAGE, min_size=1, max_size=3), "logprobs": st.booleans(),
+CHAT = {**VALID, "messages": st.one_of(st.lists(VALID_MESSAGE, min_size=1, max_size=3),
+                                      st.lists(st.one_of(VALID_MESSAGE, HOSTILE_MESSAGE), min_size=1, max_size=3)),
+        "logprobs": st.booleans(),
         "chat_template_kwargs": st.fixed_dictionaries({}, optional={"enable_thinking": st.booleans()}),
         "add_generation_prompt": st.booleans()}
 COMPLETION = {**VALID, "prompt": st.one_of(TEXT.filter(str.strip), st.lists(st.integers(0, 300), min_size=1,

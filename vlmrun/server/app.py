@@ -6,8 +6,9 @@ need `Authorization: Bearer <key>` (health and metrics stay open for probes and 
 Every error, ours or the framework's (unknown route, wrong method), is answered in OpenAI's
 JSON error shape; an unexpected exception becomes a JSON 500 that leaves the keep-alive connection
 usable and is counted in /metrics like any other status. /v1/models shows the served name, never
-the model's local path (that goes to the server log). The app does not own the engine: whoever created the `AsyncEngine` starts and
-stops it; the app's lifespan shuts down only its own preprocessing pool.
+the model's local path (that goes to the server log). The app does not own the engine: whoever
+created the `AsyncEngine` starts and stops it; the app's lifespan shuts down only its own
+preprocessing pool.
 """
 
 from __future__ import annotations
@@ -119,7 +120,6 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ClientDisconnected)
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
         return error_response(APIError(499, "the client closed the request", code="client_closed_request"))
-
 
 
 class _AnswerUnexpected:

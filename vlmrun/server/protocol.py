@@ -22,7 +22,6 @@ from typing import Any, Optional, Union
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
 
-MAX_TOP_LOGPROBS = MAX_LOGPROBS
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -95,7 +94,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
         raise bad_request("'messages' must be a non-empty list of {'role', 'content'} objects", param="messages")
     messages = _check_messages(messages)
     logprobs = _opt_bool(body, "logprobs", False)
-    top = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = _opt_int(body, "max_completion_tokens", None, lo=1)
@@ -120,7 +119,7 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", param="suffix")
     prompts = _prompts(body.get("prompt"))
-    logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = _opt_bool(body, "echo", False)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
@@ -219,7 +218,8 @@ def _check_messages(messages: list[Any]) -> list[Any]:
         if message.get("content") is None and not tool_calls:
             raise bad_request(f"{where} ({role}) has no content: 'content' must be a string or a list of parts",
                               param="messages")
-        if role == "tool" and message.get("tool_call_id") not in call_ids:
+        call_id = message.get("tool_call_id")
+        if role == "tool" and not (isinstance(call_id, str) and call_id in call_ids):
             raise bad_request(f"{where}: a 'tool' message must answer a tool call of an earlier assistant "
                               "message ('tool_call_id' names none)", param="messages")
         checked.append({**message, "role": "system"} if role == "developer" else message)
