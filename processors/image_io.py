@@ -20,6 +20,7 @@ import base64
 import binascii
 import io
 import os
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -107,14 +108,15 @@ def _from_path(path: str, limits: ProcessorLimits) -> Image.Image:
         raise InputError("local image paths are not accepted here: send the image as a data URI or URL")
     label = f"image file {_short(path)}"
     try:
-        size = os.stat(path).st_size
+        info = os.stat(path)
     except FileNotFoundError:
         hint = " (a base64 string must be sent as a data:image/...;base64, URI)" if len(path) > 256 else ""
         raise InputError(f"{label} not found{hint}") from None
     except OSError as exc:
         raise InputError(f"{label} cannot be accessed: {exc.strerror or exc}") from None
-    if os.path.isdir(path):
-        raise InputError(f"{label} is a directory, not an image file")
+    if not stat.S_ISREG(info.st_mode):  # never opened: reading a FIFO or a device could block or never end
+        raise InputError(f"{label} is {_file_kind(info.st_mode)}, not an image file")
+    size = info.st_size
     if size == 0:
         raise InputError(f"{label} is empty (0 bytes)")
     if size > limits.max_image_bytes:
@@ -125,6 +127,13 @@ def _from_path(path: str, limits: ProcessorLimits) -> Image.Image:
     except OSError as exc:
         raise InputError(f"{label} cannot be read: {exc.strerror or exc}") from None
     return decode_image_bytes(data, limits, what=label)
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
 def _file_uri_to_path(uri: str) -> str:

@@ -12,9 +12,9 @@ from vlmrun.engine.detokenizer import (
     IncrementalDetokenizer,
     OutputTextStream,
     StopDecision,
-    StopStringMatcher,
     check_stop,
     find_stop_string,
+    safe_length,
 )
 from vlmrun.sampling_params import SamplingParams
 
@@ -153,30 +153,27 @@ def test_decode_window_stays_small(tokenizer, prompt_ids):
 
 
 def test_matcher_earliest_occurrence_wins():
-    m = StopStringMatcher(["foo", "bar"])
-    match = m.find("xx bar foo", 10)
+    match = find_stop_string("xx bar foo", 10, ["foo", "bar"])
     assert (match.stop, match.start, match.truncate_to) == ("bar", 3, 3)
-    inc = StopStringMatcher(["foo", "bar"], include_stop_str_in_output=True)
-    assert inc.find("xx bar foo", 10).truncate_to == 6
+    assert find_stop_string("xx bar foo", 10, ["foo", "bar"], include_stop_str_in_output=True).truncate_to == 6
     # same start: the shorter (completes first) wins
-    assert StopStringMatcher(["abc", "ab"]).find("zabc", 3).stop == "ab"
+    assert find_stop_string("zabc", 3, ["abc", "ab"]).stop == "ab"
 
 
 def test_matcher_only_looks_at_occurrences_touching_new_text():
-    m = StopStringMatcher(["stop"])
-    assert m.find("stop here", 4) is None  # entirely in older text
-    assert m.find("xx sto", 3) is None
-    assert m.find("xx stop", 1).start == 3  # spans old and new text
+    assert find_stop_string("stop here", 4, ["stop"]) is None  # entirely in older text
+    assert find_stop_string("xx sto", 3, ["stop"]) is None
+    assert find_stop_string("xx stop", 1, ["stop"]).start == 3  # spans old and new text
     assert find_stop_string("ab|cd", 2, ["|c"]).truncate_to == 2
 
 
 def test_matcher_safe_length_holds_back_partial_match():
-    m = StopStringMatcher(["</answer>", "###"])
-    assert m.safe_length("hello </ans") == len("hello ")
-    assert m.safe_length("hello ##") == len("hello ")
-    assert m.safe_length("hello <") == len("hello ")
-    assert m.safe_length("hello") == 5
-    assert StopStringMatcher(["###"], include_stop_str_in_output=True).safe_length("a ##") == 4
+    stops = ["</answer>", "###"]
+    assert safe_length("hello </ans", stops) == len("hello ")
+    assert safe_length("hello ##", stops) == len("hello ")
+    assert safe_length("hello <", stops) == len("hello ")
+    assert safe_length("hello", stops) == 5
+    assert safe_length("a ##", ["###"], include_stop_str_in_output=True) == 4
 
 
 def _pieces(tokenizer: Any, ids: list[int]) -> list[str]:

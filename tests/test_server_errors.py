@@ -1,7 +1,8 @@
 """Bad requests get the right 4xx in OpenAI's error shape, and the server keeps serving.
 
-Each case is followed by a good request, which must succeed: a bad request never poisons the
-engine or leaks its memory.
+Each case is followed by a good request on the same keep-alive connection, which must answer
+exactly as before (greedy): a bad request never poisons the engine, leaks its memory or costs the
+client its connection. Where the field is known, the error's `param` names it.
 """
 
 from __future__ import annotations
@@ -44,11 +45,15 @@ def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
 
 
-def post(server: ServerThread, body, path: str = "/v1/chat/completions", **kw) -> httpx.Response:
-    if not isinstance(body, (dict, list)):  # raw bytes / text / an iterator of chunks
-        return httpx.post(server.base_url + path, content=body, headers={"content-type": "application/json"},
-                          timeout=30, **kw)
-    return httpx.post(server.base_url + path, json=body, timeout=30, **kw)
+def post(server: ServerThread, body, path: str = "/v1/chat/completions", http: httpx.Client | None = None,
+         **kw) -> httpx.Response:
+    """POST `body` (a dict / list as JSON, else raw bytes / text / an iterator of chunks), on `http`'s
+    connection when given."""
+    send = http.post if http is not None else httpx.post
+    if not isinstance(body, (dict, list)):
+        return send(server.base_url + path, content=body, headers={"content-type": "application/json"},
+                    timeout=30, **kw)
+    return send(server.base_url + path, json=body, timeout=30, **kw)
 
 
 def user(content) -> dict:
@@ -64,10 +69,22 @@ def assert_error(r: httpx.Response, status: int, *words: str) -> dict:
     return err
 
 
-def assert_serves(server: ServerThread) -> None:
-    r = post(server, user([image_part(data_uri(png_bytes(picture(40, 30, 0)))), {"type": "text", "text": "ok?"}]))
+GOOD_REQUEST = {**user([image_part(data_uri(png_bytes(picture(40, 30, 0)))), {"type": "text", "text": "ok?"}]),
+                "temperature": 0}
+
+
+def assert_serves(server: ServerThread, http: httpx.Client | None = None) -> dict:
+    """The good request succeeds (on `http`'s connection when given); returns its message."""
+    r = post(server, GOOD_REQUEST, http=http)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
+    return r.json()["choices"][0]["message"]
+
+
+def nested(depth: int) -> bytes:
+    """A chat body carrying an extra field of `depth` nested arrays (the body itself nests 1 deeper)."""
+    return (b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "x": '
+            + b"[" * depth + b"]" * depth + b"}")
 
 
 def bomb_png() -> bytes:
@@ -106,16 +123,76 @@ CASES = {
     "local_path": (user([image_part("/etc/passwd"), "x"]), 400, ("local image paths are not accepted",)),
     "file_uri": (user([image_part("file:///etc/hostname"), "x"]), 400, ("local image paths are not accepted",)),
     "unknown_model": ({**user("hi"), "model": "gpt-unknown"}, 404, ("gpt-unknown",)),
+    # hostile bodies (issue 20): each was a 500, a stall or silently accepted
+    "nested_1000_deep": (nested(1000), 400, ("levels deep",)),
+    "nested_100k_deep": (nested(100_000), 400, ("levels deep",)),
+    "nested_past_the_limit": (nested(65), 400, ("levels deep",)),
+    "infinity_literal": (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": Infinity}', 400,
+                         ("Infinity",)),
+    "nan_literal": (b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400, ("NaN",)),
+    "integer_of_5000_digits": (b'{"messages": [{"role": "user", "content": "hi"}], "n": 1' + b"0" * 5000 + b"}",
+                               400, ("json",)),
+    "temperature_1e308": ({**user("hi"), "temperature": 1e308}, 400, ("temperature",), "temperature"),
+    "temperature_above_2": ({**user("hi"), "temperature": 2.5}, 400, ("temperature",), "temperature"),
+    "seed_above_64_bits": ({**user("hi"), "seed": 2**64}, 400, ("seed",), "seed"),
+    "seed_below_64_bits": ({**user("hi"), "seed": -(2**63) - 1}, 400, ("seed",), "seed"),
+    "seed_above_64_bits_streamed": ({**user("hi"), "seed": 2**64, "stream": True}, 400, ("seed",), "seed"),
+    "top_p_string": ({**user("hi"), "top_p": "x"}, 400, ("top_p",), "top_p"),
+    "repetition_penalty_string": ({**user("hi"), "repetition_penalty": "x"}, 400, ("repetition_penalty",),
+                                  "repetition_penalty"),
+    "stop_number": ({**user("hi"), "stop": 5}, 400, ("stop",), "stop"),
+    "stop_token_ids_number": ({**user("hi"), "stop_token_ids": 5}, 400, ("stop_token_ids",), "stop_token_ids"),
+    "stop_token_ids_strings": ({**user("hi"), "stop_token_ids": ["a"]}, 400, ("stop_token_ids",), "stop_token_ids"),
+    "stop_token_ids_fraction": ({**user("hi"), "stop_token_ids": [1.7]}, 400, ("stop_token_ids",),
+                                "stop_token_ids"),
+    "stop_token_id_above_64_bits": ({**user("hi"), "stop_token_ids": [2**64]}, 400, ("stop_token_ids",),
+                                    "stop_token_ids"),
+    "ignore_eos_string": ({**user("hi"), "ignore_eos": "no"}, 400, ("ignore_eos",), "ignore_eos"),
+    "n_true": ({**user("hi"), "n": True}, 400, ("'n'",), "n"),
+    "max_tokens_true": ({**user("hi"), "max_tokens": True}, 400, ("max_tokens",), "max_tokens"),
+    "top_logprobs_million": ({**user("hi"), "logprobs": True, "top_logprobs": 10**6}, 400, ("top_logprobs",),
+                             "top_logprobs"),
+    "too_many_stop_strings": ({**user("hi"), "stop": [f"s{i}" for i in range(33)]}, 400, ("at most 32",), "stop"),
+    "hundred_thousand_stop_strings": ({**user("hi"), "stop": [f"{i:013d}" for i in range(100_000)]}, 400,
+                                      ("at most 32",), "stop"),
+    "stop_string_too_long": ({**user("hi"), "stop": ["x" * 513]}, 400, ("at most 512",), "stop"),
+    "too_many_stop_token_ids": ({**user("hi"), "stop_token_ids": list(range(65))}, 400, ("at most 64",),
+                                "stop_token_ids"),
+    "unknown_role": (user("hi") | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, ("unknown role",),
+                     "messages"),
+    "tool_without_tool_call": (user("hi") | {"messages": [{"role": "user", "content": "hi"},
+                                                          {"role": "tool", "content": "42", "tool_call_id": "c1"}]},
+                               400, ("tool call",), "messages"),
+    "tool_call_id_a_list": (user("hi") | {"messages": [{"role": "tool", "content": "42", "tool_call_id": []}]},
+                            400, ("tool call",), "messages"),
+    "content_null": (user("hi") | {"messages": [{"role": "user", "content": None}]}, 400, ("no content",),
+                     "messages"),
+    "content_missing": (user("hi") | {"messages": [{"role": "user"}]}, 400, ("no content",), "messages"),
+    "assistant_content_null_without_tool_calls": (
+        user("hi") | {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                                   {"role": "user", "content": "again"}]}, 400, ("no content",), "messages"),
+    "template_kwargs_return_dict": ({**user("hi"), "chat_template_kwargs": {"return_dict": True}}, 400,
+                                    ("chat_template_kwargs",), "chat_template_kwargs"),
+    "template_kwargs_tokenize": ({**user("hi"), "chat_template_kwargs": {"tokenize": True}}, 400,
+                                 ("chat_template_kwargs",), "chat_template_kwargs"),
 }
 
 
+@pytest.fixture(scope="module")
+def good_answer(server) -> dict:
+    return assert_serves(server)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_bad_request_then_good_request(server, name):
-    body, status, words = CASES[name]
-    err = assert_error(post(server, body), status, *words)
-    if status == 404:
-        assert err["code"] == "model_not_found"
-    assert_serves(server)
+def test_bad_request_then_good_request(server, good_answer, name):
+    body, status, words, *param = CASES[name]
+    with httpx.Client() as http:  # one keep-alive connection for both requests
+        err = assert_error(post(server, body, http=http), status, *words)
+        if status == 404:
+            assert err["code"] == "model_not_found"
+        if param:
+            assert err["param"] == param[0], err
+        assert assert_serves(server, http) == good_answer
 
 
 def test_bad_streaming_request_fails_before_the_stream(server):

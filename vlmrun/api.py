@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence, Union
 from processors import InputError
 from vlmrun.config import EngineConfig
 from vlmrun.engine.engine import Engine
-from vlmrun.sampling_params import SamplingParams
+from vlmrun.sampling_params import SamplingParams, StopLimits
 
 
 @dataclass
@@ -69,6 +69,7 @@ class LLM:
                               **engine_kwargs)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
+        self.stop_limits = StopLimits.of(config)
         self._ids = itertools.count()
 
     def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
@@ -102,11 +103,11 @@ class LLM:
             out = RequestOutput(request_id=rid, prompt_token_ids=[])
             results.append(out)
             try:
+                self.stop_limits.check(params)
                 prompt = self.engine.process(item)
                 out.prompt_token_ids = list(prompt.token_ids)
                 for i in range(params.n):
-                    child = _child_params(params, i)
-                    self.engine.add_request(f"{rid}-{i}", prompt, child)
+                    self.engine.add_request(f"{rid}-{i}", prompt, params.for_choice(i))
                     pending[f"{rid}-{i}"] = (out, i)
             except (InputError, ValueError, OSError) as e:
                 for cid, (o, _) in list(pending.items()):
@@ -137,14 +138,6 @@ class LLM:
             bar.close()
 
 
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: its own seed when seeded, so the n samples differ but repeat."""
-    if params.n == 1:
-        return params
-    seed = None if params.seed is None else params.seed + index
-    return SamplingParams(**{**params.__dict__, "n": 1, "seed": seed})
-
-
 def _progress_bar(total: int):
     from tqdm.auto import tqdm
 
@@ -156,13 +149,24 @@ def _cached_llm(model: Optional[str], dtype: str, device: str) -> LLM:
     return LLM(model, dtype=dtype, device=device)
 
 
-def generate(images: Optional[Sequence[Any]] = None, prompt: str = "Describe the image.", *,
+def generate(images: Any = None, prompt: str = "Describe the image.", *,
              model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
              max_tokens: int = 256, **sampling: Any) -> str:
-    """One request in one call: images and a prompt in, text out. The engine is kept for the next call."""
+    """One request in one call: images and a prompt in, text out. The engine is kept for the next call.
+
+    `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them."""
     llm = _cached_llm(model, dtype, device)
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
-    out = llm.generate([{"prompt": prompt, "images": list(images or [])}], params, use_tqdm=False)[0]
+    out = llm.generate([{"prompt": prompt, "images": _image_list(images)}], params, use_tqdm=False)[0]
     if out.error is not None:
         raise InputError(out.error)
     return out.text
+
+
+def _image_list(images: Any) -> list[Any]:
+    """`images` as a list: None → [], one image → [it], a list or tuple of images as it is."""
+    if images is None:
+        return []
+    if isinstance(images, (list, tuple)):
+        return list(images)
+    return [images]

@@ -41,6 +41,11 @@ class EngineConfig:
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
     seed: int = 0
+    # Stop strings cost work on every generated token: what one request may ask for
+    # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 512  # characters
+    max_stop_token_ids: int = 64
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -10,23 +10,45 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
 - `max_tokens` None means "until the context is full"; the engine caps it by the model length.
 - `min_tokens`: EOS and `stop_token_ids` cannot be sampled, and stop strings are not checked,
   until that many tokens were generated.
-- `logprobs`: how many top log-probabilities to return per generated token (the chosen token
-  is always added, so a dict holds `logprobs` or `logprobs + 1` entries); None returns none.
+- `logprobs`: how many top log-probabilities to return per generated token (at most
+  `MAX_LOGPROBS`; the chosen token is always added, so a dict holds `logprobs` or `logprobs + 1`
+  entries); None returns none.
 - `stop`: strings that end generation; the returned text stops before the stop string unless
   `include_stop_str_in_output`.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
-  batch it shares.
+  batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
+  request draws with `seed + i`, wrapped into that range (`for_choice`).
 
-`__post_init__` normalises `stop` (a string becomes a one-item list) and `stop_token_ids`
-(None becomes an empty list), and raises `ValueError` naming the bad field.
+`__post_init__` normalises `stop` (a string becomes a one-item list), `stop_token_ids` (None
+becomes an empty list), numbers (floats as float, integers as int, numpy scalars included) and
+raises `SamplingParamError` (a ValueError) naming the bad field and what it allows: wrong types
+(a string temperature, a bool `n`, a float token id) are refused, never coerced.
+
+`StopLimits` bounds what one request may ask of the stop-string matcher (how many stop strings,
+how long, how many stop token ids); the engine's front doors (server, `LLM`) check it with the
+limits of `EngineConfig`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
+MAX_LOGPROBS = 20  # top log-probabilities one token may return (vLLM's default max_logprobs)
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
+TOKEN_ID_MAX = 2**63 - 1  # stop token ids must fit an int64 tensor
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter has a bad value; `field` names it (the server's 400 `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass
@@ -50,56 +72,28 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        self._normalise()
-        self._validate()
-
-    # ------------------------------------------------------------------ normalisation
-
-    def _normalise(self) -> None:
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else [int(t) for t in self.stop_token_ids]
+        self.n = _integer("n", self.n, lo=1)
+        self.temperature = _real("temperature", self.temperature, lo=0.0)
+        self.top_p = _real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        self.top_k = _integer("top_k", self.top_k, lo=-1, allowed="-1 or 0 (off) or a positive integer")
         if self.top_k == -1:
             self.top_k = 0
-        self.temperature = float(self.temperature)
-        self.top_p = float(self.top_p)
-        self.min_p = float(self.min_p)
-
-    # ------------------------------------------------------------------ validation
-
-    def _validate(self) -> None:
-        _require(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _require(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _require(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _require(isinstance(self.top_k, int) and self.top_k >= 0,
-                 f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
-        _require(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _require(self.repetition_penalty > 0.0,
-                 f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _require(-2.0 <= self.presence_penalty <= 2.0,
-                 f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        _require(-2.0 <= self.frequency_penalty <= 2.0,
-                 f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        _require(self.seed is None or isinstance(self.seed, int), f"seed must be an int or None, got {self.seed!r}")
-        self._validate_lengths()
-        _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
-                 f"logprobs must be None or an integer >= 0, got {self.logprobs!r}")
-        _require(all(isinstance(s, str) and s for s in self.stop),
-                 f"stop strings must be non-empty strings, got {self.stop!r}")
-        _require(all(t >= 0 for t in self.stop_token_ids),
-                 f"stop_token_ids must be non-negative, got {self.stop_token_ids!r}")
-
-    def _validate_lengths(self) -> None:
-        _require(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-                 f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
-        _require(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-                 f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
-        _require(self.max_tokens is None or self.min_tokens <= self.max_tokens,
-                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        self.min_p = _real("min_p", self.min_p, lo=0.0, hi=1.0)
+        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        self.presence_penalty = _real("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        self.seed = _optional(_integer, "seed", self.seed, lo=SEED_MIN, hi=SEED_MAX,
+                              allowed="a 64-bit signed integer (-2**63 to 2**63 - 1)")
+        self.max_tokens = _optional(_integer, "max_tokens", self.max_tokens, lo=1)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, lo=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise SamplingParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
+                                                   f"({self.max_tokens})")
+        self.stop = _stop_strings(self.stop)
+        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.logprobs = _optional(_integer, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            setattr(self, name, _boolean(name, getattr(self, name)))
 
     # ------------------------------------------------------------------ derived views
 
@@ -125,7 +119,129 @@ class SamplingParams:
         ids = [] if self.ignore_eos else list(eos_token_ids)
         return ids + [t for t in self.stop_token_ids if t not in ids]
 
+    def for_choice(self, index: int) -> "SamplingParams":
+        """The params of choice `index` of an n-choice request: n=1 and, when seeded, the seed
+        `seed + index` wrapped into the 64-bit range, so the n samples differ but repeat."""
+        if self.n == 1:
+            return self
+        seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
+        return dataclasses.replace(self, n=1, seed=seed)
 
-def _require(ok: bool, message: str) -> None:
+
+@dataclass(frozen=True)
+class StopLimits:
+    """The most stop strings, characters per stop string and stop token ids one request may use.
+
+    Stop strings cost the engine work on every generated token (bounded by their number and the
+    longest one), so the server and `LLM` refuse requests beyond these (`EngineConfig` sets them).
+    """
+
+    max_stop_strings: int = 32
+    max_stop_string_length: int = 512
+    max_stop_token_ids: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_strings", "max_stop_string_length", "max_stop_token_ids"):
+            if not _is_integer(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, config: Any) -> "StopLimits":
+        """The limits an `EngineConfig` sets."""
+        return cls(config.max_stop_strings, config.max_stop_string_length, config.max_stop_token_ids)
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise SamplingParamError (naming `stop` or `stop_token_ids`) past a limit."""
+        stops = params.stop_strings
+        if len(stops) > self.max_stop_strings:
+            raise SamplingParamError("stop", f"stop has {len(stops)} strings; at most {self.max_stop_strings} "
+                                             "are allowed")
+        longest = max(map(len, stops), default=0)
+        if longest > self.max_stop_string_length:
+            raise SamplingParamError("stop", f"stop strings may be at most {self.max_stop_string_length} "
+                                             f"characters long, got one of {longest}")
+        count = len(params.stop_token_ids or [])
+        if count > self.max_stop_token_ids:
+            raise SamplingParamError("stop_token_ids", f"stop_token_ids has {count} ids; at most "
+                                                       f"{self.max_stop_token_ids} are allowed")
+
+
+# ---------------------------------------------------------------------------- field checks
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _integer(name: str, value: Any, lo: Optional[int] = None, hi: Optional[int] = None,
+             allowed: Optional[str] = None) -> int:
+    allowed = allowed or _range_text("an integer", lo, hi)
+    if not _is_integer(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise SamplingParamError(name, f"{name} must be {allowed}, got {_short_repr(value)}")
+    return int(value)
+
+
+def _real(name: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> float:
+    if lo_open:
+        allowed = f"a number in ({lo:g}, {hi:g}]" if hi is not None else f"a finite number > {lo:g}"
+    else:
+        allowed = _range_text("a number", lo, hi)
+    number = _as_float(value)
+    ok = number is not None and math.isfinite(number) and (number > lo if lo_open else number >= lo) \
+        and (hi is None or number <= hi)
     if not ok:
-        raise ValueError(message)
+        raise SamplingParamError(name, f"{name} must be {allowed}, got {_short_repr(value)}")
+    return number
+
+
+def _as_float(value: Any) -> Optional[float]:
+    """`value` as a float (an int too large for one: inf); None for what is not a real number."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
+def _boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SamplingParamError(name, f"{name} must be True or False, got {_short_repr(value)}")
+    return value
+
+
+def _optional(check: Any, name: str, value: Any, **bounds: Any) -> Any:
+    return None if value is None else check(name, value, **bounds)
+
+
+def _range_text(kind: str, lo: Any, hi: Any) -> str:
+    if lo is not None and hi is not None:
+        return f"{kind} in [{lo:g}, {hi:g}]" if isinstance(lo, float) else f"{kind} in [{lo}, {hi}]"
+    if lo is not None:
+        return f"a finite {kind[2:]} >= {lo:g}" if isinstance(lo, float) else f"{kind} >= {lo}"
+    return kind
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    allowed = "a non-empty string or a list of non-empty strings"
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+        raise SamplingParamError("stop", f"stop must be {allowed}, got {_short_repr(stop)}")
+    return list(stop)
+
+
+def _token_ids(ids: Any) -> list[int]:
+    if ids is None:
+        return []
+    allowed = f"a list of token ids (integers in [0, {TOKEN_ID_MAX}])"
+    if not isinstance(ids, (list, tuple)) or not all(_is_integer(t) and 0 <= t <= TOKEN_ID_MAX for t in ids):
+        raise SamplingParamError("stop_token_ids", f"stop_token_ids must be {allowed}, got {_short_repr(ids)}")
+    return [int(t) for t in ids]
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

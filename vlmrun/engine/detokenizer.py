@@ -8,10 +8,12 @@ Three pieces, plus one object that strings them together:
   across tokens) it emits nothing and waits for the rest of the bytes; `flush()` gives up and
   emits what is held (used when the request ends). The deltas concatenate to
   `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
-- `StopStringMatcher`: finds the earliest stop-string occurrence that overlaps the newest text
-  (the ones entirely in older text were checked before), returns where to cut the text (before
-  the stop string, or after it with `include_stop_str_in_output`), and tells how much of the text
-  is safe to stream: a tail that could still grow into a stop string is held back.
+- `StopStringMatcher`: fed the text piece by piece, finds the earliest stop-string occurrence that
+  ends in the newest piece (the ones entirely in older text were checked before), returns where to
+  cut the text (before the stop string, or after it with `include_stop_str_in_output`), and tells
+  how much of the text is safe to stream: a tail that could still grow into a stop string is held
+  back. It keeps one KMP automaton per stop string, so a piece costs O(its length x stop strings)
+  however long the text grows; `find_stop_string` / `safe_length` are its whole-text forms.
 - `check_stop(...)`: the token-level finish rules, vLLM/OpenAI style. Only a token after the first
   `min_tokens` outputs can stop the request (the sampler masks EOS / stop ids until then; length
   limits still apply). Then EOS (unless `ignore_eos`) or a `stop_token_ids` hit → "stop";
@@ -58,12 +60,14 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text = self._decode(0, len(context))
         self._num_context = len(context)
-        self._text = ""
+        self._pieces: list[str] = []  # the deltas; joined on demand (appending to one str is quadratic)
 
     @property
     def text(self) -> str:
         """The full output text emitted so far."""
-        return self._text
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -94,7 +98,8 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
         self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        self._text += delta
+        if delta:
+            self._pieces.append(delta)
         return delta
 
     def _decode(self, start: int, end: int) -> str:
@@ -115,57 +120,125 @@ class StopMatch:
     truncate_to: int  # the output text becomes text[:truncate_to]
 
 
+class _StopAutomaton:
+    """One stop string's Knuth-Morris-Pratt automaton.
+
+    `matched` is the length of the longest suffix of the text fed so far that is a prefix of the
+    stop string (its length: a full match). A character costs O(1) amortised, whatever the text's
+    length; a stretch of text that cannot start a match is skipped by `str.find`.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.border = _borders(stop)
+        self.matched = 0
+
+    def feed(self, text: str) -> int:
+        """Advance over `text`; return the index in `text` just past the first full match (-1: none)."""
+        stop, border, k = self.stop, self.border, self.matched
+        first_end = -1
+        i = 0
+        while i < len(text):
+            if k == len(stop):
+                k = border[k - 1]
+            if k == 0:  # nothing under way: jump to the next possible start
+                i = text.find(stop[0], i)
+                if i < 0:
+                    break
+            ch = text[i]
+            while k and stop[k] != ch:
+                k = border[k - 1]
+            if stop[k] == ch:
+                k += 1
+            i += 1
+            if k == len(stop) and first_end < 0:
+                first_end = i
+        self.matched = k
+        return first_end
+
+    @property
+    def partial(self) -> int:
+        """Length of the longest suffix of the text that is a proper prefix of the stop string."""
+        k = self.matched
+        return self.border[k - 1] if k == len(self.stop) else k
+
+
+def _borders(s: str) -> list[int]:
+    """KMP failure function: border[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    border = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = border[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        border[i] = k
+    return border
+
+
 class StopStringMatcher:
-    """Find stop strings in growing text; say how much of the text is safe to stream."""
+    """Find stop strings in a growing text, fed piece by piece; say how much of it is safe to stream.
+
+    Each `feed` costs O(new characters x stop strings), never a rescan of older text: every stop
+    string has an automaton that remembers how much of it the text's end already spells.
+    """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
+        self._automata = [_StopAutomaton(s) for s in self.stop]
+        self.num_chars = 0  # characters fed so far
 
-    def find(self, text: str, num_new_chars: int) -> Optional[StopMatch]:
-        """Earliest stop occurrence ending inside the last `num_new_chars` chars of `text`.
+    def feed(self, new_text: str) -> Optional[StopMatch]:
+        """Append `new_text`; return the earliest stop occurrence that ends inside it (None: none).
 
-        Earliest start wins; on a tie the one that ends first (the shorter) wins, as it would
-        have completed first had the text arrived a character at a time.
+        Positions count from the start of all text fed. Earliest start wins; on a tie the one
+        that ends first (the shorter) wins, as it would have completed first had the text
+        arrived a character at a time.
         """
-        if not self.stop or num_new_chars <= 0:
-            return None
-        old_len = len(text) - num_new_chars
+        base = self.num_chars
+        self.num_chars += len(new_text)
         best: Optional[tuple[int, int, str]] = None  # (start, end, stop)
-        for s in self.stop:
-            idx = text.find(s, max(0, old_len - len(s) + 1))
-            if idx < 0:
+        for automaton in self._automata:
+            end = automaton.feed(new_text)
+            if end < 0:
                 continue
-            cand = (idx, idx + len(s), s)
+            stop = automaton.stop
+            cand = (base + end - len(stop), base + end, stop)
             if best is None or cand[:2] < best[:2]:
                 best = cand
         if best is None:
             return None
-        start, end, s = best
-        return StopMatch(stop=s, start=start, truncate_to=end if self.include_stop_str_in_output else start)
+        start, end, stop = best
+        return StopMatch(stop=stop, start=start, truncate_to=end if self.include_stop_str_in_output else start)
 
-    def safe_length(self, text: str) -> int:
-        """Length of the prefix of `text` that no stop string can still claim.
+    @property
+    def held_chars(self) -> int:
+        """How many characters at the end of the text must not be streamed yet.
 
-        The longest tail of `text` that is a proper prefix of some stop string is held back.
+        The longest tail that is a proper prefix of some stop string could still become one.
         Nothing is held back with `include_stop_str_in_output`: a later match then cuts after
         the stop string, which never removes text already streamed.
         """
         if self.include_stop_str_in_output:
-            return len(text)
-        hold = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:n]):
-                    hold = n
-                    break
-        return len(text) - hold
+            return 0
+        return max((a.partial for a in self._automata), default=0)
 
 
 def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str],
                      include_stop_str_in_output: bool = False) -> Optional[StopMatch]:
-    """Function form of `StopStringMatcher.find`."""
-    return StopStringMatcher(stop, include_stop_str_in_output).find(text, num_new_chars)
+    """The earliest stop occurrence ending inside the last `num_new_chars` chars of `text`."""
+    old = len(text) - min(max(num_new_chars, 0), len(text))
+    matcher = StopStringMatcher(stop, include_stop_str_in_output)
+    matcher.feed(text[:old])
+    return matcher.feed(text[old:]) if old < len(text) else None
+
+
+def safe_length(text: str, stop: Sequence[str], include_stop_str_in_output: bool = False) -> int:
+    """Length of the prefix of `text` that no stop string can still claim (see `held_chars`)."""
+    matcher = StopStringMatcher(stop, include_stop_str_in_output)
+    matcher.feed(text)
+    return len(text) - matcher.held_chars
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,6 +292,8 @@ class OutputTextStream:
     """Detokenize, check stops and hold back partial stop strings for one request.
 
     Call `add_token(token_id)` once per generated token, in order. Deltas concatenate to `.text`.
+    A token costs O(its text x stop strings): only the new text goes through the stop matcher,
+    and only the held-back tail (shorter than the longest stop string) is kept aside.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -233,6 +308,7 @@ class OutputTextStream:
         self.finished: Optional[StopDecision] = None
         self._final_text: Optional[str] = None
         self._num_streamed = 0  # chars of the text already handed out
+        self._held = ""  # text produced but held back: it may be the start of a stop string
 
     @property
     def text(self) -> str:
@@ -256,12 +332,15 @@ class OutputTextStream:
             decision = StopDecision(FINISH_STOP, stop_reason=match.stop)
         if decision is not None:
             return self._finish(decision, match)
-        return TokenUpdate(self._take_safe_delta())
+        return TokenUpdate(self._take_safe_delta(new_text))
 
     def _match_stop_string(self, new_text: str) -> Optional[StopMatch]:
+        if not self.matcher.stop:
+            return None
+        match = self.matcher.feed(new_text)  # fed always, so the matcher's view of the text stays whole
         if len(self.output_token_ids) <= self.params.min_tokens:
             return None
-        return self.matcher.find(self.detokenizer.text, len(new_text))
+        return match
 
     def _finish(self, decision: StopDecision, match: Optional[StopMatch]) -> TokenUpdate:
         text = self.detokenizer.text
@@ -271,13 +350,12 @@ class OutputTextStream:
         self.finished = decision
         delta = text[self._num_streamed:]
         self._num_streamed = len(text)
+        self._held = ""
         return TokenUpdate(delta, decision.finish_reason, decision.stop_reason)
 
-    def _take_safe_delta(self) -> str:
-        text = self.detokenizer.text
-        safe = self.matcher.safe_length(text) if self.matcher.stop else len(text)
-        if safe <= self._num_streamed:
-            return ""
-        delta = text[self._num_streamed:safe]
-        self._num_streamed = safe
+    def _take_safe_delta(self, new_text: str) -> str:
+        pending = self._held + new_text
+        keep = min(self.matcher.held_chars, len(pending))
+        delta, self._held = pending[:len(pending) - keep], pending[len(pending) - keep:]
+        self._num_streamed += len(delta)
         return delta

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from vlmrun.jobs.records import key_hash
+from vlmrun.jobs.records import key_hash, record_key
 
 
 @dataclass
@@ -105,7 +105,7 @@ def scan_records(records: Iterator[dict[str, Any]], retry_errors: bool,
         if failed and retry_errors:
             state.retried += 1
             continue
-        h = key_hash(record["image"])
+        h = key_hash(record_key(record))
         if h in state.done:  # never written twice by a job; tolerated if edited by hand
             continue
         state.done.add(h)

@@ -159,7 +159,9 @@ class JobSummary:
         return 1 if self.any_failed else 0
 
     def lines(self) -> list[str]:
-        if self.written or not self.skipped_done:
+        if self.interrupted and not self.written:  # stopped before the first record: images may remain
+            out = ["interrupted before any image was captioned"]
+        elif self.written or not self.skipped_done:
             out = [f"captioned {self.written - self.failed:,}/{self.written:,} images in {self.elapsed_s:.2f}s "
                    f"({self.images_per_s:.2f} images/s, {self.tokens_per_s:.1f} tokens/s), {self.failed:,} failed"]
         else:

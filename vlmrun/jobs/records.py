@@ -3,18 +3,26 @@
 A record is keyed by `image`, the input as the job names it (a path as expanded, a manifest entry
 as written, or a URL). Resume and de-duplication compare 64-bit hashes of that key, so a job over
 millions of inputs keeps a compact set of integers, never the path strings themselves.
+
+A file name that is not valid UTF-8 reaches Python as a string with lone surrogates, which JSON
+and Parquet cannot hold as text. Such a record's `image` is the name's readable form (U+FFFD for
+each undecodable byte) and `image_escaped` holds the name's bytes percent-encoded (RFC 3986), so
+nothing is lost: `record_key` recovers the key, and `urllib.parse.unquote_to_bytes` the bytes.
+`image_escaped` is null for every other record.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Optional
 
 # Field order of the record (JSONL keys and Parquet columns).
 RECORD_FIELDS: tuple[str, ...] = (
     "image", "caption", "num_tokens", "model", "prompt", "error", "finish_reason", "preprocess_s", "generate_s",
+    "image_escaped",
 )
 
 
@@ -29,6 +37,7 @@ class CaptionRecord:
     finish_reason: "stop" (EOS or a stop string), "length" (max tokens), "error".
     preprocess_s: seconds spent reading, decoding and preprocessing the image (worker thread).
     generate_s: seconds from the request entering the engine to its last token.
+    image_escaped: set (from `image`) when the key is not valid Unicode, see the module docstring.
     """
 
     image: str
@@ -40,6 +49,13 @@ class CaptionRecord:
     finish_reason: Optional[str]
     preprocess_s: float
     generate_s: float
+    image_escaped: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.image_escaped is None and not _is_unicode(self.image):
+            raw = _key_bytes(self.image)
+            self.image_escaped = urllib.parse.quote(raw, safe="/")
+            self.image = raw.decode("utf-8", "replace")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -48,6 +64,31 @@ class CaptionRecord:
     def failure(cls, image: str, model: str, prompt: str, error: str, preprocess_s: float = 0.0) -> "CaptionRecord":
         return cls(image=image, caption=None, num_tokens=0, model=model, prompt=prompt, error=error,
                    finish_reason="error", preprocess_s=round(preprocess_s, 6), generate_s=0.0)
+
+
+def record_key(record: dict[str, Any]) -> str:
+    """The key a written record (a JSONL line, a Parquet row) was made for."""
+    escaped = record.get("image_escaped")
+    if isinstance(escaped, str):
+        return urllib.parse.unquote_to_bytes(escaped).decode("utf-8", "surrogateescape")
+    return record["image"]
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _key_bytes(key: str) -> bytes:
+    """The bytes of a key holding lone surrogates: a file name's own bytes (as os.fsencode gives
+    them on a UTF-8 system); other lone surrogates in their UTF-8 form."""
+    try:
+        return key.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogatepass")
 
 
 def key_hash(key: str) -> int:
@@ -67,5 +108,5 @@ def arrow_schema():  # -> pyarrow.Schema (pyarrow is imported only when Parquet 
     return pa.schema([
         ("image", pa.string()), ("caption", pa.string()), ("num_tokens", pa.int32()), ("model", pa.string()),
         ("prompt", pa.string()), ("error", pa.string()), ("finish_reason", pa.string()),
-        ("preprocess_s", pa.float64()), ("generate_s", pa.float64()),
+        ("preprocess_s", pa.float64()), ("generate_s", pa.float64()), ("image_escaped", pa.string()),
     ])

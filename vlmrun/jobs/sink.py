@@ -32,7 +32,7 @@ from vlmrun.jobs.journal import (
     scan_journal,
     scan_records,
 )
-from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash
+from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key
 
 try:  # POSIX only; elsewhere the lock is skipped
     import fcntl
@@ -254,7 +254,7 @@ def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: 
             batch.clear()
 
         for record in records:
-            h = key_hash(record["image"])
+            h = key_hash(record_key(record))
             if h in seen:
                 continue
             seen.add(h)

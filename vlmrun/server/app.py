@@ -4,12 +4,16 @@ Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 `GET /v1/models/{model}`, `GET /health`, `GET /metrics`. With an API key set, the /v1 routes
 need `Authorization: Bearer <key>` (health and metrics stay open for probes and scrapers).
 Every error, ours or the framework's (unknown route, wrong method), is answered in OpenAI's
-JSON error shape. The app does not own the engine: whoever created the `AsyncEngine` starts and
-stops it; the app's lifespan shuts down only its own preprocessing pool.
+JSON error shape; an unexpected exception becomes a JSON 500 that leaves the keep-alive connection
+usable and is counted in /metrics like any other status. /v1/models shows the served name, never
+the model's local path (that goes to the server log). The app does not own the engine: whoever
+created the `AsyncEngine` starts and stops it; the app's lifespan shuts down only its own
+preprocessing pool.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -47,7 +51,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="vlmrun", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.vlmrun = state
     _install_error_handlers(app)
-    app.add_middleware(_CountResponses, state=state)
+    app.add_middleware(_AnswerUnexpected)
+    app.add_middleware(_CountResponses, state=state)  # added last: outermost, so it sees the 500s too
+    logger.info("serving the model at %s as %r", engine.engine.model_config.path, state.model_name)
 
     def require_key(request: Request) -> None:
         key = settings.api_key
@@ -92,7 +98,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
 def _model_card(state: ServerState) -> dict[str, Any]:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vlmrun",
-            "root": str(state.engine.engine.model_config.path), "parent": None,
+            "root": state.model_name, "parent": None,
             "max_model_len": state.engine.max_model_len}
 
 
@@ -115,10 +121,41 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def on_disconnect(request: Request, exc: ClientDisconnected) -> Response:
         return error_response(APIError(499, "the client closed the request", code="client_closed_request"))
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> Response:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(internal(f"internal server error: {type(exc).__name__}: {exc}"))
+
+class _AnswerUnexpected:
+    """Pure ASGI middleware: an exception no handler answered becomes a JSON 500 here.
+
+    Starlette's last-resort handler re-raises after answering, and uvicorn then drops the
+    connection, so the client's next request on it would be reset. Here the exception ends: a
+    500 if nothing was sent yet, else (a stream already under way) the body is closed.
+    """
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        sent = {"start": False, "end": False}
+
+        async def watching_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["end"] = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except Exception as exc:
+            logger.exception("unexpected error in %s %s", scope.get("method"), scope.get("path"))
+            if not sent["start"]:
+                response = error_response(internal(f"internal server error: {type(exc).__name__}: {exc}"))
+                await response(scope, receive, send)
+            elif not sent["end"]:
+                with contextlib.suppress(Exception):  # the client may be gone already
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _CountResponses:

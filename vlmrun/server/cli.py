@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-images-per-request", type=int, default=32)
     p.add_argument("--max-image-pixels", type=int, default=None)
+    p.add_argument("--max-stop-strings", type=int, default=32, help="stop strings one request may give")
+    p.add_argument("--max-stop-string-length", type=int, default=512, help="characters of one stop string")
+    p.add_argument("--max-stop-token-ids", type=int, default=64, help="stop token ids one request may give")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
@@ -32,7 +35,9 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels)
+                        max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
+                        max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
+                        max_stop_token_ids=args.max_stop_token_ids)
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings

@@ -9,6 +9,7 @@ answer. From submission on, every exit path aborts what is unfinished and releas
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from vlmrun.server.protocol import (ChatRequest, CompletionRequest, parse_chat_r
                                     parse_completion_request, parse_json, split_choices)
 from vlmrun.server.state import ServerState, Ticket
 from vlmrun.server.transport import SSEResponse, read_body, until_done_or_disconnected
+
+logger = logging.getLogger(__name__)
 
 _RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 
@@ -108,7 +111,7 @@ class Submitted:
 
 async def _parse(state: ServerState, request: Request, parse: Callable[[dict[str, Any], int], Any]) -> Any:
     raw = await read_body(request, state.settings.max_request_bytes)
-    return await state.in_pool(lambda: parse(parse_json(raw), state.settings.max_n))
+    return await state.in_pool(lambda: parse(parse_json(raw), state.limits))
 
 
 async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
@@ -172,6 +175,10 @@ def _stream(sub: Submitted, events: Callable[[], AsyncIterator[bytes]]) -> Respo
                 yield chunk
         except (EngineStepError, EngineDeadError) as exc:
             yield R.sse(R.error_event(str(exc)))
+            yield R.SSE_DONE
+        except Exception as exc:  # a bug: the status line is out, so the stream says it and ends cleanly
+            logger.exception("unexpected error while streaming %s", sub.rid)
+            yield R.sse(R.error_event(f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
             yield R.SSE_DONE
         finally:
             sub.finish()

@@ -3,7 +3,10 @@
 Parsing is strict about the fields the server uses (type and range, with the field named in the
 error) and lenient about the rest: unknown fields are ignored, as OpenAI-compatible servers do,
 except features this server does not have (tools, logit_bias, structured output, suffix), which
-are refused with 400 rather than silently ignored.
+are refused with 400 rather than silently ignored. Where OpenAI is strict, so is this server:
+JSON only (no NaN / Infinity), nesting at most `MAX_JSON_DEPTH` deep, `temperature` in [0, 2],
+known chat roles, a `content` on every message (null only beside assistant `tool_calls`), and a
+`tool` message only in answer to an earlier tool call.
 
 Extensions beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
@@ -12,16 +15,30 @@ Extensions beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from vlmrun.sampling_params import SamplingParams
+from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
 
-MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
+MAX_TEMPERATURE = 2.0  # OpenAI's range
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Arguments of the tokenizer's apply_chat_template call: not template variables, so not client-settable.
+_TEMPLATE_CALL_ARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _NUMBER = (int, float)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for: `max_n` choices, and stop strings / ids within `stop`."""
+
+    max_n: int
+    stop: StopLimits = field(default_factory=StopLimits)
 
 
 @dataclass
@@ -49,54 +66,65 @@ class CompletionRequest:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or 400: not JSON (NaN and Infinity included), not an object,
+    or nested deeper than MAX_JSON_DEPTH (however deep: the parser's own recursion is caught)."""
     if not raw.strip():
         raise bad_request("the request body is empty: send a JSON object")
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_refuse_constant)
     except UnicodeDecodeError:
         raise bad_request("the request body is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise bad_request(f"the request body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                           code="invalid_json") from None
+    except RecursionError:
+        raise _too_deep() from None
+    except ValueError as exc:  # NaN / Infinity, an integer of more than 4,300 digits
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_depth(body)
     return body
 
 
-def parse_chat_request(body: dict[str, Any], max_n: int) -> ChatRequest:
+def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatRequest:
     _refuse_unsupported(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of {'role', 'content'} objects", param="messages")
-    messages = [_normalise_role(m) for m in messages]
+    messages = _check_messages(messages)
     logprobs = _opt_bool(body, "logprobs", False)
-    top = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    top = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = _opt_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", None, lo=1)
-    params = _sampling_params(body, max_n, max_tokens, top if logprobs else None)
+    params = _sampling_params(body, limits, max_tokens, top if logprobs else None)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = sorted(set(kwargs) & _TEMPLATE_CALL_ARGS)
+    if reserved:
+        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets those "
+                          "(template variables only)", param="chat_template_kwargs")
     return ChatRequest(model=_opt_model(body), messages=messages, params=params, stream=_opt_bool(body, "stream", False),
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top,
                        chat_template_kwargs=kwargs,
                        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True))
 
 
-def parse_completion_request(body: dict[str, Any], max_n: int) -> CompletionRequest:
+def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
     _refuse_unsupported(body)
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", param="suffix")
     prompts = _prompts(body.get("prompt"))
-    logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = _opt_bool(body, "echo", False)
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
     max_tokens = _opt_int(body, "max_tokens", 16, lo=1)
-    params = _sampling_params(body, max_n, max_tokens, logprobs)
+    params = _sampling_params(body, limits, max_tokens, logprobs)
     best_of = _opt_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
@@ -106,17 +134,14 @@ def parse_completion_request(body: dict[str, Any], max_n: int) -> CompletionRequ
 
 
 def split_choices(params: SamplingParams) -> list[SamplingParams]:
-    """The `n` single-choice params of a request; seeded requests give choice i the seed + i."""
-    if params.n == 1:
-        return [params]
-    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            for i in range(params.n)]
+    """The `n` single-choice params of a request (`SamplingParams.for_choice`)."""
+    return [params.for_choice(i) for i in range(params.n)]
 
 
 # ---------------------------------------------------------------------------- pieces
 
 
-def _sampling_params(body: dict[str, Any], max_n: int, max_tokens: Optional[int],
+def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Optional[int],
                      logprobs: Optional[int]) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str):
@@ -130,8 +155,8 @@ def _sampling_params(body: dict[str, Any], max_n: int, max_tokens: Optional[int]
         raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
     top_k = _opt_int(body, "top_k", 0, lo=-1)
     kwargs = dict(
-        n=_opt_int(body, "n", 1, lo=1, hi=max_n),
-        temperature=_opt_float(body, "temperature", 1.0, lo=0.0),
+        n=_opt_int(body, "n", 1, lo=1, hi=limits.max_n),
+        temperature=_opt_float(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
         top_p=_opt_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
         top_k=top_k,
         min_p=_opt_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
@@ -151,10 +176,11 @@ def _sampling_params(body: dict[str, Any], max_n: int, max_tokens: Optional[int]
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")
     try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        message = str(exc)
-        raise bad_request(message, param=message.split(" ", 1)[0]) from None
+        params = SamplingParams(**kwargs)
+        limits.stop.check(params)
+    except SamplingParamError as exc:
+        raise bad_request(str(exc), param=exc.field) from None
+    return params
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -170,10 +196,58 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
                               param="response_format")
 
 
-def _normalise_role(message: Any) -> Any:
-    if isinstance(message, dict) and message.get("role") == "developer":
-        return {**message, "role": "system"}
-    return message
+def _check_messages(messages: list[Any]) -> list[Any]:
+    """OpenAI's rules for chat messages (see the module docstring); `developer` becomes `system`.
+
+    Content parts are checked later, by the processor."""
+    call_ids: set[str] = set()  # ids of the tool calls made by earlier assistant messages
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"message {i}"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object with 'role' and 'content'", param="messages")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad_request(f"{where} has no 'role' string", param="messages")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"{where} has the unknown role {_clip(role)!r} (expected {', '.join(CHAT_ROLES)})",
+                              param="messages")
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if isinstance(tool_calls, list):
+            call_ids.update(c["id"] for c in tool_calls if isinstance(c, dict) and isinstance(c.get("id"), str))
+        if message.get("content") is None and not tool_calls:
+            raise bad_request(f"{where} ({role}) has no content: 'content' must be a string or a list of parts",
+                              param="messages")
+        call_id = message.get("tool_call_id")
+        if role == "tool" and not (isinstance(call_id, str) and call_id in call_ids):
+            raise bad_request(f"{where}: a 'tool' message must answer a tool call of an earlier assistant "
+                              "message ('tool_call_id' names none)", param="messages")
+        checked.append({**message, "role": "system"} if role == "developer" else message)
+    return checked
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _too_deep() -> APIError:
+    return bad_request(f"the request body nests arrays / objects more than {MAX_JSON_DEPTH} levels deep",
+                       code="invalid_json")
+
+
+def _check_depth(body: Any) -> None:
+    """400 when arrays / objects nest deeper than MAX_JSON_DEPTH (walked without recursion)."""
+    stack = [(body, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+
+
+def _clip(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
@@ -218,7 +292,7 @@ def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {value!r}", param=name)
+        raise bad_request(f"'{name}' must be true or false, got {_clip(repr(value))}", param=name)
     return value
 
 
@@ -230,7 +304,7 @@ def _opt_int(body: dict[str, Any], name: str, default: Any, lo: Optional[int] = 
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {value!r}", param=name)
+        raise bad_request(f"'{name}' must be an integer, got {_clip(repr(value))}", param=name)
     _check_range(name, value, lo, hi)
     return value
 
@@ -241,7 +315,7 @@ def _opt_float(body: dict[str, Any], name: str, default: float, lo: Optional[flo
     if value is None:
         return default
     if not isinstance(value, _NUMBER) or isinstance(value, bool) or value != value:
-        raise bad_request(f"'{name}' must be a number, got {value!r}", param=name)
+        raise bad_request(f"'{name}' must be a number, got {_clip(repr(value))}", param=name)
     _check_range(name, value, lo, hi)
     return float(value)
 
@@ -253,5 +327,5 @@ def _check_range(name: str, value: Any, lo: Any, hi: Any) -> None:
         raise bad_request(f"'{name}' must be <= {hi}, got {value}", param=name)
 
 
-__all__ = ["APIError", "ChatRequest", "CompletionRequest", "parse_json", "parse_chat_request",
+__all__ = ["APIError", "ChatRequest", "CompletionRequest", "RequestLimits", "parse_json", "parse_chat_request",
            "parse_completion_request", "split_choices"]

@@ -1,8 +1,9 @@
 """What one server instance holds (kept in `app.state.vlmrun`, never in module globals).
 
 `ServerState` bundles the async engine, the settings, the server's own `Processor` (local paths
-and URLs off: the `MediaResolver` hands it bytes), the preprocessing thread pool, the metrics and
-the admission counter that turns a full queue into 429.
+and URLs off: the `MediaResolver` hands it bytes), the preprocessing thread pool, the metrics,
+the admission counter that turns a full queue into 429, and the per-request limits (`max_n`, the
+engine's stop-string limits) the request parser applies.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Callable, Optional, TypeVar
 
 from processors import Processor
 from vlmrun.engine.async_engine import AsyncEngine
+from vlmrun.sampling_params import StopLimits
 from vlmrun.server.errors import model_not_found, queue_full
 from vlmrun.server.media import MediaPolicy, MediaResolver
 from vlmrun.server.metrics import ServerMetrics
+from vlmrun.server.protocol import RequestLimits
 from vlmrun.server.settings import ServerSettings
 
 T = TypeVar("T")
@@ -59,6 +62,7 @@ class ServerState:
     executor: ThreadPoolExecutor
     metrics: ServerMetrics
     admission: Admission
+    limits: RequestLimits
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -76,7 +80,8 @@ class ServerState:
         admission = Admission(engine.engine.config.max_num_seqs + settings.max_queued_requests)
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)
         executor = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-preprocess")
-        return cls(engine, settings, processor, media, executor, metrics, admission)
+        limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config))
+        return cls(engine, settings, processor, media, executor, metrics, admission, limits)
 
     @property
     def model_name(self) -> str:
