@@ -148,3 +148,23 @@ def test_generate_convenience(qwen3_vl_dir):
     text = vlmrun.generate(images=[make_image(64, 64, 3)], prompt="Describe.", model=str(qwen3_vl_dir),
                            device="cpu", max_tokens=5)
     assert isinstance(text, str)
+
+
+def test_one_image_in_a_prompt_dict_is_one_image(llm):
+    """`{"images": img}` (not in a list) is that one image, not a sequence of whatever it iterates to."""
+    img = make_image(60, 40, 11)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    one, listed = llm.generate([{"prompt": "Describe.", "images": img}, {"prompt": "Describe.", "images": [img]}],
+                               params, use_tqdm=False)
+    assert one.error is None and one.token_ids == listed.token_ids
+    assert one.prompt_token_ids == listed.prompt_token_ids
+
+
+def test_engine_refuses_stop_strings_past_the_limit_at_add_request(llm):
+    """The engine itself enforces the stop limits, whatever front door a request came through."""
+    engine = llm.engine
+    prompt = engine.process("Hello.")
+    too_many = SamplingParams(max_tokens=2, stop=[f"s{i}" for i in range(engine.config.max_stop_strings + 1)])
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("too-many-stops", prompt, too_many)
+    assert "too-many-stops" not in engine.requests

@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence, Union
 from processors import InputError
 from vlmrun.config import EngineConfig
 from vlmrun.engine.engine import Engine
-from vlmrun.sampling_params import SamplingParams, StopLimits
+from vlmrun.sampling_params import SamplingParams
 
 
 @dataclass
@@ -69,7 +69,6 @@ class LLM:
                               **engine_kwargs)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
-        self.stop_limits = StopLimits.of(config)
         self._ids = itertools.count()
 
     def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
@@ -103,7 +102,6 @@ class LLM:
             out = RequestOutput(request_id=rid, prompt_token_ids=[])
             results.append(out)
             try:
-                self.stop_limits.check(params)
                 prompt = self.engine.process(item)
                 out.prompt_token_ids = list(prompt.token_ids)
                 for i in range(params.n):
@@ -157,16 +155,7 @@ def generate(images: Any = None, prompt: str = "Describe the image.", *,
     `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them."""
     llm = _cached_llm(model, dtype, device)
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
-    out = llm.generate([{"prompt": prompt, "images": _image_list(images)}], params, use_tqdm=False)[0]
+    out = llm.generate([{"prompt": prompt, "images": images}], params, use_tqdm=False)[0]
     if out.error is not None:
         raise InputError(out.error)
     return out.text
-
-
-def _image_list(images: Any) -> list[Any]:
-    """`images` as a list: None → [], one image → [it], a list or tuple of images as it is."""
-    if images is None:
-        return []
-    if isinstance(images, (list, tuple)):
-        return list(images)
-    return [images]

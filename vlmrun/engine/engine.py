@@ -30,7 +30,7 @@ from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
-from vlmrun.sampling_params import SamplingParams
+from vlmrun.sampling_params import SamplingParams, StopLimits
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval)
+        self.stop_limits = StopLimits.of(config)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
 
@@ -158,7 +159,7 @@ class Engine:
         if isinstance(prompt, dict):
             if "prompt" not in prompt:
                 raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images')")
-            return self.processor.process_prompt(prompt["prompt"], list(prompt.get("images") or []))
+            return self.processor.process_prompt(prompt["prompt"], image_list(prompt.get("images")))
         if isinstance(prompt, list):
             return self.processor.process_chat(prompt)
         raise InputError(f"unsupported prompt type {type(prompt).__name__}")
@@ -166,6 +167,7 @@ class Engine:
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
         n = len(prompt.token_ids)
         if n == 0:
             raise InputError("the prompt is empty")
@@ -246,3 +248,12 @@ class Engine:
         """Forget a finished request and return its final state."""
         self._streams.pop(request_id, None)
         return self.requests.pop(request_id)
+
+
+def image_list(images: Any) -> list[Any]:
+    """`images` as a list: None -> [], one image (a path, URL, bytes, PIL image, array) -> [it], a list or tuple as is."""
+    if images is None:
+        return []
+    if isinstance(images, (list, tuple)):
+        return list(images)
+    return [images]
