@@ -241,3 +241,23 @@ def test_the_walk_catches_upward_imports_and_cycles(tmp_path: Path) -> None:
     ]
     _write(tmp_path, {"pkg/low/base.py": "import os\n", "pkg/mid/b.py": "x = 1\n", "pkg/side.py": "y = 2\n"})
     assert violations(tmp_path, ("pkg",), floors) == []
+
+
+def test_model_files_never_import_each_other() -> None:
+    """A family file (vlmrun/models/<family>.py) imports shared blocks, never another family's file."""
+    models = REPO / "vlmrun" / "models"
+    families = {p.stem for p in models.glob("*.py")} - {"__init__", "base", "registry", "weights"}
+    found = []
+    for path in sorted(models.glob("*.py")):
+        if path.stem not in families:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            found += [f"{path.name}:{node.lineno} imports {n}" for n in names
+                      if n.startswith("vlmrun.models.") and n.split(".")[2] in families - {path.stem}]
+    assert families and not found, "\n".join(found)
