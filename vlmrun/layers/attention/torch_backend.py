@@ -22,7 +22,7 @@ from vlmrun.layers.attention.base import Attention, AttentionBackend
 @dataclass
 class TorchAttnMetadata:
     token_rows: torch.Tensor  # [batch, max_extend] row of each padded query in the token stream
-    valid_queries: torch.Tensor  # [batch, max_extend] bool, True where a real query sits
+    out_rows: torch.Tensor  # [batch * max_extend] row each padded query's output goes to; num_tokens (a dummy) for padding
     page_table: torch.Tensor  # [batch, max_pages] KV page of each page-sized run of key positions
     mask: torch.Tensor  # [batch, 1, max_extend, max_seq] bool, True where a query may attend
 
@@ -44,6 +44,7 @@ class TorchAttnBackend(AttentionBackend):
         valid_queries = q_pos < extend_lens  # [batch, max_extend]
         starts = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens  # [batch]
         token_rows = (starts.view(-1, 1) + q_pos).clamp(max=fb.num_tokens - 1)
+        out_rows = torch.where(valid_queries, starts.view(-1, 1) + q_pos, fb.num_tokens).flatten()
 
         page_size = self.kv_pool.page_size
         max_pages = (max_seq + page_size - 1) // page_size
@@ -54,7 +55,7 @@ class TorchAttnBackend(AttentionBackend):
         mask[:, :, 0] |= ~valid_queries  # padded queries see key 0 so softmax stays finite
         # Entries past a request's length are stale but valid slots; the mask hides them.
         page_table = self.req_to_token[fb.req_pool_indices, :max_seq:page_size] // page_size  # [batch, max_pages]
-        fb.attn_metadata = TorchAttnMetadata(token_rows, valid_queries, page_table, mask.unsqueeze(1))
+        fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         md: TorchAttnMetadata = fb.attn_metadata
@@ -71,8 +72,11 @@ class TorchAttnBackend(AttentionBackend):
             q_pad, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )  # [batch, heads, max_extend, head_dim]
-        out = out.transpose(1, 2)[md.valid_queries]  # [num_tokens, heads, head_dim]
-        return out.reshape(num_tokens, layer.num_heads * layer.head_dim)
+        # Scatter the real queries back to the token stream by index (a boolean mask would cost a
+        # device->host sync in every layer); padded queries land in a dummy row that is dropped.
+        rows = out.new_empty(num_tokens + 1, layer.num_heads, layer.head_dim)
+        rows.index_copy_(0, md.out_rows, out.transpose(1, 2).flatten(0, 1))
+        return rows[:num_tokens].reshape(num_tokens, layer.num_heads * layer.head_dim)
 
     def _gather(self, buffer: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
         page_size = self.kv_pool.page_size
