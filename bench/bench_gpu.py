@@ -265,9 +265,10 @@ def bench_model(name: str, args, bandwidth: float, log) -> None:
                         print(row[f"{what}_error"], flush=True)
                 if side_name == "vlmrun" and "decode_step_ms" in row:
                     context = 230 + args.decode_tokens // 2  # ~ prompt (448^2 image) + half the outputs
-                    floor_s = side.decode_bytes_per_step(context) / bandwidth
-                    row.update(decode_bytes_per_step=side.decode_bytes_per_step(context),
-                               decode_floor_ms=floor_s * 1e3, bandwidth_fraction=floor_s / (row["decode_step_ms"] / 1e3))
+                    step_bytes = side.decode_bytes_per_step(context)
+                    floor_s = step_bytes / bandwidth
+                    row.update(decode_bytes_per_step=step_bytes, decode_floor_ms=floor_s * 1e3,
+                               bandwidth_fraction=floor_s / (row["decode_step_ms"] / 1e3))
                 del side
             except Exception:
                 row["error"] = traceback.format_exc(limit=8)
