@@ -87,7 +87,7 @@ class TorchGDNBackend(LinearAttentionBackend):
         for span in md.extends:
             slot = fb.state_slots[span.batch_index:span.batch_index + 1]  # [1], stays on device
             y, new_conv = causal_conv1d(mixed_qkv[span.start:span.end], conv_weight, conv_state[slot][0])
-            q, k, v = self._split_heads(y, layer)  # [n, H, D] each
+            q, k, v = split_gdn_heads(y, layer)  # [n, H, D] each
             o, new_rec = chunk_gated_delta_rule(q[None], k[None], v[None], g[None, span.start:span.end],
                                                 beta[None, span.start:span.end], rec_state[slot])
             conv_state[slot] = new_conv.unsqueeze(0).to(conv_state.dtype)
@@ -105,18 +105,18 @@ class TorchGDNBackend(LinearAttentionBackend):
                 rec_state: torch.Tensor) -> torch.Tensor:
         """One token for each of n sequences: x [n, conv_dim], g/beta [n, Hv] -> [n, Hv, Dv]."""
         y, new_conv = causal_conv1d_step(x, conv_weight, conv_state[slots])
-        q, k, v = self._split_heads(y, layer)  # [n, H, D] each
+        q, k, v = split_gdn_heads(y, layer)  # [n, H, D] each
         o, new_rec = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
                                                 rec_state[slots])
         conv_state[slots] = new_conv.to(conv_state.dtype)
         rec_state[slots] = new_rec.to(rec_state.dtype)
         return o[:, 0]
 
-    @staticmethod
-    def _split_heads(y: torch.Tensor, layer: LinearAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv output [n, conv_dim] (q | k | v) -> q, k [n, Hk, Dk] and v [n, Hv, Dv]."""
-        key_dim = layer.num_k_heads * layer.head_k_dim
-        q, k, v = torch.split(y, [key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
-        n = y.shape[0]
-        return (q.reshape(n, layer.num_k_heads, layer.head_k_dim), k.reshape(n, layer.num_k_heads, layer.head_k_dim),
-                v.reshape(n, layer.num_v_heads, layer.head_v_dim))
+
+def split_gdn_heads(y: torch.Tensor, layer: LinearAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv output [n, conv_dim] (q | k | v) -> q, k [n, Hk, Dk] and v [n, Hv, Dv]."""
+    key_dim = layer.num_k_heads * layer.head_k_dim
+    q, k, v = torch.split(y, [key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
+    n = y.shape[0]
+    return (q.reshape(n, layer.num_k_heads, layer.head_k_dim), k.reshape(n, layer.num_k_heads, layer.head_k_dim),
+            v.reshape(n, layer.num_v_heads, layer.head_v_dim))

@@ -1,0 +1,29 @@
+"""The flash-linear-attention GDN backend on the CPU, through Triton's interpreter, against the torch
+GDN reference: mixed extend/decode steps, varlen conv and chunked delta rule, state gather and
+write-back by slot, a padding row on the dummy slot (tests/fla_interpret_check.py, in a process of
+its own because the interpreter must be on before triton is imported). Skipped when fla or triton
+is not installed (the `gpu` extra)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
+    reason="flash-linear-attention / triton not installed")
+
+
+def test_fla_backend_equals_the_torch_reference_under_the_triton_interpreter():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "tests.fla_interpret_check"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "outputs max|fla - torch|" in proc.stdout
