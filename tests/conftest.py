@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,12 @@ import torch
 from PIL import Image
 
 from tests.tiny_models import build_tiny_checkpoint, build_tiny_tokenizer
+
+if not torch.cuda.is_available():
+    # transformers runs its GDN layers on flash-linear-attention whenever `fla` imports, CPU tensors
+    # included, where FLA's Triton kernels cannot run: the HF reference must take its torch path.
+    # (The FLA backend's own CPU check runs in a process of its own: tests/test_fla_backend.py.)
+    sys.modules["fla"] = None  # type: ignore[assignment]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -6,7 +6,7 @@ is not installed (the `gpu` extra)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -16,9 +16,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
-    reason="flash-linear-attention / triton not installed")
+
+
+def _installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.distribution(distribution)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not (_installed("fla-core") and _installed("triton")),
+                                reason="flash-linear-attention / triton not installed")
 
 
 def test_fla_backend_equals_the_torch_reference_under_the_triton_interpreter():

@@ -23,8 +23,11 @@ class EngineConfig:
     revision: Optional[str] = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "torch"  # full-attention kernels (layers/attention/factory.py)
-    gdn_backend: str = "torch"  # hybrid models: linear-attention (Gated DeltaNet) kernels
+    attention_backend: str = "auto"  # full-attention kernels: auto | torch | flashinfer (layers/attention/factory.py)
+    gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
+    # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
+    # a CUDA graph per bucket where the backends allow it; True: every step runs eagerly, unpadded.
+    enforce_eager: bool = False
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192

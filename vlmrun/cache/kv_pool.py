@@ -15,12 +15,17 @@ import torch
 
 
 class ReqToTokenPool:
-    """Row per running request: req_to_token[row, pos] is the KV slot of token `pos`."""
+    """Row per running request: req_to_token[row, pos] is the KV slot of token `pos`.
+
+    One more row, `dummy_row` (= max_reqs), is never handed out nor written: it stays all zeros, so
+    it maps every position to slot 0 of the dummy page. Padded rows of a decode batch use it.
+    """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device):
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
         self.free_rows: list[int] = list(range(max_reqs))
         self.max_reqs = max_reqs
+        self.dummy_row = max_reqs
 
     def alloc(self) -> int | None:
         return self.free_rows.pop() if self.free_rows else None

@@ -5,7 +5,9 @@ engine built (`vlmrun.cache.plan.Caches`) and writes none of their bookkeeping: 
 written the page table and zeroed fresh GDN slots before the step, and the attention backends
 write K/V and GDN state as the model runs. It returns the sampled token (and logprobs) of every
 chunk that reaches its request's last known token. The one device→host sync of a step is the
-`.tolist()` of the sampled ids.
+`.tolist()` of the sampled ids. On CUDA the step's inputs go up from pinned host memory with
+non-blocking copies. Decode steps go through `PaddedDecodeRunner` (padded to a batch-size bucket,
+from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.plan import Caches
+from vlmrun.executor.padded_decode import PaddedDecodeRunner
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
@@ -33,12 +36,14 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
-                 vision: Optional[VisionStage], device: torch.device):
+                 vision: Optional[VisionStage], device: torch.device,
+                 padded_decode: Optional[PaddedDecodeRunner] = None):
         self.model = model
         self.caches = caches
         self.attn_backend = attn_backend
         self.vision = vision
         self.device = device
+        self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
         self.sampler = Sampler()
 
     @torch.inference_mode()
@@ -46,8 +51,7 @@ class ModelRunner:
         """Runs the chunks; returns, per chunk, its sampled token or None for a mid-prompt chunk."""
         fb = self.build_forward_batch(chunks)
         self.embed_images(fb, chunks)
-        self.attn_backend.prepare(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb)  # [num_tokens, hidden]
+        hidden = self.forward(fb)  # [num_tokens, hidden]
         rows = [c.sampling for c in chunks if c.sampling is not None]
         if not rows:
             return [None] * len(chunks)
@@ -56,6 +60,13 @@ class ModelRunner:
         host = self.sampler.sample(logits, batch).to_host()  # the step's one device→host sync
         sampled = iter(zip(host.token_ids, host.logprobs))
         return [SampledToken(*next(sampled)) if c.sampling is not None else None for c in chunks]
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        """The model over the step's tokens -> hidden states [num_tokens, hidden]."""
+        if self.padded_decode is not None and self.padded_decode.fits(fb):
+            return self.padded_decode.run(fb)
+        self.attn_backend.prepare(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
 
     def build_forward_batch(self, chunks: list[ChunkInput]) -> ForwardBatch:
         """The step's ForwardBatch from the chunks alone: no cache or model is touched."""
@@ -68,26 +79,33 @@ class ModelRunner:
         extend_lens = [c.num_tokens for c in chunks]
         prefix_lens = [c.start for c in chunks]
         seq_lens = [c.end for c in chunks]
-        dev = self.device
+        up = self.upload
         fb = ForwardBatch(
             mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev),
-            positions=torch.cat([c.positions for c in chunks], dim=1).to(dev),
-            req_pool_indices=torch.tensor([c.row for c in chunks], dtype=torch.int64).to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(dev),
-            extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64).to(dev),
-            extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64).to(dev),
-            out_cache_loc=torch.cat([c.kv_slots for c in chunks]).to(dev),
+            input_ids=up(torch.tensor(input_ids, dtype=torch.int64)),
+            positions=up(torch.cat([c.positions for c in chunks], dim=1)),
+            req_pool_indices=up(torch.tensor([c.row for c in chunks], dtype=torch.int64)),
+            seq_lens=up(torch.tensor(seq_lens, dtype=torch.int64)),
+            extend_prefix_lens=up(torch.tensor(prefix_lens, dtype=torch.int64)),
+            extend_seq_lens=up(torch.tensor(extend_lens, dtype=torch.int64)),
+            out_cache_loc=up(torch.cat([c.kv_slots for c in chunks])),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=extend_lens,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.int64).to(dev),
+            logits_indices=up(torch.tensor(logits_rows, dtype=torch.int64)),
             attn_backend=self.attn_backend,
         )
         if self.caches.gdn_pool is not None:
             slots = [gdn_slot_for_row(c.row) for c in chunks]
-            fb.state_slots = torch.tensor(slots, dtype=torch.int64).to(dev)  # [batch]
+            fb.state_slots = up(torch.tensor(slots, dtype=torch.int64))  # [batch]
         return fb
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device: from pinned memory without blocking on CUDA (the caching host
+        allocator keeps the pinned block until the copy is done)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput]) -> None:
         """The vision stage: encode (or take from the encoder cache) the images the chunks feed and

@@ -29,6 +29,8 @@ from vlmrun.layers.mlp import SwiGLUMLP
 class FusedExperts(nn.Module):
     """E SwiGLU experts with fused weights; forward runs each token through its top-k experts."""
 
+    cuda_graph_capturable = False  # forward reads per-expert token counts on the host
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         self.num_experts = num_experts

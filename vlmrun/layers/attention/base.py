@@ -9,7 +9,8 @@ layers hold no weights: they hand the call to the step's backend, `fb.attn_backe
   k/v at `fb.out_cache_loc` and attends over the cache.
 - `LinearAttentionBackend`: GDN layers over the GDN state pool. `prepare(fb)` builds its metadata
   onto `fb.linear_attn_metadata`; `forward` runs the causal conv and the gated delta rule from
-  each sequence's slot (`fb.state_slots`) and writes the states back.
+  each sequence's slot (`fb.state_slots`) and writes the states back. Its decode metadata only
+  refers to `fb.state_slots`, so a padded decode batch with static slots is graph-capturable.
 - `HybridAttnBackend` (hybrid_backend.py) composes one of each for hybrid models.
 
 Backends are made by `create_attention_backend` (factory.py), keyed by name. The torch backends
@@ -19,6 +20,7 @@ are the reference every fast backend is tested against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +29,15 @@ from vlmrun.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
-    """Full (softmax) attention over the paged KV pool; one implementation per kernel family."""
+    """Full (softmax) attention over the paged KV pool; one implementation per kernel family.
+
+    A backend whose decode can be captured in a CUDA graph sets `supports_cuda_graph` and gives
+    `graph_metadata(batch_size)` (static buffers for one captured batch size) and
+    `prepare_graph(state, fb)` (fill them from a padded decode batch, before capture and before
+    each replay, outside the graph).
+    """
+
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
@@ -39,6 +49,12 @@ class AttentionBackend(ABC):
 
         Writes k, v at `fb.out_cache_loc` of `layer.layer_id`, returns [num_tokens, num_heads * head_dim].
         """
+
+    def graph_metadata(self, batch_size: int) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
+
+    def prepare_graph(self, state: Any, fb: ForwardBatch) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
 
 
 class LinearAttentionBackend(ABC):

@@ -8,6 +8,8 @@ the linear one's on `fb.linear_attn_metadata`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from vlmrun.forward_batch import ForwardBatch
@@ -18,9 +20,17 @@ class HybridAttnBackend(AttentionBackend):
     def __init__(self, full: AttentionBackend, linear: LinearAttentionBackend):
         self.full = full
         self.linear = linear
+        self.supports_cuda_graph = full.supports_cuda_graph
 
     def prepare(self, fb: ForwardBatch) -> None:
         self.full.prepare(fb)
+        self.linear.prepare(fb)
+
+    def graph_metadata(self, batch_size: int) -> Any:
+        return self.full.graph_metadata(batch_size)
+
+    def prepare_graph(self, state: Any, fb: ForwardBatch) -> None:
+        self.full.prepare_graph(state, fb)
         self.linear.prepare(fb)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
