@@ -38,6 +38,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from vlmrun.cli_options import add_kernel_args, kernel_options  # noqa: E402
+
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 PROMPT = "Describe the image."
 # name: (published config file, text layers kept or None for all)
@@ -102,10 +104,10 @@ def random_image(side: int, seed: int) -> Image.Image:
 class VlmrunSide:
     name = "vlmrun"
 
-    def __init__(self, model_dir: Path, cache_bytes: int, device: str):
+    def __init__(self, model_dir: Path, cache_bytes: int, device: str, kernels: dict[str, Any]):
         from vlmrun import LLM, SamplingParams
 
-        self.llm = LLM(str(model_dir), dtype="bfloat16", device=device, kv_cache_memory_bytes=cache_bytes)
+        self.llm = LLM(str(model_dir), dtype="bfloat16", device=device, kv_cache_memory_bytes=cache_bytes, **kernels)
         self.params = SamplingParams
 
     def run(self, images: list[Image.Image], max_tokens: int) -> int:
@@ -248,8 +250,11 @@ def bench_model(name: str, args, bandwidth: float, log) -> None:
         for side_name in args.sides:
             seeds = Seeds()
             row: dict[str, Any] = {"model": name, "side": side_name}
+            if side_name == "vlmrun":
+                row.update(kernel_options(args))
             try:
-                side = (VlmrunSide(model_dir, args.cache_gib << 30, args.device) if side_name == "vlmrun"
+                side = (VlmrunSide(model_dir, args.cache_gib << 30, args.device, kernel_options(args))
+                        if side_name == "vlmrun"
                         else HFSide(model_dir, args.device))
                 for what, fn in (("ttft", lambda: measure_ttft(side, seeds, args.repeats)),
                                  ("decode", lambda: measure_decode(side, seeds, args.decode_tokens, args.repeats)),
@@ -296,6 +301,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of the script itself")
     parser.add_argument("--tmp", default=None, help="folder for the random checkpoints")
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per model and side")
+    add_kernel_args(parser)  # vlmrun's kernels: --attention-backend flashinfer --gdn-backend fla for the fast path
     args = parser.parse_args()
 
     bandwidth = copy_bandwidth()

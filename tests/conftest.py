@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -10,13 +11,16 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.hf_kernels import route_hf_gdn_kernels_by_device
 from tests.tiny_models import build_tiny_checkpoint, build_tiny_tokenizer
 
+# transformers runs its GDN layers on flash-linear-attention whenever `fla` imports, CPU tensors
+# included, where FLA's Triton kernels cannot run: HF references on the CPU must take HF's torch path.
 if not torch.cuda.is_available():
-    # transformers runs its GDN layers on flash-linear-attention whenever `fla` imports, CPU tensors
-    # included, where FLA's Triton kernels cannot run: the HF reference must take its torch path.
     # (The FLA backend's own CPU check runs in a process of its own: tests/test_fla_backend.py.)
     sys.modules["fla"] = None  # type: ignore[assignment]
+elif importlib.util.find_spec("fla") is not None:
+    route_hf_gdn_kernels_by_device()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -26,8 +26,8 @@ PAGE, HEADS, KV_HEADS, HEAD_DIM = 4, 8, 2, 16
 
 def reference_from_index(q: torch.Tensor, pool: KVPool, index: PagedKVIndex, scale: float) -> torch.Tensor:
     """Attention read through the CSR index as FlashInfer reads it. q [T, H, D] -> [T, H, D]."""
-    k_pages = pool.k_buffers[0].view(-1, PAGE, KV_HEADS, HEAD_DIM)
-    v_pages = pool.v_buffers[0].view(-1, PAGE, KV_HEADS, HEAD_DIM)
+    k_pages = pool.k_buffers[0].view(-1, PAGE, KV_HEADS, pool.head_dim)
+    v_pages = pool.v_buffers[0].view(-1, PAGE, KV_HEADS, pool.head_dim)
     kv_indices = index.kv_indices.long()
     out = torch.empty_like(q)
     for i in range(len(index.qo_indptr) - 1):
@@ -43,24 +43,25 @@ def reference_from_index(q: torch.Tensor, pool: KVPool, index: PagedKVIndex, sca
     return out
 
 
-def make_batch(prefix_lens: list[int], extend_lens: list[int], padding_rows: int = 0, seed: int = 0):
+def make_batch(prefix_lens: list[int], extend_lens: list[int], padding_rows: int = 0, seed: int = 0,
+               device: str = "cpu", dtype: torch.dtype = torch.float32, head_dim: int = HEAD_DIM):
     """A pool with requests on shuffled pages, their page-table rows, and the ForwardBatch of one step."""
     rng = random.Random(seed)
-    device = torch.device("cpu")
+    device = torch.device(device)
     num_pages = 64
-    pool = KVPool(1, num_pages * PAGE, KV_HEADS, HEAD_DIM, torch.float32, device, PAGE)
+    pool = KVPool(1, num_pages * PAGE, KV_HEADS, head_dim, dtype, device, PAGE)
     rows = ReqToTokenPool(8, 64, device)
     free = list(range(1, num_pages))
     rng.shuffle(free)
     gen = torch.Generator().manual_seed(seed)
-    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen))
-    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen))
+    pool.k_buffers[0].copy_(torch.randn(pool.k_buffers[0].shape, generator=gen).to(dtype))
+    pool.v_buffers[0].copy_(torch.randn(pool.v_buffers[0].shape, generator=gen).to(dtype))
     out_loc, seq_lens = [], []
     for row, (prefix, n) in enumerate(zip(prefix_lens, extend_lens)):
         total = prefix + n
         pages = [free.pop() for _ in range((total + PAGE - 1) // PAGE)]
         slots = token_slots(pages, 0, total, PAGE)
-        rows.req_to_token[row, :total] = slots
+        rows.req_to_token[row, :total] = slots.to(device)
         out_loc.append(slots[prefix:])
         seq_lens.append(total)
     req_rows = list(range(len(prefix_lens))) + [rows.dummy_row] * padding_rows
@@ -69,13 +70,14 @@ def make_batch(prefix_lens: list[int], extend_lens: list[int], padding_rows: int
     seq_lens = seq_lens + [1] * padding_rows
     out_loc += [torch.zeros(1, dtype=torch.int64)] * padding_rows
     num_tokens = sum(extend_lens)
+    long = dict(dtype=torch.int64, device=device)
     fb = ForwardBatch(
         mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64), positions=torch.zeros(3, num_tokens, dtype=torch.int64),
-        req_pool_indices=torch.tensor(req_rows), seq_lens=torch.tensor(seq_lens),
-        extend_prefix_lens=torch.tensor(prefix_lens), extend_seq_lens=torch.tensor(extend_lens),
-        out_cache_loc=torch.cat(out_loc), seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens,
-        extend_seq_lens_cpu=extend_lens, logits_indices=torch.zeros(0, dtype=torch.int64))
+        input_ids=torch.zeros(num_tokens, **long), positions=torch.zeros(3, num_tokens, **long),
+        req_pool_indices=torch.tensor(req_rows, **long), seq_lens=torch.tensor(seq_lens, **long),
+        extend_prefix_lens=torch.tensor(prefix_lens, **long), extend_seq_lens=torch.tensor(extend_lens, **long),
+        out_cache_loc=torch.cat(out_loc).to(device), seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens,
+        extend_seq_lens_cpu=extend_lens, logits_indices=torch.zeros(0, **long))
     return pool, rows, fb
 
 

@@ -5,7 +5,8 @@
   on an H100; anything in TF32, as cuDNN's convolutions are by default, shows as 1e-3 and more), for
   every case of the CPU parity suite, batched, and again with 7-token prefill chunks that cut
   image spans.
-- bfloat16 on CUDA against HF transformers bfloat16 on CUDA (HF's default SDPA attention), one
+- bfloat16 on CUDA against HF transformers bfloat16 on CUDA (HF's default SDPA attention), with
+  the torch backends and with the fast path (FlashInfer + FLA + decode CUDA graphs), one
   request at a time, with vLLM's rule for low precision: greedy tokens equal up to the first
   divergence, and there each side's token is among the other side's top-`TOPK`; and vlmrun's bf16
   logprobs no farther from the float32 reference than HF's bf16 ones.
@@ -14,6 +15,8 @@ Every test carries `@pytest.mark.gpu`: without CUDA they are skipped (tests/conf
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -94,8 +97,15 @@ def bf16_error(lps: list, ref32: HFResult, token_sets: list[set[int]], steps: in
                default=0.0)
 
 
+KERNELS = {
+    "torch": {"attention_backend": "torch", "gdn_backend": "torch"},
+    "fast": {"attention_backend": "flashinfer", "gdn_backend": "fla"},  # the CUDA fast path, decode graphs
+}
+
+
+@pytest.mark.parametrize("kernels", list(KERNELS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_cuda_follows_hf(request, arch):
+def test_bfloat16_cuda_follows_hf(request, arch, kernels):
     """vLLM's rule against HF bf16 on CUDA, per case; and the bf16 error budget, per architecture:
     on the steps where vlmrun, HF bf16 and the float32 reference (HF on CPU) have the same history,
     vlmrun's logprobs are on average no farther from float32 than HF's own bf16 ones (x1.5 + 0.02).
@@ -104,6 +114,8 @@ def test_bfloat16_cuda_follows_hf(request, arch):
     (more where an MoE router flips an expert); one case alone is too noisy to compare, the mean
     over an architecture's cases is not (measured on an H100: vlmrun/HF 0.8-1.07 on every
     architecture). A part of the model computed in too low a precision shows as a multiple."""
+    if kernels == "fast" and not all(importlib.util.find_spec(m) for m in ("flashinfer", "fla")):
+        pytest.skip("the gpu extra (flashinfer-python, flash-linear-attention) is not installed")
     model_dir = request.getfixturevalue(f"{arch}_dir")
     hf32 = HFReference(model_dir)
     cases = cases_for(hf32.is_vl, arch in HYBRID)
@@ -112,7 +124,7 @@ def test_bfloat16_cuda_follows_hf(request, arch):
     hf = HFReference(model_dir, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
     expected = {name: hf.generate(msgs, MAX_NEW) for name, msgs in cases.items()}
     del hf
-    llm = cuda_llm(model_dir, "bfloat16")
+    llm = cuda_llm(model_dir, "bfloat16", **KERNELS[kernels])
     assert llm.engine.model_config.dtype == torch.bfloat16
     outs = llm.chat(list(cases.values()), params(), use_tqdm=False)
     failures, ours_errors, hf_errors = [], [], []
@@ -132,7 +144,7 @@ def test_bfloat16_cuda_follows_hf(request, arch):
         if not ok:
             failures.append(f"{name}: {what}")
     ours, theirs = sum(ours_errors) / len(ours_errors), sum(hf_errors) / len(hf_errors)
-    print(f"{arch}: mean |bf16 - fp32| vlmrun {ours:.3f}, HF {theirs:.3f}")
+    print(f"{arch} ({kernels}): mean |bf16 - fp32| vlmrun {ours:.3f}, HF {theirs:.3f}")
     if ours > 1.5 * theirs + 0.02:
         failures.append(f"mean bf16 error vlmrun {ours:.3f} vs HF {theirs:.3f}")
     assert not failures, f"{arch}: " + "; ".join(failures)

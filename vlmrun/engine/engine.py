@@ -27,9 +27,10 @@ from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.model_runner import ModelRunner, SampledToken
 from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
 from vlmrun.layers.attention import AttentionBackend, create_attention_backend
-from vlmrun.layers.attention.factory import BackendSetup, backend_names
+from vlmrun.layers.attention.factory import BackendSetup, backend_names, resolve_backend_name
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
+from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
@@ -92,6 +93,7 @@ class Engine:
         vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), self.device, dtype)
                   if model.supports_images else None)
         backend = self._make_attention_backend()
+        self._fuse_vision_attention(model)
         self.runner = ModelRunner(model, self.caches, backend, vision, self.device,
                                   padded_decode=self._make_padded_decode(model, backend))
         self.prefix_cache = self._make_prefix_cache()
@@ -109,6 +111,13 @@ class Engine:
         backend = create_attention_backend(setup, self.config.attention_backend, self.config.gdn_backend)
         logger.info("attention backend: %s", backend_names(backend))
         return backend
+
+    def _fuse_vision_attention(self, model: torch.nn.Module) -> None:
+        """With the FlashInfer fast path (half precision on CUDA), the vision tower's attention runs
+        as one flash-attention varlen call instead of one SDPA call per image size."""
+        fast = resolve_backend_name(self.config.attention_backend, "attention_backend", self.device) == "flashinfer"
+        if fast and self.model_config.dtype in (torch.float16, torch.bfloat16) and model.supports_images:
+            logger.info("vision attention: fused varlen kernel in %d layers", use_fused_vision_attention(model))
 
     def _make_padded_decode(self, model: torch.nn.Module, backend: AttentionBackend) -> Optional[PaddedDecodeRunner]:
         """Decode padded to buckets unless enforce_eager; CUDA graphs where the device, backend and model allow."""

@@ -18,6 +18,7 @@ import sys
 import threading
 from typing import Any, Iterator
 
+from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.jobs.config import (
     DEFAULT_MAX_TOKENS,
     DEFAULT_PREFETCH,
@@ -41,7 +42,7 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
         min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
     )
-    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device}
+    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, **kernel_options(args)}
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
                  "encoder_cache_tokens", "max_image_pixels"):
         if getattr(args, name) is not None:
@@ -129,6 +130,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--encoder-cache-tokens", type=int, default=None,
                    help="vision embeddings kept by image content (engine default 32768 tokens)")
     e.add_argument("--max-image-pixels", type=int, default=None, help="images with more pixels are refused")
+    add_kernel_args(e)
 
     j = cap.add_argument_group("job")
     mode = j.add_mutually_exclusive_group()

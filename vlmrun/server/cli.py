@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.default_model import resolve_model, served_name
 from vlmrun.server.settings import MiB
 
@@ -26,6 +27,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-strings", type=int, default=32, help="stop strings one request may give")
     p.add_argument("--max-stop-string-length", type=int, default=512, help="characters of one stop string")
     p.add_argument("--max-stop-token-ids", type=int, default=64, help="stop token ids one request may give")
+    add_kernel_args(p)
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
@@ -37,7 +39,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
                         max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                        max_stop_token_ids=args.max_stop_token_ids)
+                        max_stop_token_ids=args.max_stop_token_ids, **kernel_options(args))
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings

@@ -6,7 +6,8 @@
 - `VisionRotaryEmbedding` + `vision_rope_positions`: 2-D (h, w) rotary for patches laid out in
   spatial-merge-block order.
 - `VisionAttention` and `varlen_attention`: non-causal attention restricted to each image (frame);
-  `varlen_attention(q, k, v, cu_seqlens)` is the seam where a fused varlen kernel can plug in.
+  `fused_varlen_attention` (torch's flash-attention varlen kernel, CUDA fp16/bf16) takes its place
+  with the CUDA fast path (`use_fused_vision_attention`).
 """
 
 from __future__ import annotations
@@ -81,6 +82,23 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
+def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """`varlen_attention` as one flash-attention varlen call over every segment (CUDA, fp16/bf16)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale)
+
+
+def use_fused_vision_attention(model: nn.Module) -> int:
+    """Switch every vision attention of `model` to the fused varlen kernel; returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, VisionAttention)]
+    for layer in layers:
+        layer.varlen = fused_varlen_attention
+    return len(layers)
+
+
 class VisionPatchEmbed(nn.Module):
     """Conv3d with kernel == stride over pre-flattened patches.
 
@@ -131,10 +149,11 @@ class VisionAttention(nn.Module):
         self.head_dim = dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=True)
         self.proj = nn.Linear(dim, dim, bias=True)
+        self.varlen = varlen_attention  # the kernel; `use_fused_vision_attention` swaps it
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [num_patches, heads, head_dim]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = varlen_attention(q, k, v, cu_seqlens, scale=self.head_dim ** -0.5)
+        out = self.varlen(q, k, v, cu_seqlens, scale=self.head_dim ** -0.5)
         return self.proj(out.reshape(n, -1))

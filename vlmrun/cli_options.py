@@ -1,0 +1,24 @@
+"""Command-line options every engine-running command shares (`serve`, `web`, `caption`): kernels.
+
+Kept free of torch so that parsing a command line stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                   help="full-attention kernels (auto: torch until the CUDA fast path is verified)")
+    p.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
+                   help="hybrid models' Gated DeltaNet kernels (fla: flash-linear-attention, CUDA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no decode padding to batch-size buckets and no CUDA graphs")
+
+
+def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields `add_kernel_args` set."""
+    return {"attention_backend": args.attention_backend, "gdn_backend": args.gdn_backend,
+            "enforce_eager": args.enforce_eager}
