@@ -19,18 +19,15 @@ from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
 from vlmrun.cache.encoder_cache import EncoderCache
 from vlmrun.cache.plan import build_caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
-from vlmrun.config import EngineConfig, ModelConfig, text_config
+from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
-from vlmrun.executor.model_runner import ModelRunner, SampledToken
-from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
-from vlmrun.layers.attention import AttentionBackend, create_attention_backend
-from vlmrun.layers.attention.factory import BackendSetup, backend_names, resolve_backend_name
+from vlmrun.executor.build import build_model_runner
+from vlmrun.executor.model_runner import SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
-from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
@@ -92,43 +89,13 @@ class Engine:
         self._log_cache_plan()
         vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), self.device, dtype)
                   if model.supports_images else None)
-        backend = self._make_attention_backend()
-        self._fuse_vision_attention(model)
-        self.runner = ModelRunner(model, self.caches, backend, vision, self.device,
-                                  padded_decode=self._make_padded_decode(model, backend))
+        self.runner = build_model_runner(model, self.caches, vision, config, self.device)
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval)
         self.stop_limits = StopLimits.of(config)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
-
-    def _make_attention_backend(self) -> AttentionBackend:
-        text = text_config(self.model_config.hf_config)
-        head_dim = self.caches.kv_pool.head_dim
-        setup = BackendSetup(self.caches, num_q_heads=text.num_attention_heads, scaling=head_dim ** -0.5,
-                             device=self.device)
-        backend = create_attention_backend(setup, self.config.attention_backend, self.config.gdn_backend)
-        logger.info("attention backend: %s", backend_names(backend))
-        return backend
-
-    def _fuse_vision_attention(self, model: torch.nn.Module) -> None:
-        """With the FlashInfer fast path (half precision on CUDA), the vision tower's attention runs
-        as one flash-attention varlen call instead of one SDPA call per image size."""
-        fast = resolve_backend_name(self.config.attention_backend, "attention_backend", self.device) == "flashinfer"
-        if fast and self.model_config.dtype in (torch.float16, torch.bfloat16) and model.supports_images:
-            logger.info("vision attention: fused varlen kernel in %d layers", use_fused_vision_attention(model))
-
-    def _make_padded_decode(self, model: torch.nn.Module, backend: AttentionBackend) -> Optional[PaddedDecodeRunner]:
-        """Decode padded to buckets unless enforce_eager; CUDA graphs where the device, backend and model allow."""
-        if self.config.enforce_eager:
-            return None
-        graphs = self.device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
-        if self.device.type == "cuda" and not graphs:
-            logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer' "
-                        "and a model without host syncs (MoE routing syncs)")
-        return PaddedDecodeRunner(model, backend, self.caches, self.caches.plan.max_num_seqs, self.device,
-                                  use_cuda_graphs=graphs)
 
     def _make_prefix_cache(self) -> Optional[PrefixCache]:
         if not self.config.enable_prefix_caching:

@@ -1,0 +1,66 @@
+"""Builds a `ModelRunner` around a loaded model and its caches: the one place kernels are chosen.
+
+`build_model_runner` picks the attention backends (`EngineConfig.attention_backend` /
+`gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
+FlashInfer path, and sets up decode padding and CUDA graphs (`enforce_eager`). The engine (one
+device) and each tensor-parallel rank build their runner with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from vlmrun.cache.plan import Caches
+from vlmrun.config import EngineConfig
+from vlmrun.executor.model_runner import ModelRunner
+from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
+from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
+from vlmrun.layers.attention.factory import BackendSetup, backend_names, resolve_backend_name
+from vlmrun.models.blocks.vision_common import use_fused_vision_attention
+from vlmrun.multimodal.vision_stage import VisionStage
+
+logger = logging.getLogger(__name__)
+
+
+def build_model_runner(model: nn.Module, caches: Caches, vision: Optional[VisionStage], config: EngineConfig,
+                       device: torch.device) -> ModelRunner:
+    backend = make_attention_backend(model, caches, config, device)
+    fuse_vision_attention(model, caches, config, device)
+    return ModelRunner(model, caches, backend, vision, device,
+                       padded_decode=make_padded_decode(model, backend, caches, config, device))
+
+
+def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfig,
+                           device: torch.device) -> AttentionBackend:
+    """The step's backend, planned with the query heads and scale of the model's own attention layers."""
+    layer = next(m for m in model.modules() if isinstance(m, Attention))
+    setup = BackendSetup(caches, num_q_heads=layer.num_heads, scaling=layer.scaling, device=device)
+    backend = create_attention_backend(setup, config.attention_backend, config.gdn_backend)
+    logger.info("attention backend: %s", backend_names(backend))
+    return backend
+
+
+def fuse_vision_attention(model: nn.Module, caches: Caches, config: EngineConfig, device: torch.device) -> None:
+    """On the FlashInfer path in half precision, the vision tower's attention runs as one
+    flash-attention varlen call instead of one SDPA call per image size."""
+    fast = resolve_backend_name(config.attention_backend, "attention_backend", device) == "flashinfer"
+    if fast and caches.kv_pool.dtype in (torch.float16, torch.bfloat16):
+        layers = use_fused_vision_attention(model)
+        if layers:
+            logger.info("vision attention: fused varlen kernel in %d layers", layers)
+
+
+def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Caches, config: EngineConfig,
+                       device: torch.device) -> Optional[PaddedDecodeRunner]:
+    """Decode padded to buckets unless enforce_eager; CUDA graphs where the device, backend and model allow."""
+    if config.enforce_eager:
+        return None
+    graphs = device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
+    if device.type == "cuda" and not graphs:
+        logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer' "
+                    "and a model without host syncs (MoE routing syncs)")
+    return PaddedDecodeRunner(model, backend, caches, caches.plan.max_num_seqs, device, use_cuda_graphs=graphs)
