@@ -1,9 +1,10 @@
 """HF transformers as the reference: prompt ids, pixels and greedy generation for a chat.
 
-Builds HF's inputs the way HF's Qwen VL processors do (chat template → text, each image pad
-expanded to grid_t*grid_h*grid_w/merge² copies → tokenizer) with HF's own PIL image processor,
-then runs HF `generate` greedily (float32 eager attention on CPU unless told otherwise) and returns
-tokens and per-step log-softmax.
+Builds HF's inputs with HF's default processor for the checkpoint (`AutoProcessor`: chat template,
+the image processor transformers picks — the torchvision `Qwen2VLImageProcessor` when torchvision is
+installed, else `Qwen2VLImageProcessorPil` — and image placeholder expansion), then runs HF
+`generate` greedily (float32 eager attention on CPU unless told otherwise) and returns tokens and
+per-step log-softmax. Text-only checkpoints use the tokenizer and its chat template.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
-
-IMAGE_PAD = "<|image_pad|>"
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 
 @dataclass
@@ -36,28 +35,17 @@ class HFReference:
         self.model = cls.from_pretrained(self.dir, dtype=dtype, attn_implementation=attn_implementation)
         self.model = self.model.to(self.device).eval()
         if self.is_vl:
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(self.dir)
+            self.processor = AutoProcessor.from_pretrained(self.dir)
 
     def inputs(self, messages: list[dict]) -> dict:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if not self.is_vl:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images = [item["image"] for m in messages if isinstance(m["content"], list)
                   for item in m["content"] if item.get("type") == "image"]
-        kwargs = {}
-        if images:
-            proc = self.image_processor(images=images, return_tensors="pt")
-            merge = self.image_processor.merge_size
-            parts = text.split(IMAGE_PAD)
-            assert len(parts) == len(images) + 1
-            counts = [int(g.prod()) // merge**2 for g in proc["image_grid_thw"]]
-            text = parts[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, parts[1:]))
-            kwargs = {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        if images:  # transformers 5 computes M-RoPE from these token types, as its processor returns them
-            image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-            kwargs["mm_token_type_ids"] = (ids == image_id).to(torch.int32)
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kwargs}
+        return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
 
     @torch.no_grad()
     def generate(self, messages: list[dict], max_new_tokens: int) -> HFResult:
