@@ -5,6 +5,11 @@ the image processor transformers picks — the torchvision `Qwen2VLImageProcesso
 installed, else `Qwen2VLImageProcessorPil` — and image placeholder expansion), then runs HF
 `generate` greedily (float32 eager attention on CPU unless told otherwise) and returns tokens and
 per-step log-softmax. Text-only checkpoints use the tokenizer and its chat template.
+
+Without torchvision, HF's Qwen-VL processors do not load (their video processor needs it); there
+the inputs are built as those processors build them — chat template, `AutoImageProcessor` (then
+the PIL class), each image pad expanded to t*h*w / merge**2 copies, tokenizer — which is what
+vlmrun's "auto" image backend matches in such an environment.
 """
 
 from __future__ import annotations
@@ -13,7 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoProcessor, AutoTokenizer)
+
+from processors.pixel_backends import torchvision_available
+
+IMAGE_PAD = "<|image_pad|>"
 
 
 @dataclass
@@ -34,18 +44,33 @@ class HFReference:
         cls = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
         self.model = cls.from_pretrained(self.dir, dtype=dtype, attn_implementation=attn_implementation)
         self.model = self.model.to(self.device).eval()
-        if self.is_vl:
-            self.processor = AutoProcessor.from_pretrained(self.dir)
+        self.processor = AutoProcessor.from_pretrained(self.dir) if self.is_vl and torchvision_available() else None
+        self.image_processor = AutoImageProcessor.from_pretrained(self.dir) if self.is_vl else None
 
     def inputs(self, messages: list[dict]) -> dict:
-        if not self.is_vl:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images = [item["image"] for m in messages if isinstance(m["content"], list)
                   for item in m["content"] if item.get("type") == "image"]
+        if self.processor is None:  # a text-only checkpoint, or no torchvision
+            return self._inputs_by_hand(messages, images)
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
+
+    def _inputs_by_hand(self, messages: list[dict], images: list) -> dict:
+        """What HF's Qwen-VL processor does, with the tokenizer and `AutoImageProcessor`."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        kwargs = {}
+        if images:
+            proc = self.image_processor(images=images, return_tensors="pt")
+            merge = self.image_processor.merge_size
+            parts = text.split(IMAGE_PAD)
+            assert len(parts) == len(images) + 1
+            counts = [int(g.prod()) // merge**2 for g in proc["image_grid_thw"]]
+            text = parts[0] + "".join(IMAGE_PAD * n + p for n, p in zip(counts, parts[1:]))
+            kwargs = {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if images:  # transformers 5 computes M-RoPE from these token types, as its processor returns them
+            kwargs["mm_token_type_ids"] = (ids == self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)).to(torch.int32)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kwargs}
 
     @torch.no_grad()
     def generate(self, messages: list[dict], max_new_tokens: int) -> HFResult:
