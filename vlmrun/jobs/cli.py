@@ -42,8 +42,7 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
         min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
     )
-    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, "image_backend": args.image_backend,
-                              **kernel_options(args)}
+    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, **kernel_options(args)}
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
                  "encoder_cache_tokens", "max_image_pixels"):
         if getattr(args, name) is not None:
@@ -124,8 +123,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = cap.add_argument_group("engine")
     e.add_argument("--dtype", default="auto")
     e.add_argument("--device", default="auto")
-    e.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
-                   help="image resize as transformers' torchvision (default when installed) or PIL processor")
     e.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together (engine default 256)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
     e.add_argument("--max-model-len", type=int, default=None)

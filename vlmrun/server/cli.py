@@ -17,8 +17,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF checkpoint directory or hub id (default: the bundled shapes model, assets/model/)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
-                   help="image resize as transformers' torchvision (default when installed) or PIL processor")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -35,8 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
     from vlmrun.config import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, image_backend=args.image_backend,
-                        max_model_len=args.max_model_len,
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
