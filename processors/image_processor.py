@@ -28,7 +28,6 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -292,13 +291,6 @@ class ImageProcessor:
                 )
             return height, width
         return smart_resize(height, width, f, cfg.min_pixels, cfg.max_pixels)
-
-    def target_size(self, height: int, width: int, **overrides: int | None) -> tuple[int, int]:
-        """(height, width) an input of height x width ends up at: `model_size` of `override_size`
-        when per-item options are given (the HF processor resizes the image qwen-vl-utils hands it
-        within the config's bounds; usually the identity), else `model_size` of the input."""
-        first = self.override_size(height, width, **overrides) if self.config.do_resize else None
-        return self.model_size(*(first or (height, width)))
 
     def preprocess(self, image: Image.Image, *, min_pixels: int | None = None, max_pixels: int | None = None,
                    resized_height: int | None = None, resized_width: int | None = None,
