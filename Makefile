@@ -2,14 +2,17 @@
 # Each creates .venv with what it needs on a machine that has only Python.
 PYTHON ?= python3
 VENV ?= .venv
-TORCH ?= torch==2.13.0
+# torch and torchvision from the registry as a matching pair (torchvision's C ops load only
+# against the torch build it was made for).
+TORCH ?= torch==2.14.1
+TORCHVISION ?= torchvision==0.29.1
 PY := $(VENV)/bin/python
 
 .PHONY: install demo test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q "$(TORCH)" "$(TORCHVISION)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 

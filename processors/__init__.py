@@ -14,6 +14,7 @@ from processors.image_processor import (
     smart_resize,
 )
 from processors.limits import InputError, ProcessorLimits
+from processors.pixel_backends import IMAGE_BACKENDS, resolve_image_backend
 from processors.processor import MMItem, ProcessedPrompt, Processor
 
 __all__ = [
@@ -27,4 +28,6 @@ __all__ = [
     "ImageProcessor",
     "ImageProcessorConfig",
     "ProcessedImage",
+    "IMAGE_BACKENDS",
+    "resolve_image_backend",
 ]

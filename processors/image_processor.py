@@ -1,17 +1,21 @@
-"""Qwen-VL image preprocessing: smart resize (PIL), then rescale / normalise / patchify (torch).
+"""Qwen-VL image preprocessing: smart resize, then rescale / normalise / patchify (torch).
 
-Output equals transformers' `Qwen2VLImageProcessorPil` for the same preprocessor config (the
-image processor of Qwen2-VL, Qwen2.5-VL and Qwen3-VL): the resize runs on PIL (bicubic on the
-uint8 RGB image) exactly as there; rescale + normalise (one lookup table per uint8 level, built with
-transformers' float ops, so values are bit-identical) and patchify run in torch, on CPU or CUDA.
+Output equals transformers' Qwen2-VL image processors (the image processor of Qwen2-VL, Qwen2.5-VL,
+Qwen3-VL and Qwen3.5) bit for bit, for the same preprocessor config: with the "torchvision" backend
+`Qwen2VLImageProcessor` (transformers' default when torchvision is installed; resize by torchvision
+on the CPU or the GPU), with the "pil" backend `Qwen2VLImageProcessorPil` (resize by PIL on the
+host). Rescale + normalise is one lookup table per uint8 level, built with the backend's float ops,
+so values are bit-identical; it and the patchify run in torch, on CPU or CUDA
+(`processors.pixel_backends`).
 
 Layout of `pixel_values` for one image with grid (t=1, gh, gw), patch P, temporal patch T, merge m:
 rows are patches in merge-window order (window row, window col, row in window, col in window),
 each row is a flattened [C, T, P, P] block; a still image is repeated T times along time.
 
 Per-image overrides (`min_pixels`, `max_pixels`, `resized_height`, `resized_width`) follow
-qwen-vl-utils (`fetch_image`), whose resized image the HF processor then resizes again within the
-model's configured bounds; `target_size` reproduces that two-step sizing (see its docstring).
+qwen-vl-utils (`fetch_image`): the image is first resized by PIL to qwen-vl-utils' size, then the
+HF processor's sizing runs on that image within the model's configured bounds (usually the
+identity); `override_size` and `model_size` are the two steps.
 """
 
 from __future__ import annotations
@@ -24,12 +28,12 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 from PIL import Image
 
 from processors.image_io import to_rgb
 from processors.limits import InputError
+from processors.pixel_backends import create_pixel_backend, resolve_image_backend
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -228,36 +232,55 @@ class ProcessedImage:
 
 
 class ImageProcessor:
-    """Resizes and patchifies images for the Qwen-VL vision towers (CPU or CUDA tensors)."""
+    """Resizes and patchifies images for the Qwen-VL vision towers (CPU or CUDA tensors).
 
-    def __init__(self, config: ImageProcessorConfig | None = None) -> None:
+    backend: "auto" (torchvision when it imports, else PIL — transformers' default), "torchvision"
+    or "pil"; see `processors.pixel_backends`.
+    """
+
+    def __init__(self, config: ImageProcessorConfig | None = None, backend: str = "auto") -> None:
         self.config = config or ImageProcessorConfig()
-        self._fingerprint = self.config.fingerprint()
+        self.pixels = create_pixel_backend(resolve_image_backend(backend))
         self._luts: dict[torch.device, torch.Tensor] = {}
         self._channel_offsets: dict[torch.device, torch.Tensor] = {}
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "ImageProcessor":
-        return cls(ImageProcessorConfig.from_dict(config))
+    def from_dict(cls, config: Mapping[str, Any], backend: str = "auto") -> "ImageProcessor":
+        return cls(ImageProcessorConfig.from_dict(config), backend)
+
+    @property
+    def backend(self) -> str:
+        """The resolved backend: "torchvision" or "pil"."""
+        return self.pixels.name
+
+    def fingerprint(self, device: torch.device) -> bytes:
+        """The config's fingerprint plus the backend (and, for torchvision, the device type it resizes on)."""
+        tag = self.backend if self.backend == "pil" else f"{self.backend}:{device.type}"
+        return self.config.fingerprint() + b"|" + tag.encode()
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Merged tokens the LLM sees for one image: t * h * w // merge**2."""
         t, h, w = grid_thw
         return t * h * w // (self.config.merge_size ** 2)
 
-    def target_size(self, height: int, width: int, *, min_pixels: int | None = None,
-                    max_pixels: int | None = None, resized_height: int | None = None,
-                    resized_width: int | None = None) -> tuple[int, int]:
-        """(height, width) an input of height x width is resized to.
+    def override_size(self, height: int, width: int, *, min_pixels: int | None = None,
+                      max_pixels: int | None = None, resized_height: int | None = None,
+                      resized_width: int | None = None) -> tuple[int, int] | None:
+        """The size qwen-vl-utils (`fetch_image`) resizes an image to for per-item options, or None without any.
 
-        Without overrides: `smart_resize` within the config's [min_pixels, max_pixels].
-        With overrides (qwen-vl-utils keys): first qwen-vl-utils' size — from
-        resized_height/resized_width when both are given, else from the image size within
-        [min_pixels, max_pixels] (each defaulting to 4 / 16384 merged tokens) — then `smart_resize`
-        of that within the config's bounds, which is what the HF processor does to the image
-        qwen-vl-utils hands it. (That second step is the identity when the first size already lies
-        within the config's bounds, the usual case.)
+        From resized_height/resized_width when both are given, else from the image size within
+        [min_pixels, max_pixels] (each defaulting to 4 / 16384 merged tokens).
         """
+        if all(v is None for v in (min_pixels, max_pixels, resized_height, resized_width)):
+            return None
+        f = self.config.factor
+        if resized_height is not None and resized_width is not None:
+            return qwen_vl_utils_size(resized_height, resized_width, f)
+        return qwen_vl_utils_size(height, width, f, min_pixels, max_pixels)
+
+    def model_size(self, height: int, width: int) -> tuple[int, int]:
+        """(height, width) the HF processor resizes a height x width image to: `smart_resize` within the
+        config's [min_pixels, max_pixels] (the size itself when the config does not resize)."""
         cfg = self.config
         f = cfg.factor
         if not cfg.do_resize:
@@ -267,75 +290,68 @@ class ImageProcessor:
                     f"that are multiples of {f}"
                 )
             return height, width
-        overridden = any(v is not None for v in (min_pixels, max_pixels, resized_height, resized_width))
-        if overridden:
-            if resized_height is not None and resized_width is not None:
-                height, width = qwen_vl_utils_size(resized_height, resized_width, f)
-            else:
-                height, width = qwen_vl_utils_size(height, width, f, min_pixels, max_pixels)
         return smart_resize(height, width, f, cfg.min_pixels, cfg.max_pixels)
 
     def preprocess(self, image: Image.Image, *, min_pixels: int | None = None, max_pixels: int | None = None,
                    resized_height: int | None = None, resized_width: int | None = None,
                    device: str | torch.device = "cpu") -> ProcessedImage:
-        """Resize (PIL bicubic, uint8), rescale, normalise and patchify one image.
+        """Resize, rescale, normalise and patchify one image, as the HF processor of the backend does.
 
-        `image` should come from `load_image` (RGB); other modes are converted like there.
-        The hash is sha256 over the resized uint8 RGB pixels, their size, the grid and the config
-        fields that turn them into pixel_values: equal hashes mean equal pixel_values, and it
-        costs no device->host copy when pixel_values live on the GPU.
+        `image` should come from `load_image` (RGB); other modes are converted like there. Per-item
+        options first resize the image with PIL to qwen-vl-utils' size, as its `fetch_image` does
+        before the HF processor sees it. The backend's host step (PIL: the resize) runs here, its
+        uint8 output is uploaded to `device`, the device step (torchvision: the resize) and the
+        normalise + patchify run there.
+
+        The hash is sha256 over the processor's fingerprint (config, backend, device type for
+        torchvision), the uploaded and final sizes, the grid and the uploaded uint8 RGB pixels: equal
+        hashes mean equal pixel_values, and it costs no device->host copy.
         """
         cfg = self.config
+        device = torch.device(device)
         if image.mode != "RGB":
             image = to_rgb(image)
-        th, tw = self.target_size(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels,
-                                  resized_height=resized_height, resized_width=resized_width)
-        if (tw, th) != image.size:
-            image = image.resize((tw, th), resample=cfg.resample)
-        pixels = np.array(image, dtype=np.uint8)  # [H, W, 3] uint8, writable, C-contiguous
+        first = self.override_size(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels,
+                                   resized_height=resized_height, resized_width=resized_width)
+        if first is not None and cfg.do_resize and first != (image.height, image.width):
+            image = image.resize((first[1], first[0]), resample=Image.Resampling.BICUBIC)  # qwen-vl-utils' resize
+        size = self.model_size(image.height, image.width)
+        host = self.pixels.host_pixels(image, size, cfg.resample)  # [h, w, 3] uint8
         p = cfg.patch_size
-        grid = (1, th // p, tw // p)
+        grid = (1, size[0] // p, size[1] // p)
 
         digest = hashlib.sha256()
-        digest.update(self._fingerprint)
-        digest.update(struct.pack("<5q", th, tw, *grid))
-        digest.update(memoryview(pixels))
+        digest.update(self.fingerprint(device))
+        digest.update(struct.pack("<7q", host.shape[0], host.shape[1], *size, *grid))
+        digest.update(memoryview(host))
 
-        pixel_values = self._patchify(torch.from_numpy(pixels), torch.device(device))
-        return ProcessedImage(pixel_values=pixel_values, grid_thw=grid, hash=digest.hexdigest(), size=(th, tw))
+        uploaded = torch.from_numpy(host).to(device, non_blocking=True).permute(2, 0, 1).contiguous()  # [3, h, w]
+        resized = self.pixels.finish(uploaded, size, cfg.resample)  # [3, H, W] uint8
+        pixel_values = self._patchify(resized, device)
+        return ProcessedImage(pixel_values=pixel_values, grid_thw=grid, hash=digest.hexdigest(), size=size)
 
     def _lookup_table(self, device: torch.device) -> torch.Tensor:
-        """[3 * 256] float32: the normalised value of every (channel, uint8 level).
-
-        Built with the same float ops, in the same order, as transformers (rescale in float64, cast
-        to float32, then (x - mean) / std in float32), so a lookup gives bit-identical values.
-        """
+        """[3 * 256] float32: the normalised value of every (channel, uint8 level), built with the
+        backend's float ops, so a lookup gives bit-identical values."""
         if device not in self._luts:
             cfg = self.config
-            levels = torch.arange(256, dtype=torch.float64)
-            if cfg.do_rescale:
-                levels = levels * cfg.rescale_factor
-            table = levels.to(torch.float32).expand(3, 256)  # [3, 256]
-            if cfg.do_normalize:
-                mean = torch.tensor(cfg.image_mean, dtype=torch.float32).view(3, 1)
-                std = torch.tensor(cfg.image_std, dtype=torch.float32).view(3, 1)
-                table = (table - mean) / std
+            table = self.pixels.normalise_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor,
+                                                cfg.do_rescale, cfg.do_normalize)  # [3, 256]
             self._luts[device] = table.reshape(-1).contiguous().to(device)
         return self._luts[device]
 
     def _patchify(self, pixels: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """[H, W, 3] uint8 -> [gh * gw, 3 * T * P * P] float32 on `device`."""
+        """[3, H, W] uint8 on `device` -> [gh * gw, 3 * T * P * P] float32 on `device`."""
         cfg = self.config
         p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
-        h, w, c = pixels.shape
+        c, h, w = pixels.shape
         gh, gw = h // p, w // p
         table = self._lookup_table(device)
         if device not in self._channel_offsets:
             self._channel_offsets[device] = (torch.arange(3, dtype=torch.int32) * 256).view(3, 1, 1).to(device)
         offsets = self._channel_offsets[device]  # [3, 1, 1]: channel c reads table[c * 256 + level]
         # rescale + normalise as one table lookup per (channel, level): [3, H, W] float32
-        index = pixels.to(device, non_blocking=True).permute(2, 0, 1).to(torch.int32) + offsets
-        x = table[index]
+        x = table[pixels.to(torch.int32) + offsets]
         # [C, gh/m, m, P, gw/m, m, P] -> [gh/m, gw/m, m(h), m(w), C, P, P]
         x = x.reshape(c, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
         # repeat the still frame over the temporal patch: [..., C, T, P, P]

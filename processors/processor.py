@@ -83,12 +83,13 @@ class Processor:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, limits: ProcessorLimits | None = None, *,
-                        device: str | torch.device = "cpu") -> "Processor":
+                        device: str | torch.device = "cpu", image_backend: str = "auto") -> "Processor":
         """Load from a local checkpoint directory.
 
         chat template: `chat_template.jinja`, else `chat_template.json`, else the tokenizer config.
         image processor: `preprocessor_config.json` (or `processor_config.json`); a checkpoint
         without one is text-only and any image given to it is an InputError.
+        image_backend: "auto" | "torchvision" | "pil" (`ImageProcessor`).
         """
         path = os.fspath(path)
         if not os.path.isdir(path):
@@ -98,7 +99,7 @@ class Processor:
         return cls(
             tokenizer,
             _read_chat_template(path, tokenizer),
-            ImageProcessor(config) if config is not None else None,
+            ImageProcessor(config, image_backend) if config is not None else None,
             limits,
             device=device,
             source=path,

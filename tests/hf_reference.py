@@ -1,9 +1,15 @@
 """HF transformers as the reference: prompt ids, pixels and greedy generation for a chat.
 
-Builds HF's inputs the way HF's Qwen VL processors do (chat template → text, each image pad
-expanded to grid_t*grid_h*grid_w/merge² copies → tokenizer) with HF's own PIL image processor,
-then runs HF `generate` greedily (float32 eager attention on CPU unless told otherwise) and returns
-tokens and per-step log-softmax.
+Builds HF's inputs with HF's default processor for the checkpoint (`AutoProcessor`: chat template,
+the image processor transformers picks — the torchvision `Qwen2VLImageProcessor` when torchvision is
+installed, else `Qwen2VLImageProcessorPil` — and image placeholder expansion), then runs HF
+`generate` greedily (float32 eager attention on CPU unless told otherwise) and returns tokens and
+per-step log-softmax. Text-only checkpoints use the tokenizer and its chat template.
+
+Without torchvision, HF's Qwen-VL processors do not load (their video processor needs it); there
+the inputs are built as those processors build them — chat template, `AutoImageProcessor` (then
+the PIL class), each image pad expanded to t*h*w / merge**2 copies, tokenizer — which is what
+vlmrun's "auto" image backend matches in such an environment.
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
+                          AutoProcessor, AutoTokenizer)
+
+from processors.pixel_backends import torchvision_available
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -35,15 +44,20 @@ class HFReference:
         cls = AutoModelForImageTextToText if self.is_vl else AutoModelForCausalLM
         self.model = cls.from_pretrained(self.dir, dtype=dtype, attn_implementation=attn_implementation)
         self.model = self.model.to(self.device).eval()
-        if self.is_vl:
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(self.dir)
+        self.processor = AutoProcessor.from_pretrained(self.dir) if self.is_vl and torchvision_available() else None
+        self.image_processor = AutoImageProcessor.from_pretrained(self.dir) if self.is_vl else None
 
     def inputs(self, messages: list[dict]) -> dict:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         images = [item["image"] for m in messages if isinstance(m["content"], list)
                   for item in m["content"] if item.get("type") == "image"]
+        if self.processor is None:  # a text-only checkpoint, or no torchvision
+            return self._inputs_by_hand(messages, images)
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
+
+    def _inputs_by_hand(self, messages: list[dict], images: list) -> dict:
+        """What HF's Qwen-VL processor does, with the tokenizer and `AutoImageProcessor`."""
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         kwargs = {}
         if images:
             proc = self.image_processor(images=images, return_tensors="pt")
@@ -55,8 +69,7 @@ class HFReference:
             kwargs = {"pixel_values": proc["pixel_values"], "image_grid_thw": proc["image_grid_thw"]}
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         if images:  # transformers 5 computes M-RoPE from these token types, as its processor returns them
-            image_id = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
-            kwargs["mm_token_type_ids"] = (ids == image_id).to(torch.int32)
+            kwargs["mm_token_type_ids"] = (ids == self.tokenizer.convert_tokens_to_ids(IMAGE_PAD)).to(torch.int32)
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kwargs}
 
     @torch.no_grad()

@@ -207,7 +207,7 @@ def _latencies_beside_stop_strings(qwen3_dir: Path) -> tuple[list[float], list[f
 
 def test_generate_takes_one_image_as_well_as_a_list(qwen3_vl_dir: Path, tmp_path: Path, monkeypatch):
     llm = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_num_seqs=4, kv_cache_memory_bytes=16 << 20)
-    monkeypatch.setattr(vlmrun.api, "_cached_llm", lambda model, dtype, device: llm)
+    monkeypatch.setattr(vlmrun.api, "_cached_llm", lambda model, dtype, device, image_backend: llm)
     path = write_images(tmp_path, 1, size=(40, 30))[0]
     one = vlmrun.api.generate(images=str(path), prompt="What is it?", max_tokens=3)
     assert one == vlmrun.api.generate(images=[str(path)], prompt="What is it?", max_tokens=3)

@@ -1,7 +1,8 @@
 """Tests for processors/: image loading and limits, HF-parity preprocessing, chat -> token ids.
 
-References: transformers' `Qwen2VLImageProcessorPil` (pixels, grids), qwen-vl-utils' `fetch_image`
-(per-image sizing options), transformers' `Qwen2_5_VLProcessor` / `Qwen3VLProcessor` (token ids).
+References: transformers' `Qwen2VLImageProcessor` (torchvision backend) and `Qwen2VLImageProcessorPil`
+(PIL backend) for pixels and grids, bit for bit; qwen-vl-utils' `fetch_image` (per-image sizing
+options), transformers' `Qwen2_5_VLProcessor` / `Qwen3VLProcessor` (token ids).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from processors import (
+    IMAGE_BACKENDS,
     ImageProcessor,
     ImageProcessorConfig,
     InputError,
@@ -39,6 +41,7 @@ from processors import (
     load_image,
     smart_resize,
 )
+from processors.pixel_backends import torchvision_available
 from vlmrun.synthetic import scene_from_file
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
@@ -60,8 +63,23 @@ CONFIGS = {"qwen25_p14": QWEN25_CONFIG, "qwen3_p16": QWEN3_CONFIG, "small_p16": 
 SIZES = [(1, 1), (10, 10), (28, 28), (57, 31), (300, 451), (20, 3000), (3000, 20), (333, 777), (1025, 769)]
 
 
-def _hf(config: dict[str, Any]) -> Qwen2VLImageProcessorPil:
-    return Qwen2VLImageProcessorPil(**config)
+# The backends of this environment: torchvision only where it imports (its tests skip elsewhere).
+BACKENDS = [pytest.param("torchvision", marks=pytest.mark.skipif(not torchvision_available(),
+                                                                 reason="torchvision does not import here")),
+            "pil"]
+
+
+def _hf_class(backend: str = "pil") -> Any:
+    """transformers' image processor class that the backend reproduces."""
+    if backend == "torchvision":
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor
+    return Qwen2VLImageProcessorPil
+
+
+def _hf(config: dict[str, Any], backend: str = "pil") -> Any:
+    return _hf_class(backend)(**config)
 
 
 def _noise(height: int, width: int, seed: int = 0) -> Image.Image:
@@ -69,7 +87,7 @@ def _noise(height: int, width: int, seed: int = 0) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
-def _hf_pixels(hf: Qwen2VLImageProcessorPil, images: list[Image.Image]) -> tuple[np.ndarray, list[list[int]]]:
+def _hf_pixels(hf: Any, images: list[Image.Image]) -> tuple[np.ndarray, list[list[int]]]:
     out = hf(images=images, return_tensors="np")
     return out["pixel_values"], out["image_grid_thw"].tolist()
 
@@ -113,14 +131,17 @@ def _qwen_vl_utils() -> Any:
 
 
 # =============================================================================================
-# (a) pixel_values / grid_thw equal transformers' Qwen2VLImageProcessorPil
+# (a) pixel_values / grid_thw equal transformers' Qwen2VLImageProcessor (torchvision) and
+#     Qwen2VLImageProcessorPil (PIL), bit for bit
 # =============================================================================================
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_pixels_match_hf_pil_processor(name: str) -> None:
+def test_pixels_match_hf_processor(name: str, backend: str) -> None:
     config = CONFIGS[name]
-    hf, ours = _hf(config), ImageProcessor.from_dict(config)
+    hf, ours = _hf(config, backend), ImageProcessor.from_dict(config, backend)
+    assert ours.backend == backend
     for k, (h, w) in enumerate(SIZES):
         image = _noise(h, w, seed=k)
         ref, grids = _hf_pixels(hf, [image])
@@ -128,20 +149,88 @@ def test_pixels_match_hf_pil_processor(name: str) -> None:
         assert list(got.grid_thw) == grids[0], (name, h, w)
         assert got.pixel_values.dtype == torch.float32
         assert got.pixel_values.shape == ref.shape
-        np.testing.assert_allclose(got.pixel_values.numpy(), ref, atol=1e-5, rtol=0, err_msg=f"{name} {h}x{w}")
+        np.testing.assert_array_equal(got.pixel_values.numpy(), ref, err_msg=f"{name} {h}x{w}")
         assert got.size == (grids[0][1] * config["patch_size"], grids[0][2] * config["patch_size"])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["qwen25_p14", "qwen3_p16"])
-def test_pixels_match_hf_on_real_photos(name: str) -> None:
+def test_pixels_match_hf_on_real_photos(name: str, backend: str) -> None:
     config = CONFIGS[name]
-    hf, ours = _hf(config), ImageProcessor.from_dict(config)
+    hf, ours = _hf(config, backend), ImageProcessor.from_dict(config, backend)
     for path in sorted(ASSETS.glob("*.*g")):
         image = load_image(path)
         ref, grids = _hf_pixels(hf, [image])
         got = ours.preprocess(image)
         assert list(got.grid_thw) == grids[0], path.name
-        np.testing.assert_allclose(got.pixel_values.numpy(), ref, atol=1e-5, rtol=0, err_msg=path.name)
+        np.testing.assert_array_equal(got.pixel_values.numpy(), ref, err_msg=path.name)
+
+
+# large (shrunk by max_pixels), extreme aspect ratios (up to 200:1) and sizes at the rounding edges
+ODD_SIZES = [(2400, 3200), (4, 800), (800, 4), (1, 200), (27, 29), (13, 2600)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pixels_match_hf_on_odd_sizes_and_batches(backend: str) -> None:
+    for name in ("qwen25_p14", "small_p16"):
+        config = CONFIGS[name]
+        hf, ours = _hf(config, backend), ImageProcessor.from_dict(config, backend)
+        for k, (h, w) in enumerate(ODD_SIZES):
+            image = _noise(h, w, seed=20 + k)
+            ref, grids = _hf_pixels(hf, [image])
+            got = ours.preprocess(image)
+            assert list(got.grid_thw) == grids[0], (name, h, w)
+            np.testing.assert_array_equal(got.pixel_values.numpy(), ref, err_msg=f"{name} {h}x{w}")
+        # HF resizes same-shape images as one stacked batch: still the per-image pixels
+        images = [_noise(90, 130, seed=s) for s in (1, 2)] + [_noise(40, 300, seed=3)]
+        ref, grids = _hf_pixels(hf, images)
+        got = [ours.preprocess(image) for image in images]
+        assert [list(g.grid_thw) for g in got] == grids
+        np.testing.assert_array_equal(torch.cat([g.pixel_values for g in got]).numpy(), ref)
+
+
+def _mode_images() -> dict[str, Image.Image]:
+    """One picture in the PIL modes people feed: grayscale, RGBA, LA, CMYK, palette (with and
+    without a transparent index), 1-bit."""
+    rgb = Image.fromarray(_pattern(61, 45))
+    rgba = np.concatenate([_pattern(61, 45), (np.arange(61, dtype=np.uint8) * 4)[None, :, None].repeat(45, 0)], -1)
+    pal_transparent = rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=32)
+    pal_transparent.info["transparency"] = 3
+    return {
+        "L": rgb.convert("L"),
+        "RGBA": Image.fromarray(rgba, "RGBA"),
+        "LA": Image.fromarray(rgba, "RGBA").convert("LA"),
+        "CMYK": rgb.convert("CMYK"),
+        "P": rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=32),
+        "P+transparency": pal_transparent,
+        "1": rgb.convert("1"),
+    }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pixels_match_hf_for_every_image_mode(backend: str) -> None:
+    config = CONFIGS["qwen25_p14"]
+    hf, ours = _hf(config, backend), ImageProcessor.from_dict(config, backend)
+    for mode, image in _mode_images().items():
+        assert image.mode == mode.split("+")[0]
+        ref, grids = _hf_pixels(hf, [image])
+        got = ours.preprocess(load_image(image))
+        assert list(got.grid_thw) == grids[0], mode
+        np.testing.assert_array_equal(got.pixel_values.numpy(), ref, err_msg=mode)
+
+
+@pytest.mark.skipif(not torchvision_available(), reason="torchvision does not import here")
+def test_auto_backend_is_torchvision_when_it_imports() -> None:
+    assert ImageProcessor().backend == "torchvision"
+    assert ImageProcessor(backend="pil").backend == "pil"
+    with pytest.raises(ValueError, match="image_backend"):
+        ImageProcessor(backend="opencv")
+    # the two resizes differ (that is why the backend is an option and part of the hash)
+    a, b = ImageProcessor(backend="torchvision"), ImageProcessor(backend="pil")
+    image = _noise(300, 451, seed=9)
+    ta, tb = a.preprocess(image), b.preprocess(image)
+    assert ta.grid_thw == tb.grid_thw and ta.hash != tb.hash
+    assert not torch.equal(ta.pixel_values, tb.pixel_values)
 
 
 def test_smart_resize_matches_hf() -> None:
@@ -180,7 +269,7 @@ def test_config_spellings(qwen3_vl_dir: Path, qwen2_5_vl_dir: Path) -> None:
         assert (cfg.min_pixels, cfg.max_pixels) == (hf.size["shortest_edge"], hf.size["longest_edge"])
         image = _noise(123, 77)
         ref, grids = _hf_pixels(hf, [image])
-        got = ImageProcessor(cfg).preprocess(image)
+        got = ImageProcessor(cfg, "pil").preprocess(image)
         assert list(got.grid_thw) == grids[0]
         np.testing.assert_allclose(got.pixel_values.numpy(), ref, atol=1e-5, rtol=0)
 
@@ -193,6 +282,9 @@ def test_hash_identifies_pixels() -> None:
     assert ha != ours.preprocess(b).hash
     assert ha != ours.preprocess(a, max_pixels=4 * 28 * 28).hash  # other size, other pixels
     assert ha != ImageProcessor.from_dict(QWEN3_CONFIG).preprocess(a).hash  # other config
+    other = [b for b in IMAGE_BACKENDS[1:] if b != ours.backend and (b != "torchvision" or torchvision_available())]
+    for backend in other:  # other backend, other pixels
+        assert ha != ImageProcessor.from_dict(QWEN25_CONFIG, backend).preprocess(a).hash
     assert len(ha) == 64 and int(ha, 16) >= 0
 
 
@@ -212,37 +304,36 @@ PER_ITEM_OPTIONS: list[dict[str, int]] = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ["qwen25_p14", "qwen3_p16"])
-def test_per_item_options_match_qwen_vl_utils(name: str) -> None:
+def test_per_item_options_match_qwen_vl_utils(name: str, backend: str) -> None:
     vp = _qwen_vl_utils()
     config = CONFIGS[name]
     patch = config["patch_size"]
-    hf, ours = _hf(config), ImageProcessor.from_dict(config)
+    hf, ours = _hf(config, backend), ImageProcessor.from_dict(config, backend)
     cfg = ours.config
     images = [_noise(300, 451, seed=3), load_image(ASSETS / "rocket_280x420.jpg"), _noise(61, 47, seed=4)]
-    checked = 0
+    resized_twice = 0
     for image in images:
         for options in PER_ITEM_OPTIONS:
             fetched = vp.fetch_image({"image": image, **options}, image_patch_size=patch)
             ref, grids = _hf_pixels(hf, [fetched])
             got = ours.preprocess(image, **options)
             assert list(got.grid_thw) == grids[0], (name, image.size, options)
-            h, w = fetched.height, fetched.width
-            if cfg.min_pixels <= h * w <= cfg.max_pixels:
-                # qwen-vl-utils' size is within the model's bounds: one resize, identical pixels
-                np.testing.assert_allclose(got.pixel_values.numpy(), ref, atol=1e-5, rtol=0,
-                                           err_msg=f"{name} {image.size} {options}")
-                checked += 1
-            # else HF resizes qwen-vl-utils' image a second time; we resize once to the same size
-    assert checked >= 12
+            # identical pixels, also where HF resizes qwen-vl-utils' image a second time (its size
+            # lies outside the model's bounds)
+            np.testing.assert_array_equal(got.pixel_values.numpy(), ref, err_msg=f"{name} {image.size} {options}")
+            resized_twice += not cfg.min_pixels <= fetched.height * fetched.width <= cfg.max_pixels
+    assert resized_twice >= (3 if name == "qwen3_p16" else 0)  # Qwen3's min_pixels is above some options' sizes
 
 
-def test_per_item_options_through_process_chat(tiny_tokenizer_dir: Path) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_item_options_through_process_chat(tiny_tokenizer_dir: Path, backend: str) -> None:
     vp = _qwen_vl_utils()
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
     template = (tiny_tokenizer_dir / "chat_template.jinja").read_text()
-    processor = Processor(tokenizer, template, ImageProcessor.from_dict(QWEN25_CONFIG))
-    hf = _hf(QWEN25_CONFIG)
+    processor = Processor(tokenizer, template, ImageProcessor.from_dict(QWEN25_CONFIG, backend))
+    hf = _hf(QWEN25_CONFIG, backend)
     image = _noise(300, 451, seed=5)
     items = [{"type": "image", "image": image, "max_pixels": 60_000},
              {"type": "image", "image": image, "resized_height": 200, "resized_width": 120}]
@@ -251,7 +342,7 @@ def test_per_item_options_through_process_chat(tiny_tokenizer_dir: Path) -> None
         fetched = vp.fetch_image(item, image_patch_size=14)
         ref, grids = _hf_pixels(hf, [fetched])
         assert list(mm.grid_thw) == grids[0]
-        np.testing.assert_allclose(mm.pixel_values.numpy(), ref, atol=1e-5, rtol=0)
+        np.testing.assert_array_equal(mm.pixel_values.numpy(), ref)
     assert [m.length for m in prompt.mm_items] == [int(np.prod(m.grid_thw)) // 4 for m in prompt.mm_items]
 
 
@@ -260,8 +351,8 @@ def test_per_item_options_through_process_chat(tiny_tokenizer_dir: Path) -> None
 # =============================================================================================
 
 
-def _hf_vl_processor(ckpt: Path) -> Any:
-    """HF's own Qwen2.5-VL / Qwen3-VL processor around the PIL image processor, without video.
+def _hf_vl_processor(ckpt: Path, backend: str) -> Any:
+    """HF's own Qwen2.5-VL / Qwen3-VL processor around the backend's HF image processor, without video.
 
     Their constructors type-check a video processor, whose classes need torchvision; the subclass
     skips that check (video_processor=None) — text and image handling are HF's unchanged.
@@ -276,7 +367,7 @@ def _hf_vl_processor(ckpt: Path) -> Any:
             return None
 
     tokenizer = AutoTokenizer.from_pretrained(str(ckpt))
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(ckpt))
+    image_processor = _hf_class(backend).from_pretrained(str(ckpt))
     return NoVideo(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
                    chat_template=(ckpt / "chat_template.jinja").read_text())
 
@@ -299,7 +390,8 @@ def test_chat_token_ids_match_hf_processor(arch: str, request: pytest.FixtureReq
     ckpt: Path = request.getfixturevalue(f"{arch}_dir")
     img1 = load_image(ASSETS / "chelsea_451x300.jpg")
     img2 = _noise(77, 190, seed=6)
-    hf_proc = _hf_vl_processor(ckpt)
+    processor = Processor.from_pretrained(ckpt)  # the default backend, as transformers picks it
+    hf_proc = _hf_vl_processor(ckpt, processor.image_processor.backend)
     hf_messages = _two_image_chat(None, None)
     for m in hf_messages:  # HF's template only needs to see where the images are
         if isinstance(m["content"], list):
@@ -308,7 +400,6 @@ def test_chat_token_ids_match_hf_processor(arch: str, request: pytest.FixtureReq
     ref = hf_proc(text=[text], images=[img1, img2], return_tensors="np")
     ref_ids = ref["input_ids"][0].tolist()
 
-    processor = Processor.from_pretrained(ckpt)
     prompt = processor.process_chat(_two_image_chat(img1, img2))
     assert isinstance(prompt, ProcessedPrompt)
     assert prompt.token_ids == ref_ids
@@ -326,7 +417,7 @@ def test_chat_token_ids_match_hf_processor(arch: str, request: pytest.FixtureReq
         assert prompt.token_ids[m.offset: m.offset + m.length] == [pad] * m.length
         assert prompt.token_ids[m.offset + m.length] == processor.vision_token_ids.vision_end
     pixels = torch.cat([m.pixel_values for m in prompt.mm_items]).numpy()
-    np.testing.assert_allclose(pixels, ref["pixel_values"], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(pixels, ref["pixel_values"])
 
     # OpenAI image_url items (dict and plain string forms) give the same prompt
     as_url = processor.process_chat(_two_image_chat(img1, img2, as_url=True))
@@ -645,8 +736,9 @@ def test_assets_load() -> None:
 
 @pytest.mark.gpu
 def test_cuda_preprocess_matches_cpu() -> None:
+    """PIL backend: the resize runs on the host, so CUDA pixels (and hashes) equal the CPU ones."""
     for config in (QWEN25_CONFIG, QWEN3_CONFIG):
-        ours = ImageProcessor.from_dict(config)
+        ours = ImageProcessor.from_dict(config, "pil")
         for k, (h, w) in enumerate(SIZES):
             image = _noise(h, w, seed=k)
             cpu = ours.preprocess(image)
@@ -655,11 +747,33 @@ def test_cuda_preprocess_matches_cpu() -> None:
             torch.testing.assert_close(gpu.pixel_values.cpu(), cpu.pixel_values, atol=1e-6, rtol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torchvision_available(), reason="torchvision does not import here")
+def test_cuda_torchvision_preprocess_matches_hf_on_cuda() -> None:
+    """torchvision backend on CUDA: uint8 upload, resize + normalise on the GPU, equal to HF's
+    torchvision processor run with device="cuda", bit for bit; the hash names the device."""
+    for config in (QWEN25_CONFIG, QWEN3_CONFIG):
+        hf, ours = _hf(config, "torchvision"), ImageProcessor.from_dict(config, "torchvision")
+        for k, (h, w) in enumerate(SIZES + ODD_SIZES):
+            image = _noise(h, w, seed=k)
+            ref = hf(images=[image], return_tensors="pt", device="cuda")
+            got = ours.preprocess(image, device="cuda")
+            assert got.pixel_values.is_cuda and list(got.grid_thw) == ref["image_grid_thw"][0].tolist()
+            assert torch.equal(got.pixel_values, ref["pixel_values"].to("cuda")), (h, w)
+            assert got.hash != ours.preprocess(image).hash
+
+
 def test_hash_is_sha256_of_documented_fields() -> None:
-    ours = ImageProcessor.from_dict(QWEN25_CONFIG)
+    ours = ImageProcessor.from_dict(QWEN25_CONFIG, "pil")
     image = _noise(56, 84)
     got = ours.preprocess(image)
     h, w = got.size
-    digest = hashlib.sha256(ours.config.fingerprint() + struct.pack("<5q", h, w, *got.grid_thw)
+    digest = hashlib.sha256(ours.config.fingerprint() + b"|pil" + struct.pack("<7q", h, w, h, w, *got.grid_thw)
                             + np.asarray(image.resize((w, h), Image.Resampling.BICUBIC)).tobytes())
     assert got.hash == digest.hexdigest()
+    if torchvision_available():  # torchvision: the uploaded pixels are the unresized ones; the device type counts
+        tv = ImageProcessor.from_dict(QWEN25_CONFIG, "torchvision")
+        got = tv.preprocess(image)
+        digest = hashlib.sha256(tv.config.fingerprint() + b"|torchvision:cpu"
+                                + struct.pack("<7q", 56, 84, h, w, *got.grid_thw) + np.asarray(image).tobytes())
+        assert got.hash == digest.hexdigest()

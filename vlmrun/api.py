@@ -143,17 +143,17 @@ def _progress_bar(total: int):
 
 
 @functools.lru_cache(maxsize=1)
-def _cached_llm(model: Optional[str], dtype: str, device: str) -> LLM:
-    return LLM(model, dtype=dtype, device=device)
+def _cached_llm(model: Optional[str], dtype: str, device: str, image_backend: str) -> LLM:
+    return LLM(model, dtype=dtype, device=device, image_backend=image_backend)
 
 
 def generate(images: Any = None, prompt: str = "Describe the image.", *,
              model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
-             max_tokens: int = 256, **sampling: Any) -> str:
+             image_backend: str = "auto", max_tokens: int = 256, **sampling: Any) -> str:
     """One request in one call: images and a prompt in, text out. The engine is kept for the next call.
 
     `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them."""
-    llm = _cached_llm(model, dtype, device)
+    llm = _cached_llm(model, dtype, device, image_backend)
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
     out = llm.generate([{"prompt": prompt, "images": images}], params, use_tqdm=False)[0]
     if out.error is not None:

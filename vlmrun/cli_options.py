@@ -1,4 +1,5 @@
-"""Command-line options every engine-running command shares (`serve`, `web`, `caption`): kernels.
+"""Command-line options every engine-running command shares (`serve`, `web`, `caption`): kernels
+and the image backend.
 
 Kept free of torch so that parsing a command line stays fast.
 """
@@ -16,9 +17,11 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                    help="hybrid models' Gated DeltaNet kernels (fla: flash-linear-attention, CUDA)")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no decode padding to batch-size buckets and no CUDA graphs")
+    p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
+                   help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
 
 
 def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields `add_kernel_args` set."""
     return {"attention_backend": args.attention_backend, "gdn_backend": args.gdn_backend,
-            "enforce_eager": args.enforce_eager}
+            "enforce_eager": args.enforce_eager, "image_backend": args.image_backend}

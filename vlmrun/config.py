@@ -13,6 +13,8 @@ from typing import Any, Optional
 
 import torch
 
+from processors.pixel_backends import IMAGE_BACKENDS
+
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -28,6 +30,7 @@ class EngineConfig:
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
     # a CUDA graph per bucket where the backends allow it; True: every step runs eagerly, unpadded.
     enforce_eager: bool = False
+    image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"gdn_prefix_snapshots must be >= 0, got {self.gdn_prefix_snapshots}")
         if self.prefix_snapshot_interval < 1:
             raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
+        if self.image_backend not in IMAGE_BACKENDS:
+            raise ValueError(f"image_backend must be one of {', '.join(IMAGE_BACKENDS)}, got {self.image_backend!r}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

@@ -79,7 +79,7 @@ class Engine:
         self.device = config.resolve_device()
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
-        self.processor = Processor.from_pretrained(path, limits=self._limits())
+        self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend)
         self.tokenizer = self.processor.tokenizer
         model = load_model(self.model_config, self.device)
         dtype = self.model_config.dtype
