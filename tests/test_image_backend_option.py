@@ -60,3 +60,26 @@ def test_backends_give_other_hashes_and_prefix_keys(qwen3_vl_dir: Path) -> None:
     llm = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", image_backend="pil")
     assert llm.engine.processor.image_processor.backend == "pil"
     assert llm.engine.process(chat).mm_items[0].hash == pil.mm_items[0].hash
+
+
+def test_preprocess_device_option(qwen3_vl_dir: Path, tmp_path: Path) -> None:
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["serve", "--preprocess-device", "cuda"])).preprocess_device == "cuda"
+    assert build_config(parser.parse_args(["caption", str(tmp_path)])).engine_options["preprocess_device"] == "cpu"
+    with pytest.raises(ValueError, match="preprocess_device"):
+        EngineConfig(preprocess_device="gpu")
+    with pytest.raises(ValueError, match="preprocess_device='cuda' needs the engine on CUDA"):
+        LLM(str(qwen3_vl_dir), device="cpu", preprocess_device="cuda")
+
+
+@pytest.mark.gpu
+@needs_torchvision
+def test_gpu_preprocessing_gives_the_cpu_pixels(qwen3_vl_dir: Path) -> None:
+    chat = [user(make_image(90, 61, 1), make_image(300, 41, 2), "Compare.")]
+    on_cpu = LLM(str(qwen3_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20)
+    on_gpu = LLM(str(qwen3_vl_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=64 << 20,
+                 preprocess_device="cuda")
+    a, b = on_cpu.engine.process(chat), on_gpu.engine.process(chat)
+    assert b.mm_items[0].pixel_values.is_cuda
+    for x, y in zip(a.mm_items, b.mm_items):
+        assert (x.pixel_values.cpu() == y.pixel_values.cpu()).all()

@@ -19,9 +19,12 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                    help="no decode padding to batch-size buckets and no CUDA graphs")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
                    help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
+    p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],
+                   help="resize and normalise images on the CPU or on the engine's GPU (torchvision backend)")
 
 
 def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields `add_kernel_args` set."""
     return {"attention_backend": args.attention_backend, "gdn_backend": args.gdn_backend,
-            "enforce_eager": args.enforce_eager, "image_backend": args.image_backend}
+            "enforce_eager": args.enforce_eager, "image_backend": args.image_backend,
+            "preprocess_device": args.preprocess_device}

@@ -31,6 +31,9 @@ class EngineConfig:
     # a CUDA graph per bucket where the backends allow it; True: every step runs eagerly, unpadded.
     enforce_eager: bool = False
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
+    # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device
+    # ("cuda"): decoded on the host and uploaded as uint8; the pixels equal the CPU path's.
+    preprocess_device: str = "cpu"
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -68,6 +71,8 @@ class EngineConfig:
             raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
         if self.image_backend not in IMAGE_BACKENDS:
             raise ValueError(f"image_backend must be one of {', '.join(IMAGE_BACKENDS)}, got {self.image_backend!r}")
+        if self.preprocess_device not in ("cpu", "cuda"):
+            raise ValueError(f"preprocess_device must be cpu or cuda, got {self.preprocess_device!r}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

@@ -79,7 +79,8 @@ class Engine:
         self.device = config.resolve_device()
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
-        self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend)
+        self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
+                                                   device=self._preprocess_device())
         self.tokenizer = self.processor.tokenizer
         model = load_model(self.model_config, self.device)
         dtype = self.model_config.dtype
@@ -140,6 +141,13 @@ class Engine:
         if plan.num_gdn_snapshots:
             logger.info("prefix cache: %d GDN state snapshots (%d bytes)", plan.num_gdn_snapshots,
                         plan.gdn_snapshot_bytes)
+
+    def _preprocess_device(self) -> torch.device:
+        if self.config.preprocess_device == "cpu":
+            return torch.device("cpu")
+        if self.device.type != "cuda":
+            raise ValueError(f"preprocess_device='cuda' needs the engine on CUDA; it runs on {self.device}")
+        return self.device
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
