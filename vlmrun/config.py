@@ -6,6 +6,7 @@ the checkpoint's HF config and answers the questions the engine asks of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,6 +155,15 @@ class CacheShape:
             shape.update(linear_conv_dim=2 * hk * dk + hv * dv, linear_conv_kernel=text.linear_conv_kernel_dim,
                          linear_num_v_heads=hv, linear_head_v_dim=dv, linear_head_k_dim=dk)
         return cls(**shape)
+
+    def for_tensor_parallel(self, size: int) -> "CacheShape":
+        """One rank's share when `size` ranks split the heads: KV heads (at least one, replicated when
+        fewer than ranks), GDN value heads and conv channels (q | k | v each split)."""
+        if size == 1:
+            return self
+        return dataclasses.replace(self, num_kv_heads=max(self.num_kv_heads // size, 1),
+                                   linear_conv_dim=self.linear_conv_dim // size,
+                                   linear_num_v_heads=self.linear_num_v_heads // size)
 
 
 def text_config(hf_config: Any) -> Any:

@@ -11,6 +11,12 @@ parameters. MoE expert weights are taken fused (`experts.gate_up_proj` [E, 2I, H
 `experts.down_proj` [E, H, I], as transformers 5 stores them), fused but transposed
 ([E, H, 2I] / [E, I, H], the Qwen3-VL-MoE hub layout), or per expert (`experts.{e}.gate_proj.weight`
 [I, H], `up_proj` [I, H], `down_proj` [H, I], the hub layout of the others).
+
+A module with a `load_weight(name, tensor, part, hf_name)` method (the tensor-parallel layers of
+`vlmrun.layers.linear`) loads its own parameters from the full checkpoint tensor, keeping this
+rank's slice; a fused one names the checkpoint tensors of its parts (`part_names`), and a
+parameter counts as loaded once every part arrived. Tensors may come lazily
+(`vlmrun.loader.LazyTensor`): only sharded layers read them in slices, the rest reads them whole.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
+
+from vlmrun.loader import materialize
 
 
 def build_model(cls: Callable[[Any], nn.Module], config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -64,12 +72,27 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     set of loaded parameter names.
     """
     params = dict(module.named_parameters())
+    owners = _sharded_owners(module)
+    aliases = _fused_part_aliases(module)
     loaded: set[str] = set()
     expert_pieces: dict[str, set[tuple[int, str]]] = {}  # fused param -> (expert, kind) pieces seen
+    part_pieces: dict[str, set[int]] = {}  # fused-part param -> parts seen
     for hf_name, tensor in weights:
         name = rename(hf_name)
         if name is None:
             continue
+        name, part = aliases.get(name, (name, None))
+        if name in owners and name in params:
+            if transform is not None:
+                tensor = transform(name, tensor)
+            owner, local = owners[name]
+            owner.load_weight(local, tensor, part, hf_name)
+            if part is None:
+                loaded.add(name)
+            else:
+                part_pieces.setdefault(name, set()).add(part)
+            continue
+        tensor = materialize(tensor)
         m = _PER_EXPERT.match(name)
         if m:
             kind = m["kind"]
@@ -81,7 +104,13 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
                 raise ValueError(f"{hf_name}: expert {e} out of range, the model has {param.shape[0]} experts")
             half = param.shape[1] // 2
             dst = {"gate_proj": param[e, :half], "up_proj": param[e, half:], "down_proj": param[e]}[kind]
-            _copy(dst, tensor, hf_name, target)
+            experts = module.get_submodule(m["prefix"])
+            full = experts.full_shape(target.rpartition(".")[2])[1:]
+            piece = full if kind == "down_proj" else (full[0] // 2, full[1])  # [H, I] or [I, H]
+            if tuple(tensor.shape) != piece:
+                raise ValueError(f"shape mismatch for {hf_name} -> {target}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model (unsharded) {piece}")
+            _copy(dst, experts.shard_piece(kind, tensor), hf_name, target)
             expert_pieces.setdefault(target, set()).add((e, kind))
             continue
         if name not in params:
@@ -89,9 +118,14 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
         param = params[name]
         if transform is not None:
             tensor = transform(name, tensor)
-        if name.endswith(_FUSED) and tensor.shape != param.shape and tensor.dim() == 3 \
-                and tensor.transpose(1, 2).shape == param.shape:
-            tensor = tensor.transpose(1, 2)  # fused experts saved as [E, in, out]
+        if name.endswith(_FUSED):
+            experts, _, local = name.rpartition(".")
+            experts = module.get_submodule(experts)
+            full = experts.full_shape(local)
+            if tensor.shape != full and tensor.dim() == 3 and tensor.transpose(1, 2).shape == full:
+                tensor = tensor.transpose(1, 2)  # fused experts saved as [E, in, out]
+            if tensor.shape == full:
+                tensor = experts.shard_full(local, tensor)
         _copy(param, tensor, hf_name, name)
         loaded.add(name)
     for target, pieces in expert_pieces.items():
@@ -102,11 +136,39 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             shown = ", ".join(absent[:8]) + (" ..." if len(absent) > 8 else "")
             raise ValueError(f"{target}: the checkpoint lacks {len(absent)} per-expert weights: experts.{shown}")
         loaded.add(target)
+    for name, parts in part_pieces.items():
+        owner, _ = owners[name]
+        if len(parts) == len(owner.part_names):
+            loaded.add(name)
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
         raise ValueError(f"{len(missing)} parameters missing from the checkpoint: {shown}")
     return loaded
+
+
+def _sharded_owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Parameter name -> (the module that loads it itself, its local name), for modules with `load_weight`."""
+    owners = {}
+    for prefix, sub in module.named_modules():
+        if hasattr(sub, "load_weight"):
+            for local, param in sub._parameters.items():
+                if param is not None:
+                    owners[f"{prefix}.{local}" if prefix else local] = (sub, local)
+    return owners
+
+
+def _fused_part_aliases(module: nn.Module) -> dict[str, tuple[str, int]]:
+    """Checkpoint-style name of a fused part (`...self_attn.q_proj.weight`) -> (our parameter, part index)."""
+    aliases = {}
+    for prefix, sub in module.named_modules():
+        parent = prefix.rpartition(".")[0]
+        for i, part in enumerate(getattr(sub, "part_names", ())):
+            for local, param in sub._parameters.items():
+                if param is not None:
+                    ours = f"{prefix}.{local}" if prefix else local
+                    aliases[f"{parent}.{part}.{local}" if parent else f"{part}.{local}"] = (ours, i)
+    return aliases
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str, name: str) -> None:
