@@ -42,6 +42,11 @@ class EngineConfig:
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
     seed: int = 0
+    # Tensor parallelism: one worker process per rank, each holding 1/N of the attention heads, MLP
+    # units and experts (vlmrun/executor/distributed.py); "mp" spawns them here, "ray" places them
+    # with a Ray placement group.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # mp | ray
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
     max_stop_strings: int = 32
@@ -61,6 +66,10 @@ class EngineConfig:
             raise ValueError(f"gdn_prefix_snapshots must be >= 0, got {self.gdn_prefix_snapshots}")
         if self.prefix_snapshot_interval < 1:
             raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

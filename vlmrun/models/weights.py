@@ -1,6 +1,6 @@
 """Weights into a model: building it on its device in its dtype, and the one checkpoint loader.
 
-`build_model(cls, config, dtype, device)` constructs a model on the meta device (no memory, and
+`build_model(cls, config, dtype, device, tp)` constructs a model on the meta device (no memory, and
 no process-wide default-dtype switch), then gives every parameter its storage once, empty, in
 `dtype` on `device`; buffers (made on the CPU at construction, e.g. rotary frequencies) move to
 `device` as they are. The checkpoint then fills every parameter: `load_checkpoint` refuses to
@@ -28,12 +28,14 @@ import torch
 from torch import nn
 
 from vlmrun.loader import materialize
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
-def build_model(cls: Callable[[Any], nn.Module], config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """`cls(config)` with empty parameters in `dtype` (floating ones) on `device`; tied ones stay tied."""
+def build_model(cls: Callable[..., nn.Module], config: Any, dtype: torch.dtype, device: torch.device,
+                tp: TensorParallel = SINGLE) -> nn.Module:
+    """`cls(config, tp)` with empty parameters in `dtype` (floating ones) on `device`; tied ones stay tied."""
     with torch.device("meta"):
-        model = cls(config)
+        model = cls(config, tp)
     storage: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in module._parameters.items():

@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-strings", type=int, default=32, help="stop strings one request may give")
     p.add_argument("--max-stop-string-length", type=int, default=512, help="characters of one stop string")
     p.add_argument("--max-stop-token-ids", type=int, default=64, help="stop token ids one request may give")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (devices) the model is split over")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="how the ranks are started: local processes (mp) or a Ray placement group (ray)")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
@@ -37,7 +40,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
                         max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                        max_stop_token_ids=args.max_stop_token_ids)
+                        max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
+                        distributed_executor_backend=args.distributed_executor_backend)
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings
