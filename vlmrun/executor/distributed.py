@@ -95,6 +95,7 @@ class TensorParallelExecutor:
     # ------------------------------------------------------------------ messages
 
     def _send(self, message: tuple) -> None:
+        self._check_running()
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
         for rank, conn in enumerate(self.conns):
             try:
@@ -104,8 +105,7 @@ class TensorParallelExecutor:
 
     def _receive(self, rank: int, kind: str) -> tuple:
         """The next message of `rank` (of `kind`), watching every rank for errors and exits meanwhile."""
-        if not self._finalizer.alive:
-            raise RankFailure("the tensor-parallel executor is shut down")
+        self._check_running()
         while not self._inbox[rank]:
             for ready in wait(self.conns, timeout=POLL_SECONDS):
                 sender = self.conns.index(ready)
@@ -123,6 +123,10 @@ class TensorParallelExecutor:
         if message[0] != kind:
             self._fail(f"tensor-parallel rank {rank} answered {message[0]!r} where {kind!r} was due")
         return message
+
+    def _check_running(self) -> None:
+        if not self._finalizer.alive:
+            raise RankFailure("the tensor-parallel executor is shut down")
 
     def _exit_status(self, rank: int) -> str:
         process = self.processes[rank]
