@@ -173,3 +173,23 @@ def test_tp4_with_replicated_kv_heads_then_a_rank_dies(qwen3_dir):
             os.kill(pid, 0)
     with pytest.raises(RankFailure, match="shut down"):
         llm.generate(["again"], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_ray_executor_tp2_matches_tp1(qwen3_5_dir):
+    """Two CPU ranks as Ray actors in a placement group on a local Ray cluster."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        options = engine_options(qwen3_5_dir, 1)
+        reference = LLM(str(qwen3_5_dir), **options)
+        ref_out, _ = run_scenario(reference, True)
+        options = dict(engine_options(qwen3_5_dir, 2), distributed_executor_backend="ray")
+        llm = LLM(str(qwen3_5_dir), **options)
+        try:
+            assert type(llm.engine.runner).__name__ == "RayExecutor"
+            out, _ = run_scenario(llm, True)
+            assert_same_outputs(out, ref_out)
+        finally:
+            llm.engine.shutdown()
+    finally:
+        ray.shutdown()

@@ -28,9 +28,9 @@ from typing import Any, Optional
 import torch
 import torch.multiprocessing as mp
 
-from vlmrun.cache.plan import plan_for_budget
+from vlmrun.cache.plan import CachePlan, plan_for_budget
 from vlmrun.cache.shadow import build_shadow_caches
-from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.executor.model_runner import SampledToken
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import run_worker
@@ -49,7 +49,7 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.size = config.tensor_parallel_size
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[Any] = []
         self.conns: list[Connection] = []
         for rank in range(self.size):
@@ -63,15 +63,13 @@ class TensorParallelExecutor:
         self._inbox: list[list[tuple]] = [[] for _ in range(self.size)]
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, self.conns)
         ready = [self._receive(rank, "ready") for rank in range(self.size)]
-        shape = ready[0][2]
-        budget = min(message[1] for message in ready)
-        plan = plan_for_budget(shape, config, budget, dtype=model_config.dtype, max_model_len=model_config.max_model_len)
+        shape, plan = plan_for_ranks(ready, config, model_config)
         self._send(("plan", plan))
         for rank in range(self.size):
             self._receive(rank, "built")
         self.caches, self._cache_ops = build_shadow_caches(shape, plan)
-        logger.info("tensor parallel: %d ranks (pids %s); the cache plan below is each rank's", self.size,
-                    [p.pid for p in self.processes])
+        logger.info("tensor parallel: %d rank processes (pids %s); the cache plan below is each rank's", self.size,
+                    self.pids)
 
     @property
     def pids(self) -> list[int]:
@@ -79,14 +77,10 @@ class TensorParallelExecutor:
 
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         """Runs the chunks on every rank; returns rank 0's samples (as `ModelRunner.execute`)."""
-        generators = [c.sampling.generator if c.sampling is not None else None for c in chunks]
-        wire = [c if g is None else _without_generator(c) for c, g in zip(chunks, generators)]
-        states = [None if g is None else g.get_state() for g in generators]
-        self._send(("step", self._cache_ops.drain(), wire, states))
-        _, results, new_states = self._receive(0, "result")
-        for generator, state in zip(generators, new_states):
-            if generator is not None:
-                generator.set_state(state)
+        step = StepMessage(chunks, self._cache_ops.drain())
+        self._send(step.message)
+        _, results, states = self._receive(0, "result")
+        step.advance_generators(states)
         return results
 
     def shutdown(self) -> None:
@@ -163,18 +157,44 @@ def stop_processes(processes: list[Any], conns: list[Connection], grace_seconds:
         conn.close()
 
 
-def _without_generator(chunk: ChunkInput) -> ChunkInput:
-    return replace(chunk, sampling=chunk.sampling._replace(generator=None))
+class StepMessage:
+    """One step as the ranks get it: ("step", cache ops, chunks without their generators, generator states).
+
+    A seeded request's generator stays in the driver; rank 0 samples with a copy made from its state
+    and sends the advanced state back (`advance_generators`)."""
+
+    def __init__(self, chunks: list[ChunkInput], cache_ops: list):
+        self.generators = [c.sampling.generator if c.sampling is not None else None for c in chunks]
+        wire = [c if g is None else replace(c, sampling=c.sampling._replace(generator=None))
+                for c, g in zip(chunks, self.generators)]
+        states = [None if g is None else g.get_state() for g in self.generators]
+        self.message = ("step", cache_ops, wire, states)
+
+    def advance_generators(self, states: list[Optional[torch.Tensor]]) -> None:
+        for generator, state in zip(self.generators, states):
+            if generator is not None:
+                generator.set_state(state)
 
 
-def _free_port() -> int:
+def plan_for_ranks(ready: list[tuple], config: EngineConfig, model_config: ModelConfig) -> tuple[CacheShape, CachePlan]:
+    """From every rank's ("ready", budget, cache shape): the shape of a rank's caches and the one plan
+    every rank builds, for the smallest budget."""
+    shape = ready[0][2]
+    budget = min(message[1] for message in ready)
+    return shape, plan_for_budget(shape, config, budget, dtype=model_config.dtype,
+                                  max_model_len=model_config.max_model_len)
+
+
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def create_parallel_executor(config: EngineConfig, model_config: ModelConfig) -> TensorParallelExecutor:
+def create_parallel_executor(config: EngineConfig, model_config: ModelConfig) -> Any:
     """The executor `config.distributed_executor_backend` names: "mp" (processes here) or "ray"."""
     if config.distributed_executor_backend == "ray":
-        raise NotImplementedError("distributed_executor_backend='ray' is not available yet; use 'mp'")
+        from vlmrun.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, model_config)
     return TensorParallelExecutor(config, model_config)

@@ -94,15 +94,20 @@ class Worker:
         return generator
 
 
+def start_rank(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,
+               device: torch.device) -> Worker:
+    """Join the process group and load this rank's shard of the model."""
+    if device.type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
+    init_process_group(rank, size, device, init_method)
+    return Worker(TensorParallel(rank, size), config, model_config, device)
+
+
 def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,
                conn: Connection) -> None:
     """A rank's process: build, then serve steps until ("stop",) or the driver's end of `conn` closes."""
     try:
-        device = rank_device(config, rank)
-        if device.type == "cpu":  # the ranks share the cores
-            torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
-        init_process_group(rank, size, device, init_method)
-        worker = Worker(TensorParallel(rank, size), config, model_config, device)
+        worker = start_rank(rank, size, config, model_config, init_method, rank_device(config, rank))
         conn.send(("ready", worker.cache_budget(), worker.model.cache_shape()))
         _, plan = conn.recv()
         worker.build(plan)
