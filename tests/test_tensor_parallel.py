@@ -30,6 +30,7 @@ from vlmrun.models.weights import build_model
 from vlmrun.parallel import Shard, TensorParallel
 
 VL_ARCHS = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"}
+DATA_PARALLEL_ENCODER = {"qwen3_vl", "qwen3_5_moe"}  # mm_encoder_tp_mode="data"; the other VL models "weights"
 KV_TOKENS = 12 * 16  # 12 pages: too few for the scenario's batch, so requests are preempted
 MAX_NUM_SEQS = 4
 SNAPSHOTS = 8
@@ -138,7 +139,8 @@ def compare_tp(model_dir, arch: str, tp: int) -> LLM:
     """Runs the scenario at TP=1 and at `tp`; returns the TP engine (its ranks still running)."""
     reference = LLM(str(model_dir), **engine_options(model_dir, 1))
     ref_out, ref_stats = run_scenario(reference, arch in VL_ARCHS)
-    parallel = LLM(str(model_dir), **engine_options(model_dir, tp))
+    mode = "data" if arch in DATA_PARALLEL_ENCODER else "weights"
+    parallel = LLM(str(model_dir), **engine_options(model_dir, tp), mm_encoder_tp_mode=mode)
     try:
         assert same_plan(parallel, reference)
         out, stats = run_scenario(parallel, arch in VL_ARCHS)

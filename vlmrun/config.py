@@ -47,6 +47,9 @@ class EngineConfig:
     # with a Ray placement group.
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"  # mp | ray
+    # The vision tower under tensor parallelism: its weights on every rank; "weights": every rank
+    # encodes every image, "data": each rank encodes a share of the step's images, gathered after.
+    mm_encoder_tp_mode: str = "weights"
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
     max_stop_strings: int = 32
@@ -70,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in ("mp", "ray"):
             raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {self.mm_encoder_tp_mode!r}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

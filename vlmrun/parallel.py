@@ -15,6 +15,7 @@ Sharding rules the layers share: a dimension of `n` rows splits into `size` equa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -68,6 +69,16 @@ class TensorParallel:
 
             dist.all_reduce(x)
         return x
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` (picklable), in rank order."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, obj)
+        return gathered
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` [..., d] concatenated along the last dim -> [..., size * d]."""

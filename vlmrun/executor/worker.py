@@ -72,8 +72,9 @@ class Worker:
     def build(self, plan) -> None:
         dtype = self.model_config.dtype
         caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
-        vision = (VisionStage(self.model, EncoderCache(self.config.encoder_cache_tokens), self.device, dtype)
-                  if self.model.supports_images else None)
+        split_over = self.tp if self.config.mm_encoder_tp_mode == "data" else None
+        vision = (VisionStage(self.model, EncoderCache(self.config.encoder_cache_tokens), self.device, dtype,
+                              split_over) if self.model.supports_images else None)
         backend = create_attention_backend(caches, self.config.attention_backend, self.config.gdn_backend)
         self.runner = ModelRunner(self.model, caches, backend, vision, self.device)
 
