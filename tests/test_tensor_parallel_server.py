@@ -7,11 +7,11 @@ from __future__ import annotations
 import argparse
 from typing import Iterator
 
-import openai
 import pytest
 
-from tests.test_server import (  # noqa: F401  (collected here, with this module's fixtures)
-    MODEL,
+from tests.test_server import (  # noqa: F401  (collected here, with this module's engine under its fixtures)
+    client,
+    server,
     test_base64_image_and_two_images_in_one_message,
     test_logprobs,
     test_models_health_and_metrics,
@@ -20,8 +20,7 @@ from tests.test_server import (  # noqa: F401  (collected here, with this module
 )
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.server.cli import add_engine_args, add_server_args, engine_config
-from vlmrun.server.launch import ServerThread, build_engine, serve_in_thread
-from vlmrun.server.settings import ServerSettings
+from vlmrun.server.launch import build_engine
 
 
 @pytest.fixture(scope="module")
@@ -39,14 +38,3 @@ def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
     eng.shutdown()
     assert not any(p.is_alive() for p in eng.engine.runner.processes)
 
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
