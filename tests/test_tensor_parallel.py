@@ -23,7 +23,7 @@ from tests.tiny_models import ARCHS
 from vlmrun.api import LLM, SamplingParams
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token
 from vlmrun.config import CacheShape
-from vlmrun.executor.distributed import RankFailure
+from vlmrun.executor.ranks import RankFailure
 from vlmrun.loader import iter_lazy_weights, iter_weights
 from vlmrun.models.registry import get_model_class
 from vlmrun.models.weights import build_model

@@ -21,9 +21,10 @@ from typing import Any, Optional
 
 import torch
 
+from vlmrun.cache.plan import CachePlan
 from vlmrun.cache.shadow import build_shadow_caches
 from vlmrun.config import EngineConfig, ModelConfig
-from vlmrun.executor.distributed import RankFailure, StepMessage, free_port, plan_for_ranks
+from vlmrun.executor.ranks import RankFailure, StepMessage, free_port, plan_for_ranks
 from vlmrun.executor.model_runner import SampledToken
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import Worker, start_rank
@@ -52,7 +53,7 @@ class RankActor:
         self.worker = start_rank(rank, size, config, model_config, init_method, device)
         return ("ready", self.worker.cache_budget(), self.worker.model.cache_shape())
 
-    def build(self, plan: Any) -> None:
+    def build(self, plan: CachePlan) -> None:
         self.worker.build(plan)
 
     def execute(self, payload: bytes) -> Optional[tuple]:

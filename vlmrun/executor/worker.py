@@ -27,7 +27,7 @@ import torch
 import torch.distributed
 
 from vlmrun.cache.encoder_cache import EncoderCache
-from vlmrun.cache.plan import build_pools, cache_budget_bytes
+from vlmrun.cache.plan import CachePlan, build_pools, cache_budget_bytes
 from vlmrun.cache.shadow import replay_cache_ops
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.model_runner import ModelRunner
@@ -69,7 +69,7 @@ class Worker:
     def cache_budget(self) -> int:
         return cache_budget_bytes(self.config, self.device)
 
-    def build(self, plan) -> None:
+    def build(self, plan: CachePlan) -> None:
         dtype = self.model_config.dtype
         caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
         split_over = self.tp if self.config.mm_encoder_tp_mode == "data" else None
