@@ -31,6 +31,7 @@ from vlmrun.parallel import Shard, TensorParallel
 
 VL_ARCHS = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"}
 DATA_PARALLEL_ENCODER = {"qwen3_vl", "qwen3_5_moe"}  # mm_encoder_tp_mode="data"; the other VL models "weights"
+EXPERT_PARALLEL = {"qwen3_vl_moe"}  # whole experts per rank; the other MoE models slice every expert
 KV_TOKENS = 12 * 16  # 12 pages: too few for the scenario's batch, so requests are preempted
 MAX_NUM_SEQS = 4
 SNAPSHOTS = 8
@@ -82,6 +83,32 @@ def test_each_rank_loads_its_slices(qwen3_dir):
         vocab = full["model.embed_tokens.weight"]
         rows = model.model.embed_tokens.weight.shape[0]
         assert torch.equal(model.model.embed_tokens.weight, vocab[rank * rows:(rank + 1) * rows])
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_moe_ranks_hold_sliced_or_whole_experts(qwen3_5_moe_dir, expert_parallel):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(qwen3_5_moe_dir))
+    cls = get_model_class(config.architectures)
+    cpu = torch.device("cpu")
+    whole = build_model(cls, config, torch.float32, cpu)
+    whole.load_weights(iter_weights(qwen3_5_moe_dir))
+    ref = whole.language_model.layers[0].mlp.experts
+    num_experts, units = ref.gate_up_proj.shape[0], ref.down_proj.shape[2]
+    for rank in range(2):
+        model = build_model(cls, config, torch.float32, cpu, TensorParallel(rank, 2, expert_parallel=expert_parallel))
+        model.load_weights(iter_lazy_weights(qwen3_5_moe_dir))
+        experts = model.language_model.layers[0].mlp.experts
+        if expert_parallel:  # experts [rank * E/2, (rank + 1) * E/2), whole
+            mine = slice(rank * num_experts // 2, (rank + 1) * num_experts // 2)
+            assert torch.equal(experts.gate_up_proj, ref.gate_up_proj[mine])
+            assert torch.equal(experts.down_proj, ref.down_proj[mine])
+        else:  # every expert, units [rank * I/2, (rank + 1) * I/2) of gate, of up and of down's inputs
+            mine = slice(rank * units // 2, (rank + 1) * units // 2)
+            gate, up = ref.gate_up_proj.chunk(2, dim=1)
+            assert torch.equal(experts.gate_up_proj, torch.cat([gate[:, mine], up[:, mine]], dim=1))
+            assert torch.equal(experts.down_proj, ref.down_proj[:, :, mine])
 
 
 # ---------------------------------------------------------------------------- engines, one process per rank
@@ -140,7 +167,8 @@ def compare_tp(model_dir, arch: str, tp: int) -> LLM:
     reference = LLM(str(model_dir), **engine_options(model_dir, 1))
     ref_out, ref_stats = run_scenario(reference, arch in VL_ARCHS)
     mode = "data" if arch in DATA_PARALLEL_ENCODER else "weights"
-    parallel = LLM(str(model_dir), **engine_options(model_dir, tp), mm_encoder_tp_mode=mode)
+    parallel = LLM(str(model_dir), **engine_options(model_dir, tp), mm_encoder_tp_mode=mode,
+                   enable_expert_parallel=arch in EXPERT_PARALLEL)
     try:
         assert same_plan(parallel, reference)
         out, stats = run_scenario(parallel, arch in VL_ARCHS)

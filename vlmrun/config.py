@@ -50,6 +50,7 @@ class EngineConfig:
     # The vision tower under tensor parallelism: its weights on every rank; "weights": every rank
     # encodes every image, "data": each rank encodes a share of the step's images, gathered after.
     mm_encoder_tp_mode: str = "weights"
+    enable_expert_parallel: bool = False  # MoE under tensor parallelism: whole experts per rank (else each sliced)
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
     max_stop_strings: int = 32

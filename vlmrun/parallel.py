@@ -32,6 +32,7 @@ class Shard:
 class TensorParallel:
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # MoE: whole experts split across the ranks instead of every expert sliced
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:

@@ -101,7 +101,8 @@ def start_rank(rank: int, size: int, config: EngineConfig, model_config: ModelCo
     if device.type == "cpu":  # the ranks share the cores
         torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
     init_process_group(rank, size, device, init_method)
-    return Worker(TensorParallel(rank, size), config, model_config, device)
+    tp = TensorParallel(rank, size, expert_parallel=config.enable_expert_parallel)
+    return Worker(tp, config, model_config, device)
 
 
 def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,

@@ -12,8 +12,9 @@ Expert weights live fused, as transformers 5 stores them: `experts.gate_up_proj`
 
 Tensor parallelism slices every expert (`tp`): each rank holds `I / size` of each expert's hidden
 units (gate and up rows, down columns; `shard_full` / `shard_piece` cut a checkpoint tensor to
-them) and the shared expert likewise; the block sums experts and shared expert on this rank and
-all-reduces once.
+them). With `tp.expert_parallel` each rank holds `E / size` whole experts instead and runs only
+the assignments routed to them. The shared expert is sliced either way; the block sums experts
+and shared expert on this rank and all-reduces once.
 
 The expert loop is the torch reference: one host sync per layer (the per-expert token counts), one
 gathered matmul pair per expert that received tokens. A fused grouped-GEMM kernel replaces it on GPU.
@@ -29,7 +30,7 @@ from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
 from vlmrun.layers.mlp import SwiGLUMLP
-from vlmrun.parallel import SINGLE, TensorParallel
+from vlmrun.parallel import SINGLE, Shard, TensorParallel
 
 
 class FusedExperts(nn.Module):
@@ -38,12 +39,18 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu",
                  tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # all of them
         self.hidden = hidden
-        self.shard = tp.split(intermediate, "expert intermediate units")
-        self.intermediate = self.shard.length  # this rank's
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate, hidden))  # [E, 2I, H]
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, self.intermediate))  # [E, H, I]
+        if tp.expert_parallel:
+            self.experts = tp.split(num_experts, "experts")  # this rank's experts, whole
+            self.shard = Shard(intermediate, 0, intermediate)
+        else:
+            self.experts = Shard(num_experts, 0, num_experts)
+            self.shard = tp.split(intermediate, "expert intermediate units")  # this rank's units of each
+        self.intermediate = self.shard.length
+        local = self.experts.length
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(local, hidden, self.intermediate))  # [E, H, I]
         self.act_fn = get_act_fn(act)
 
     def full_shape(self, name: str) -> tuple[int, int, int]:
@@ -51,9 +58,15 @@ class FusedExperts(nn.Module):
         full = self.shard.total
         return (self.num_experts, 2 * full, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, full)
 
+    def local_expert(self, e: int) -> Optional[int]:
+        """Expert `e`'s index among this rank's experts, None when another rank holds it."""
+        local = e - self.experts.start
+        return local if 0 <= local < self.experts.length else None
+
     def shard_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A full fused tensor ([E, 2I, H] or [E, H, I]) -> this rank's part of it."""
         s = self.shard
+        tensor = tensor.narrow(0, self.experts.start, self.experts.length)
         if name == "down_proj":
             return tensor.narrow(2, s.start, s.length)
         gate, up = tensor.chunk(2, dim=1)
@@ -73,13 +86,15 @@ class FusedExperts(nn.Module):
         out = torch.zeros_like(x)
         start = 0
         for e, n in enumerate(counts):
-            if n == 0:
+            local = self.local_expert(e)
+            if n == 0 or local is None:
+                start += n
                 continue
             rows = order[start:start + n]  # [n] assignment indices
             start += n
             tokens = rows // k
-            gate, up = F.linear(x[tokens], self.gate_up_proj[e]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])  # [n, H]
+            gate, up = F.linear(x[tokens], self.gate_up_proj[local]).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[local])  # [n, H]
             out.index_add_(0, tokens, y * flat_weights[rows, None])
         return out
 

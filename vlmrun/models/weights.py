@@ -102,11 +102,14 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             if target not in params:
                 continue
             param, e = params[target], int(m["e"])
-            if e >= param.shape[0]:
-                raise ValueError(f"{hf_name}: expert {e} out of range, the model has {param.shape[0]} experts")
-            half = param.shape[1] // 2
-            dst = {"gate_proj": param[e, :half], "up_proj": param[e, half:], "down_proj": param[e]}[kind]
             experts = module.get_submodule(m["prefix"])
+            if e >= experts.num_experts:
+                raise ValueError(f"{hf_name}: expert {e} out of range, the model has {experts.num_experts} experts")
+            local = experts.local_expert(e)
+            if local is None:  # another rank's expert (expert parallel)
+                continue
+            half = param.shape[1] // 2
+            dst = {"gate_proj": param[local, :half], "up_proj": param[local, half:], "down_proj": param[local]}[kind]
             full = experts.full_shape(target.rpartition(".")[2])[1:]
             piece = full if kind == "down_proj" else (full[0] // 2, full[1])  # [H, I] or [I, H]
             if tuple(tensor.shape) != piece:
@@ -131,9 +134,10 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
         _copy(param, tensor, hf_name, name)
         loaded.add(name)
     for target, pieces in expert_pieces.items():
-        num_experts = params[target].shape[0]
+        mine = module.get_submodule(target.rpartition(".")[0]).experts  # this rank's experts
         kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
-        absent = [f"{e}.{k}" for e in range(num_experts) for k in kinds if (e, k) not in pieces]
+        absent = [f"{e}.{k}" for e in range(mine.start, mine.start + mine.length) for k in kinds
+                  if (e, k) not in pieces]
         if absent:
             shown = ", ".join(absent[:8]) + (" ..." if len(absent) > 8 else "")
             raise ValueError(f"{target}: the checkpoint lacks {len(absent)} per-expert weights: experts.{shown}")

@@ -31,6 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how the ranks are started: local processes (mp) or a Ray placement group (ray)")
     p.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights",
                    help="vision tower on every rank: each encodes every image (weights) or a share of them (data)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models under tensor parallelism: whole experts per rank instead of every expert sliced")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
@@ -44,7 +46,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
                         max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend,
-                        mm_encoder_tp_mode=args.mm_encoder_tp_mode)
+                        mm_encoder_tp_mode=args.mm_encoder_tp_mode,
+                        enable_expert_parallel=args.enable_expert_parallel)
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings
