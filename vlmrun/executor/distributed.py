@@ -55,7 +55,9 @@ class TensorParallelExecutor:
             self.conns.append(parent)
         self._inbox: list[list[tuple]] = [[] for _ in range(self.size)]
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, self.conns)
+        self._starting = True
         ready = [self._receive(rank, "ready") for rank in range(self.size)]
+        self._starting = False
         shape, plan = plan_for_ranks(ready, config, model_config)
         self._send(("plan", plan))
         for rank in range(self.size):
@@ -126,7 +128,9 @@ class TensorParallelExecutor:
     def _fail(self, reason: str) -> None:
         if self._finalizer.detach() is not None:  # no grace: the live ranks may be stuck in a collective
             stop_processes(self.processes, self.conns, grace_seconds=0.0)
-        raise RankFailure(f"{reason}\nthe engine has stopped; every rank process was ended")
+        hint = ("\n(ranks are spawned processes that import the main module: a script that starts a "
+                "tensor-parallel engine needs the `if __name__ == \"__main__\":` guard)") if self._starting else ""
+        raise RankFailure(f"{reason}\nthe engine has stopped; every rank process was ended{hint}")
 
 
 def stop_processes(processes: list[Any], conns: list[Connection], grace_seconds: float = STOP_GRACE_SECONDS) -> None:
