@@ -94,7 +94,6 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             else:
                 part_pieces.setdefault(name, set()).add(part)
             continue
-        tensor = materialize(tensor)
         m = _PER_EXPERT.match(name)
         if m:
             kind = m["kind"]
@@ -115,12 +114,13 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             if tuple(tensor.shape) != piece:
                 raise ValueError(f"shape mismatch for {hf_name} -> {target}: checkpoint {tuple(tensor.shape)}, "
                                  f"model (unsharded) {piece}")
-            _copy(dst, experts.shard_piece(kind, tensor), hf_name, target)
+            _copy(dst, experts.shard_piece(kind, tensor), hf_name, target)  # reads only this rank's slice
             expert_pieces.setdefault(target, set()).add((e, kind))
             continue
         if name not in params:
             continue
         param = params[name]
+        tensor = materialize(tensor)  # read whole: a replicated parameter or fused experts
         if transform is not None:
             tensor = transform(name, tensor)
         if name.endswith(_FUSED):
