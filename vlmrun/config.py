@@ -6,6 +6,7 @@ the checkpoint's HF config and answers the questions the engine asks of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,15 @@ class EngineConfig:
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
     seed: int = 0
+    # Tensor parallelism: one worker process per rank, each holding 1/N of the attention heads, MLP
+    # units and experts (vlmrun/executor/distributed.py); "mp" spawns them here, "ray" places them
+    # with a Ray placement group.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # mp | ray
+    # The vision tower under tensor parallelism: its weights on every rank; "weights": every rank
+    # encodes every image, "data": each rank encodes a share of the step's images, gathered after.
+    mm_encoder_tp_mode: str = "weights"
+    enable_expert_parallel: bool = False  # MoE under tensor parallelism: whole experts per rank (else each sliced)
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
     max_stop_strings: int = 32
@@ -73,6 +83,12 @@ class EngineConfig:
             raise ValueError(f"image_backend must be one of {', '.join(IMAGE_BACKENDS)}, got {self.image_backend!r}")
         if self.preprocess_device not in ("cpu", "cuda"):
             raise ValueError(f"preprocess_device must be cpu or cuda, got {self.preprocess_device!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {self.mm_encoder_tp_mode!r}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 
@@ -167,6 +183,15 @@ class CacheShape:
             shape.update(linear_conv_dim=2 * hk * dk + hv * dv, linear_conv_kernel=text.linear_conv_kernel_dim,
                          linear_num_v_heads=hv, linear_head_v_dim=dv, linear_head_k_dim=dk)
         return cls(**shape)
+
+    def for_tensor_parallel(self, size: int) -> "CacheShape":
+        """One rank's share when `size` ranks split the heads: KV heads (at least one, replicated when
+        fewer than ranks), GDN value heads and conv channels (q | k | v each split)."""
+        if size == 1:
+            return self
+        return dataclasses.replace(self, num_kv_heads=max(self.num_kv_heads // size, 1),
+                                   linear_conv_dim=self.linear_conv_dim // size,
+                                   linear_num_v_heads=self.linear_num_v_heads // size)
 
 
 def text_config(hf_config: Any) -> Any:

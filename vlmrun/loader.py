@@ -2,14 +2,15 @@
 
 Hub ids go through huggingface_hub, which honours its cache and `HF_HUB_OFFLINE`. Weights are
 streamed from (sharded) safetensors; `vlmrun.models.registry.load_model` builds the model and each
-model's `load_weights` maps HF names onto its own.
+model's `load_weights` maps HF names onto its own. `iter_lazy_weights` streams them unread
+(`LazyTensor`): a tensor-parallel rank reads only its slice of each.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
@@ -59,3 +60,36 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: its `shape`, `narrow(dim, start, length)` reading only those
+    rows, `load()` reading it all. Valid while the iteration that yielded it has not moved on."""
+
+    def __init__(self, tensor_slice: Any):
+        self._slice = tensor_slice  # safetensors' PySafeSlice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self._slice[index]
+
+    def load(self) -> torch.Tensor:
+        return self._slice[...]
+
+
+def materialize(tensor: Union[torch.Tensor, LazyTensor]) -> torch.Tensor:
+    """The tensor itself, read in full when it is still lazy."""
+    return tensor.load() if isinstance(tensor, LazyTensor) else tensor
+
+
+def iter_lazy_weights(path: Path) -> Iterator[tuple[str, LazyTensor]]:
+    from safetensors import safe_open
+
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, LazyTensor(f.get_slice(name))

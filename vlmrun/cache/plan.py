@@ -132,11 +132,23 @@ def cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
 def build_caches(shape: CacheShape, config: EngineConfig, *, dtype: torch.dtype, max_model_len: int,
                  device: torch.device) -> Caches:
     """Plan the budget for `shape` (the model's caches) and build the pools on `device`."""
-    plan = plan_cache_memory(shape, cache_budget_bytes(config, device), dtype=dtype,
+    plan = plan_for_budget(shape, config, cache_budget_bytes(config, device), dtype=dtype, max_model_len=max_model_len)
+    return build_pools(shape, plan, config, dtype=dtype, device=device)
+
+
+def plan_for_budget(shape: CacheShape, config: EngineConfig, budget_bytes: int, *, dtype: torch.dtype,
+                    max_model_len: int) -> CachePlan:
+    """`plan_cache_memory` with the engine's settings (tensor-parallel ranks: the smallest rank budget)."""
+    return plan_cache_memory(shape, budget_bytes, dtype=dtype,
                              gdn_state_dtype=config.gdn_state_torch_dtype, max_num_seqs=config.max_num_seqs,
                              max_model_len=max_model_len, page_size=config.page_size,
                              max_model_len_fixed=config.max_model_len is not None,
                              gdn_snapshots=config.gdn_prefix_snapshots if config.enable_prefix_caching else 0)
+
+
+def build_pools(shape: CacheShape, plan: CachePlan, config: EngineConfig, *, dtype: torch.dtype,
+                device: torch.device) -> Caches:
+    """Every pool of `plan` on `device`."""
     kv_pool = KVPool(shape.num_attention_layers, plan.num_pages * plan.page_size, shape.num_kv_heads,
                      shape.head_dim, dtype, device, plan.page_size)
     caches = Caches(plan=plan, kv_pool=kv_pool, req_to_token=ReqToTokenPool(plan.max_num_seqs, plan.max_model_len, device),

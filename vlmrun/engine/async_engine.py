@@ -116,6 +116,7 @@ class AsyncEngine:
             return
         self._commands.put(_Stop())
         self._thread.join(timeout)
+        self.engine.shutdown()
 
     @property
     def is_running(self) -> bool:

@@ -25,7 +25,8 @@ from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.build import build_model_runner
-from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.distributed import create_parallel_executor
+from vlmrun.executor.model_runner import ModelRunner, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
 from vlmrun.multimodal.vision_stage import VisionStage
@@ -82,21 +83,35 @@ class Engine:
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
                                                    device=self._preprocess_device())
         self.tokenizer = self.processor.tokenizer
-        model = load_model(self.model_config, self.device)
-        dtype = self.model_config.dtype
-        self.caches = build_caches(model.cache_shape(), config, dtype=dtype,
-                                   max_model_len=self.model_config.max_model_len, device=self.device)
+        if config.tensor_parallel_size > 1:  # the model runs in one process per rank; the caches here are stand-ins
+            self.runner = create_parallel_executor(config, self.model_config)
+            self.caches = self.runner.caches
+        else:
+            self.runner = self._local_runner()
         self.max_model_len = self.caches.plan.max_model_len
         self._log_cache_plan()
-        vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), self.device, dtype)
-                  if model.supports_images else None)
-        self.runner = build_model_runner(model, self.caches, vision, config, self.device)
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval)
         self.stop_limits = StopLimits.of(config)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
+
+    def _local_runner(self) -> ModelRunner:
+        """The model, its caches (`self.caches`) and the runner, on this process's device."""
+        model = load_model(self.model_config, self.device)
+        dtype = self.model_config.dtype
+        self.caches = build_caches(model.cache_shape(), self.config, dtype=dtype,
+                                   max_model_len=self.model_config.max_model_len, device=self.device)
+        vision = (VisionStage(model, EncoderCache(self.config.encoder_cache_tokens), self.device, dtype)
+                  if model.supports_images else None)
+        return build_model_runner(model, self.caches, vision, self.config, self.device)
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel rank processes (nothing to do on one device)."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def _make_prefix_cache(self) -> Optional[PrefixCache]:
         if not self.config.enable_prefix_caching:

@@ -59,8 +59,9 @@ def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Cach
     """Decode padded to buckets unless enforce_eager; CUDA graphs where the device, backend and model allow."""
     if config.enforce_eager:
         return None
-    graphs = device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
+    graphs = (device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
+              and config.tensor_parallel_size == 1)  # collectives inside a capture: not attempted yet
     if device.type == "cuda" and not graphs:
-        logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer' "
-                    "and a model without host syncs (MoE routing syncs)")
+        logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer', "
+                    "one device and a model without host syncs (MoE routing syncs)")
     return PaddedDecodeRunner(model, backend, caches, caches.plan.max_num_seqs, device, use_cuda_graphs=graphs)

@@ -44,7 +44,7 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
     )
     engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, **kernel_options(args)}
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
-                 "encoder_cache_tokens", "max_image_pixels"):
+                 "encoder_cache_tokens", "max_image_pixels", "tensor_parallel_size", "distributed_executor_backend"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
     ray = None
@@ -131,6 +131,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="vision embeddings kept by image content (engine default 32768 tokens)")
     e.add_argument("--max-image-pixels", type=int, default=None, help="images with more pixels are refused")
     add_kernel_args(e)
+    e.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (devices) the model is split over")
+    e.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
+                   help="how the ranks are started: local processes (mp, default) or a Ray placement group")
 
     j = cap.add_argument_group("job")
     mode = j.add_mutually_exclusive_group()

@@ -90,7 +90,10 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
                                                        model_name=config.model, workers=config.workers,
                                                        prefetch=config.prefetch))
     counters.started = time.monotonic()
-    pipeline.run(items, on_record, on_tick=bar.refresh)
+    try:
+        pipeline.run(items, on_record, on_tick=bar.refresh)
+    finally:
+        engine.shutdown()  # tensor-parallel rank processes, if any
 
 
 def _count_in_background(config: CaptionJobConfig, done: set[int], counters: JobCounters) -> None:

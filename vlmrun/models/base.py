@@ -13,6 +13,10 @@ A model is built from its HF config (`transformers.AutoConfig`) and gives the en
 
 The LM head is tied to the input embeddings when the config's top-level `tie_word_embeddings`
 says so: the rule transformers 5 applies.
+
+Tensor parallelism: a model is built with `tp` (`vlmrun.parallel.TensorParallel`, one rank of
+`tp.size`; `SINGLE` by default) and passes it to the layers it shards; `cache_shape()` is then
+this rank's share of the caches.
 """
 
 from __future__ import annotations
@@ -25,17 +29,20 @@ from torch import nn
 
 from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch
+from vlmrun.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
 from vlmrun.models.weights import load_checkpoint
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
 class Model(nn.Module, ABC):
     supports_images: ClassVar[bool] = False
-    lm_head: nn.Linear
+    lm_head: ParallelLMHead
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -53,9 +60,9 @@ class Model(nn.Module, ABC):
     def ties_word_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))
 
-    def make_lm_head(self, embed: nn.Embedding) -> nn.Linear:
+    def make_lm_head(self, embed: VocabParallelEmbedding) -> ParallelLMHead:
         """The LM head over `embed`'s vocabulary, sharing its weight when the config ties them."""
-        head = nn.Linear(embed.embedding_dim, embed.num_embeddings, bias=False)
+        head = ParallelLMHead(embed.num_embeddings, embed.embedding_dim, self.tp)
         if self.ties_word_embeddings:
             head.weight = embed.weight
         return head
@@ -73,7 +80,7 @@ class Model(nn.Module, ABC):
         return load_checkpoint(self, weights, rename, transform=self.transform_weight)
 
     def cache_shape(self) -> CacheShape:
-        return CacheShape.from_hf_config(self.config)
+        return CacheShape.from_hf_config(self.config).for_tensor_parallel(self.tp.size)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         """pixel_values [num_patches, C * T * P * P] -> embeddings, rows image by image (VL models)."""

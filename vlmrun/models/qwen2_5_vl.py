@@ -38,6 +38,7 @@ from vlmrun.models.blocks.vision_common import (
     vision_cu_seqlens,
     vision_rope_positions,
 )
+from vlmrun.parallel import SINGLE, TensorParallel
 
 # ----------------------------------------------------------------------------------------------
 # Vision blocks
@@ -186,8 +187,8 @@ class Qwen2_5_VLForConditionalGeneration(Model):
 
     supports_images = True
 
-    def __init__(self, config):
-        super().__init__(config)
+    def __init__(self, config, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
         text, vision = config.text_config, config.vision_config
         head_dim = text.hidden_size // text.num_attention_heads  # HF ignores any head_dim here
         if text_head_dim(text) != head_dim:
@@ -196,7 +197,7 @@ class Qwen2_5_VLForConditionalGeneration(Model):
         if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
             raise NotImplementedError("Qwen2.5-VL sliding-window text layers are not supported")
         self.visual = Qwen2_5_VisionTower(vision)
-        self.language_model = Qwen3TextModel(text, _mrope_rotary(text), qkv_bias=True, qk_norm=False)
+        self.language_model = Qwen3TextModel(text, _mrope_rotary(text), qkv_bias=True, qk_norm=False, tp=tp)
         self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
+from vlmrun.layers.linear import ColumnParallelLinear
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.moe import moe_block
 from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
@@ -30,16 +31,17 @@ from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.hybrid_decoder import GatedDeltaNet, HybridTextModel, rotary_dim
 from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
 class Qwen3_5GatedDeltaNet(GatedDeltaNet):
     """GDN with separate projections: in_proj_qkv (q | k | v), in_proj_z, in_proj_b, in_proj_a."""
 
     def _init_projections(self, hidden: int) -> None:
-        self.in_proj_qkv = nn.Linear(hidden, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.in_proj_qkv = ColumnParallelLinear(hidden, [self.k_shard, self.k_shard, self.v_shard])
+        self.in_proj_z = ColumnParallelLinear(hidden, [self.v_shard])
+        self.in_proj_b = ColumnParallelLinear(hidden, [self.head_shard])
+        self.in_proj_a = ColumnParallelLinear(hidden, [self.head_shard])
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
@@ -60,19 +62,20 @@ class _NoDeepStack:
 class Qwen3_5ForConditionalGeneration(Model):
     supports_images = True
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
         text = config.text_config
         params = default_rope_parameters(text)
         section = list(params.get("mrope_section") or [11, 11, 10])
         rotary = MRotaryEmbedding(rotary_dim(text), float(params["rope_theta"]), section, interleaved=True)
         self.visual = Qwen3VLVisionModel(_NoDeepStack(config.vision_config))
-        self.language_model = HybridTextModel(text, rotary, lambda i: self.make_mlp(text, i), Qwen3_5GatedDeltaNet)
+        self.language_model = HybridTextModel(text, rotary, lambda i: self.make_mlp(text, i), Qwen3_5GatedDeltaNet,
+                                              tp)
         self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
     def make_mlp(self, text: Any, layer_idx: int) -> nn.Module:
         """The MLP of decoder layer `layer_idx` (dense SwiGLU; the MoE variant overrides this)."""
-        return SwiGLUMLP(text.hidden_size, text.intermediate_size, getattr(text, "hidden_act", "silu"))
+        return SwiGLUMLP(text.hidden_size, text.intermediate_size, getattr(text, "hidden_act", "silu"), tp=self.tp)
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, _ = self.visual(pixel_values, grid_thw)
@@ -87,4 +90,4 @@ class Qwen3_5ForConditionalGeneration(Model):
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     def make_mlp(self, text: Any, layer_idx: int) -> nn.Module:
-        return moe_block(text, shared=True, norm_topk_prob=True)
+        return moe_block(text, shared=True, norm_topk_prob=True, tp=self.tp)

@@ -21,7 +21,9 @@ from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.moe import is_moe_layer, moe_block
 from vlmrun.layers.rotary import RotaryEmbedding, default_rope_parameters
 from vlmrun.models.base import Model
+from vlmrun.loader import materialize
 from vlmrun.models.blocks.hybrid_decoder import GatedDeltaNet, HybridTextModel, rotary_dim
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
 def ungroup_qkvz(weight: torch.Tensor, config: Any) -> torch.Tensor:
@@ -48,17 +50,18 @@ def ungroup_ba(weight: torch.Tensor, config: Any) -> torch.Tensor:
 class Qwen3NextForCausalLM(Model):
     """`model` (HybridTextModel) + `lm_head`."""
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
         rotary = RotaryEmbedding(rotary_dim(config), float(default_rope_parameters(config)["rope_theta"]))
         norm_topk = bool(getattr(config, "norm_topk_prob", True))
 
         def make_mlp(i: int) -> nn.Module:
             if is_moe_layer(config, i):
-                return moe_block(config, shared=True, norm_topk_prob=norm_topk)
-            return SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+                return moe_block(config, shared=True, norm_topk_prob=norm_topk, tp=tp)
+            return SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                             tp=tp)
 
-        self.model = HybridTextModel(config, rotary, make_mlp, GatedDeltaNet)
+        self.model = HybridTextModel(config, rotary, make_mlp, GatedDeltaNet, tp)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
@@ -69,7 +72,7 @@ class Qwen3NextForCausalLM(Model):
 
     def transform_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if name.endswith("linear_attn.in_proj_qkvz.weight"):
-            return ungroup_qkvz(tensor, self.config)
+            return ungroup_qkvz(materialize(tensor), self.config)
         if name.endswith("linear_attn.in_proj_ba.weight"):
-            return ungroup_ba(tensor, self.config)
+            return ungroup_ba(materialize(tensor), self.config)
         return tensor

@@ -23,13 +23,14 @@ from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
 from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
 class Qwen3VLForConditionalGeneration(Model):
     supports_images = True
 
-    def __init__(self, config: Any):
-        super().__init__(config)
+    def __init__(self, config: Any, tp: TensorParallel = SINGLE):
+        super().__init__(config, tp)
         text = config.text_config
         params = default_rope_parameters(text)
         section = params.get("mrope_section") or [24, 20, 20]
@@ -37,7 +38,7 @@ class Qwen3VLForConditionalGeneration(Model):
         self.visual = Qwen3VLVisionModel(config.vision_config)
         bias = bool(getattr(text, "attention_bias", False))
         self.language_model = Qwen3TextModel(text, rotary, qkv_bias=bias, o_bias=bias,
-                                             make_mlp=lambda i: self.make_text_mlp(text, i))
+                                             make_mlp=lambda i: self.make_text_mlp(text, i), tp=tp)
         self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
     def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
@@ -60,5 +61,5 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
         if is_moe_layer(text_config, layer):
-            return moe_block(text_config, shared=False, norm_topk_prob=True)
+            return moe_block(text_config, shared=False, norm_topk_prob=True, tp=self.tp)
         return None

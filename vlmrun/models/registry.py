@@ -10,9 +10,10 @@ import importlib
 import torch
 
 from vlmrun.config import ModelConfig
-from vlmrun.loader import iter_weights
+from vlmrun.loader import iter_lazy_weights
 from vlmrun.models.base import Model
 from vlmrun.models.weights import build_model
+from vlmrun.parallel import SINGLE, TensorParallel
 
 # architecture name -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -42,12 +43,13 @@ def get_model_class(architectures: list[str]) -> type:
     )
 
 
-def load_model(model_config: ModelConfig, device: torch.device) -> Model:
-    """The checkpoint's model on `device` in `model_config.dtype`, every parameter loaded."""
+def load_model(model_config: ModelConfig, device: torch.device, tp: TensorParallel = SINGLE) -> Model:
+    """The checkpoint's model on `device` in `model_config.dtype`, every parameter loaded (this
+    rank's share of each under tensor parallelism: sharded layers read only their slices)."""
     cls = get_model_class(model_config.hf_config.architectures)
-    model = build_model(cls, model_config.hf_config, model_config.dtype, device)
+    model = build_model(cls, model_config.hf_config, model_config.dtype, device, tp)
     try:
-        model.load_weights(iter_weights(model_config.path))  # raises, naming them, if a parameter is left unset
+        model.load_weights(iter_lazy_weights(model_config.path))  # raises, naming them, if a parameter is left unset
     except ValueError as e:
         raise ValueError(f"{model_config.path}: {e}") from e
     return model.eval()

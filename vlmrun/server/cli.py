@@ -28,6 +28,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-string-length", type=int, default=512, help="characters of one stop string")
     p.add_argument("--max-stop-token-ids", type=int, default=64, help="stop token ids one request may give")
     add_kernel_args(p)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (devices) the model is split over")
+    p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
+                   help="how the ranks are started: local processes (mp) or a Ray placement group (ray)")
+    p.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights",
+                   help="vision tower on every rank: each encodes every image (weights) or a share of them (data)")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models under tensor parallelism: whole experts per rank instead of every expert sliced")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
@@ -39,7 +46,10 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
                         max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
-                        max_stop_token_ids=args.max_stop_token_ids, **kernel_options(args))
+                        max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
+                        distributed_executor_backend=args.distributed_executor_backend,
+                        mm_encoder_tp_mode=args.mm_encoder_tp_mode,
+                        enable_expert_parallel=args.enable_expert_parallel, **kernel_options(args))
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings

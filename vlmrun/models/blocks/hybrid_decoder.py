@@ -9,11 +9,16 @@
   and beta = sigmoid(b). Its projections are Qwen3-Next's fused ones; Qwen3.5 overrides them.
 - `HybridTextModel`: embeddings (+ multimodal splice), decoder layers per `config.layer_types`, final norm.
   Full-attention layers get KV-pool ids 0..n-1 in layer order, GDN layers GDN-pool ids 0..m-1.
+
+Tensor parallelism (`tp`): attention heads split as in the dense decoder (`qkv_parallel_linear`);
+a GDN layer's key and value heads split evenly, so each rank holds whole key-head groups with
+their value heads: its q | k | v | z projection rows, conv channels (q | k | v, the conv state
+pool's channels on this rank), dt_bias, A_log and b | a rows; out_proj sums over the ranks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +26,11 @@ from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention, LinearAttention
+from vlmrun.layers.linear import (ColumnParallelLinear, RowParallelLinear, ShardedRows, VocabParallelEmbedding,
+                                  check_shape, copy_rows)
 from vlmrun.layers.rotary import apply_rotary, rope_parameters
-from vlmrun.models.blocks.text_decoder import text_head_dim
+from vlmrun.models.blocks.text_decoder import qkv_parallel_linear, text_head_dim
+from vlmrun.parallel import SINGLE, TensorParallel
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -79,30 +87,33 @@ def rotary_dim(config: Any) -> int:
 class GatedAttention(nn.Module):
     """Full attention with a per-head sigmoid output gate, q/k zero-centred norms and partial rope."""
 
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         hidden = config.hidden_size
         bias = bool(getattr(config, "attention_bias", False))
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = config.num_key_value_heads or total_heads
+        self.num_heads = tp.num_heads(total_heads)  # this rank's
+        self.num_kv_heads = tp.num_heads(total_kv_heads)
         self.head_dim = text_head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, 2 * self.q_size, bias=bias)  # per head: query then gate
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        # q_proj rows per head: query then gate
+        self.qkv_proj = qkv_parallel_linear(hidden, total_heads, total_kv_heads, 2 * self.head_dim, self.head_dim,
+                                            tp, bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, tp, bias)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q, gate = self.q_proj(x).view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [n, heads, head_dim]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q_gate, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, gate = q_gate.view(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [n, heads, head_dim]
+        k = k.view(n, self.num_kv_heads, self.head_dim)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_partial_rotary(q, cos, sin), apply_partial_rotary(k, cos, sin)
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), self.v_proj(x), fb)  # [n, q_size]
+        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, fb)  # [n, q_size]
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.q_size)))
 
 
@@ -113,30 +124,42 @@ class GatedDeltaNet(nn.Module):
     Subclasses with other projections override `project`.
     """
 
-    def __init__(self, config: Any, layer_id: int):
+    def __init__(self, config: Any, layer_id: int, tp: TensorParallel = SINGLE):
         super().__init__()
         hidden = config.hidden_size
-        self.num_k_heads = config.linear_num_key_heads
-        self.num_v_heads = config.linear_num_value_heads
+        total_k_heads, total_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         self.head_k_dim = config.linear_key_head_dim
         self.head_v_dim = config.linear_value_head_dim
+        # this rank's shards: q and k heads, v (and z) heads, one row per value head (b, a, dt_bias, A_log)
+        self.k_shard = tp.heads(total_k_heads, self.head_k_dim, "GDN key heads")
+        self.v_shard = tp.heads(total_v_heads, self.head_v_dim, "GDN value heads")
+        self.head_shard = tp.heads(total_v_heads, 1, "GDN value heads")
+        self.num_k_heads = self.k_shard.length // self.head_k_dim
+        self.num_v_heads = self.head_shard.length
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
         kernel = config.linear_conv_kernel_dim
         self._init_projections(hidden)
         # Depthwise causal conv over q|k|v; only its weight [conv_dim, 1, kernel] is used (by the backend).
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel, groups=self.conv_dim, bias=False)
+        self.conv1d = ShardedRows([self.k_shard, self.k_shard, self.v_shard], (1, kernel))
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = RowParallelLinear(total_v_heads * self.head_v_dim, hidden, tp)
         self.attn = LinearAttention(layer_id, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
                                     kernel)
 
     def _init_projections(self, hidden: int) -> None:
-        self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.num_v_heads, bias=False)
+        qkvz = [self.k_shard, self.k_shard, self.v_shard, self.v_shard]
+        self.in_proj_qkvz = ColumnParallelLinear(hidden, qkvz)
+        self.in_proj_ba = ColumnParallelLinear(hidden, [self.head_shard, self.head_shard])
+
+    def load_weight(self, name: str, tensor: Any, part: Optional[int], hf_name: str) -> None:
+        """dt_bias and A_log: this rank's value heads."""
+        param = getattr(self, name)
+        check_shape(tensor, (self.head_shard.total,), hf_name, name)
+        copy_rows(param, tensor, self.head_shard.start, hf_name)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> mixed_qkv [T, conv_dim], z [T, value_dim], b [T, Hv], a [T, Hv]."""
@@ -170,13 +193,13 @@ class HybridDecoderLayer(nn.Module):
     """Pre-norm residual block: token mixer (GDN or gated attention) then MLP (dense or MoE)."""
 
     def __init__(self, config: Any, layer_type: str, kind_id: int, mlp: nn.Module,
-                 gdn_cls: type[GatedDeltaNet]):
+                 gdn_cls: type[GatedDeltaNet], tp: TensorParallel = SINGLE):
         super().__init__()
         self.is_linear = layer_type == LINEAR_ATTENTION
         if self.is_linear:
-            self.linear_attn = gdn_cls(config, kind_id)
+            self.linear_attn = gdn_cls(config, kind_id, tp)
         else:
-            self.self_attn = GatedAttention(config, kind_id)
+            self.self_attn = GatedAttention(config, kind_id, tp)
         self.mlp = mlp
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -192,12 +215,12 @@ class HybridTextModel(nn.Module):
     """Embeddings (+ image splice), hybrid decoder layers, final norm -> hidden [num_tokens, hidden]."""
 
     def __init__(self, config: Any, rotary_emb: nn.Module, make_mlp: Callable[[int], nn.Module],
-                 gdn_cls: type[GatedDeltaNet]):
+                 gdn_cls: type[GatedDeltaNet], tp: TensorParallel = SINGLE):
         super().__init__()
         layer_types = list(config.layer_types)[: config.num_hidden_layers]
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            HybridDecoderLayer(config, t, kind_id, make_mlp(i), gdn_cls)
+            HybridDecoderLayer(config, t, kind_id, make_mlp(i), gdn_cls, tp)
             for i, (t, kind_id) in enumerate(zip(layer_types, kind_indices(layer_types)))
         )
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)

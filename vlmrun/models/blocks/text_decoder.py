@@ -5,8 +5,10 @@ the batch carries them) -> final norm. It knows nothing of batching: attention g
 `Attention(q, k, v, forward_batch)`. Qwen3 uses per-head q/k RMSNorm and no qkv bias; Qwen2-style
 text (Qwen2.5-VL) uses qkv bias and no q/k norm.
 
-Parameter names mirror the HF text model (`embed_tokens`, `layers.{i}.self_attn.q_proj`, ...), so
-loading a checkpoint is a prefix mapping.
+Parameter names mirror the HF text model (`embed_tokens`, `layers.{i}.self_attn.o_proj`, ...), so
+loading a checkpoint is a prefix mapping; q/k/v load into the fused `qkv_proj` and gate/up into
+`gate_up_proj` (`vlmrun.layers.linear`). Under tensor parallelism (`tp`) each rank holds its
+attention heads (KV heads replicated when there are fewer than ranks) and MLP units.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention
+from vlmrun.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import apply_rotary
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
 def text_head_dim(config: Any) -> int:
@@ -28,19 +32,29 @@ def text_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def qkv_parallel_linear(hidden: int, num_heads: int, num_kv_heads: int, q_head_rows: int, head_dim: int,
+                        tp: TensorParallel, bias: bool) -> ColumnParallelLinear:
+    """q_proj | k_proj | v_proj fused, each part split by heads (`q_head_rows` rows per query head)."""
+    shards = [tp.heads(num_heads, q_head_rows, "attention heads"),
+              tp.heads(num_kv_heads, head_dim, "KV heads", replicate=True),
+              tp.heads(num_kv_heads, head_dim, "KV heads", replicate=True)]
+    return ColumnParallelLinear(hidden, shards, bias, part_names=("q_proj", "k_proj", "v_proj"))
+
+
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool):
+    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads or self.num_heads
+        total_heads = config.num_attention_heads
+        self.num_heads = tp.num_heads(total_heads)  # this rank's
+        self.num_kv_heads = tp.num_heads(config.num_key_value_heads or total_heads)
         self.head_dim = text_head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, self.q_size, bias=qkv_bias)
-        self.k_proj = nn.Linear(hidden, self.kv_size, bias=qkv_bias)
-        self.v_proj = nn.Linear(hidden, self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=o_bias)
+        self.qkv_proj = qkv_parallel_linear(hidden, total_heads, config.num_key_value_heads or total_heads,
+                                            self.head_dim, self.head_dim, tp, qkv_bias)
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, tp, o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -49,9 +63,9 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
-        v = self.v_proj(x)  # [num_tokens, num_kv_heads * head_dim]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim] (this rank's heads)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -64,10 +78,11 @@ MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense o
 
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
-                 mlp: Optional[nn.Module] = None):
+                 mlp: Optional[nn.Module] = None, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias)
-        self.mlp = mlp or SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.self_attn = Qwen3Attention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias, tp=tp)
+        self.mlp = mlp or SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
+                                    tp=tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -85,12 +100,12 @@ class Qwen3TextModel(nn.Module):
     """
 
     def __init__(self, config: Any, rotary_emb: nn.Module, *, qkv_bias: bool = False, qk_norm: bool = True,
-                 o_bias: bool = False, make_mlp: Optional[MakeMLP] = None):
+                 o_bias: bool = False, make_mlp: Optional[MakeMLP] = None, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias,
-                              mlp=make_mlp(i) if make_mlp else None)
+                              mlp=make_mlp(i) if make_mlp else None, tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,0 +1,163 @@
+"""The tensor-parallel executor: the engine's runner when `tensor_parallel_size > 1`.
+
+The scheduler stays in the driver (the engine's process); the model runs in one worker process
+per rank (`vlmrun/executor/worker.py`), started here with torch.multiprocessing's spawn. Start-up:
+every rank loads its shard and reports its cache budget; the driver plans the caches once for the
+smallest budget (every rank holds the same pages and slots, each with its share of the heads),
+logs that per-rank plan, and sends it to the ranks. The driver's own `caches` are stand-ins
+(`vlmrun.cache.shadow`) that keep the scheduler's bookkeeping and record its writes.
+
+`execute(chunks)` is the `ModelRunner.execute` of a single device: it pickles the step once (the
+recorded cache ops, the chunks, the seeded requests' generator states), sends those bytes to every
+rank and waits for rank 0's samples. While it waits it watches every rank: a rank that raised (its
+traceback comes back) or died (its exit code) stops the engine at once with `RankFailure`, and
+every rank process is ended. `shutdown()` (also run when the executor is garbage-collected)
+stops the ranks and waits for them to exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import weakref
+from multiprocessing.connection import Connection, wait
+from typing import Any, Optional
+
+import torch.multiprocessing as mp
+
+from vlmrun.cache.shadow import build_shadow_caches
+from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.ranks import RankFailure, StepMessage, free_port, plan_for_ranks
+from vlmrun.executor.step_input import ChunkInput
+from vlmrun.executor.worker import run_worker
+
+logger = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.2
+STOP_GRACE_SECONDS = 5.0
+
+
+class TensorParallelExecutor:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig):
+        self.size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.processes: list[Any] = []
+        self.conns: list[Connection] = []
+        for rank in range(self.size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(target=run_worker, name=f"vlmrun-tp-rank{rank}", daemon=True,
+                                  args=(rank, self.size, config, model_config, init_method, child))
+            process.start()
+            child.close()
+            self.processes.append(process)
+            self.conns.append(parent)
+        self._inbox: list[list[tuple]] = [[] for _ in range(self.size)]
+        self._finalizer = weakref.finalize(self, stop_processes, self.processes, self.conns)
+        self._starting = True
+        ready = [self._receive(rank, "ready") for rank in range(self.size)]
+        self._starting = False
+        shape, plan = plan_for_ranks(ready, config, model_config)
+        self._send(("plan", plan))
+        for rank in range(self.size):
+            self._receive(rank, "built")
+        self.caches, self._cache_ops = build_shadow_caches(shape, plan)
+        logger.info("tensor parallel: %d rank processes (pids %s); the cache plan below is each rank's", self.size,
+                    self.pids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+        """Runs the chunks on every rank; returns rank 0's samples (as `ModelRunner.execute`)."""
+        step = StepMessage(chunks, self._cache_ops.drain())
+        self._send(step.message)
+        _, results, states = self._receive(0, "result")
+        step.advance_generators(states)
+        return results
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    # ------------------------------------------------------------------ messages
+
+    def _send(self, message: tuple) -> None:
+        self._check_running()
+        payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                self._fail(f"tensor-parallel rank {rank} is gone ({self._exit_status(rank)})")
+
+    def _receive(self, rank: int, kind: str) -> tuple:
+        """The next message of `rank` (of `kind`), watching every rank for errors and exits meanwhile."""
+        self._check_running()
+        while not self._inbox[rank]:
+            for ready in wait(self.conns, timeout=POLL_SECONDS):
+                sender = self.conns.index(ready)
+                try:
+                    message = ready.recv()
+                except (EOFError, OSError):
+                    self._fail(f"tensor-parallel rank {sender} died ({self._exit_status(sender)})")
+                if message[0] == "error":
+                    self._fail(f"tensor-parallel rank {sender} failed:\n{message[1]}")
+                self._inbox[sender].append(message)
+            for r, process in enumerate(self.processes):
+                if process.exitcode is not None:
+                    self._fail(f"tensor-parallel rank {r} died ({self._exit_status(r)})")
+        message = self._inbox[rank].pop(0)
+        if message[0] != kind:
+            self._fail(f"tensor-parallel rank {rank} answered {message[0]!r} where {kind!r} was due")
+        return message
+
+    def _check_running(self) -> None:
+        if not self._finalizer.alive:
+            raise RankFailure("the tensor-parallel executor is shut down")
+
+    def _exit_status(self, rank: int) -> str:
+        process = self.processes[rank]
+        process.join(timeout=1.0)
+        code = process.exitcode
+        if code is None:
+            return f"pid {process.pid}, still running"
+        return f"pid {process.pid}, " + (f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+
+    def _fail(self, reason: str) -> None:
+        if self._finalizer.detach() is not None:  # no grace: the live ranks may be stuck in a collective
+            stop_processes(self.processes, self.conns, grace_seconds=0.0)
+        hint = ("\n(ranks are spawned processes that import the main module: a script that starts a "
+                "tensor-parallel engine needs the `if __name__ == \"__main__\":` guard)") if self._starting else ""
+        raise RankFailure(f"{reason}\nthe engine has stopped; every rank process was ended{hint}")
+
+
+def stop_processes(processes: list[Any], conns: list[Connection], grace_seconds: float = STOP_GRACE_SECONDS) -> None:
+    """Ask every live rank to stop, wait up to `grace_seconds`, then terminate and kill what is left."""
+    for process, conn in zip(processes, conns):
+        if process.exitcode is None and grace_seconds > 0:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+    for process in processes:
+        process.join(timeout=grace_seconds)
+    for process in processes:
+        if process.exitcode is None:
+            process.terminate()
+            process.join(timeout=STOP_GRACE_SECONDS)
+        if process.exitcode is None:
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+
+
+def create_parallel_executor(config: EngineConfig, model_config: ModelConfig) -> Any:
+    """The executor `config.distributed_executor_backend` names: "mp" (processes here) or "ray"."""
+    if config.distributed_executor_backend == "ray":
+        from vlmrun.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config, model_config)
+    return TensorParallelExecutor(config, model_config)

@@ -1,0 +1,132 @@
+"""One tensor-parallel rank: its own model shard, caches shard and `ModelRunner`, driven by the executor.
+
+`run_worker` is the body of each rank's process (`vlmrun/executor/distributed.py` starts them).
+It joins the process group (gloo on CPU, NCCL on CUDA), builds the model with this rank's
+`TensorParallel` (each sharded layer reads only its slice of the checkpoint), reports the cache
+budget it can afford and the cache shape of its shard, builds its pools from the plan the driver
+sends back, and then serves steps until told to stop:
+
+    driver -> rank   ("plan", CachePlan) | ("step", cache ops, [ChunkInput], generator states) | ("stop",)
+    rank -> driver   ("ready", budget bytes, CacheShape) | ("built",) | ("result", ...) (rank 0) | ("error", text)
+
+Every rank replays the step's cache ops on its pools (`vlmrun.cache.shadow`), encodes the step's
+images itself (the vision tower is replicated) and runs the model; the layers' collectives keep
+the ranks in step. Rank 0's samples are the step's result. Seeded requests' generators travel as
+their state: rank 0 samples with them and sends the advanced states back.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Optional
+
+import torch
+import torch.distributed
+
+from vlmrun.cache.encoder_cache import EncoderCache
+from vlmrun.cache.plan import CachePlan, build_pools, cache_budget_bytes
+from vlmrun.cache.shadow import replay_cache_ops
+from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.executor.build import build_model_runner
+from vlmrun.executor.model_runner import ModelRunner
+from vlmrun.executor.step_input import ChunkInput
+from vlmrun.models import load_model
+from vlmrun.multimodal.vision_stage import VisionStage
+from vlmrun.parallel import TensorParallel
+
+PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
+
+GeneratorStates = list[Optional[torch.Tensor]]  # per chunk: the state of its request's generator, or None
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """CPU for every rank on CPU; the rank's own GPU (cuda:rank) on CUDA."""
+    device = config.resolve_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def init_process_group(rank: int, size: int, device: torch.device, init_method: str) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
+                            world_size=size, timeout=PROCESS_GROUP_TIMEOUT)
+
+
+class Worker:
+    """A rank's model shard, caches shard and runner."""
+
+    def __init__(self, tp: TensorParallel, config: EngineConfig, model_config: ModelConfig, device: torch.device):
+        self.tp = tp
+        self.config = config
+        self.model_config = model_config
+        self.device = device
+        self.model = load_model(model_config, device, tp)
+        self.runner: Optional[ModelRunner] = None
+
+    def cache_budget(self) -> int:
+        return cache_budget_bytes(self.config, self.device)
+
+    def build(self, plan: CachePlan) -> None:
+        dtype = self.model_config.dtype
+        caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
+        split_over = self.tp if self.config.mm_encoder_tp_mode == "data" else None
+        vision = (VisionStage(self.model, EncoderCache(self.config.encoder_cache_tokens), self.device, dtype,
+                              split_over) if self.model.supports_images else None)
+        self.runner = build_model_runner(self.model, caches, vision, self.config, self.device)
+
+    def execute(self, ops: list, chunks: list[ChunkInput], states: GeneratorStates) -> tuple[list, GeneratorStates]:
+        replay_cache_ops(self.runner.caches, ops)
+        generators = [self._generator(s) for s in states]
+        for chunk, generator in zip(chunks, generators):
+            if generator is not None:
+                chunk.sampling = chunk.sampling._replace(generator=generator)
+        results = self.runner.execute(chunks)
+        return results, [None if g is None else g.get_state() for g in generators]
+
+    def _generator(self, state: Optional[torch.Tensor]) -> Optional[torch.Generator]:
+        if state is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.set_state(state)
+        return generator
+
+
+def start_rank(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,
+               device: torch.device) -> Worker:
+    """Join the process group and load this rank's shard of the model."""
+    if device.type == "cpu":  # the ranks share the cores
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) // size)))
+    init_process_group(rank, size, device, init_method)
+    tp = TensorParallel(rank, size, expert_parallel=config.enable_expert_parallel)
+    return Worker(tp, config, model_config, device)
+
+
+def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,
+               conn: Connection) -> None:
+    """A rank's process: build, then serve steps until ("stop",) or the driver's end of `conn` closes."""
+    try:
+        worker = start_rank(rank, size, config, model_config, init_method, rank_device(config, rank))
+        conn.send(("ready", worker.cache_budget(), worker.model.cache_shape()))
+        _, plan = conn.recv()
+        worker.build(plan)
+        conn.send(("built",))
+        while True:
+            message = conn.recv()
+            if message[0] == "stop":
+                break
+            _, ops, chunks, states = message
+            results, states = worker.execute(ops, chunks, states)
+            if rank == 0:
+                conn.send(("result", results, states))
+        torch.distributed.destroy_process_group()
+    except EOFError:  # the driver went away
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1)
