@@ -269,3 +269,15 @@ def test_a_grammar_never_allows_ids_past_the_tokenizer(llm):
     state.fill_bitmask(bitmask, 0)
     allowed = unpack_bitmask(bitmask, len(tokenizer) + 88)[0]
     assert allowed[:len(tokenizer)].any() and not allowed[len(tokenizer):].any()
+
+
+def test_generate_takes_structured_outputs(qwen3_dir):
+    import vlmrun
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    text = vlmrun.generate(None, "answer", model=str(qwen3_dir), dtype="float32", device="cpu", max_tokens=20,
+                           structured_outputs=vlmrun.StructuredOutputsParams(json=schema))
+    assert isinstance(json.loads(text)["ok"], bool)
+    with pytest.raises(ValueError, match="does not compile"):
+        vlmrun.generate(None, "answer", model=str(qwen3_dir), dtype="float32", device="cpu",
+                        structured_outputs={"regex": "(unclosed"})
