@@ -1,0 +1,139 @@
+"""Tool calls in Qwen's formats: the request's `tools` checked, a grammar that forces a call, calls parsed.
+
+Qwen3 writes a call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3.5
+(and Qwen3-Coder) as `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
+</function>\\n</tool_call>`. `parse_call` reads either body. `tool_call_grammar` is the EBNF
+(xgrammar syntax) of one or more Qwen3-style calls of the given tools, each call's JSON valid under
+`{"name": <its name>, "arguments": <its parameters schema>}`: the constraint behind
+`tool_choice="required"` or a named function.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from vlmrun.server.errors import bad_request
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+_CALL_RULE = "vlmrun_tool_call"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of the arguments object
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def to_openai(self, index: Optional[int] = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:
+            out["index"] = index
+        return out
+
+
+# ---------------------------------------------------------------------------- the request's fields
+
+
+def check_tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], Any]:
+    """The request's `tools` (OpenAI function tools) and `tool_choice` ("none" | "auto" | "required"
+    | a tool's name), 400 for anything else. No tools: ([], "none")."""
+    tools = body.get("tools")
+    if tools is None or tools == []:
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise bad_request("'tool_choice' needs 'tools'", param="tool_choice")
+        return [], "none"
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list of {'type': 'function', 'function': {...}} objects", param="tools")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(fn, dict):
+            raise bad_request(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}", param="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"tools[{i}].function needs a 'name' string", param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise bad_request(f"tools[{i}].function.parameters must be a JSON Schema object", param="tools")
+    choice = body.get("tool_choice", "auto")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or {'type': 'function', "
+                              "'function': {'name': <one of the tools>}}", param="tool_choice")
+        return tools, name
+    if choice not in ("none", "auto", "required"):
+        raise bad_request("'tool_choice' must be 'none', 'auto', 'required' or a named function", param="tool_choice")
+    return tools, choice
+
+
+def forced_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any]]:
+    """The tools a grammar must force: all for "required", the named one, none otherwise."""
+    if choice == "required":
+        return tools
+    if choice in ("none", "auto"):
+        return []
+    return [t for t in tools if t["function"]["name"] == choice]
+
+
+# ---------------------------------------------------------------------------- grammar
+
+
+def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:
+    """EBNF of one (or, with `parallel`, one or more newline-separated) Qwen3-style calls of `tools`."""
+    import xgrammar
+
+    variants = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                  "arguments": t["function"].get("parameters") or {"type": "object"}},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    try:
+        call = xgrammar.Grammar.concat(
+            xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(CALL_OPEN + chr(10))}"),
+            xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
+            xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + CALL_CLOSE)}"))
+    except Exception as exc:
+        raise bad_request(f"the tools' parameters do not compile as JSON Schema: {exc}", param="tools") from None
+    text = str(call)
+    assert text.startswith("root ::= "), text[:40]
+    repeat = f' ("\\n" {_CALL_RULE})*' if parallel else ""
+    return f"root ::= {_CALL_RULE}{repeat}\n{_CALL_RULE} ::= {text[len('root ::= '):]}"
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_call(body: str) -> Optional[ToolCall]:
+    """The call in the text between `<tool_call>` and `</tool_call>`, or None when it is neither form."""
+    body = body.strip()
+    if body.startswith("{"):
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        name, args = (obj.get("name"), obj.get("arguments", {})) if isinstance(obj, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(args, (dict, str)):
+            return None
+        return ToolCall(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+    match = _XML_FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    args = {key.strip(): _xml_value(value) for key, value in _XML_PARAMETER.findall(match.group(2))}
+    return ToolCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+
+
+def _xml_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
