@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlmrun.api import LLM
-from vlmrun.layers.sampler import Sampler, SamplingBatch, SamplingRow, unpack_bitmask
+from vlmrun.layers.sampler import Sampler, SamplingBatch, SamplingRow, apply_token_bitmask
 from vlmrun.sampling_params import SamplingParamError, SamplingParams
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 from tests.test_engine_parity import llm_kv_bytes_per_token
@@ -35,8 +35,8 @@ def llm(qwen3_dir):
 
 @pytest.fixture(scope="module")
 def tight(qwen3_dir):
-    """Chunks of 8 tokens, pages of 4, and a KV pool for ~2 requests: chunked prefill and preemption."""
-    budget = 40 * 4 * llm_kv_bytes_per_token(qwen3_dir)
+    """Chunks of 8 tokens, pages of 4, and a KV pool of 96 tokens (~2 requests): chunked prefill, preemption."""
+    budget = 24 * 4 * llm_kv_bytes_per_token(qwen3_dir)
     return LLM(str(qwen3_dir), dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=8,
                max_num_seqs=8, kv_cache_memory_bytes=budget)
 
@@ -228,12 +228,24 @@ def test_grammars_compile_once_per_text(llm):
 # ---------------------------------------------------------------------------- the sampler's mask
 
 
-def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j():
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32)
-    allowed = unpack_bitmask(bitmask, 150)
-    for r in range(3):
-        for t in range(150):
-            assert bool(allowed[r, t]) == bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1)
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 [n, words] -> bool [n, vocab_size]: token 32 w + j is allowed when bit j of word w is set."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [n, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def test_the_mask_reaches_grammar_rows_only_and_leaves_the_logits_alone():
+    vocab = 150  # not a multiple of 32
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    batch = SamplingBatch(batch_size=4, vocab_size=vocab, all_greedy=True, grammar_rows=[1, 3],
+                          token_bitmask=torch.randint(-2**31, 2**31 - 1, (4, 5), dtype=torch.int32))
+    masked = apply_token_bitmask(logits, batch)
+    assert torch.equal(logits, before)
+    allowed = unpack_bitmask(batch.token_bitmask, vocab)
+    for r in range(4):
+        expect = before[r].masked_fill(~allowed[r], float("-inf")) if r in (1, 3) else before[r]
+        assert torch.equal(masked[r], expect)
 
 
 class _OnlyToken:
@@ -281,3 +293,13 @@ def test_generate_takes_structured_outputs(qwen3_dir):
     with pytest.raises(ValueError, match="does not compile"):
         vlmrun.generate(None, "answer", model=str(qwen3_dir), dtype="float32", device="cpu",
                         structured_outputs={"regex": "(unclosed"})
+
+
+def test_length_limited_strings_refuse_control_characters(llm):
+    # xgrammar 0.2.8 lets raw control characters into minLength / maxLength strings; the compiler
+    # gives such strings a pattern instead (a hypothesis example found this).
+    tokenizer = llm.engine.tokenizer
+    quote, ctrl = tokenizer.convert_tokens_to_ids('"'), tokenizer.convert_tokens_to_ids("ă")  # byte 0x03
+    for schema in ({"type": "string", "maxLength": 3}, {"type": "string", "minLength": 1}):
+        state = llm.engine.grammars.new_state(StructuredOutputsParams(json=schema))
+        assert state.accept(quote) and not state.accept(ctrl), schema

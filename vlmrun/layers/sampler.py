@@ -13,9 +13,10 @@ Per call, in this order:
    `ignore_eos`) and `stop_token_ids` get `-inf` (not for grammar rows: their grammar decides).
 4. **Grammar mask** (structured outputs): a row whose request carries a grammar state gets `-inf`
    on every token its grammar does not allow next. The state fills its row of an int32 bitmask
-   (bit j of word w = token `32 w + j`) on the host in `SamplingBatch.build`, which the runner
-   calls after queueing the model's forward, so on CUDA the filling overlaps the forward; the mask
-   is unpacked and applied on the logits' device. Bits past the logits' width are ignored.
+   `[batch, ceil(vocab / 32)]` (bit j of word w = token `32 w + j`) on the host in
+   `SamplingBatch.build`, which the runner calls after queueing the model's forward, so on CUDA the
+   filling overlaps the forward; xgrammar's kernel (C++ on CPU, Triton on CUDA) then applies the
+   grammar rows' masks to a copy of the logits.
 5. **Greedy** rows take the argmax of those logits. **Sampled** rows divide by temperature, then
    min-p (relative to the most likely token), top-k, and top-p (on the distribution renormalised
    after top-k / min-p) turn the removed tokens to `-inf`; the survivors are drawn with the
@@ -94,8 +95,8 @@ class SamplingBatch:
     output_counts: Optional[Tensor] = None  # [batch, vocab] float32: occurrences in the output
     blocked_rows: Optional[Tensor] = None  # [n] int64 } (row, token) pairs set to -inf
     blocked_tokens: Optional[Tensor] = None  # [n] int64 } by min_tokens
-    grammar_rows: Optional[Tensor] = None  # [k] int64: rows whose request has a grammar
-    token_bitmask: Optional[Tensor] = None  # [k, ceil(vocab / 32)] int32: their allowed next tokens
+    grammar_rows: list[int] = field(default_factory=list)  # rows whose request has a grammar
+    token_bitmask: Optional[Tensor] = None  # [batch, ceil(vocab / 32)] int32; read for grammar_rows only
     generators: list[Optional[torch.Generator]] = field(default_factory=list)  # per row
     seeded_rows: list[int] = field(default_factory=list)  # sampled rows with their own generator
     num_logprobs: list[Optional[int]] = field(default_factory=list)  # per row
@@ -187,10 +188,10 @@ def _fill_grammar_bitmask(batch: SamplingBatch, rows: list[SamplingRow], device:
     constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
     if not constrained:
         return
-    bitmask = torch.full((len(constrained), (batch.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [k, words]
-    for k, i in enumerate(constrained):
-        rows[i].grammar.fill_bitmask(bitmask, k)
-    batch.grammar_rows = _to_device(constrained, torch.int64, device)
+    bitmask = torch.full((batch.batch_size, (batch.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [batch, words]
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    batch.grammar_rows = constrained
     batch.token_bitmask = _move(bitmask, device)
 
 
@@ -313,21 +314,15 @@ def apply_min_tokens_block(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_token_bitmask(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Grammar rows: tokens whose bit is 0 become -inf. logits [batch, vocab]; bitmask [k, words]."""
+    """Grammar rows: tokens whose bit is 0 become -inf. logits [batch, vocab]; bitmask [batch, words]."""
     if batch.token_bitmask is None:
         return logits
-    allowed = unpack_bitmask(batch.token_bitmask, logits.shape[-1])  # [k, vocab] bool
+    import xgrammar  # only a batch with grammar rows gets here
+
     logits = logits.clone()
-    rows = batch.grammar_rows
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    xgrammar.apply_token_bitmask_inplace(logits, batch.token_bitmask, vocab_size=logits.shape[-1],
+                                         indices=batch.grammar_rows)
     return logits
-
-
-def unpack_bitmask(bitmask: Tensor, vocab_size: int) -> Tensor:
-    """int32 [k, words] -> bool [k, vocab_size]: token 32 w + j is allowed when bit j of word w is set."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [k, words, 32]
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_truncation(logits: Tensor, batch: SamplingBatch) -> Tensor:

@@ -7,6 +7,11 @@ compiling it on first use; an LRU of `cache_size` entries keyed by (kind, text, 
 keeps it, and a lock makes `compile` safe to call from any thread (the server compiles in its
 thread pool, so the engine thread finds the grammar cached).
 
+JSON schemas pass through `strict_json_strings` first: xgrammar (0.2.8) writes a string with
+`minLength` / `maxLength` as "any characters but quote, backslash, CR, LF", which lets raw control
+characters into the JSON (which `json.loads` then refuses); such strings get an equivalent
+`pattern` instead (found by the property tests).
+
 `GrammarState` is one request's position in its grammar: `fill_bitmask` writes the allowed next
 tokens into a row of an int32 bitmask `[batch, ceil(vocab / 32)]` (bit j of word w allows token
 `32 w + j`), `accept` advances by a sampled token, `is_terminated` is true once the grammar ended
@@ -94,7 +99,7 @@ class GrammarCompiler:
         kind, whitespace = spec.kind, not spec.disable_any_whitespace
         try:
             if kind == "json":
-                return compiler.compile_json_schema(spec.source, any_whitespace=whitespace)
+                return compiler.compile_json_schema(strict_json_strings(spec.source), any_whitespace=whitespace)
             if kind == "json_object":
                 return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=whitespace)
             if kind == "regex":
@@ -113,6 +118,37 @@ class GrammarCompiler:
                                                            stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+_DATA_KEYS = frozenset({"const", "default", "enum", "examples"})  # values that are data, not schemas
+_LENGTH_KEYS = ("minLength", "maxLength")
+
+
+def strict_json_strings(schema_text: str) -> str:
+    """`schema_text` with each length-limited plain string schema given a `pattern` that excludes
+    control characters (see the module docstring); text that is not JSON is returned as is."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text  # xgrammar reports it
+    changed = [False]
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+        elif isinstance(node, dict):
+            if (node.get("type") == "string" and any(k in node for k in _LENGTH_KEYS)
+                    and not {"pattern", "format", "enum", "const"} & set(node)):
+                lo, hi = node.pop("minLength", 0), node.pop("maxLength", "")
+                node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+                changed[0] = True
+            for key, value in node.items():
+                if key not in _DATA_KEYS:
+                    visit(value)
+
+    visit(schema)
+    return json.dumps(schema, ensure_ascii=False) if changed[0] else schema_text
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
