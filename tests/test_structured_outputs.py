@@ -303,3 +303,18 @@ def test_length_limited_strings_refuse_control_characters(llm):
     for schema in ({"type": "string", "maxLength": 3}, {"type": "string", "minLength": 1}):
         state = llm.engine.grammars.new_state(StructuredOutputsParams(json=schema))
         assert state.accept(quote) and not state.accept(ctrl), schema
+
+
+def test_concurrent_compiles_of_one_text_compile_it_once(llm):
+    from concurrent.futures import ThreadPoolExecutor
+
+    grammars = llm.engine.grammars
+    specs = [StructuredOutputsParams(regex=f"(x|y){{{n}}}z") for n in range(8)] * 4
+    with ThreadPoolExecutor(8) as pool:
+        compiled = list(pool.map(grammars.compile, specs))
+    for spec, grammar in zip(specs, compiled):
+        assert grammar is grammars.compile(spec)
+    with pytest.raises(StructuredOutputError):
+        grammars.compile(StructuredOutputsParams(regex="(bad"))
+    with pytest.raises(StructuredOutputError):  # errors are not cached as grammars
+        grammars.compile(StructuredOutputsParams(regex="(bad"))

@@ -4,8 +4,9 @@
 may exceed the tokenizer's vocabulary: padded embeddings; the extra ids are never allowed) and the
 EOS ids that end a grammar. `compile(spec)` returns the compiled grammar for the spec's text,
 compiling it on first use; an LRU of `cache_size` entries keyed by (kind, text, whitespace flag)
-keeps it, and a lock makes `compile` safe to call from any thread (the server compiles in its
-thread pool, so the engine thread finds the grammar cached).
+keeps it. `compile` is safe to call from any thread (the server compiles in its thread pool, so
+the engine thread finds the grammar cached): the lock guards only the cache, a grammar compiles
+outside it, once, and a thread asking for a grammar still compiling waits for that one.
 
 JSON schemas pass through `strict_json_strings` first: xgrammar (0.2.8) writes a string with
 `minLength` / `maxLength` as "any characters but quote, backslash, CR, LF", which lets raw control
@@ -24,7 +25,8 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -58,6 +60,15 @@ class GrammarState:
         return bool(self._matcher.is_terminated())
 
 
+@dataclass
+class _Entry:
+    """A cache slot: the compiled grammar once `done` is set (or the error, which is not kept)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    grammar: Any = None
+    error: Optional[StructuredOutputError] = None
+
+
 class GrammarCompiler:
     """Specs -> compiled grammars for one tokenizer (see the module docstring)."""
 
@@ -68,21 +79,36 @@ class GrammarCompiler:
         self.cache_size = cache_size
         self._lock = threading.Lock()
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
-        self._cache: OrderedDict[tuple, Any] = OrderedDict()
+        self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec` (cached); StructuredOutputError when it does not compile."""
         key = spec.cache_key
         with self._lock:
-            compiled = self._cache.get(key)
-            if compiled is None:
-                compiled = self._compile(spec)
-                self._cache[key] = compiled
+            entry = self._cache.get(key)
+            owner = entry is None
+            if owner:
+                entry = self._cache[key] = _Entry()
                 if len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
+                if self._compiler is None:
+                    self._compiler = self._xgrammar_compiler()
             else:
                 self._cache.move_to_end(key)
-            return compiled
+        if owner:
+            try:
+                entry.grammar = self._compile(spec)
+            except StructuredOutputError as exc:
+                entry.error = exc
+                with self._lock:
+                    if self._cache.get(key) is entry:
+                        del self._cache[key]
+            finally:
+                entry.done.set()
+        entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        return entry.grammar
 
     def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher at the start of `spec`'s grammar."""
@@ -95,7 +121,7 @@ class GrammarCompiler:
         return len(self._cache)
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
-        compiler = self._xgrammar_compiler()
+        compiler = self._compiler
         kind, whitespace = spec.kind, not spec.disable_any_whitespace
         try:
             if kind == "json":
@@ -111,13 +137,11 @@ class GrammarCompiler:
             raise StructuredOutputError(f"the {kind} does not compile: {_clean(exc)}") from None
 
     def _xgrammar_compiler(self) -> Any:
-        if self._compiler is None:
-            import xgrammar
+        import xgrammar
 
-            info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=self.stop_token_ids or None)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+        info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self.stop_token_ids or None)
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 _DATA_KEYS = frozenset({"const", "default", "enum", "examples"})  # values that are data, not schemas
