@@ -1,6 +1,6 @@
 """Structured outputs, tool calls and reasoning through the server, driven by the official `openai` client.
 
-A live server over the tiny random Qwen3 checkpoint (noise when unconstrained): `response_format`
+The live server of test_server.py over the tiny random Qwen3-VL checkpoint (noise when unconstrained): `response_format`
 json_schema and json_object, vLLM's `structured_outputs` / `guided_*` fields, `tools` with
 "required", a named function and "auto" (streamed and not), `<think>` split into
 `reasoning_content`, and bad constraints answered with 400 while the server keeps serving.
@@ -10,19 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterator
 
 import jsonschema
 import openai
 import pytest
 
-from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.server.chat_output import ChatOutputParser
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
-from tests.test_server import tiny_engine
-
-MODEL = "tiny-qwen3"
+from tests.test_server import MODEL, client, engine, server  # noqa: F401  (the live server, as fixtures)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
@@ -36,25 +30,6 @@ SHAPES = {"type": "object", "properties": {"shapes": {"type": "array", "maxItems
                                      "shape": {"enum": ["circle", "square"]}},
     "required": ["colour", "shape"], "additionalProperties": False}}}, "required": ["shapes"],
     "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def engine(qwen3_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_dir)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def chat(client: openai.OpenAI, **kwargs):
