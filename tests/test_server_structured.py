@@ -25,6 +25,9 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {
     "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
                                        "required": ["zone"], "additionalProperties": False}}}
+NOTE = {"type": "function", "function": {  # a free string: raw text in XML-style calls, even "12"
+    "name": "note", "parameters": {"type": "object", "properties": {"text": {"type": "string", "maxLength": 6}},
+                                   "required": ["text"]}}}
 SHAPES = {"type": "object", "properties": {"shapes": {"type": "array", "maxItems": 3, "items": {
     "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
                                      "shape": {"enum": ["circle", "square"]}},
@@ -178,9 +181,9 @@ def test_reasoning_is_split_from_content(client, streamed):
     "<thin", "<think>unfinished </thi",
 ])
 def test_streamed_pieces_add_up_to_the_whole_parse(text):
-    whole = ChatOutputParser(reasoning=True, tools=True).parse_all(text)
+    whole = ChatOutputParser(reasoning=True, tools=[WEATHER]).parse_all(text)
     for size in (1, 3, 7):
-        parser = ChatOutputParser(reasoning=True, tools=True)
+        parser = ChatOutputParser(reasoning=True, tools=[WEATHER])
         pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
         assert "".join(p.reasoning for p in pieces) == whole.reasoning
         assert "".join(p.content for p in pieces) == whole.content
@@ -190,8 +193,30 @@ def test_streamed_pieces_add_up_to_the_whole_parse(text):
 
 def test_qwen3_5_xml_calls_and_thinking_prompts_parse():
     text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
-    parsed = ChatOutputParser(reasoning=True, tools=True).parse_all(text)
+    parsed = ChatOutputParser(reasoning=True, tools=[WEATHER]).parse_all(text)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "Oslo"})]
-    thinking = ChatOutputParser(reasoning=True, tools=False, prompt_text="<|im_start|>assistant\n<think>\n")
+    thinking = ChatOutputParser(reasoning=True, prompt_text="<|im_start|>assistant\n<think>\n")
     parsed = thinking.parse_all("plan it</think>\n\ndone")
     assert parsed.reasoning == "plan it" and parsed.content == "done"
+
+
+@pytest.mark.parametrize("xml", [False, True])
+def test_forced_call_grammars_give_calls_the_parser_reads(qwen3_dir, xml):
+    from vlmrun.api import LLM
+    from vlmrun.sampling_params import SamplingParams
+    from vlmrun.server.tool_calls import tool_call_grammar
+
+    llm = LLM(str(qwen3_dir), dtype="float32", device="cpu")
+    tools = [WEATHER, TIME, NOTE]
+    grammar = tool_call_grammar(tools, parallel=False, xml=xml)
+    params = [SamplingParams(max_tokens=200, temperature=1.0, seed=seed, structured_outputs={"grammar": grammar})
+              for seed in range(6)]
+    outs = llm.generate(["a"] * 6, params, use_tqdm=False)
+    finished = [o for o in outs if o.finish_reason == "stop"]
+    assert finished
+    for out in finished:
+        parsed = ChatOutputParser(reasoning=False, tools=tools).parse_all(out.text)
+        assert parsed.calls and not parsed.content.strip(), out.text
+        for call in parsed.calls:
+            tool = next(t for t in tools if t["function"]["name"] == call.name)
+            jsonschema.validate(json.loads(call.arguments), tool["function"]["parameters"])

@@ -3,8 +3,8 @@
 - Reasoning (Qwen's `<think>…</think>`): text after a leading `<think>` (or from the start, when
   the prompt itself ended in `<think>`, as thinking templates do) up to `</think>` is
   `reasoning_content`; the newlines after `</think>` are dropped.
-- Tool calls (when the request's tools are parsed): each complete `<tool_call>…</tool_call>` block
-  whose body `tool_calls.parse_call` reads becomes a call; other text stays content.
+- Tool calls (when the parser is given the request's tools): each complete `<tool_call>…</tool_call>`
+  block whose body `tool_calls.parse_call` reads becomes a call; other text stays content.
 
 `ChatOutputParser.feed(delta)` returns what became certain with that delta: a tail that might
 still turn into a marker (`</think>`, `<tool_call>`) or an unfinished call is held back until
@@ -15,7 +15,7 @@ its growth is returned, so the streamed pieces always add up to the final messag
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from vlmrun.server.tool_calls import CALL_CLOSE, CALL_OPEN, ToolCall, parse_call
 
@@ -45,7 +45,7 @@ class OutputDelta:
 
 
 class ChatOutputParser:
-    def __init__(self, reasoning: bool, tools: bool, prompt_text: str = ""):
+    def __init__(self, reasoning: bool, tools: Sequence[dict[str, Any]] = (), prompt_text: str = ""):
         self.reasoning = reasoning
         self.tools = tools
         self.starts_in_reasoning = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
@@ -55,7 +55,7 @@ class ChatOutputParser:
     @property
     def active(self) -> bool:
         """False when the parser passes text through unchanged (nothing to split)."""
-        return self.reasoning or self.tools
+        return self.reasoning or bool(self.tools)
 
     @property
     def num_calls(self) -> int:
@@ -126,7 +126,7 @@ class ChatOutputParser:
                     out.content += text[start:]
                 return
             block_end = end + len(CALL_CLOSE)
-            call = parse_call(text[start + len(CALL_OPEN):end])
+            call = parse_call(text[start + len(CALL_OPEN):end], self.tools)
             if call is None:
                 out.content += text[start:block_end]
             else:

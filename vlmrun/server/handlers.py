@@ -9,6 +9,7 @@ answer. From submission on, every exit path aborts what is unfinished and releas
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -22,7 +23,8 @@ from processors import InputError, ProcessedPrompt
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server.chat_output import ChatOutputParser
-from vlmrun.structured import StructuredOutputError
+from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
+from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 from vlmrun.server import responses as R
 from vlmrun.server.errors import APIError, bad_request, internal, unavailable
 from vlmrun.server.metrics import ServerMetrics
@@ -217,12 +219,13 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                               tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs)
         prompt_text = prompt.text
-        return [(prompt, p) for p in split_choices(req.params)]
+        return [(prompt, p) for p in split_choices(_with_tool_grammar(state, req))]
 
     sub = await _submit(state, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids), "messages")
     model = state.model_name
     token_text = R.TokenText(state.engine.tokenizer)
-    parsers = [ChatOutputParser(state.settings.reasoning_parser is not None, req.parses_tool_calls, prompt_text)
+    parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
+                                req.tools if req.parses_tool_calls else (), prompt_text)
                for _ in sub.choices]
 
     if not req.stream:
@@ -264,6 +267,15 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         yield R.SSE_DONE
 
     return _stream(sub, events)
+
+
+def _with_tool_grammar(state: ServerState, req: ChatRequest) -> SamplingParams:
+    """The request's params, constrained to calls of its forced tools when tool_choice asks for that."""
+    if not req.forced_tools:
+        return req.params
+    grammar = tool_call_grammar(req.forced_tools, req.parallel_tool_calls,
+                                xml=uses_xml_calls(state.processor.chat_template))
+    return dataclasses.replace(req.params, structured_outputs=StructuredOutputsParams(grammar=grammar))
 
 
 def _stream_delta(parser: ChatOutputParser, text: str, finished: bool) -> dict[str, Any]:

@@ -9,8 +9,9 @@ Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"typ
 "json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
 choice / grammar / json_object) or its older `guided_json`, `guided_regex`, `guided_choice`,
 `guided_grammar` fields: at most one of them per request. Chat requests may carry `tools` and
-`tool_choice` (`tool_calls.py`): "required" or a named function constrain the output to Qwen3
-tool calls by a grammar and cannot be combined with another constraint. Where OpenAI is strict, so is this server:
+`tool_choice` (`tool_calls.py`): "required" or a named function constrain the output to tool calls
+by a grammar (the handler builds it, in the chat template's call format) and cannot be combined with
+another constraint. Where OpenAI is strict, so is this server:
 JSON only (no NaN / Infinity), nesting at most `MAX_JSON_DEPTH` deep, `temperature` in [0, 2],
 known chat roles, a `content` on every message (null only beside assistant `tool_calls`), and a
 `tool` message only in answer to an earlier tool call.
@@ -28,7 +29,7 @@ from typing import Any, Optional, Union
 
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
-from vlmrun.server.tool_calls import check_tools, forced_tools, tool_call_grammar
+from vlmrun.server.tool_calls import check_tools, forced_tools
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
@@ -63,6 +64,8 @@ class ChatRequest:
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools, for the template
     tool_choice: Any = "none"  # "none" | "auto" | "required" | a tool's name
+    forced_tools: list[dict[str, Any]] = field(default_factory=list)  # what a grammar must force a call of
+    parallel_tool_calls: bool = True
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -118,12 +121,9 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     tools, tool_choice = check_tools(body)
     structured = _structured_outputs(body)
     forced = forced_tools(tools, tool_choice)
-    if forced:
-        if structured is not None:
-            raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
-                              "response_format / structured outputs", param="tool_choice")
-        parallel = _opt_bool(body, "parallel_tool_calls", True)
-        structured = StructuredOutputsParams(grammar=tool_call_grammar(forced, parallel))
+    if forced and structured is not None:
+        raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
+                          "response_format / structured outputs", param="tool_choice")
     params = _sampling_params(body, limits, max_tokens, top if logprobs else None, structured)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
@@ -136,7 +136,8 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top,
                        chat_template_kwargs=kwargs,
                        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-                       tools=tools, tool_choice=tool_choice)
+                       tools=tools, tool_choice=tool_choice, forced_tools=forced,
+                       parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True))
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:

@@ -3,9 +3,12 @@
 Qwen3 writes a call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3.5
 (and Qwen3-Coder) as `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
 </function>\\n</tool_call>`. `parse_call` reads either body. `tool_call_grammar` is the EBNF
-(xgrammar syntax) of one or more Qwen3-style calls of the given tools, each call's JSON valid under
-`{"name": <its name>, "arguments": <its parameters schema>}`: the constraint behind
-`tool_choice="required"` or a named function.
+(xgrammar syntax) of one or more calls of the given tools, the constraint behind
+`tool_choice="required"` or a named function: Qwen3-style, each call's JSON valid under
+`{"name": <its name>, "arguments": <its parameters schema>}`, or, for a chat template that writes
+XML-style calls (`uses_xml_calls`), one `<parameter=KEY>` block per property in schema order
+(required ones always, optional ones maybe), a string (or a string enum) as raw text without `<`,
+any other value as JSON valid under its schema.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from vlmrun.server.errors import bad_request
+from vlmrun.structured.compiler import strict_json_strings
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
@@ -89,19 +93,16 @@ def forced_tools(tools: list[dict[str, Any]], choice: Any) -> list[dict[str, Any
 # ---------------------------------------------------------------------------- grammar
 
 
-def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str:
-    """EBNF of one (or, with `parallel`, one or more newline-separated) Qwen3-style calls of `tools`."""
-    import xgrammar
+def uses_xml_calls(chat_template: Optional[str]) -> bool:
+    """True for a chat template that asks for Qwen3.5's XML-style calls (`<function=NAME>`)."""
+    return "<function=" in (chat_template or "")
 
-    variants = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                  "arguments": t["function"].get("parameters") or {"type": "object"}},
-                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+
+def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool = True, xml: bool = False) -> str:
+    """EBNF of one (or, with `parallel`, one or more newline-separated) calls of `tools`: Qwen3's
+    JSON-style calls, or Qwen3.5's XML-style ones with `xml`."""
     try:
-        call = xgrammar.Grammar.concat(
-            xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(CALL_OPEN + chr(10))}"),
-            xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False),
-            xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(chr(10) + CALL_CLOSE)}"))
+        call = _xml_calls(tools) if xml else _json_calls(tools)
     except Exception as exc:
         raise bad_request(f"the tools' parameters do not compile as JSON Schema: {exc}", param="tools") from None
     text = str(call)
@@ -110,11 +111,66 @@ def tool_call_grammar(tools: list[dict[str, Any]], parallel: bool = True) -> str
     return f"root ::= {_CALL_RULE}{repeat}\n{_CALL_RULE} ::= {text[len('root ::= '):]}"
 
 
+def _literal(text: str) -> Any:
+    import xgrammar
+
+    return xgrammar.Grammar.from_ebnf(f"root ::= {json.dumps(text, ensure_ascii=False)}")
+
+
+def _json_calls(tools: list[dict[str, Any]]) -> Any:
+    import xgrammar
+
+    variants = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                  "arguments": t["function"].get("parameters") or {"type": "object"}},
+                 "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    return xgrammar.Grammar.concat(_literal(CALL_OPEN + "\n"), _json_grammar(schema),
+                                   _literal("\n" + CALL_CLOSE))
+
+
+def _xml_calls(tools: list[dict[str, Any]]) -> Any:
+    import xgrammar
+
+    calls = []
+    for tool in tools:
+        fn = tool["function"]
+        params = fn.get("parameters") or {}
+        required = set(params.get("required") or [])
+        parts = [_literal(f"{CALL_OPEN}\n<function={fn['name']}>\n")]
+        for key, schema in (params.get("properties") or {}).items():
+            block = xgrammar.Grammar.concat(_literal(f"<parameter={key}>\n"), _value_grammar(schema),
+                                            _literal("\n</parameter>\n"))
+            parts.append(block if key in required else xgrammar.Grammar.union(_literal(""), block))
+        parts.append(_literal(f"</function>\n{CALL_CLOSE}"))
+        calls.append(xgrammar.Grammar.concat(*parts))
+    return calls[0] if len(calls) == 1 else xgrammar.Grammar.union(*calls)
+
+
+def _value_grammar(schema: Any) -> Any:
+    import xgrammar
+
+    if _is_string_enum(schema):
+        return xgrammar.Grammar.union(*[_literal(v) for v in schema["enum"]])
+    plain_string = isinstance(schema, dict) and schema.get("type") == "string" and not (
+        {"enum", "const", "pattern", "format"} & set(schema))
+    if plain_string:
+        return xgrammar.Grammar.from_regex(f"[^<]{{{schema.get('minLength', 0)},{schema.get('maxLength', '')}}}")
+    return _json_grammar(schema if isinstance(schema, dict) else {})
+
+
+def _json_grammar(schema: dict[str, Any]) -> Any:
+    import xgrammar
+
+    return xgrammar.Grammar.from_json_schema(strict_json_strings(json.dumps(schema)), any_whitespace=False)
+
+
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_call(body: str) -> Optional[ToolCall]:
-    """The call in the text between `<tool_call>` and `</tool_call>`, or None when it is neither form."""
+def parse_call(body: str, tools: Sequence[dict[str, Any]] = ()) -> Optional[ToolCall]:
+    """The call in the text between `<tool_call>` and `</tool_call>`, or None when it is neither form.
+
+    An XML-style parameter is JSON unless `tools` declares it a string (then its raw text)."""
     body = body.strip()
     if body.startswith("{"):
         try:
@@ -128,11 +184,28 @@ def parse_call(body: str) -> Optional[ToolCall]:
     match = _XML_FUNCTION.fullmatch(body)
     if match is None:
         return None
-    args = {key.strip(): _xml_value(value) for key, value in _XML_PARAMETER.findall(match.group(2))}
-    return ToolCall(match.group(1).strip(), json.dumps(args, ensure_ascii=False))
+    name = match.group(1).strip()
+    strings = _string_parameters(tools, name)
+    args = {key.strip(): value if key.strip() in strings else _parse_value(value)
+            for key, value in _XML_PARAMETER.findall(match.group(2))}
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
 
-def _xml_value(text: str) -> Any:
+def _string_parameters(tools: Sequence[dict[str, Any]], name: str) -> set[str]:
+    for tool in tools:
+        if tool["function"]["name"] == name:
+            props = (tool["function"].get("parameters") or {}).get("properties") or {}
+            return {k for k, schema in props.items()
+                    if isinstance(schema, dict) and (schema.get("type") == "string" or _is_string_enum(schema))}
+    return set()
+
+
+def _is_string_enum(schema: Any) -> bool:
+    values = schema.get("enum") if isinstance(schema, dict) else None
+    return bool(values) and all(isinstance(v, str) and "<" not in v for v in values)
+
+
+def _parse_value(text: str) -> Any:
     try:
         return json.loads(text)
     except ValueError:
