@@ -168,3 +168,45 @@ def test_sigkill_mid_job_then_resume_records_every_image_exactly_once(qwen3_vl_d
         assert out.read_bytes().endswith(b"\n")
     else:
         assert not journal.exists()
+
+
+SHAPE_SCHEMA = {"type": "object", "properties": {
+    "colour": {"enum": ["red", "green", "blue"]}, "shape": {"enum": ["circle", "square", "triangle"]}},
+    "required": ["colour", "shape"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_json_schema_job_records_carry_the_parsed_object(qwen3_vl_dir: Path, tmp_path: Path, suffix: str) -> None:
+    images = write_images(tmp_path / "imgs", 3, size=(40, 40))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SHAPE_SCHEMA))
+    out = tmp_path / f"out{suffix}"
+    args = ["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--json-schema", str(schema),
+            "--no-progress"]
+    assert main(args + ["--out", str(out), "--max-tokens", "40"]) == 0
+    records = _by_image(_records(out))
+    for path in images:
+        r = records[str(path)]
+        parsed = json.loads(r["parsed"]) if suffix == ".parquet" else r["parsed"]  # Parquet: JSON text
+        assert r["error"] is None and parsed == json.loads(r["caption"])
+        assert set(parsed) == {"colour", "shape"} and parsed["shape"] in ("circle", "square", "triangle")
+    cut = tmp_path / f"cut{suffix}"
+    assert main(args + ["--out", str(cut), "--max-tokens", "3"]) == 1  # too short to close the object
+    for r in _records(cut):
+        assert r["parsed"] is None and "cut by --max-tokens" in r["error"] and r["finish_reason"] == "length"
+
+
+def test_regex_and_choice_jobs_and_a_bad_constraint(qwen3_vl_dir: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    write_images(tmp_path / "imgs", 2, size=(40, 40))
+    base = ["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--no-progress"]
+    out = tmp_path / "choice.jsonl"
+    assert main(base + ["--out", str(out), "--choice", "cat", "--choice", "dog"]) == 0
+    assert all(r["parsed"] in ("cat", "dog") and r["parsed"] == r["caption"] for r in _records(out))
+    out = tmp_path / "regex.jsonl"
+    assert main(base + ["--out", str(out), "--regex", "[0-9]{2}"]) == 0
+    assert all(len(r["parsed"]) == 2 and r["parsed"].isdigit() for r in _records(out))
+    capsys.readouterr()
+    assert main(base + ["--out", str(tmp_path / "bad.jsonl"), "--regex", "(unclosed"]) == 2
+    assert "does not compile" in capsys.readouterr().err
+    assert main(base + ["--json-schema", str(tmp_path / "nope.json")]) == 2

@@ -114,7 +114,12 @@ CASES = {
     "top_logprobs_without_logprobs": ({**user("hi"), "top_logprobs": 2}, 400, ("logprobs",)),
     "bad_role": (user("hi") | {"messages": [{"content": "no role"}]}, 400, ("role",)),
     "video": (user([{"type": "video_url", "video_url": {"url": "x"}}]), 400, ("not supported",)),
-    "tools": ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ("tool",)),
+    "tools": ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}],
+               "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, ("tool",)),
+    "bad_json_schema": ({**user("hi"), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}, 400, ("does not compile",)),
+    "bad_guided_regex": ({**user("hi"), "guided_regex": "(unclosed"}, 400, ("does not compile",)),
+    "two_constraints": ({**user("hi"), "guided_regex": "a", "guided_choice": ["a"]}, 400, ("at most one",)),
     "private_url": (user([image_part("http://127.0.0.1:9/cat.png"), "x"]), 400, ("loopback",)),
     "private_url_10": (user([image_part("http://10.1.2.3/cat.png"), "x"]), 400, ("private",)),
     "metadata_url": (user([image_part("http://169.254.169.254/latest/meta-data"), "x"]), 400, ("link-local",)),

@@ -5,7 +5,7 @@ The public names load lazily, so importing a submodule (`import vlmrun.config`, 
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "generate"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate"]
 
 
 def __getattr__(name: str) -> Any:
@@ -13,6 +13,10 @@ def __getattr__(name: str) -> Any:
         from vlmrun.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from vlmrun.structured import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name in ("LLM", "RequestOutput", "CompletionOutput", "generate"):
         from vlmrun import api
 

@@ -152,7 +152,9 @@ def generate(images: Any = None, prompt: str = "Describe the image.", *,
              image_backend: str = "auto", max_tokens: int = 256, **sampling: Any) -> str:
     """One request in one call: images and a prompt in, text out. The engine is kept for the next call.
 
-    `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them."""
+    `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them.
+    Other keywords are `SamplingParams` fields, e.g. `structured_outputs={"json": schema}` for text
+    that parses as JSON valid under `schema` (a schema that does not compile raises a ValueError)."""
     llm = _cached_llm(model, dtype, device, image_backend)
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
     out = llm.generate([{"prompt": prompt, "images": images}], params, use_tqdm=False)[0]

@@ -15,6 +15,11 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   entries); None returns none.
 - `stop`: strings that end generation; the returned text stops before the stop string unless
   `include_stop_str_in_output`.
+- `structured_outputs`: a `vlmrun.structured.StructuredOutputsParams` (or a dict of its fields):
+  the output must match a JSON schema, any JSON object, a regex, one of some strings or an EBNF
+  grammar. The shape is checked here; the engine compiles it before queueing the request. A
+  constrained request ends when its grammar does (EOS is allowed only where the grammar may end);
+  `min_tokens` does not hold that end back.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
   request draws with `seed + i`, wrapped into that range (`for_choice`).
@@ -36,6 +41,8 @@ import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Union
+
+from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top log-probabilities one token may return (vLLM's default max_logprobs)
@@ -70,6 +77,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, lo=1)
@@ -94,6 +102,11 @@ class SamplingParams:
         self.logprobs = _optional(_integer, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             setattr(self, name, _boolean(name, getattr(self, name)))
+        if self.structured_outputs is not None:
+            try:
+                self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            except StructuredOutputError as exc:
+                raise SamplingParamError("structured_outputs", str(exc)) from None
 
     # ------------------------------------------------------------------ derived views
 

@@ -227,6 +227,51 @@ def eval_question(scene: Scene) -> QA:
 
 
 # --------------------------------------------------------------------------------------------
+# Structured descriptions
+# --------------------------------------------------------------------------------------------
+
+# A JSON Schema of a scene as objects: what `Scene.objects` returns and `caption_objects` parses.
+SCENE_SCHEMA: dict = {
+    "type": "object",
+    "properties": {"shapes": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object",
+        "properties": {"colour": {"enum": list(COLOURS)}, "shape": {"enum": list(SHAPES)},
+                       "position": {"enum": list(SLOTS)}},
+        "required": ["colour", "shape", "position"], "additionalProperties": False}}},
+    "required": ["shapes"], "additionalProperties": False,
+}
+_PHRASE = re.compile(r"a (small|large) (\w+) (\w+) (on the left|in the middle|on the right)")
+
+
+def caption_grammar() -> str:
+    """EBNF (xgrammar syntax) of the canonical captions: 1-3 phrases in the model's own words, so a
+    grammar-constrained caption always parses with `caption_objects`."""
+    def alts(words) -> str:
+        return " | ".join(f'"{w}"' for w in words)
+
+    return "\n".join([
+        'root ::= phrase | phrase " and " phrase | phrase ", " phrase " and " phrase',
+        'phrase ::= "a " size " " colour " " shape " " where',
+        f"size ::= {alts(SIZES)}",
+        f"colour ::= {alts(COLOURS)}",
+        f"shape ::= {alts(SHAPES)}",
+        f"where ::= {alts(SLOT_PHRASES.values())}",
+    ])
+
+
+def caption_objects(caption: str) -> dict:
+    """A canonical caption as `SCENE_SCHEMA` objects: {"shapes": [{"colour", "shape", "position"}, ...]}."""
+    where = {phrase: slot for slot, phrase in SLOT_PHRASES.items()}
+    return {"shapes": [{"colour": colour, "shape": kind, "position": where[place]}
+                       for _, colour, kind, place in _PHRASE.findall(caption)]}
+
+
+def scene_objects(scene: Scene) -> dict:
+    """The truth of a scene as `SCENE_SCHEMA` objects (left to right)."""
+    return {"shapes": [{"colour": s.colour, "shape": s.kind, "position": s.slot} for s in scene.shapes]}
+
+
+# --------------------------------------------------------------------------------------------
 # Drawing
 # --------------------------------------------------------------------------------------------
 

@@ -134,6 +134,11 @@ class AsyncEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def compile_structured(self, params: SamplingParams) -> None:
+        """Any thread: compile the grammar of `params` now, so that the engine thread finds it cached
+        (`Engine.compile_structured`; StructuredOutputError when it does not compile)."""
+        self.engine.compile_structured(params)
+
     # ------------------------------------------------------------------ asyncio side
 
     async def submit(self, group_id: str,

@@ -3,6 +3,14 @@
 `add_request` validates and queues a processed prompt; `step` runs one scheduler step and returns
 what each touched request produced; `abort` drops a request and frees its memory. The engine is
 synchronous and single-threaded; the async wrapper for the server drives it from one loop.
+
+Structured outputs: `add_request` compiles the request's grammar (cached by its text; a bad one
+raises `StructuredOutputError`, a ValueError, before anything is queued) and gives the request a
+matcher; the sampler masks its logits row with it; `_advance_grammar` feeds it every sampled
+token and ends the request when the grammar has terminated. A preempted request keeps its output
+tokens (it recomputes them, it does not resample them), so its matcher needs no rollback.
+`compile_structured` is the one method other threads may call (the server compiles off the
+engine thread so that add_request finds the grammar cached).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from vlmrun.models import load_model
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
+from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +103,8 @@ class Engine:
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval)
         self.stop_limits = StopLimits.of(config)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
+                                        self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
 
@@ -190,6 +201,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
+        grammar = self._new_grammar_state(params)  # StructuredOutputError (a ValueError) if it does not compile
         n = len(prompt.token_ids)
         if n == 0:
             raise InputError("the prompt is empty")
@@ -205,7 +217,8 @@ class Engine:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
-                      mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator)
+                      mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
+                      grammar=grammar)
         if self.prefix_cache is not None:
             page_size = self.caches.plan.page_size
             req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size)
@@ -213,6 +226,16 @@ class Engine:
         self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
                                                      self.model_config.eos_token_ids, self.max_model_len)
         self.scheduler.add(req)
+
+    def compile_structured(self, params: SamplingParams) -> None:
+        """Thread-safe: compile (or find cached) the grammar of `params`; StructuredOutputError if bad."""
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
+
+    def _new_grammar_state(self, params: SamplingParams) -> Optional[GrammarState]:
+        if params.structured_outputs is None:
+            return None
+        return self.grammars.new_state(params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -247,13 +270,24 @@ class Engine:
         req.output_token_ids.append(sampled.token_id)
         if sampled.logprobs is not None:
             req.output_logprobs.append(sampled.logprobs)
+        grammar_finish = self._advance_grammar(req, sampled.token_id)
         token = self._streams[req.request_id].add_token(sampled.token_id)
         update = RequestUpdate(req.request_id, [sampled.token_id], [sampled.logprobs] if sampled.logprobs else [],
                                text_delta=token.delta)
-        if token.finish_reason is not None:
-            self._finish(req, token.finish_reason)
-            update.finished, update.finish_reason = True, token.finish_reason
+        finish_reason = token.finish_reason or grammar_finish
+        if finish_reason is not None:
+            self._finish(req, finish_reason)
+            update.finished, update.finish_reason = True, finish_reason
         return update
+
+    def _advance_grammar(self, req: Request, token_id: int) -> Optional[str]:
+        """Feed a sampled token to the request's grammar; "stop" once the grammar has ended."""
+        if req.grammar is None:
+            return None
+        if not req.grammar.accept(token_id):  # the mask forbids this; a stop string or bug could not
+            logger.warning("request %s: token %d breaks its grammar; finishing it", req.request_id, token_id)
+            return "stop"
+        return "stop" if req.grammar.is_terminated else None
 
     def _finish(self, req: Request, reason: str) -> RequestUpdate:
         self.scheduler.finish(req)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ class Request:
     mrope_delta: int
     eos_token_ids: list[int]
     generator: Optional[torch.Generator] = None
+    grammar: Optional[Any] = None  # vlmrun.structured.GrammarState of a structured-output request
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

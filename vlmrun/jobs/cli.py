@@ -1,7 +1,12 @@
 """`vlmrun caption`: caption many images into a JSONL or Parquet file, resumably (or print them).
 
     vlmrun caption INPUT... --out FILE [--model M] [--prompt P] [--max-tokens N] [sampling flags]
+                   [--json-schema FILE | --regex RE | --choice STR...]
                    [--resume | --overwrite] [--retry-errors] [--ray [--ray-address ADDR]]
+
+--json-schema / --regex / --choice constrain every caption (grammar-constrained decoding); each
+record then carries `parsed`, and one whose output does not complete (cut by --max-tokens) is an
+error record.
 
 INPUT: image files, directories (recursive), glob patterns, manifests (.txt / .csv / .jsonl /
 .parquet of paths or URLs), URLs (see `vlmrun.jobs.inputs`). Without --out each image prints one
@@ -13,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import sys
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.jobs.config import (
@@ -41,6 +47,7 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty, seed=args.seed, max_tokens=args.max_tokens,
         min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
+        structured_outputs=structured_outputs(args),
     )
     engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, **kernel_options(args)}
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
@@ -57,6 +64,21 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         overwrite=args.overwrite, retry_errors=args.retry_errors, image_column=args.image_column,
         fsync_interval=args.fsync_interval, progress=not args.no_progress, ray=ray,
     )
+
+
+def structured_outputs(args: argparse.Namespace) -> Optional[dict[str, Any]]:
+    """The constraint of --json-schema FILE / --regex / --choice, or None (ValueError: unreadable schema)."""
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as fh:
+                return {"json": json.load(fh)}
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the JSON schema {args.json_schema!r}: {exc}") from None
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": list(args.choice)}
+    return None
 
 
 def caption(args: argparse.Namespace) -> int:
@@ -119,6 +141,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--min-tokens", type=int, default=0)
     s.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens (benchmarks)")
+
+    c = cap.add_argument_group("structured output (each record gets 'parsed')").add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, metavar="FILE", help="captions are JSON valid under this schema")
+    c.add_argument("--regex", default=None, metavar="RE", help="captions match this regular expression")
+    c.add_argument("--choice", action="append", default=[], metavar="STR",
+                   help="captions are one of these strings (repeatable)")
 
     e = cap.add_argument_group("engine")
     e.add_argument("--dtype", default="auto")

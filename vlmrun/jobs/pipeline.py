@@ -13,7 +13,8 @@
   the engine's `max_num_seqs`), so finished requests are replaced at once (continuous batching).
   While the engine has work the loop never blocks on `ready`; it waits on it only when the engine
   is idle.
-- A bad image (or a prompt the engine refuses) becomes an error record; the job goes on.
+- A bad image (or a prompt the engine refuses) becomes an error record; the job goes on. So does
+  an output that does not complete the job's structured-output constraint (`parse_structured`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from processors import InputError, ProcessedPrompt, load_image
 from vlmrun.jobs.inputs import JobItem
-from vlmrun.jobs.records import CaptionRecord, image_seed
+from vlmrun.jobs.records import CaptionRecord, image_seed, parse_structured
 from vlmrun.sampling_params import SamplingParams
 
 _POLL_S = 0.05  # how often blocked threads look at the stop flag
@@ -185,10 +186,14 @@ class CaptionPipeline:
             else:
                 text = self.engine.output_text(rid)
                 req = self.engine.release(rid)
+                parsed, error = None, None
+                spec = req.sampling_params.structured_outputs
+                if spec is not None:
+                    parsed, error = parse_structured(spec, text, req.grammar.is_terminated, req.finish_reason)
                 record = CaptionRecord(image=prep.item.key, caption=text, num_tokens=len(req.output_token_ids),
-                                       model=self.options.model_name, prompt=self.options.prompt, error=None,
+                                       model=self.options.model_name, prompt=self.options.prompt, error=error,
                                        finish_reason=req.finish_reason, preprocess_s=round(prep.preprocess_s, 6),
-                                       generate_s=round(now - entry.added, 6))
+                                       generate_s=round(now - entry.added, 6), parsed=parsed)
             on_record(prep.item, record)
 
     # ------------------------------------------------------------------ threads

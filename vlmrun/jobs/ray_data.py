@@ -21,6 +21,7 @@ Ray is an optional extra (`pip install 'vlmrun[ray]'`): importing this module do
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -86,7 +87,9 @@ class VlmrunCaptioner:
 
         self.pipeline.run(items, on_record)
         assert all(r is not None for r in records), "the pipeline returned fewer records than rows"
-        return {name: [getattr(r, name) for r in records] for name in RECORD_FIELDS}
+        columns = {name: [getattr(r, name) for r in records] for name in RECORD_FIELDS}
+        columns["parsed"] = [None if v is None else json.dumps(v, ensure_ascii=False) for v in columns["parsed"]]
+        return columns  # `parsed` travels as JSON text (one arrow type for any value)
 
 
 def _plain(value: Any) -> Any:
@@ -163,6 +166,7 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         for row in batch.to_pylist():
             record = CaptionRecord(**{name: row[name] for name in RECORD_FIELDS})
+            record.parsed = None if record.parsed is None else json.loads(record.parsed)
             on_record(JobItem(record.image, None), record)
         if on_tick is not None:
             on_tick()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,7 +23,7 @@ from typing import Any, Optional
 # Field order of the record (JSONL keys and Parquet columns).
 RECORD_FIELDS: tuple[str, ...] = (
     "image", "caption", "num_tokens", "model", "prompt", "error", "finish_reason", "preprocess_s", "generate_s",
-    "image_escaped",
+    "image_escaped", "parsed",
 )
 
 
@@ -31,6 +32,10 @@ class CaptionRecord:
     """The outcome for one image.
 
     caption: the generated text, None when the image failed.
+    parsed: with a structured-output job (--json-schema / --regex / --choice), the caption parsed:
+        the JSON value, or the matched string; None otherwise, and an output that does not complete
+        its constraint (cut by --max-tokens, a stop string) is an error record that says so. Parquet
+        (which has no "any JSON" type) stores it as JSON text; it reads back as the value.
     num_tokens: generated tokens (0 for a failure).
     error: None on success, else a message naming the problem (the image is not retried on resume
         unless the job runs with --retry-errors).
@@ -50,6 +55,7 @@ class CaptionRecord:
     preprocess_s: float
     generate_s: float
     image_escaped: Optional[str] = None
+    parsed: Any = None
 
     def __post_init__(self) -> None:
         if self.image_escaped is None and not _is_unicode(self.image):
@@ -64,6 +70,20 @@ class CaptionRecord:
     def failure(cls, image: str, model: str, prompt: str, error: str, preprocess_s: float = 0.0) -> "CaptionRecord":
         return cls(image=image, caption=None, num_tokens=0, model=model, prompt=prompt, error=error,
                    finish_reason="error", preprocess_s=round(preprocess_s, 6), generate_s=0.0)
+
+
+def parse_structured(spec: Any, text: str, grammar_ended: bool, finish_reason: Optional[str]) -> tuple[Any, Optional[str]]:
+    """(parsed value, None), or (None, the error) when `text` did not complete `spec`
+    (a `StructuredOutputsParams`; `grammar_ended`: the request's grammar terminated)."""
+    if not grammar_ended:
+        why = "cut by --max-tokens" if finish_reason == "length" else f"finish_reason {finish_reason!r}"
+        return None, f"the output does not complete its {spec.kind} constraint ({why}): ...{text[-60:]!r}"
+    if spec.kind not in ("json", "json_object"):
+        return text, None
+    try:
+        return json.loads(text), None
+    except ValueError as exc:
+        return None, f"the output is not valid JSON ({exc})"
 
 
 def record_key(record: dict[str, Any]) -> str:
@@ -109,4 +129,5 @@ def arrow_schema():  # -> pyarrow.Schema (pyarrow is imported only when Parquet 
         ("image", pa.string()), ("caption", pa.string()), ("num_tokens", pa.int32()), ("model", pa.string()),
         ("prompt", pa.string()), ("error", pa.string()), ("finish_reason", pa.string()),
         ("preprocess_s", pa.float64()), ("generate_s", pa.float64()), ("image_escaped", pa.string()),
+        ("parsed", pa.string()),
     ])

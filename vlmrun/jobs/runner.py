@@ -86,6 +86,7 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
     from vlmrun.engine.engine import Engine
 
     engine = Engine(EngineConfig(model=config.model, **config.engine_options))
+    engine.compile_structured(config.sampling)  # a bad --json-schema / --regex ends the job before it starts
     pipeline = CaptionPipeline(engine, PipelineOptions(prompt=config.prompt, sampling=config.sampling,
                                                        model_name=config.model, workers=config.workers,
                                                        prefetch=config.prefetch))

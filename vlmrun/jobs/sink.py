@@ -19,6 +19,7 @@ A lock file `<out>.lock` (flock) stops two jobs from appending to the same outpu
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from typing import IO, Any, Iterator, Optional, Protocol
@@ -233,7 +234,10 @@ def _parquet_records(path: str) -> Iterator[dict[str, Any]]:
         raise OutputError(f"cannot resume: {path!r} has no 'image' column; use --overwrite or another --out")
     for batch in pf.iter_batches(batch_size=PARQUET_ROW_GROUP):
         for row in batch.to_pylist():
-            yield {f: row.get(f) for f in RECORD_FIELDS}
+            record = {f: row.get(f) for f in RECORD_FIELDS}
+            if record["parsed"] is not None:
+                record["parsed"] = json.loads(record["parsed"])  # stored as JSON text
+            yield record
 
 
 def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: int = PARQUET_ROW_GROUP) -> int:
@@ -258,7 +262,10 @@ def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: 
             if h in seen:
                 continue
             seen.add(h)
-            batch.append({f: record.get(f) for f in RECORD_FIELDS})
+            row = {f: record.get(f) for f in RECORD_FIELDS}
+            if row["parsed"] is not None:
+                row["parsed"] = json.dumps(row["parsed"], ensure_ascii=False)
+            batch.append(row)
             rows += 1
             if len(batch) >= row_group_size:
                 flush()

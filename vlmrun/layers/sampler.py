@@ -10,8 +10,14 @@ Per call, in this order:
    divided by the penalty, a non-positive one multiplied), then frequency and presence penalties
    (OpenAI: over output tokens only, `logit -= frequency * count + presence * (count > 0)`).
 3. **min_tokens**: while a row has fewer than `min_tokens` outputs, its EOS ids (unless
-   `ignore_eos`) and `stop_token_ids` get `-inf`.
-4. **Greedy** rows take the argmax of those logits. **Sampled** rows divide by temperature, then
+   `ignore_eos`) and `stop_token_ids` get `-inf` (not for grammar rows: their grammar decides).
+4. **Grammar mask** (structured outputs): a row whose request carries a grammar state gets `-inf`
+   on every token its grammar does not allow next. The state fills its row of an int32 bitmask
+   `[batch, ceil(vocab / 32)]` (bit j of word w = token `32 w + j`) on the host in
+   `SamplingBatch.build`, which the runner calls after queueing the model's forward, so on CUDA the
+   filling overlaps the forward; xgrammar's kernel (C++ on CPU, Triton on CUDA) then applies the
+   grammar rows' masks to a copy of the logits.
+5. **Greedy** rows take the argmax of those logits. **Sampled** rows divide by temperature, then
    min-p (relative to the most likely token), top-k, and top-p (on the distribution renormalised
    after top-k / min-p) turn the removed tokens to `-inf`; the survivors are drawn with the
    exponential race: `argmax(probs / E)`, `E ~ Exponential(1)` i.i.d. per vocab entry, which picks
@@ -38,7 +44,7 @@ Cost note: penalties and the min_tokens mask are rebuilt from the token lists ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -48,13 +54,17 @@ Tensor = torch.Tensor
 
 
 class SamplingRow(NamedTuple):
-    """What the sampler needs to know about one request this step (a plain 5-tuple works too)."""
+    """What the sampler needs to know about one request this step (a plain 5-tuple works too).
+
+    `grammar` (structured outputs) is anything with `fill_bitmask(bitmask [n, words] int32 CPU, row)`
+    that writes the tokens allowed next into `bitmask[row]`, e.g. `vlmrun.structured.GrammarState`."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: Optional[torch.Generator] = None
     eos_token_ids: Sequence[int] = ()
+    grammar: Optional[Any] = None
 
 
 RowLike = Union[SamplingRow, tuple]
@@ -85,6 +95,8 @@ class SamplingBatch:
     output_counts: Optional[Tensor] = None  # [batch, vocab] float32: occurrences in the output
     blocked_rows: Optional[Tensor] = None  # [n] int64 } (row, token) pairs set to -inf
     blocked_tokens: Optional[Tensor] = None  # [n] int64 } by min_tokens
+    grammar_rows: list[int] = field(default_factory=list)  # rows whose request has a grammar
+    token_bitmask: Optional[Tensor] = None  # [batch, ceil(vocab / 32)] int32; read for grammar_rows only
     generators: list[Optional[torch.Generator]] = field(default_factory=list)  # per row
     seeded_rows: list[int] = field(default_factory=list)  # sampled rows with their own generator
     num_logprobs: list[Optional[int]] = field(default_factory=list)  # per row
@@ -112,6 +124,7 @@ class SamplingBatch:
             batch.seeded_rows = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is not None]
         _fill_penalties(batch, rows, device)
         _fill_min_tokens_block(batch, rows, device)
+        _fill_grammar_bitmask(batch, rows, device)
         return batch
 
 
@@ -164,10 +177,22 @@ def _fill_penalties(batch: SamplingBatch, rows: list[SamplingRow], device: torch
 def _fill_min_tokens_block(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
     """(row, token) pairs of EOS / stop_token_ids that rows below min_tokens may not sample."""
     lists = [r.params.stop_ids_for(list(r.eos_token_ids))
-             if len(r.output_token_ids) < r.params.min_tokens else []
+             if len(r.output_token_ids) < r.params.min_tokens and r.grammar is None else []
              for r in rows]
     if any(lists):
         batch.blocked_rows, batch.blocked_tokens = _flat_indices(lists, batch.vocab_size, device)
+
+
+def _fill_grammar_bitmask(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """Each grammar row's allowed-next-token bitmask, filled on the host, moved to `device`."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return
+    bitmask = torch.full((batch.batch_size, (batch.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [batch, words]
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    batch.grammar_rows = constrained
+    batch.token_bitmask = _move(bitmask, device)
 
 
 def _flat_indices(lists: list[list[int]], vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -288,6 +313,18 @@ def apply_min_tokens_block(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return logits
 
 
+def apply_token_bitmask(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Grammar rows: tokens whose bit is 0 become -inf. logits [batch, vocab]; bitmask [batch, words]."""
+    if batch.token_bitmask is None:
+        return logits
+    import xgrammar  # only a batch with grammar rows gets here
+
+    logits = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(logits, batch.token_bitmask, vocab_size=logits.shape[-1],
+                                         indices=batch.grammar_rows)
+    return logits
+
+
 def apply_truncation(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Min-p, top-k, then top-p: removed tokens become -inf. logits [batch, vocab] (temperature-scaled)."""
     if batch.min_p is not None:
@@ -345,6 +382,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [batch, vocab]
         logits = apply_penalties(logits, batch)
         logits = apply_min_tokens_block(logits, batch)
+        logits = apply_token_bitmask(logits, batch)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [batch]
         else:

@@ -62,7 +62,8 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         max_n=args.max_n, preprocess_workers=args.preprocess_workers,
         allow_remote_urls=not args.no_remote_urls, allow_private_urls=args.allow_private_urls,
         allowed_local_media_path=args.allowed_local_media_path, url_timeout_s=args.url_timeout,
-        max_image_bytes=args.max_image_mb * MiB)
+        max_image_bytes=args.max_image_mb * MiB,
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -80,6 +81,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests that may wait beyond --max-num-seqs; more get 429")
     p.add_argument("--max-n", type=int, default=16, help="largest n (choices per request)")
     p.add_argument("--preprocess-workers", type=int, default=4, help="threads for parsing and images")
+    p.add_argument("--reasoning-parser", choices=("qwen3", "none"), default="qwen3",
+                   help="split <think>...</think> into reasoning_content (none: leave it in content)")
 
 
 def serve(args: argparse.Namespace) -> int:

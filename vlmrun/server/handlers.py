@@ -9,6 +9,7 @@ answer. From submission on, every exit path aborts what is unfinished and releas
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,6 +22,9 @@ from fastapi.responses import JSONResponse, Response
 from processors import InputError, ProcessedPrompt
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
 from vlmrun.sampling_params import SamplingParams
+from vlmrun.server.chat_output import ChatOutputParser
+from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
+from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 from vlmrun.server import responses as R
 from vlmrun.server.errors import APIError, bad_request, internal, unavailable
 from vlmrun.server.metrics import ServerMetrics
@@ -119,8 +123,11 @@ async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
                   prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
                   param: str) -> Submitted:
     try:
-        items = await state.in_pool(lambda: _input_errors_as_400(prepare))
+        items = await state.in_pool(lambda: _input_errors_as_400(lambda: _compile_grammars(state, prepare())))
         group = await state.engine.submit(rid, items)
+    except StructuredOutputError as exc:
+        ticket.release()
+        raise bad_request(str(exc), param=exc.field) from None
     except InputError as exc:
         ticket.release()
         raise bad_request(str(exc), param=param) from None
@@ -136,10 +143,18 @@ async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
     return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
 
 
+def _compile_grammars(state: ServerState, items: list[tuple[ProcessedPrompt, SamplingParams]]) -> list[
+        tuple[ProcessedPrompt, SamplingParams]]:
+    """Compile the requests' grammars here, off the engine thread (StructuredOutputError if bad)."""
+    for _, params in items[:1]:  # the choices of one request share their constraint
+        state.engine.compile_structured(params)
+    return items
+
+
 def _input_errors_as_400(prepare: Callable[[], Any]) -> Any:
     try:
         return prepare()
-    except (InputError, APIError):
+    except (InputError, APIError, StructuredOutputError):
         raise
     except ValueError as exc:  # e.g. a checkpoint without a chat template
         raise bad_request(str(exc)) from None
@@ -196,19 +211,32 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     ticket = state.admission.admit(req.params.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
+    prompt_text = ""
+
     def prepare() -> list[tuple[ProcessedPrompt, SamplingParams]]:
+        nonlocal prompt_text
         messages = state.media.resolve_messages(req.messages)
         prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                              chat_template_kwargs=req.chat_template_kwargs)
-        return [(prompt, p) for p in split_choices(req.params)]
+                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs)
+        prompt_text = prompt.text
+        return [(prompt, p) for p in split_choices(_with_tool_grammar(state, req))]
 
     sub = await _submit(state, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids), "messages")
     model = state.model_name
     token_text = R.TokenText(state.engine.tokenizer)
+    parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
+                                req.tools if req.parses_tool_calls else (), prompt_text)
+               for _ in sub.choices]
 
     if not req.stream:
-        return await _respond_collected(request, sub, lambda: R.chat_completion(
-            rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs, token_text, sub.prompt_tokens))
+        def build() -> dict[str, Any]:
+            for c, parser in zip(sub.choices, parsers):
+                if parser.active:
+                    c.parsed = parser.parse_all(c.text)
+            return R.chat_completion(rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs,
+                                     token_text, sub.prompt_tokens)
+
+        return await _respond_collected(request, sub, build)
 
     async def events() -> AsyncIterator[bytes]:
         def chunk(choices: list[dict[str, Any]]) -> bytes:
@@ -225,14 +253,45 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                       if req.logprobs and d.token_ids else None)
                 if not d.text and lp is None and not d.finished:
                     continue
+                parser = parsers[d.index]
                 delta = {"content": d.text} if d.text else {}
-                yield chunk([R.chat_chunk_choice(d.index, delta, lp, d.finish_reason if d.finished else None)])
+                reason = d.finish_reason if d.finished else None
+                if parser.active:
+                    delta = _stream_delta(parser, d.text, d.finished)
+                    reason = R.with_tool_calls(reason, parser.num_calls)
+                if delta or lp is not None or reason is not None:
+                    yield chunk([R.chat_chunk_choice(d.index, delta, lp, reason)])
         if req.include_usage:
             yield R.sse(R.usage_chunk(rid, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
                                       completion_tokens))
         yield R.SSE_DONE
 
     return _stream(sub, events)
+
+
+def _with_tool_grammar(state: ServerState, req: ChatRequest) -> SamplingParams:
+    """The request's params, constrained to calls of its forced tools when tool_choice asks for that."""
+    if not req.forced_tools:
+        return req.params
+    grammar = tool_call_grammar(req.forced_tools, req.parallel_tool_calls,
+                                xml=uses_xml_calls(state.processor.chat_template))
+    return dataclasses.replace(req.params, structured_outputs=StructuredOutputsParams(grammar=grammar))
+
+
+def _stream_delta(parser: ChatOutputParser, text: str, finished: bool) -> dict[str, Any]:
+    """The chat delta of a parsed choice: reasoning, content and newly completed tool calls."""
+    first_call = parser.num_calls
+    out = parser.feed(text)
+    if finished:
+        out += parser.finish()
+    delta: dict[str, Any] = {}
+    if out.reasoning:
+        delta["reasoning_content"] = out.reasoning
+    if out.content:
+        delta["content"] = out.content
+    if out.calls:
+        delta["tool_calls"] = [call.to_openai(first_call + i) for i, call in enumerate(out.calls)]
+    return delta
 
 
 # ---------------------------------------------------------------------------- completions

@@ -2,8 +2,16 @@
 
 Parsing is strict about the fields the server uses (type and range, with the field named in the
 error) and lenient about the rest: unknown fields are ignored, as OpenAI-compatible servers do,
-except features this server does not have (tools, logit_bias, structured output, suffix), which
-are refused with 400 rather than silently ignored. Where OpenAI is strict, so is this server:
+except features this server does not have (logit_bias, legacy `functions`, suffix), which are
+refused with 400 rather than silently ignored.
+
+Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
+"json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
+choice / grammar / json_object) or its older `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` fields: at most one of them per request. Chat requests may carry `tools` and
+`tool_choice` (`tool_calls.py`): "required" or a named function constrain the output to tool calls
+by a grammar (the handler builds it, in the chat template's call format) and cannot be combined with
+another constraint. Where OpenAI is strict, so is this server:
 JSON only (no NaN / Infinity), nesting at most `MAX_JSON_DEPTH` deep, `temperature` in [0, 2],
 known chat roles, a `content` on every message (null only beside assistant `tool_calls`), and a
 `tool` message only in answer to an earlier tool call.
@@ -21,6 +29,8 @@ from typing import Any, Optional, Union
 
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
+from vlmrun.server.tool_calls import check_tools, forced_tools
+from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -52,6 +62,14 @@ class ChatRequest:
     top_logprobs: int = 0
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools, for the template
+    tool_choice: Any = "none"  # "none" | "auto" | "required" | a tool's name
+    forced_tools: list[dict[str, Any]] = field(default_factory=list)  # what a grammar must force a call of
+    parallel_tool_calls: bool = True
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 @dataclass
@@ -100,7 +118,13 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     max_tokens = _opt_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", None, lo=1)
-    params = _sampling_params(body, limits, max_tokens, top if logprobs else None)
+    tools, tool_choice = check_tools(body)
+    structured = _structured_outputs(body)
+    forced = forced_tools(tools, tool_choice)
+    if forced and structured is not None:
+        raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
+                          "response_format / structured outputs", param="tool_choice")
+    params = _sampling_params(body, limits, max_tokens, top if logprobs else None, structured)
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
@@ -111,7 +135,9 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     return ChatRequest(model=_opt_model(body), messages=messages, params=params, stream=_opt_bool(body, "stream", False),
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top,
                        chat_template_kwargs=kwargs,
-                       add_generation_prompt=_opt_bool(body, "add_generation_prompt", True))
+                       add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
+                       tools=tools, tool_choice=tool_choice, forced_tools=forced,
+                       parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True))
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
@@ -124,7 +150,7 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     if echo and logprobs is not None:
         raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
     max_tokens = _opt_int(body, "max_tokens", 16, lo=1)
-    params = _sampling_params(body, limits, max_tokens, logprobs)
+    params = _sampling_params(body, limits, max_tokens, logprobs, _structured_outputs(body))
     best_of = _opt_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
@@ -142,7 +168,7 @@ def split_choices(params: SamplingParams) -> list[SamplingParams]:
 
 
 def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Optional[int],
-                     logprobs: Optional[int]) -> SamplingParams:
+                     logprobs: Optional[int], structured: Optional[StructuredOutputsParams]) -> SamplingParams:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
@@ -172,6 +198,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         logprobs=logprobs,
         include_stop_str_in_output=_opt_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
+        structured_outputs=structured,
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")
@@ -184,16 +211,57 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
-    if body.get("tools") or body.get("functions"):
-        raise bad_request("tool / function calling is not supported by this server", param="tools")
+    if body.get("functions"):
+        raise bad_request("legacy 'functions' are not supported by this server: use 'tools'", param="functions")
     if body.get("logit_bias"):
         raise bad_request("'logit_bias' is not supported by this server", param="logit_bias")
+
+
+_GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                  ("guided_grammar", "grammar"))
+
+
+def _structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams]:
+    """The request's one output constraint (see the module docstring), shape-checked; None without one."""
+    given: list[tuple[str, Any]] = []
     fmt = body.get("response_format")
     if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported by this server",
+        given += [("response_format", v) for v in [_response_format(fmt)] if v is not None]
+    if body.get("structured_outputs") is not None:
+        given.append(("structured_outputs", body["structured_outputs"]))
+    given += [(name, {kind: body[name]}) for name, kind in _GUIDED_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad_request(f"give at most one output constraint, got {', '.join(n for n, _ in given)}",
+                          param=given[1][0])
+    if not given:
+        return None
+    param, value = given[0]
+    try:
+        return StructuredOutputsParams.of(value)
+    except StructuredOutputError as exc:
+        raise bad_request(str(exc), param=param) from None
+
+
+def _response_format(fmt: Any) -> Optional[dict[str, Any]]:
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad_request("response_format 'json_schema' needs a 'json_schema' object ({'name': ..., "
+                              "'schema': {...}})", param="response_format")
+        schema = spec.get("schema")
+        if schema is None:
+            return {"json_object": True}
+        if not isinstance(schema, dict):
+            raise bad_request("response_format.json_schema.schema must be a JSON Schema object",
                               param="response_format")
+        return {"json": schema}
+    raise bad_request("response_format 'type' must be 'text', 'json_object' or 'json_schema'",
+                      param="response_format")
 
 
 def _check_messages(messages: list[Any]) -> list[Any]:

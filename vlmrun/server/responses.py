@@ -25,6 +25,7 @@ class ChoiceState:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_prompt_tokens: int = 0
+    parsed: Optional[Any] = None  # chat_output.ParsedOutput when reasoning / tool calls were split out
 
 
 class TokenText:
@@ -50,6 +51,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 def client_finish_reason(reason: Optional[str]) -> Optional[str]:
     """The engine's reasons are OpenAI's ("stop", "length"); an abort reads as "stop" if ever seen."""
     return "stop" if reason == FINISH_ABORT else reason
+
+
+def with_tool_calls(reason: Optional[str], num_calls: int) -> Optional[str]:
+    """A choice that ended normally after making tool calls finishes with "tool_calls"."""
+    return "tool_calls" if reason == "stop" and num_calls else reason
 
 
 def sse(payload: Any) -> bytes:
@@ -108,13 +114,27 @@ def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
     for c in choices:
         out.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+            "message": chat_message(c),
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, top, token_text) if want_logprobs else None,
-            "finish_reason": client_finish_reason(c.finish_reason),
+            "finish_reason": client_finish_reason(with_tool_calls(c.finish_reason,
+                                                                  len(c.parsed.calls) if c.parsed else 0)),
         })
     completion = sum(len(c.token_ids) for c in choices)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
             "usage": usage(prompt_tokens, completion), "system_fingerprint": None}
+
+
+def chat_message(c: ChoiceState) -> dict[str, Any]:
+    """The assistant message: the text, or its content, reasoning and tool calls when split."""
+    if c.parsed is None:
+        return {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []}
+    calls = [call.to_openai() for call in c.parsed.calls]
+    content = c.parsed.content.strip() if calls else c.parsed.content
+    message = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None,
+               "tool_calls": calls}
+    if c.parsed.reasoning:
+        message["reasoning_content"] = c.parsed.reasoning
+    return message
 
 
 def chat_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]],

@@ -24,6 +24,8 @@ class ServerSettings:
     allowed_local_media_path: a directory whose image files clients may name by path or
         file:// URI; None refuses all local paths.
     url_timeout_s / max_image_bytes / max_url_redirects: bounds on one image fetch.
+    reasoning_parser: "qwen3" splits a chat answer's `<think>…</think>` into `reasoning_content`
+        (only answers that start thinking, or whose prompt ends in `<think>`); None leaves it in `content`.
     """
 
     served_model_name: str
@@ -38,6 +40,7 @@ class ServerSettings:
     url_timeout_s: float = 10.0
     max_image_bytes: int = 20 * MiB
     max_url_redirects: int = 3
+    reasoning_parser: Optional[str] = "qwen3"
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes"):
@@ -45,5 +48,7 @@ class ServerSettings:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
         if self.max_queued_requests < 0:
             raise ValueError("ServerSettings.max_queued_requests must be >= 0")
+        if self.reasoning_parser not in (None, "qwen3"):
+            raise ValueError("ServerSettings.reasoning_parser must be 'qwen3' or None")
         if self.url_timeout_s <= 0:
             raise ValueError("ServerSettings.url_timeout_s must be > 0")

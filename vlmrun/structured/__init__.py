@@ -1,0 +1,15 @@
+"""Structured outputs: decoding constrained by a JSON schema, a regex, a choice or an EBNF grammar.
+
+- `StructuredOutputsParams` (`params.py`): what a request asks for, vLLM's names; checked for
+  shape when built, compiled when the engine accepts the request.
+- `GrammarCompiler` (`compiler.py`): specs -> xgrammar compiled grammars, cached by their text
+  (thread-safe), for one tokenizer and logits width; a bad spec raises `StructuredOutputError`.
+- `GrammarState` (`compiler.py`): one request's matcher: fills its row of the token bitmask the
+  sampler applies, accepts each sampled token, says when the grammar has terminated.
+
+xgrammar is imported only when the first grammar is compiled.
+"""
+
+from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
+
+__all__ = ["StructuredOutputError", "StructuredOutputsParams"]

@@ -1,0 +1,186 @@
+"""Compile structured-output specs with xgrammar, once each, and track one request's matcher.
+
+`GrammarCompiler` is built per engine from its tokenizer, the width of the model's logits (which
+may exceed the tokenizer's vocabulary: padded embeddings; the extra ids are never allowed) and the
+EOS ids that end a grammar. `compile(spec)` returns the compiled grammar for the spec's text,
+compiling it on first use; an LRU of `cache_size` entries keyed by (kind, text, whitespace flag)
+keeps it. `compile` is safe to call from any thread (the server compiles in its thread pool, so
+the engine thread finds the grammar cached): the lock guards only the cache, a grammar compiles
+outside it, once, and a thread asking for a grammar still compiling waits for that one.
+
+JSON schemas pass through `strict_json_strings` first: xgrammar (0.2.8) writes a string with
+`minLength` / `maxLength` as "any characters but quote, backslash, CR, LF", which lets raw control
+characters into the JSON (which `json.loads` then refuses); such strings get an equivalent
+`pattern` instead (found by the property tests).
+
+`GrammarState` is one request's position in its grammar: `fill_bitmask` writes the allowed next
+tokens into a row of an int32 bitmask `[batch, ceil(vocab / 32)]` (bit j of word w allows token
+`32 w + j`), `accept` advances by a sampled token, `is_terminated` is true once the grammar ended
+with an EOS token. Only the engine thread touches a state.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+
+from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
+
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")  # "[07:00:00] /project/cpp/x.cc:83: " in xgrammar errors
+ANY_JSON_OBJECT = '{"type": "object"}'
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row for `vocab_size` tokens."""
+    return (vocab_size + 31) // 32
+
+
+class GrammarState:
+    """One request's grammar matcher (see the module docstring)."""
+
+    def __init__(self, matcher: Any):
+        self._matcher = matcher
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into `bitmask[row]` (int32, CPU)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by `token_id`; False (state unchanged) when the grammar does not allow it."""
+        return bool(self._matcher.accept_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self._matcher.is_terminated())
+
+
+@dataclass
+class _Entry:
+    """A cache slot: the compiled grammar once `done` is set (or the error, which is not kept)."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    grammar: Any = None
+    error: Optional[StructuredOutputError] = None
+
+
+class GrammarCompiler:
+    """Specs -> compiled grammars for one tokenizer (see the module docstring)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 256):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self.cache_size = cache_size
+        self._lock = threading.Lock()
+        self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
+        self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The compiled grammar of `spec` (cached); StructuredOutputError when it does not compile."""
+        key = spec.cache_key
+        with self._lock:
+            entry = self._cache.get(key)
+            owner = entry is None
+            if owner:
+                entry = self._cache[key] = _Entry()
+                if len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+                if self._compiler is None:
+                    self._compiler = self._xgrammar_compiler()
+            else:
+                self._cache.move_to_end(key)
+        if owner:
+            try:
+                entry.grammar = self._compile(spec)
+            except StructuredOutputError as exc:
+                entry.error = exc
+                with self._lock:
+                    if self._cache.get(key) is entry:
+                        del self._cache[key]
+            finally:
+                entry.done.set()
+        entry.done.wait()
+        if entry.error is not None:
+            raise entry.error
+        return entry.grammar
+
+    def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
+        """A fresh matcher at the start of `spec`'s grammar."""
+        import xgrammar
+
+        return GrammarState(xgrammar.GrammarMatcher(self.compile(spec)))
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        compiler = self._compiler
+        kind, whitespace = spec.kind, not spec.disable_any_whitespace
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(strict_json_strings(spec.source), any_whitespace=whitespace)
+            if kind == "json_object":
+                return compiler.compile_json_schema(ANY_JSON_OBJECT, any_whitespace=whitespace)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice))
+            return compiler.compile_grammar(spec.grammar)
+        except Exception as exc:  # xgrammar raises RuntimeError / its own errors with C++ locations
+            raise StructuredOutputError(f"the {kind} does not compile: {_clean(exc)}") from None
+
+    def _xgrammar_compiler(self) -> Any:
+        import xgrammar
+
+        info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self.stop_token_ids or None)
+        return xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+
+_DATA_KEYS = frozenset({"const", "default", "enum", "examples"})  # values that are data, not schemas
+_LENGTH_KEYS = ("minLength", "maxLength")
+
+
+def strict_json_strings(schema_text: str) -> str:
+    """`schema_text` with each length-limited plain string schema given a `pattern` that excludes
+    control characters (see the module docstring); text that is not JSON is returned as is."""
+    try:
+        schema = json.loads(schema_text)
+    except ValueError:
+        return schema_text  # xgrammar reports it
+    changed = [False]
+
+    def visit(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                visit(item)
+        elif isinstance(node, dict):
+            if (node.get("type") == "string" and any(k in node for k in _LENGTH_KEYS)
+                    and not {"pattern", "format", "enum", "const"} & set(node)):
+                lo, hi = node.pop("minLength", 0), node.pop("maxLength", "")
+                node["pattern"] = f'^[^"\\\\\\x00-\\x1f]{{{lo},{hi}}}$'
+                changed[0] = True
+            for key, value in node.items():
+                if key not in _DATA_KEYS:
+                    visit(value)
+
+    visit(schema)
+    return json.dumps(schema, ensure_ascii=False) if changed[0] else schema_text
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """EBNF for exactly one of `choices` (JSON string escapes are xgrammar's string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _clean(exc: BaseException) -> str:
+    text = re.sub(r"Check failed: \(.*?\) is false:\s*", "", str(exc)).strip()
+    lines = [_CPP_PREFIX.sub("", line) for line in text.splitlines() if line.strip()]
+    return " ".join(lines)[:500] or type(exc).__name__
