@@ -11,7 +11,9 @@ budget is each rank's share), so they schedule alike. A last test kills a rank m
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import time
 
@@ -21,6 +23,7 @@ import torch
 from tests.conftest import make_sample_images
 from tests.tiny_models import ARCHS
 from vlmrun.api import LLM, SamplingParams
+from vlmrun.structured import StructuredOutputsParams
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token
 from vlmrun.config import CacheShape
 from vlmrun.executor.ranks import RankFailure
@@ -185,6 +188,26 @@ def compare_tp(model_dir, arch: str, tp: int) -> LLM:
 def test_tp2_matches_tp1(arch, request):
     llm = compare_tp(request.getfixturevalue(f"{arch}_dir"), arch, 2)
     llm.engine.shutdown()
+
+
+def test_tp2_structured_outputs_match_tp1(qwen3_dir):
+    """The grammar's matcher stays in the driver; rank 0 samples with the bitmask it filled."""
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+              "required": ["colour", "n"]}
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(json=schema)),
+              SamplingParams(max_tokens=8, temperature=0.0),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=3,
+                             structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}"))]
+    prompts = ["Describe the scene.", "Tell me a story.", "A code:"]
+    reference = LLM(str(qwen3_dir), **engine_options(qwen3_dir, 1)).generate(prompts, params, use_tqdm=False)
+    parallel = LLM(str(qwen3_dir), **engine_options(qwen3_dir, 2))
+    try:
+        outs = parallel.generate(prompts, params, use_tqdm=False)
+    finally:
+        parallel.engine.shutdown()
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert set(json.loads(outs[0].text)) == {"colour", "n"}
+    assert re.fullmatch("[a-c]{3}-[0-9]{2}", outs[2].text)
 
 
 def test_tp4_with_replicated_kv_heads_then_a_rank_dies(qwen3_dir):

@@ -13,6 +13,7 @@ import torch
 from vlmrun.cache.plan import CachePlan, plan_for_budget
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.executor.step_input import ChunkInput
+from vlmrun.layers.sampler import SamplingRow
 
 
 class RankFailure(RuntimeError):
@@ -23,12 +24,12 @@ class StepMessage:
     """One step as the ranks get it: ("step", cache ops, chunks without their generators, generator states).
 
     A seeded request's generator stays in the driver; rank 0 samples with a copy made from its state
-    and sends the advanced state back (`advance_generators`)."""
+    and sends the advanced state back (`advance_generators`). A grammar's matcher stays in the driver
+    too (the engine advances it): the ranks get the bitmask it allows next (`GrammarState.filled`)."""
 
     def __init__(self, chunks: list[ChunkInput], cache_ops: list):
         self.generators = [c.sampling.generator if c.sampling is not None else None for c in chunks]
-        wire = [c if g is None else replace(c, sampling=c.sampling._replace(generator=None))
-                for c, g in zip(chunks, self.generators)]
+        wire = [c if c.sampling is None else replace(c, sampling=_wire_sampling(c.sampling)) for c in chunks]
         states = [None if g is None else g.get_state() for g in self.generators]
         self.message = ("step", cache_ops, wire, states)
 
@@ -36,6 +37,11 @@ class StepMessage:
         for generator, state in zip(self.generators, states):
             if generator is not None:
                 generator.set_state(state)
+
+
+def _wire_sampling(row: SamplingRow) -> SamplingRow:
+    """A sampling row the ranks can take: no generator object, a filled bitmask for a grammar."""
+    return row._replace(generator=None, grammar=None if row.grammar is None else row.grammar.filled())
 
 
 def plan_for_ranks(ready: list[tuple], config: EngineConfig, model_config: ModelConfig) -> tuple[CacheShape, CachePlan]:

@@ -44,8 +44,16 @@ def bitmask_words(vocab_size: int) -> int:
 class GrammarState:
     """One request's grammar matcher (see the module docstring)."""
 
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, vocab_size: int):
         self._matcher = matcher
+        self.vocab_size = vocab_size
+
+    def filled(self) -> "FilledBitmask":
+        """The tokens allowed next, as a plain bitmask row (what a tensor-parallel rank samples with:
+        the matcher itself stays with the engine)."""
+        words = torch.full((1, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        self.fill_bitmask(words, 0)
+        return FilledBitmask(words[0])
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (int32, CPU)."""
@@ -58,6 +66,18 @@ class GrammarState:
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())
+
+
+@dataclass(frozen=True)
+class FilledBitmask:
+    """A next-token bitmask filled from a `GrammarState`; it fills a sampler row as the state would."""
+
+    words: torch.Tensor  # [ceil(vocab / 32)] int32
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        n = min(bitmask.shape[1], self.words.shape[0])
+        bitmask[row].zero_()  # words past the grammar's vocabulary (padded logits): nothing allowed
+        bitmask[row, :n] = self.words[:n]
 
 
 @dataclass
@@ -114,7 +134,7 @@ class GrammarCompiler:
         """A fresh matcher at the start of `spec`'s grammar."""
         import xgrammar
 
-        return GrammarState(xgrammar.GrammarMatcher(self.compile(spec)))
+        return GrammarState(xgrammar.GrammarMatcher(self.compile(spec)), self.vocab_size)
 
     @property
     def num_cached(self) -> int:
