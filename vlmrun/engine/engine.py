@@ -176,7 +176,8 @@ class Engine:
         if n + 1 > self.scheduler.capacity_tokens:
             raise InputError(f"the prompt has {n} tokens but the KV cache holds only {self.scheduler.capacity_tokens}")
         positions, delta = compute_mrope_positions(prompt.token_ids, [it.grid_thw for it in prompt.mm_items],
-                                                   self.model_config.hf_config)
+                                                   self.model_config.hf_config,
+                                                   [it.second_per_grid_t for it in prompt.mm_items])
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
