@@ -55,13 +55,18 @@ class HFReference:
             assert self.processor is not None, "HF's video processors need torchvision"
             return dict(self.processor.apply_chat_template(
                 messages, tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt",
-                **processor_kwargs))
+                processor_kwargs=processor_kwargs))
         images = [item["image"] for m in messages if isinstance(m["content"], list)
                   for item in m["content"] if item.get("type") == "image"]
         if self.processor is None:  # a text-only checkpoint, or no torchvision
             return self._inputs_by_hand(messages, images)
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
+
+    @staticmethod
+    def processor_only(model_dir: Path):
+        """HF's default processor of a checkpoint (no model loaded)."""
+        return AutoProcessor.from_pretrained(model_dir)
 
     @staticmethod
     def _has_video(messages: list[dict]) -> bool:

@@ -46,6 +46,10 @@ class EngineConfig:
     prefix_snapshot_interval: int = 512  # hybrid models: snapshot every this many prompt tokens (and at the last full page)
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
+    # Video limits per request (None = the processors' defaults, `processors.ProcessorLimits`)
+    max_video_frames: Optional[int] = None  # frames sampled from one video
+    max_video_frames_decoded: Optional[int] = None  # frames in one video file
+    max_video_tokens: Optional[int] = None  # LLM tokens of all videos of a request
     seed: int = 0
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).

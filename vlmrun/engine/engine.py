@@ -143,9 +143,9 @@ class Engine:
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
-        if self.config.max_image_pixels is not None:
-            limits = dataclasses.replace(limits, max_image_pixels=self.config.max_image_pixels)
-        return limits
+        optional = ("max_image_pixels", "max_video_frames", "max_video_frames_decoded", "max_video_tokens")
+        given = {name: getattr(self.config, name) for name in optional if getattr(self.config, name) is not None}
+        return dataclasses.replace(limits, **given)
 
     # ------------------------------------------------------------------ requests in
 
