@@ -113,8 +113,12 @@ def _read_source(source: Any, limits: ProcessorLimits) -> bytes:
 
 
 def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return short_text(text[0] if text else type(exc).__name__, 200)
+    """The decoder's message without its source location (torchcodec: "Class, file.cpp:70, message")."""
+    lines = str(exc).strip().strip("'\"").splitlines()
+    text = lines[0] if lines else type(exc).__name__
+    if ".cpp:" in text:
+        text = text.rsplit(".cpp:", 1)[1].split(", ", 1)[-1]
+    return short_text(text, 200)
 
 
 class _TorchcodecVideo:

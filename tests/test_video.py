@@ -191,3 +191,45 @@ def test_text_only_model_refuses_videos(qwen3_dir, video_files):
     proc = Processor.from_pretrained(qwen3_dir)
     with pytest.raises(InputError, match="does not accept videos"):
         proc.process_chat(chat(video(video_files["a"]), "Hi"))
+
+
+# --------------------------------------------------------------------------------------------
+# the server: video_url under the image URL policy; bad videos are a 400 and the server keeps serving
+
+
+def test_server_video_url(qwen3_vl_dir, video_files, tmp_path):
+    import base64
+
+    import httpx
+
+    from tests.test_server import tiny_engine
+    from vlmrun.server.launch import serve_in_thread
+    from vlmrun.server.settings import ServerSettings
+
+    clip = video_files["a"]
+    (tmp_path / "clip.mp4").write_bytes(clip.read_bytes())
+    (tmp_path / "bad.mp4").write_bytes(b"not a video" * 50)
+    engine = tiny_engine(qwen3_vl_dir, max_model_len=512)
+    srv = serve_in_thread(engine, ServerSettings(served_model_name="m", allowed_local_media_path=str(tmp_path)))
+    try:
+        def ask(url: str, **options) -> httpx.Response:
+            content = [{"type": "video_url", "video_url": {"url": url}, **options}, {"type": "text", "text": "what?"}]
+            return httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
+                "model": "m", "max_tokens": 3, "temperature": 0, "messages": [{"role": "user", "content": content}]})
+
+        data = "data:video/mp4;base64," + base64.b64encode(clip.read_bytes()).decode()
+        by_path, by_data = ask("clip.mp4"), ask(data)
+        assert by_path.status_code == 200 and by_data.status_code == 200, (by_path.text, by_data.text)
+        assert by_path.json()["choices"][0]["message"] == by_data.json()["choices"][0]["message"]
+        offline = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu").chat(
+            chat(video(clip), "what?"), params(), use_tqdm=False)[0]
+        assert by_path.json()["usage"]["prompt_tokens"] == len(offline.prompt_token_ids)
+        for url, words in (("bad.mp4", "cannot decode the video"), ("/etc/hostname", "outside the allowed"),
+                           ("http://127.0.0.1:1/x.mp4", "video 1")):
+            r = ask(url)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        assert ask("clip.mp4", nframes=100_000).status_code == 400
+        assert ask("clip.mp4").json()["choices"][0]["message"] == by_path.json()["choices"][0]["message"]
+    finally:
+        srv.stop()
+        engine.shutdown()

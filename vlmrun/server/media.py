@@ -1,4 +1,4 @@
-"""Where the server may get images from, and getting them: the address policy for URLs, the
+"""Where the server may get images and videos from, and getting them: the address policy for URLs, the
 directory policy for local paths, and a bounded fetcher.
 
 The processors can load any source, but a server facing clients must not let them make it read
@@ -10,7 +10,8 @@ before the processors see it:
   be public (not private, loopback, link-local, multicast, reserved or unspecified) unless
   `allow_private_urls`, and the connection goes to that vetted address (so a second DNS answer
   cannot swap in another one). Redirects are followed by hand, each hop checked the same way.
-  One total deadline covers the whole fetch; the body is capped at `max_image_bytes`;
+  One total deadline covers the whole fetch; the body is capped at `max_image_bytes`
+  (`max_video_bytes` for a video);
 - local paths and `file://` URIs are read only when they resolve (symlinks included) inside
   `allowed_local_media_path`; relative paths are taken relative to it.
 
@@ -21,6 +22,7 @@ variables are not used (a proxy would hide the address that the policy checks).
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import ipaddress
 import os
@@ -38,6 +40,9 @@ _CHUNK = 1 << 16
 _USER_AGENT = "vlmrun-server/1"
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+_VIDEO_TYPES = ("video", "video_url", "input_video")
+_VIDEO_OPTION_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
+                      "video_start", "video_end")
 
 Resolver = Callable[[str, int], list[str]]
 
@@ -50,6 +55,7 @@ class MediaPolicy:
     url_timeout_s: float = 10.0
     max_image_bytes: int = 20 << 20
     max_redirects: int = 3
+    max_video_bytes: int = 200 << 20
 
 
 def system_resolver(host: str, port: int) -> list[str]:
@@ -95,7 +101,7 @@ class MediaResolver:
         """
         if not isinstance(messages, list):
             return messages
-        count = 0
+        count = videos = 0
         out = []
         for message in messages:
             content = message.get("content") if isinstance(message, Mapping) else None
@@ -107,6 +113,9 @@ class MediaResolver:
                 if _is_image_item(item):
                     count += 1
                     item = self._resolve_item(item, count)
+                elif _is_video_item(item):
+                    videos += 1
+                    item = self._resolve_video_item(item, videos)
                 items.append(item)
             out.append({**message, "content": items})
         return out
@@ -125,6 +134,24 @@ class MediaResolver:
             raise InputError(f"image {number}: {exc}") from None
         new = {"type": "image", "image": resolved}
         new.update({k: item[k] for k in _SIZE_KEYS if item.get(k) is not None})
+        return new
+
+    def _resolve_video_item(self, item: Mapping[str, Any], number: int) -> Any:
+        """A video item with its source as bytes (or a data URI) under the same policy, capped at
+        `max_video_bytes`. Frame lists are left to the processors (which refuse paths and URLs here)."""
+        source = next((item[k] for k in ("video", "video_url", "path", "url") if item.get(k) is not None), None)
+        if isinstance(source, Mapping):
+            source = source.get("url")
+        if not isinstance(source, str) or not source.strip():
+            return item
+        for_video = MediaResolver(dataclasses.replace(self.policy, max_image_bytes=self.policy.max_video_bytes),
+                                  self._resolve_host)
+        try:
+            resolved = for_video.resolve_source(source.strip())
+        except InputError as exc:
+            raise InputError(f"video {number}: {exc}") from None
+        new = {"type": "video", "video": resolved}
+        new.update({k: item[k] for k in _VIDEO_OPTION_KEYS if item.get(k) is not None})
         return new
 
     # ------------------------------------------------------------------ one source
@@ -309,6 +336,15 @@ def _is_image_item(item: Any) -> bool:
     if kind is None:
         return "image" in item or "image_url" in item
     return kind in _IMAGE_TYPES
+
+
+def _is_video_item(item: Any) -> bool:
+    if not isinstance(item, Mapping):
+        return False
+    kind = item.get("type")
+    if kind is None:
+        return "video" in item or "video_url" in item
+    return kind in _VIDEO_TYPES
 
 
 def _file_uri_path(uri: str) -> str:

@@ -24,6 +24,7 @@ class ServerSettings:
     allowed_local_media_path: a directory whose image files clients may name by path or
         file:// URI; None refuses all local paths.
     url_timeout_s / max_image_bytes / max_url_redirects: bounds on one image fetch.
+    max_video_bytes: the byte bound of one video (same URL and path policy as images).
     """
 
     served_model_name: str
@@ -38,9 +39,10 @@ class ServerSettings:
     url_timeout_s: float = 10.0
     max_image_bytes: int = 20 * MiB
     max_url_redirects: int = 3
+    max_video_bytes: int = 200 * MiB
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes"):
+        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
         if self.max_queued_requests < 0:
