@@ -233,3 +233,40 @@ def test_server_video_url(qwen3_vl_dir, video_files, tmp_path):
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_generate_videos_argument(qwen2_5_vl_dir, video_files):
+    import vlmrun
+
+    text = vlmrun.generate(prompt="What happens?", videos=str(video_files["a"]), model=str(qwen2_5_vl_dir),
+                           dtype="float32", device="cpu", max_tokens=4)
+    llm = LLM(str(qwen2_5_vl_dir), dtype="float32", device="cpu")
+    want = llm.chat(chat(video(video_files["a"]), "What happens?"), params(), use_tqdm=False)[0]
+    assert text == llm.engine.tokenizer.decode(want.token_ids[:4], skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------------------------
+# the decoders
+
+
+def test_pyav_fallback_reads_the_same_frames(video_files, monkeypatch):
+    pytest.importorskip("av")
+    from processors import video_io
+
+    limits = ProcessorLimits()
+    by_torchcodec = video_io.open_video(str(video_files["b"]), limits)
+    monkeypatch.setattr(video_io, "video_decoder", lambda: "pyav")
+    by_pyav = video_io.open_video(str(video_files["b"]), limits)
+    assert by_pyav.info.num_frames == by_torchcodec.info.num_frames
+    assert by_pyav.info.fps == pytest.approx(by_torchcodec.info.fps)
+    picks = [0, 5, 13]
+    a, b = by_torchcodec.frames_at(picks).float(), by_pyav.frames_at(picks).float()
+    assert a.shape == b.shape and (a - b).abs().mean() < 2.0  # both FFmpeg; colour conversion may differ slightly
+
+
+def test_no_decoder_is_a_clear_error(video_files, monkeypatch):
+    from processors import video_io
+
+    monkeypatch.setattr(video_io, "video_decoder", lambda: None)
+    with pytest.raises(InputError, match="no video decoder is available: install torchcodec"):
+        video_io.open_video(str(video_files["a"]), ProcessorLimits())

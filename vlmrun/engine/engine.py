@@ -150,15 +150,17 @@ class Engine:
     # ------------------------------------------------------------------ requests in
 
     def process(self, prompt: Any) -> ProcessedPrompt:
-        """A chat (list of messages), {"prompt": str, "images": [...]}, a plain string, or a ProcessedPrompt."""
+        """A chat (list of messages), {"prompt": str, "images": [...], "videos": [...]}, a plain string, or a
+        ProcessedPrompt."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         if isinstance(prompt, str):
             return self.processor.process_prompt(prompt, [])
         if isinstance(prompt, dict):
             if "prompt" not in prompt:
-                raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images')")
-            return self.processor.process_prompt(prompt["prompt"], image_list(prompt.get("images")))
+                raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images', 'videos')")
+            return self.processor.process_prompt(prompt["prompt"], image_list(prompt.get("images")),
+                                                 videos=image_list(prompt.get("videos")))
         if isinstance(prompt, list):
             return self.processor.process_chat(prompt)
         raise InputError(f"unsupported prompt type {type(prompt).__name__}")
@@ -251,7 +253,8 @@ class Engine:
 
 
 def image_list(images: Any) -> list[Any]:
-    """`images` as a list: None -> [], one image (a path, URL, bytes, PIL image, array) -> [it], a list or tuple as is."""
+    """`images` (or videos) as a list: None -> [], one item (a path, URL, bytes, PIL image, array) -> [it], a list or
+    tuple as is (so a video given as a list of frames must be wrapped: [{"video": frames}])."""
     if images is None:
         return []
     if isinstance(images, (list, tuple)):
