@@ -22,7 +22,7 @@ from processors.video_io import video_decoder
 from tests.hf_reference import HFReference
 from tests.test_engine_parity import MAX_NEW, assert_matches, make_image, params
 from tests.videos import moving_shapes, write_video
-from vlmrun import LLM
+from vlmrun import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(video_decoder() != "torchcodec",
                                 reason="needs torchcodec with the system FFmpeg libraries (apt-get install ffmpeg)")
@@ -270,3 +270,31 @@ def test_no_decoder_is_a_clear_error(video_files, monkeypatch):
     monkeypatch.setattr(video_io, "video_decoder", lambda: None)
     with pytest.raises(InputError, match="no video decoder is available: install torchcodec"):
         video_io.open_video(str(video_files["a"]), ProcessorLimits())
+
+
+# --------------------------------------------------------------------------------------------
+# vlmrun caption over video files: one record per video
+
+
+def test_caption_over_video_files(qwen2_5_vl_dir, video_files, tmp_path):
+    import json
+
+    from vlmrun.cli import main
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    for name in ("a", "c"):
+        (folder / f"{name}.mp4").write_bytes(video_files[name].read_bytes())
+    (folder / "broken.mp4").write_bytes(b"no video here" * 10)
+    out = tmp_path / "out.jsonl"
+    rc = main(["caption", str(folder), "--out", str(out), "--model", str(qwen2_5_vl_dir), "--prompt", "Describe.",
+               "--max-tokens", "3", "--no-progress"])
+    assert rc == 1  # the broken file is an error record
+    records = {r["image"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(records) == {str(folder / n) for n in ("a.mp4", "c.mp4", "broken.mp4")}
+    assert "cannot decode the video" in records[str(folder / "broken.mp4")]["error"]
+    llm = LLM(str(qwen2_5_vl_dir), dtype="float32", device="cpu")
+    for name in ("a", "c"):
+        want = llm.generate({"prompt": "Describe.", "videos": [str(folder / f"{name}.mp4")]},
+                            SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+        assert records[str(folder / f"{name}.mp4")]["caption"] == want.text
