@@ -26,6 +26,8 @@ from processors.limits import InputError
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _TEXT_TYPES = ("text", "input_text")
 _VIDEO_TYPES = ("video", "video_url", "input_video")
+IMAGE_SOURCE_KEYS = ("image", "image_url")
+VIDEO_SOURCE_KEYS = ("video", "video_url", "path", "url")
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 _VIDEO_INT_KEYS = ("nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
 _VIDEO_SECONDS_KEYS = ("fps", "video_start", "video_end")
@@ -122,16 +124,21 @@ def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[
                      "'video_url')")
 
 
-def _image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
-    if item.get("image") is not None:
-        source = item["image"]
-    else:
-        source = item.get("image_url")
-        if isinstance(source, Mapping):
-            source = source.get("url")
+def item_source(item: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    """The source of a media item: the first of `keys` that is set; an OpenAI {"url": ...} gives its url."""
+    source = next((item[k] for k in keys if item.get(k) is not None), None)
+    return source.get("url") if isinstance(source, Mapping) else source
+
+
+def _required_source(item: Mapping[str, Any], kind: str, where: str) -> Any:
+    source = item_source(item, IMAGE_SOURCE_KEYS if kind == "image" else VIDEO_SOURCE_KEYS)
     if source is None or (isinstance(source, str) and not source.strip()):
-        raise InputError(f"{where}: image item has no image (expected 'image' or 'image_url': {{'url': ...}})")
-    ref = ImageRef(source=source)
+        raise InputError(f"{where}: {kind} item has no {kind} (expected '{kind}' or '{kind}_url': {{'url': ...}})")
+    return source
+
+
+def _image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
+    ref = ImageRef(source=_required_source(item, "image", where))
     for key in _SIZE_KEYS:
         if item.get(key) is not None:
             setattr(ref, key, _positive_int(item[key], f"{where}: {key}"))
@@ -139,12 +146,7 @@ def _image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
 
 
 def _video_ref(item: Mapping[str, Any], where: str) -> VideoRef:
-    source = next((item[k] for k in ("video", "video_url", "path", "url") if item.get(k) is not None), None)
-    if isinstance(source, Mapping):
-        source = source.get("url")
-    if source is None or (isinstance(source, str) and not source.strip()):
-        raise InputError(f"{where}: video item has no video (expected 'video' or 'video_url': {{'url': ...}})")
-    ref = VideoRef(source=source)
+    ref = VideoRef(source=_required_source(item, "video", where))
     for key in _VIDEO_INT_KEYS:
         if item.get(key) is not None:
             ref.options[key] = _positive_int(item[key], f"{where}: {key}")

@@ -237,6 +237,8 @@ class Processor:
             raise InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}") from None
 
     def _process_videos(self, refs: list[VideoRef]) -> list[ProcessedVideo]:
+        if not refs:
+            return []
         assert self.video_processor is not None
         videos: list[ProcessedVideo] = []
         tokens = 0

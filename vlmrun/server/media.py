@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from processors import InputError
+from processors.chat import IMAGE_SOURCE_KEYS, VIDEO_SOURCE_KEYS, item_source
+from processors.video_processor import VIDEO_OPTION_KEYS
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
@@ -41,8 +43,6 @@ _USER_AGENT = "vlmrun-server/1"
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 _VIDEO_TYPES = ("video", "video_url", "input_video")
-_VIDEO_OPTION_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
-                      "video_start", "video_end")
 
 Resolver = Callable[[str, int], list[str]]
 
@@ -101,7 +101,7 @@ class MediaResolver:
         """
         if not isinstance(messages, list):
             return messages
-        count = videos = 0
+        counts = {"image": 0, "video": 0}
         out = []
         for message in messages:
             content = message.get("content") if isinstance(message, Mapping) else None
@@ -110,48 +110,32 @@ class MediaResolver:
                 continue
             items = []
             for item in content:
-                if _is_image_item(item):
-                    count += 1
-                    item = self._resolve_item(item, count)
-                elif _is_video_item(item):
-                    videos += 1
-                    item = self._resolve_video_item(item, videos)
+                kind = _media_kind(item)
+                if kind is not None:
+                    counts[kind] += 1
+                    item = self._resolve_item(item, counts[kind], kind)
                 items.append(item)
             out.append({**message, "content": items})
         return out
 
-    def _resolve_item(self, item: Mapping[str, Any], number: int) -> Any:
-        source = item.get("image")
-        if source is None:
-            source = item.get("image_url")
-            if isinstance(source, Mapping):
-                source = source.get("url")
+    def _resolve_item(self, item: Mapping[str, Any], number: int, kind: str = "image") -> Any:
+        """An image (video) item with its source as bytes or a data URI, capped at `max_image_bytes`
+        (`max_video_bytes`). Frame lists are left to the processors (which refuse paths and URLs here)."""
+        if kind == "image":
+            keys, options, resolver = IMAGE_SOURCE_KEYS, _SIZE_KEYS, self
+        else:
+            keys, options = VIDEO_SOURCE_KEYS, VIDEO_OPTION_KEYS
+            resolver = MediaResolver(dataclasses.replace(self.policy, max_image_bytes=self.policy.max_video_bytes),
+                                     self._resolve_host)
+        source = item_source(item, keys)
         if not isinstance(source, str) or not source.strip():
             return item  # the processors explain what is missing
         try:
-            resolved = self.resolve_source(source.strip())
+            resolved = resolver.resolve_source(source.strip())
         except InputError as exc:
-            raise InputError(f"image {number}: {exc}") from None
-        new = {"type": "image", "image": resolved}
-        new.update({k: item[k] for k in _SIZE_KEYS if item.get(k) is not None})
-        return new
-
-    def _resolve_video_item(self, item: Mapping[str, Any], number: int) -> Any:
-        """A video item with its source as bytes (or a data URI) under the same policy, capped at
-        `max_video_bytes`. Frame lists are left to the processors (which refuse paths and URLs here)."""
-        source = next((item[k] for k in ("video", "video_url", "path", "url") if item.get(k) is not None), None)
-        if isinstance(source, Mapping):
-            source = source.get("url")
-        if not isinstance(source, str) or not source.strip():
-            return item
-        for_video = MediaResolver(dataclasses.replace(self.policy, max_image_bytes=self.policy.max_video_bytes),
-                                  self._resolve_host)
-        try:
-            resolved = for_video.resolve_source(source.strip())
-        except InputError as exc:
-            raise InputError(f"video {number}: {exc}") from None
-        new = {"type": "video", "video": resolved}
-        new.update({k: item[k] for k in _VIDEO_OPTION_KEYS if item.get(k) is not None})
+            raise InputError(f"{kind} {number}: {exc}") from None
+        new = {"type": kind, kind: resolved}
+        new.update({k: item[k] for k in options if item.get(k) is not None})
         return new
 
     # ------------------------------------------------------------------ one source
@@ -329,22 +313,15 @@ def _connection(parts: urllib.parse.SplitResult, address: str, timeout: float) -
     return _PinnedHTTPConnection(host, parts.port or 80, address, timeout)
 
 
-def _is_image_item(item: Any) -> bool:
+def _media_kind(item: Any) -> Optional[str]:
+    """"image" or "video" for a media item (typed, or known by its key as the templates do), else None."""
     if not isinstance(item, Mapping):
-        return False
+        return None
     kind = item.get("type")
-    if kind is None:
-        return "image" in item or "image_url" in item
-    return kind in _IMAGE_TYPES
-
-
-def _is_video_item(item: Any) -> bool:
-    if not isinstance(item, Mapping):
-        return False
-    kind = item.get("type")
-    if kind is None:
-        return "video" in item or "video_url" in item
-    return kind in _VIDEO_TYPES
+    for media, types in (("image", _IMAGE_TYPES), ("video", _VIDEO_TYPES)):
+        if kind in types or (kind is None and (media in item or f"{media}_url" in item)):
+            return media
+    return None
 
 
 def _file_uri_path(uri: str) -> str:
