@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from processors.chat import ImageRef, MediaRef, VideoRef, parse_messages
+from processors.chat import ImageRef, VideoRef, parse_messages
 from processors.image_io import describe_source, load_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
