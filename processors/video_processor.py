@@ -225,7 +225,8 @@ class VideoProcessor:
         """Decode (only the sampled frames of) `source`, then resize, normalise and patchify them."""
         cfg = self._config_for(options)
         if isinstance(source, (list, tuple)) or isinstance(source, (np.ndarray, torch.Tensor)):
-            frames = _frames_from_list(source, limits) if isinstance(source, (list, tuple)) else _frames_from_array(source)
+            given_list = isinstance(source, (list, tuple))
+            frames = _frames_from_list(source, limits) if given_list else _frames_from_array(source)
             fps = options.fps or DEFAULT_FRAME_LIST_FPS
             indices = list(range(frames.shape[0]))
             total = len(indices)
@@ -421,7 +422,8 @@ def _frames_from_list(frames: Sequence[Any], limits: ProcessorLimits) -> torch.T
     sizes = {im.size for im in images}
     if len(sizes) > 1:
         raise InputError(f"the frames of a video must all have one size, got {sorted(sizes)}")
-    return torch.from_numpy(np.stack([np.asarray(im, dtype=np.uint8) for im in images])).permute(0, 3, 1, 2).contiguous()
+    stacked = np.stack([np.asarray(im, dtype=np.uint8) for im in images])  # [T, H, W, 3]
+    return torch.from_numpy(stacked).permute(0, 3, 1, 2).contiguous()
 
 
 def _frames_from_array(array: Any) -> torch.Tensor:

@@ -66,7 +66,8 @@ def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Pa
         if not turn.text:
             videos = sum(is_video_file(p) for p in turn.images)
             what = "video" if videos == len(turn.images) else "image" if not videos else "media"
-            turn.text = f"Describe the {what}." if len(turn.images) == 1 or what == "media" else f"Describe the {what}s."
+            plural = len(turn.images) > 1 and what != "media"
+            turn.text = f"Describe the {what}s." if plural else f"Describe the {what}."
         turns = [*turns, turn]
         cleared = gr.MultimodalTextbox(value=None)
         speed = Speed()

@@ -85,8 +85,9 @@ def address_refusal(address: str) -> Optional[str]:
 class MediaResolver:
     """Turns the image sources of chat messages into bytes (or data URIs) under a `MediaPolicy`."""
 
-    def __init__(self, policy: MediaPolicy, resolver: Resolver = system_resolver):
+    def __init__(self, policy: MediaPolicy, resolver: Resolver = system_resolver, media: str = "image"):
         self.policy = policy
+        self.media = media  # the word error messages use: "image" or "video"
         self._resolve_host = resolver
         root = policy.allowed_local_media_path
         self._root = os.path.realpath(root) if root else None
@@ -126,7 +127,7 @@ class MediaResolver:
         else:
             keys, options = VIDEO_SOURCE_KEYS, VIDEO_OPTION_KEYS
             resolver = MediaResolver(dataclasses.replace(self.policy, max_image_bytes=self.policy.max_video_bytes),
-                                     self._resolve_host)
+                                     self._resolve_host, media="video")
         source = item_source(item, keys)
         if not isinstance(source, str) or not source.strip():
             return item  # the processors explain what is missing
@@ -150,12 +151,13 @@ class MediaResolver:
             return self.read_local(_file_uri_path(source))
         if "://" in source[:16]:
             scheme = source.split("://", 1)[0]
-            raise InputError(f"unsupported image URL scheme {scheme!r}: use http(s)://, a data: URI or a file path")
+            raise InputError(f"unsupported {self.media} URL scheme {scheme!r}: use http(s)://, a data: URI or a "
+                             "file path")
         return self.read_local(source)
 
     def read_local(self, path: str) -> bytes:
         if self._root is None:
-            raise InputError("local image paths are not accepted by this server (send a data: URI or an "
+            raise InputError(f"local {self.media} paths are not accepted by this server (send a data: URI or an "
                              "http(s) URL; the operator can allow a directory with --allowed-local-media-path)")
         real = os.path.realpath(os.path.join(self._root, path))
         if os.path.commonpath([real, self._root]) != self._root:
@@ -170,36 +172,36 @@ class MediaResolver:
             with open(real, "rb") as fh:
                 return fh.read(self.policy.max_image_bytes + 1)
         except FileNotFoundError:
-            raise InputError(f"image file {_short(path)} not found in the allowed media directory") from None
+            raise InputError(f"{self.media} file {_short(path)} not found in the allowed media directory") from None
         except OSError as exc:
-            raise InputError(f"image file {_short(path)} cannot be read: {exc.strerror or exc}") from None
+            raise InputError(f"{self.media} file {_short(path)} cannot be read: {exc.strerror or exc}") from None
 
     # ------------------------------------------------------------------ URLs
 
     def check_url(self, url: str) -> tuple[urllib.parse.SplitResult, list[str]]:
         """Parse and vet `url`; returns its parts and the addresses it may be fetched from."""
         if not self.policy.allow_remote_urls:
-            raise InputError("image URLs are not accepted by this server: send the image as a data: URI")
+            raise InputError(f"{self.media} URLs are not accepted by this server: send the {self.media} as a data: URI")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("http", "https"):
-            raise InputError(f"unsupported image URL scheme {parts.scheme!r}")
+            raise InputError(f"unsupported {self.media} URL scheme {parts.scheme!r}")
         if parts.username or parts.password:
-            raise InputError("image URLs with credentials are not accepted")
+            raise InputError(f"{self.media} URLs with credentials are not accepted")
         host = parts.hostname
         if not host:
-            raise InputError(f"the image URL {_short(url)} has no host")
+            raise InputError(f"the {self.media} URL {_short(url)} has no host")
         try:
             port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         except ValueError:
-            raise InputError(f"the image URL {_short(url)} has an invalid port") from None
+            raise InputError(f"the {self.media} URL {_short(url)} has an invalid port") from None
         addresses = self._resolve_host(host, port)
         if not addresses:
-            raise InputError(f"the image URL's host {host!r} resolves to no address")
+            raise InputError(f"the {self.media} URL's host {host!r} resolves to no address")
         if not self.policy.allow_private_urls:
             for address in addresses:
                 why = address_refusal(address)
                 if why is not None:
-                    raise InputError(f"the image URL {_short(url)} points to {why} ({address}); this server "
+                    raise InputError(f"the {self.media} URL {_short(url)} points to {why} ({address}); this server "
                                      "only fetches from public addresses")
         return parts, addresses
 
@@ -212,13 +214,13 @@ class MediaResolver:
             status, location, body = self._get_once(parts, addresses, deadline, current)
             if status in _REDIRECTS:
                 if not location:
-                    raise InputError(f"the image URL {_short(current)} redirected without a Location")
+                    raise InputError(f"the {self.media} URL {_short(current)} redirected without a Location")
                 current = urllib.parse.urljoin(current, location)
                 continue
             if status != 200:
-                raise InputError(f"could not fetch the image URL {_short(current)}: HTTP {status}")
+                raise InputError(f"could not fetch the {self.media} URL {_short(current)}: HTTP {status}")
             return body
-        raise InputError(f"the image URL {_short(url)} redirected more than {self.policy.max_redirects} times")
+        raise InputError(f"the {self.media} URL {_short(url)} redirected more than {self.policy.max_redirects} times")
 
     def _get_once(self, parts: urllib.parse.SplitResult, addresses: Sequence[str], deadline: float,
                   url: str) -> tuple[int, Optional[str], bytes]:
@@ -232,7 +234,7 @@ class MediaResolver:
                 path = parts.path or "/"
                 if parts.query:
                     path += "?" + parts.query
-                conn.request("GET", path, headers={"User-Agent": _USER_AGENT, "Accept": "image/*,*/*;q=0.5"})
+                conn.request("GET", path, headers={"User-Agent": _USER_AGENT, "Accept": f"{self.media}/*,*/*;q=0.5"})
                 response = conn.getresponse()
                 if response.status in _REDIRECTS:
                     return response.status, response.getheader("Location"), b""
@@ -242,28 +244,30 @@ class MediaResolver:
             except InputError:
                 raise
             except (socket.timeout, TimeoutError):
-                raise InputError(f"fetching the image URL {_short(url)} timed out after "
+                raise InputError(f"fetching the {self.media} URL {_short(url)} timed out after "
                                  f"{self.policy.url_timeout_s:g} s") from None
             except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
                 last_error = exc
             finally:
                 conn.close()
         if last_error is None:
-            raise InputError(f"fetching the image URL {_short(url)} timed out after {self.policy.url_timeout_s:g} s")
-        raise InputError(f"could not fetch the image URL {_short(url)}: {last_error}")
+            raise InputError(f"fetching the {self.media} URL {_short(url)} timed out after "
+                             f"{self.policy.url_timeout_s:g} s")
+        raise InputError(f"could not fetch the {self.media} URL {_short(url)}: {last_error}")
 
     def _read_body(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse,
                    deadline: float, url: str) -> bytes:
         cap = self.policy.max_image_bytes
         declared = response.getheader("Content-Length")
         if declared is not None and declared.strip().isdigit() and int(declared) > cap:
-            raise InputError(f"the image at {_short(url)} is {int(declared):,} bytes, more than the limit of {cap:,}")
+            raise InputError(f"the {self.media} at {_short(url)} is {int(declared):,} bytes, more than the limit "
+                             f"of {cap:,}")
         chunks: list[bytes] = []
         total = 0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise InputError(f"fetching the image URL {_short(url)} timed out after "
+                raise InputError(f"fetching the {self.media} URL {_short(url)} timed out after "
                                  f"{self.policy.url_timeout_s:g} s")
             if conn.sock is not None:
                 conn.sock.settimeout(remaining)
@@ -272,10 +276,10 @@ class MediaResolver:
                 break
             total += len(chunk)
             if total > cap:
-                raise InputError(f"the image at {_short(url)} is more than the limit of {cap:,} bytes")
+                raise InputError(f"the {self.media} at {_short(url)} is more than the limit of {cap:,} bytes")
             chunks.append(chunk)
         if not chunks:
-            raise InputError(f"the image at {_short(url)} is empty (0 bytes)")
+            raise InputError(f"the {self.media} at {_short(url)} is empty (0 bytes)")
         return b"".join(chunks)
 
 
