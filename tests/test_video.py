@@ -102,6 +102,7 @@ def test_batched_chunked_and_prefix_cached_equal_single_runs(arch_setup):
     ({}, {}),
     ({"fps": 4.0}, {"fps": 4.0}),
     ({"nframes": 6}, {"num_frames": 6, "fps": None}),
+    ({"min_pixels": 20_000, "max_pixels": 60_000}, {"size": {"shortest_edge": 20_000, "longest_edge": 60_000}}),
 ])
 def test_pixels_and_prompt_ids_equal_hf(request, video_files, arch, options, hf_kwargs):
     model_dir = request.getfixturevalue(f"{arch}_dir")
