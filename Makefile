@@ -21,12 +21,17 @@ install: $(VENV)/.installed
 demo: install
 	$(PY) -m vlmrun.cli caption assets/images
 
-# The browser test drives Debian's chromium (no browser download); install it when missing.
+# The browser test drives Debian's chromium (no browser download), the video tests decode with
+# torchcodec on Debian's FFmpeg libraries (as transformers does); install them when missing.
 test: install
 	@command -v chromium >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
 	  else echo "NOTE: no chromium (apt-get install chromium): the web demo's browser test will be skipped"; fi; }
+	@command -v ffmpeg >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q ffmpeg; \
+	  else echo "NOTE: no FFmpeg (apt-get install ffmpeg): the video tests will be skipped"; fi; }
 	$(PY) -m pytest -q tests
 
 clean:

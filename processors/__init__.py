@@ -1,5 +1,5 @@
-"""Input processing for the Qwen VL families: image loading and limits, resize + patchify (torch,
-CPU or GPU), chat templates and image placeholder expansion.
+"""Input processing for the Qwen VL families: image and video loading and limits, frame sampling,
+resize + patchify (torch, CPU or GPU), chat templates and placeholder expansion.
 
 Entry point: `Processor.from_pretrained(checkpoint_dir, limits=ProcessorLimits())`, then
 `process_chat(messages)` or `process_prompt(text, images)` -> `ProcessedPrompt(token_ids, mm_items)`.
@@ -16,6 +16,8 @@ from processors.image_processor import (
 from processors.limits import InputError, ProcessorLimits
 from processors.pixel_backends import IMAGE_BACKENDS, resolve_image_backend
 from processors.processor import MMItem, ProcessedPrompt, Processor
+from processors.video_io import video_decoder
+from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor, VideoProcessorConfig
 
 __all__ = [
     "InputError",
@@ -30,4 +32,9 @@ __all__ = [
     "ProcessedImage",
     "IMAGE_BACKENDS",
     "resolve_image_backend",
+    "VideoProcessor",
+    "VideoProcessorConfig",
+    "VideoOptions",
+    "ProcessedVideo",
+    "video_decoder",
 ]

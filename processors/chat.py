@@ -6,22 +6,31 @@ A message is a dict with a "role" and a "content" that is a string, None, or a l
    "resized_height"?, "resized_width"?}                           any source `load_image` accepts)
   {"type": "image_url", "image_url": {"url": ...}}               (OpenAI; also a plain string, and
                                                                    "input_image")
+  {"type": "video", "video": src, "fps"?, "nframes"?, ...}        (qwen-vl-utils; src is a path / URL /
+                                                                   bytes, a list of frames or an array
+                                                                   [T, H, W, 3]; also "path" / "url")
+  {"type": "video_url", "video_url": {"url": ...}}               (OpenAI style; also "input_video")
 Items without "type" are recognised by their "image" / "image_url" / "text" key, as the Qwen chat
 templates and qwen-vl-utils do. Every image item becomes {"type": "image"} in the messages given
-to the chat template (which writes the vision placeholder for it); its source and sizing options
-are returned separately, in order of appearance.
+to the chat template (which writes the vision placeholder for it), every video item
+{"type": "video"}; their sources and options are returned separately, in order of appearance.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from processors.limits import InputError
 
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _TEXT_TYPES = ("text", "input_text")
+_VIDEO_TYPES = ("video", "video_url", "input_video")
+IMAGE_SOURCE_KEYS = ("image", "image_url")
+VIDEO_SOURCE_KEYS = ("video", "video_url", "path", "url")
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+_VIDEO_INT_KEYS = ("nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels")
+_VIDEO_SECONDS_KEYS = ("fps", "video_start", "video_end")
 
 
 @dataclass
@@ -38,9 +47,20 @@ class ImageRef:
         return {k: getattr(self, k) for k in _SIZE_KEYS}
 
 
+@dataclass
+class VideoRef:
+    """One video of a chat: where it comes from and its qwen-vl-utils options (only those given)."""
+
+    source: Any
+    options: dict[str, float | int] = field(default_factory=dict)
+
+
+MediaRef = Union[ImageRef, VideoRef]
+
+
 def parse_messages(messages: Sequence[Mapping[str, Any]], forbidden_text: Iterable[str] = ()
-                   ) -> tuple[list[dict[str, Any]], list[ImageRef]]:
-    """Validate `messages`; return (messages for the chat template, images in order).
+                   ) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+    """Validate `messages`; return (messages for the chat template, images and videos in order).
 
     `forbidden_text`: strings that may not appear in user text (the image / video placeholder
     tokens, which would otherwise be read as extra images).
@@ -51,7 +71,7 @@ def parse_messages(messages: Sequence[Mapping[str, Any]], forbidden_text: Iterab
         raise InputError("messages is empty")
     forbidden = tuple(forbidden_text)
     out: list[dict[str, Any]] = []
-    images: list[ImageRef] = []
+    images: list[MediaRef] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise InputError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
@@ -77,7 +97,7 @@ def parse_messages(messages: Sequence[Mapping[str, Any]], forbidden_text: Iterab
     return out, images
 
 
-def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[ImageRef]) -> dict[str, Any]:
+def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[MediaRef]) -> dict[str, Any]:
     if isinstance(item, str):  # a bare string in a content list: plain text
         _check_text(item, forbidden, where)
         return {"type": "text", "text": item}
@@ -85,7 +105,7 @@ def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[
         raise InputError(f"{where} must be a dict, got {type(item).__name__}")
     kind = item.get("type")
     if kind is None:  # untyped items, as the Qwen templates accept them: known by their key
-        kind = next((key for key in ("image", "image_url", "text") if key in item), None)
+        kind = next((key for key in ("image", "image_url", "video", "video_url", "text") if key in item), None)
     if kind in _TEXT_TYPES:
         text = item.get("text")
         if not isinstance(text, str):
@@ -95,25 +115,53 @@ def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[
     if kind in _IMAGE_TYPES:
         images.append(_image_ref(item, where))
         return {"type": "image"}
-    if kind in ("video", "video_url", "input_video", "audio", "input_audio", "audio_url"):
-        raise InputError(f"{where}: content type {kind!r} is not supported (images and text only)")
-    raise InputError(f"{where}: unknown content type {kind!r} (expected 'text', 'image' or 'image_url')")
+    if kind in _VIDEO_TYPES:
+        images.append(_video_ref(item, where))
+        return {"type": "video"}
+    if kind in ("audio", "input_audio", "audio_url"):
+        raise InputError(f"{where}: content type {kind!r} is not supported (images, videos and text only)")
+    raise InputError(f"{where}: unknown content type {kind!r} (expected 'text', 'image', 'image_url', 'video' or "
+                     "'video_url')")
+
+
+def item_source(item: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    """The source of a media item: the first of `keys` that is set; an OpenAI {"url": ...} gives its url."""
+    source = next((item[k] for k in keys if item.get(k) is not None), None)
+    return source.get("url") if isinstance(source, Mapping) else source
+
+
+def _required_source(item: Mapping[str, Any], kind: str, where: str) -> Any:
+    source = item_source(item, IMAGE_SOURCE_KEYS if kind == "image" else VIDEO_SOURCE_KEYS)
+    if source is None or (isinstance(source, str) and not source.strip()):
+        raise InputError(f"{where}: {kind} item has no {kind} (expected '{kind}' or '{kind}_url': {{'url': ...}})")
+    return source
 
 
 def _image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
-    if item.get("image") is not None:
-        source = item["image"]
-    else:
-        source = item.get("image_url")
-        if isinstance(source, Mapping):
-            source = source.get("url")
-    if source is None or (isinstance(source, str) and not source.strip()):
-        raise InputError(f"{where}: image item has no image (expected 'image' or 'image_url': {{'url': ...}})")
-    ref = ImageRef(source=source)
+    ref = ImageRef(source=_required_source(item, "image", where))
     for key in _SIZE_KEYS:
         if item.get(key) is not None:
             setattr(ref, key, _positive_int(item[key], f"{where}: {key}"))
     return ref
+
+
+def _video_ref(item: Mapping[str, Any], where: str) -> VideoRef:
+    ref = VideoRef(source=_required_source(item, "video", where))
+    for key in _VIDEO_INT_KEYS:
+        if item.get(key) is not None:
+            ref.options[key] = _positive_int(item[key], f"{where}: {key}")
+    for key in _VIDEO_SECONDS_KEYS:
+        if item.get(key) is not None:
+            ref.options[key] = _non_negative_number(item[key], f"{where}: {key}", positive=key == "fps")
+    return ref
+
+
+def _non_negative_number(value: Any, what: str, positive: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"),):
+        raise InputError(f"{what} must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise InputError(f"{what} must be {'positive' if positive else 'non-negative'}, got {value!r}")
+    return float(value)
 
 
 def _positive_int(value: Any, what: str) -> int:

@@ -92,11 +92,12 @@ def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> Image.Im
     if isinstance(source, str):
         head = text[:10].lower()
         if head.startswith("data:"):
-            return decode_image_bytes(_decode_data_uri(text, limits), limits, what="data URI")
+            return decode_image_bytes(decode_data_uri(text, limits.max_image_bytes), limits, what="data URI")
         if head.startswith(("http://", "https://")):
-            return decode_image_bytes(_fetch_url(text, limits), limits, what=f"image at {_short(text)}")
+            data = fetch_url(text, limits, limits.max_image_bytes)
+            return decode_image_bytes(data, limits, what=f"image at {short_text(text)}")
         if head.startswith("file://"):
-            return _from_path(_file_uri_to_path(text), limits)
+            return _from_path(file_uri_to_path(text), limits)
         if "://" in text[:16]:
             scheme = text.split("://", 1)[0]
             raise InputError(f"unsupported URL scheme {scheme!r}: use http(s)://, file:// or a data: URI")
@@ -104,29 +105,35 @@ def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> Image.Im
 
 
 def _from_path(path: str, limits: ProcessorLimits) -> Image.Image:
+    data = read_local_file(path, limits, limits.max_image_bytes)
+    return decode_image_bytes(data, limits, what=f"image file {short_text(path)}")
+
+
+def read_local_file(path: str, limits: ProcessorLimits, max_bytes: int, what: str = "image") -> bytes:
+    """The bytes of a regular file of at most `max_bytes` (InputError otherwise, or if local paths are off)."""
     if not limits.allow_local_paths:
-        raise InputError("local image paths are not accepted here: send the image as a data URI or URL")
-    label = f"image file {_short(path)}"
+        raise InputError(f"local {what} paths are not accepted here: send the {what} as a data URI or URL")
+    label = f"{what} file {short_text(path)}"
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        hint = " (a base64 string must be sent as a data:image/...;base64, URI)" if len(path) > 256 else ""
+        hint = f" (a base64 string must be sent as a data:{what}/...;base64, URI)" if len(path) > 256 else ""
         raise InputError(f"{label} not found{hint}") from None
     except OSError as exc:
         raise InputError(f"{label} cannot be accessed: {exc.strerror or exc}") from None
     if not stat.S_ISREG(info.st_mode):  # never opened: reading a FIFO or a device could block or never end
-        raise InputError(f"{label} is {_file_kind(info.st_mode)}, not an image file")
+        raise InputError(f"{label} is {_file_kind(info.st_mode)}, not {'an' if what[0] in 'aeiou' else 'a'} "
+                         f"{what} file")
     size = info.st_size
     if size == 0:
         raise InputError(f"{label} is empty (0 bytes)")
-    if size > limits.max_image_bytes:
-        raise InputError(f"{label} is {size:,} bytes, more than the limit of {limits.max_image_bytes:,}")
+    if size > max_bytes:
+        raise InputError(f"{label} is {size:,} bytes, more than the limit of {max_bytes:,}")
     try:
         with open(path, "rb") as fh:
-            data = fh.read(limits.max_image_bytes + 1)
+            return fh.read(max_bytes + 1)
     except OSError as exc:
         raise InputError(f"{label} cannot be read: {exc.strerror or exc}") from None
-    return decode_image_bytes(data, limits, what=label)
 
 
 def _file_kind(mode: int) -> str:
@@ -136,7 +143,7 @@ def _file_kind(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
-def _file_uri_to_path(uri: str) -> str:
+def file_uri_to_path(uri: str) -> str:
     """`file:///abs/p.jpg` -> `/abs/p.jpg` (also `file://localhost/...`, and %-escapes if needed).
 
     Like qwen-vl-utils, everything after `file://` is the path (so `file://rel/p.jpg` is relative).
@@ -151,23 +158,23 @@ def _file_uri_to_path(uri: str) -> str:
     return path
 
 
-def _decode_data_uri(uri: str, limits: ProcessorLimits) -> bytes:
+def decode_data_uri(uri: str, max_bytes: int, media: str = "image") -> bytes:
+    """The bytes of a base64 `data:<media>/...` URI of at most ~`max_bytes`."""
     header, comma, payload = uri.partition(",")
     if not comma:
         raise InputError("malformed data URI: no ',' between the header and the data")
     params = header[len("data:"):].split(";")
     media_type = params[0].strip().lower()
     if "base64" not in (p.strip().lower() for p in params[1:]):
-        raise InputError("data URI must be base64-encoded: data:image/<type>;base64,<data>")
-    if media_type and not media_type.startswith("image/") and media_type != "application/octet-stream":
-        raise InputError(f"data URI media type {media_type!r} is not an image type")
+        raise InputError(f"data URI must be base64-encoded: data:{media}/<type>;base64,<data>")
+    if media_type and not media_type.startswith(f"{media}/") and media_type != "application/octet-stream":
+        raise InputError(f"data URI media type {media_type!r} is not {'an' if media[0] in 'aeiou' else 'a'} "
+                         f"{media} type")
     payload = "".join(payload.split())  # clients wrap long base64 lines
     if not payload:
         raise InputError("data URI is empty (0 bytes)")
-    if len(payload) // 4 * 3 > limits.max_image_bytes + 3:
-        raise InputError(
-            f"data URI holds ~{len(payload) // 4 * 3:,} bytes, more than the limit of {limits.max_image_bytes:,}"
-        )
+    if len(payload) // 4 * 3 > max_bytes + 3:
+        raise InputError(f"data URI holds ~{len(payload) // 4 * 3:,} bytes, more than the limit of {max_bytes:,}")
     payload += "=" * (-len(payload) % 4)  # tolerate missing padding
     try:
         if "-" in payload or "_" in payload:  # URL-safe alphabet
@@ -184,24 +191,24 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
-            raise InputError(f"image URL redirected to a non-http(s) location: {_short(newurl)}")
+            raise InputError(f"URL redirected to a non-http(s) location: {short_text(newurl)}")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
-def _fetch_url(url: str, limits: ProcessorLimits) -> bytes:
-    """Download `url` with a total deadline of `limits.url_timeout_s` and a byte cap."""
+def fetch_url(url: str, limits: ProcessorLimits, max_bytes: int, what: str = "image") -> bytes:
+    """Download `url` with a total deadline of `limits.url_timeout_s` and a cap of `max_bytes`."""
     if not limits.allow_remote_urls:
-        raise InputError("image URLs are not accepted here: send the image as a data URI")
-    label = f"image URL {_short(url)}"
+        raise InputError(f"{what} URLs are not accepted here: send the {what} as a data URI")
+    label = f"{what} URL {short_text(url)}"
     deadline = time.monotonic() + limits.url_timeout_s
-    request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT, "Accept": "image/*,*/*;q=0.5"})
+    request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT, "Accept": f"{what}/*,*/*;q=0.5"})
     opener = urllib.request.build_opener(_HttpOnlyRedirects)  # per call: honours current proxy env
     try:
         with opener.open(request, timeout=limits.url_timeout_s) as response:
             declared = response.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > limits.max_image_bytes:
+            if declared is not None and declared.isdigit() and int(declared) > max_bytes:
                 raise InputError(
-                    f"{label} is {int(declared):,} bytes, more than the limit of {limits.max_image_bytes:,}"
+                    f"{label} is {int(declared):,} bytes, more than the limit of {max_bytes:,}"
                 )
             chunks: list[bytes] = []
             total = 0
@@ -212,8 +219,8 @@ def _fetch_url(url: str, limits: ProcessorLimits) -> bytes:
                 if not chunk:
                     break
                 total += len(chunk)
-                if total > limits.max_image_bytes:
-                    raise InputError(f"{label} is more than the limit of {limits.max_image_bytes:,} bytes")
+                if total > max_bytes:
+                    raise InputError(f"{label} is more than the limit of {max_bytes:,} bytes")
                 chunks.append(chunk)
     except InputError:
         raise
@@ -376,7 +383,7 @@ def _sniff(data: bytes) -> str:
     return f"{len(data):,} bytes of unknown type"
 
 
-def _short(text: str, limit: int = 100) -> str:
+def short_text(text: str, limit: int = 100) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 

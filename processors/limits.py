@@ -38,6 +38,13 @@ class ProcessorLimits:
         clients should turn this off (otherwise a client can read any image file on the host).
     allow_remote_urls: accept http(s) URLs (the server downloads them).
     allowed_formats: PIL format names that may be decoded.
+    max_video_bytes: encoded size of one video (file, download, data URI or raw bytes).
+    max_video_frames_decoded: frames in one video file (checked from the container before any
+        frame is decoded; sampling then decodes only the frames it picks).
+    max_video_frames: frames sampled from one video (what the vision tower sees, before temporal
+        patching); a request asking for more (nframes, fps) fails.
+    max_video_tokens: LLM tokens of all videos of one request together.
+    Each video frame is also bounded by `max_image_pixels` as decoded.
     """
 
     max_image_pixels: int = 64_000_000
@@ -47,13 +54,27 @@ class ProcessorLimits:
     allow_local_paths: bool = True
     allow_remote_urls: bool = True
     allowed_formats: tuple[str, ...] = DEFAULT_IMAGE_FORMATS
+    max_video_bytes: int = 512 * 1024 * 1024
+    max_video_frames_decoded: int = 216_000  # two hours at 30 frames/s
+    max_video_frames: int = 768
+    max_video_tokens: int = 65_536
 
     def __post_init__(self) -> None:
-        for name in ("max_image_pixels", "max_images_per_request", "max_image_bytes"):
+        for name in ("max_image_pixels", "max_images_per_request", "max_image_bytes", "max_video_bytes",
+                     "max_video_frames_decoded", "max_video_frames", "max_video_tokens"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"ProcessorLimits.{name} must be positive")
         if self.url_timeout_s <= 0:
             raise ValueError("ProcessorLimits.url_timeout_s must be positive")
+
+
+def check_video_tokens(n_tokens: int, limits: ProcessorLimits) -> None:
+    """Raise InputError if the videos of a request need more LLM tokens than `limits` allows."""
+    if n_tokens > limits.max_video_tokens:
+        raise InputError(
+            f"the videos of this request need {n_tokens:,} tokens, more than the limit of {limits.max_video_tokens:,} "
+            "(sample fewer frames with 'fps' / 'nframes', or fewer pixels with 'max_pixels')"
+        )
 
 
 def check_image_count(n_images: int, limits: ProcessorLimits) -> None:

@@ -1,10 +1,16 @@
-"""`Processor`: chat messages (or prompt + images) -> token ids + preprocessed images.
+"""`Processor`: chat messages (or prompt + images / videos) -> token ids + preprocessed media.
 
 The flow matches transformers' Qwen-VL processors: render the chat template to text (one
-`<|vision_start|><|image_pad|><|vision_end|>` per image), preprocess every image, expand its
-`<|image_pad|>` to t*h*w // merge**2 copies and tokenize without adding special tokens. Here the
-text is tokenized with one pad per image and the pad ids are expanded afterwards (same ids: the pad
-is a special token, matched before any BPE, so N copies in the text tokenize to N pad ids).
+`<|vision_start|><|image_pad|><|vision_end|>` per image, `<|video_pad|>` likewise per video),
+preprocess every image and video, expand each pad to t*h*w // merge**2 copies and tokenize without
+adding special tokens. Here the text is tokenized with one pad per item and the pad ids are
+expanded afterwards (same ids: the pad is a special token, matched before any BPE, so N copies in
+the text tokenize to N pad ids).
+
+Videos of the "qwen3" style (Qwen3-VL, Qwen3.5) first have their one `<|video_pad|>` replaced in
+the text by `<t seconds><|vision_start|><|video_pad|><|vision_end|>` per temporal group, as
+`Qwen3VLProcessor` writes it; each group is then its own MMItem of grid (1, h, w) (the vision
+towers attend within a temporal group only, so encoding the groups apart gives the same rows).
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from processors.chat import ImageRef, parse_messages
+from processors.chat import ImageRef, VideoRef, parse_messages
 from processors.image_io import describe_source, load_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
-from processors.limits import InputError, ProcessorLimits, check_image_count
+from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
+from processors.video_processor import (ProcessedVideo, VideoOptions, VideoProcessor, VideoProcessorConfig,
+                                        video_style)
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -30,13 +38,16 @@ VISION_END = "<|vision_end|>"
 
 @dataclass
 class MMItem:
-    """One image of a prompt.
+    """One image (or video, or temporal group of a video) of a prompt: one run of pad tokens.
 
     hash: content hash of the preprocessed pixels (encoder-cache / prefix-cache key).
-    offset: index in token_ids of the image's first `<|image_pad|>` token.
-    length: number of `<|image_pad|>` tokens (= grid t*h*w // merge**2 = rows of its embedding).
+    offset: index in token_ids of the item's first pad token.
+    length: number of pad tokens (= grid t*h*w // merge**2 = rows of its embedding).
     pixel_values: [t*h*w, 3*T*P*P] float32.
     grid_thw: (t, h, w) in patches.
+    kind: "image" or "video".
+    second_per_grid_t: seconds per temporal group of a "qwen2"-style video (its temporal M-RoPE
+        step is this times the model's tokens_per_second); None for images and "qwen3" videos.
     """
 
     hash: str
@@ -44,6 +55,19 @@ class MMItem:
     length: int
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int]
+    kind: str = "image"
+    second_per_grid_t: float | None = None
+
+
+@dataclass
+class _Piece:
+    """What one pad token of the rendered text stands for, before expansion."""
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    hash: str
+    kind: str
+    second_per_grid_t: float | None = None
 
 
 @dataclass
@@ -71,10 +95,12 @@ class Processor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None,
                  image_processor: ImageProcessor | None, limits: ProcessorLimits | None = None,
-                 device: str | torch.device = "cpu", source: str = "") -> None:
+                 device: str | torch.device = "cpu", source: str = "",
+                 video_processor: VideoProcessor | None = None) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.image_processor = image_processor
+        self.video_processor = video_processor
         self.limits = limits or ProcessorLimits()
         self.device = torch.device(device)
         self.source = source
@@ -96,6 +122,7 @@ class Processor:
             raise FileNotFoundError(f"processor: {path!r} is not a checkpoint directory")
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = ImageProcessorConfig.from_pretrained(path)
+        video_config = VideoProcessorConfig.from_pretrained(path, video_style(_model_type(path))) if config else None
         return cls(
             tokenizer,
             _read_chat_template(path, tokenizer),
@@ -103,6 +130,7 @@ class Processor:
             limits,
             device=device,
             source=path,
+            video_processor=VideoProcessor(video_config) if video_config is not None else None,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -115,24 +143,19 @@ class Processor:
     def supports_images(self) -> bool:
         return self.image_processor is not None
 
-    def process_prompt(self, text: str, images: Sequence[Any] = (), *,
+    def process_prompt(self, text: str, images: Sequence[Any] = (), *, videos: Sequence[Any] = (),
                        add_generation_prompt: bool = True,
                        device: str | torch.device | None = None) -> ProcessedPrompt:
-        """One user turn: the images first (in order), then the text.
+        """One user turn: the images first (in order), then the videos, then the text.
 
         An element of `images` may also be an image item dict (with sizing options), e.g.
-        {"image": src, "max_pixels": 200_000}.
+        {"image": src, "max_pixels": 200_000}; of `videos`, a video item dict, e.g.
+        {"video": path, "fps": 1.0}. A bare video is a path / URL / bytes or an array [T, H, W, 3];
+        a list of frames must come as {"video": [...]} (a bare list is a list of videos).
         """
         if not isinstance(text, str):
             raise InputError(f"prompt must be a string, got {type(text).__name__}")
-        if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
-            images = [images]  # a single image passed bare
-        content: list[dict[str, Any]] = []
-        for image in images:
-            if isinstance(image, Mapping):
-                content.append({"type": "image", **image})
-            else:
-                content.append({"type": "image", "image": image})
+        content = _media_items("image", images) + _media_items("video", videos)
         content.append({"type": "text", "text": text})
         return self.process_chat([{"role": "user", "content": content}],
                                  add_generation_prompt=add_generation_prompt, device=device)
@@ -147,20 +170,29 @@ class Processor:
         Raises InputError for bad messages or images.
         """
         template_messages, refs = parse_messages(messages, self._forbidden_text)
+        image_refs = [r for r in refs if isinstance(r, ImageRef)]
+        video_refs = [r for r in refs if isinstance(r, VideoRef)]
         check_image_count(len(refs), self.limits)
-        if refs and self.image_processor is None:
+        if image_refs and self.image_processor is None:
             raise InputError("this model does not accept images (text-only checkpoint: no preprocessor_config.json)")
+        if video_refs and (self.video_processor is None or self.vision_token_ids.video_pad is None):
+            raise InputError("this model does not accept videos")
         text = self.render(template_messages, add_generation_prompt, tools=tools,
                            chat_template_kwargs=chat_template_kwargs)
-        n_placeholders = text.count(IMAGE_PAD)
-        if n_placeholders != len(refs):
-            raise InputError(
-                f"the chat template wrote {n_placeholders} image placeholders for {len(refs)} images "
-                "(does this template support images in these messages?)"
-            )
-        processed = [self._process_image(ref, k, device) for k, ref in enumerate(refs)]
+        for pad, n, what in ((IMAGE_PAD, len(image_refs), "image"), (VIDEO_PAD, len(video_refs), "video")):
+            if text.count(pad) != n:
+                raise InputError(
+                    f"the chat template wrote {text.count(pad)} {what} placeholders for {n} {what}s "
+                    f"(does this template support {what}s in these messages?)"
+                )
+        images = [self._process_image(ref, k, device) for k, ref in enumerate(image_refs)]
+        videos = self._process_videos(video_refs)
+        text = self._write_video_timestamps(text, videos)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self._expand(ids, processed, text)
+        target = device or self.device
+        pieces = {"image": [_Piece(im.pixel_values, im.grid_thw, im.hash, "image") for im in images],
+                  "video": [p for v in videos for p in self._video_pieces(v, target)]}
+        return self._expand(ids, pieces, text)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                tools: list[dict[str, Any]] | None = None,
@@ -204,30 +236,88 @@ class Processor:
                 raise
             raise InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}") from None
 
-    def _expand(self, ids: list[int], images: list[ProcessedImage], text: str) -> ProcessedPrompt:
-        """Replace the k-th `<|image_pad|>` id by num_tokens(image k) copies; record MMItems."""
-        if not images:
+    def _process_videos(self, refs: list[VideoRef]) -> list[ProcessedVideo]:
+        if not refs:
+            return []
+        assert self.video_processor is not None
+        videos: list[ProcessedVideo] = []
+        tokens = 0
+        for k, ref in enumerate(refs):
+            try:
+                video = self.video_processor.preprocess(ref.source, self.limits, VideoOptions(**ref.options))
+            except InputError as exc:
+                raise InputError(f"video {k + 1} ({describe_source(ref.source)}): {exc}") from None
+            tokens += self.video_processor.num_tokens(video.grid_thw)
+            check_video_tokens(tokens, self.limits)
+            videos.append(video)
+        return videos
+
+    def _write_video_timestamps(self, text: str, videos: list[ProcessedVideo]) -> str:
+        """qwen3 style: each video's pad becomes `<t seconds><|vision_start|><|video_pad|><|vision_end|>`
+        per temporal group (as `Qwen3VLProcessor.replace_video_token` writes it, one pad per group here)."""
+        if not videos or self.video_processor.config.style != "qwen3":  # type: ignore[union-attr]
+            return text
+        parts = text.split(VIDEO_PAD)
+        out = [parts[0]]
+        for video, rest in zip(videos, parts[1:]):
+            out.extend(f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD}{VISION_END}" for t in video.timestamps)
+            out.append(rest)
+        return "".join(out)
+
+    def _video_pieces(self, video: ProcessedVideo, device: str | torch.device) -> list[_Piece]:
+        """qwen2 style: the whole video is one piece; qwen3 style: one piece per temporal group."""
+        pixels = video.pixel_values.to(device)
+        if self.video_processor.config.style != "qwen3":  # type: ignore[union-attr]
+            return [_Piece(pixels, video.grid_thw, video.hash, "video", video.second_per_grid_t)]
+        t, h, w = video.grid_thw
+        return [_Piece(pixels[k * h * w:(k + 1) * h * w], (1, h, w), f"{video.hash}:{k}", "video")
+                for k in range(t)]
+
+    def _expand(self, ids: list[int], pieces: dict[str, list[_Piece]], text: str) -> ProcessedPrompt:
+        """Replace the k-th image (video) pad id by the k-th image (video) piece's tokens; record MMItems."""
+        if not pieces["image"] and not pieces["video"]:
             return ProcessedPrompt(token_ids=list(ids), mm_items=[], text=text)
-        assert self.vision_token_ids is not None and self.image_processor is not None
-        pad = self.vision_token_ids.image_pad
+        assert self.vision_token_ids is not None
+        pads = {self.vision_token_ids.image_pad: "image", self.vision_token_ids.video_pad: "video"}
+        merge = (self.image_processor or self.video_processor).config.merge_size  # type: ignore[union-attr]
         out: list[int] = []
         items: list[MMItem] = []
-        k = 0
+        used = {"image": 0, "video": 0}
         for tok in ids:
-            if tok != pad:
+            kind = pads.get(tok)
+            if kind is None:
                 out.append(tok)
                 continue
-            if k >= len(images):
-                raise InputError("more image placeholder tokens than images in the prompt")
-            image = images[k]
-            length = self.image_processor.num_tokens(image.grid_thw)
-            items.append(MMItem(hash=image.hash, offset=len(out), length=length,
-                                pixel_values=image.pixel_values, grid_thw=image.grid_thw))
-            out.extend([pad] * length)
-            k += 1
-        if k != len(images):
-            raise InputError(f"the tokenized prompt has {k} image placeholders for {len(images)} images")
+            if used[kind] >= len(pieces[kind]):
+                raise InputError(f"more {kind} placeholder tokens than {kind}s in the prompt")
+            piece = pieces[kind][used[kind]]
+            t, h, w = piece.grid_thw
+            length = t * h * w // merge**2
+            items.append(MMItem(hash=piece.hash, offset=len(out), length=length, pixel_values=piece.pixel_values,
+                                grid_thw=piece.grid_thw, kind=kind, second_per_grid_t=piece.second_per_grid_t))
+            out.extend([tok] * length)
+            used[kind] += 1
+        for kind, n in used.items():
+            if n != len(pieces[kind]):
+                raise InputError(f"the tokenized prompt has {n} {kind} placeholders for {len(pieces[kind])} {kind}s")
         return ProcessedPrompt(token_ids=out, mm_items=items, text=text)
+
+
+def _media_items(kind: str, sources: Any) -> list[dict[str, Any]]:
+    """Chat items of one kind for `process_prompt`: one bare source, or a list of sources / item dicts."""
+    if sources is None:
+        return []
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
+        sources = [sources]  # one item passed bare (a path, bytes, an array, a PIL image)
+    return [{"type": kind, **s} if isinstance(s, Mapping) else {"type": kind, kind: s} for s in sources]
+
+
+def _model_type(path: str) -> str | None:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as fh:
+        return json.load(fh).get("model_type")
 
 
 def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:

@@ -47,13 +47,31 @@ class HFReference:
         self.processor = AutoProcessor.from_pretrained(self.dir) if self.is_vl and torchvision_available() else None
         self.image_processor = AutoImageProcessor.from_pretrained(self.dir) if self.is_vl else None
 
-    def inputs(self, messages: list[dict]) -> dict:
+    def inputs(self, messages: list[dict], **processor_kwargs) -> dict:
+        """HF's inputs for a chat. With a video item, the model cards' way: the processor's
+        `apply_chat_template(..., tokenize=True, return_dict=True)` decodes and samples it
+        (`processor_kwargs`, e.g. fps=1, go to that call)."""
+        if self._has_video(messages):
+            assert self.processor is not None, "HF's video processors need torchvision"
+            return dict(self.processor.apply_chat_template(
+                messages, tokenize=True, return_dict=True, add_generation_prompt=True, return_tensors="pt",
+                processor_kwargs=processor_kwargs))
         images = [item["image"] for m in messages if isinstance(m["content"], list)
                   for item in m["content"] if item.get("type") == "image"]
         if self.processor is None:  # a text-only checkpoint, or no torchvision
             return self._inputs_by_hand(messages, images)
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return dict(self.processor(text=[text], images=images or None, return_tensors="pt"))
+
+    @staticmethod
+    def processor_only(model_dir: Path):
+        """HF's default processor of a checkpoint (no model loaded)."""
+        return AutoProcessor.from_pretrained(model_dir)
+
+    @staticmethod
+    def _has_video(messages: list[dict]) -> bool:
+        return any(isinstance(m["content"], list) and any(item.get("type") == "video" for item in m["content"])
+                   for m in messages)
 
     def _inputs_by_hand(self, messages: list[dict], images: list) -> dict:
         """What HF's Qwen-VL processor does, with the tokenizer and `AutoImageProcessor`."""
@@ -73,8 +91,9 @@ class HFReference:
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **kwargs}
 
     @torch.no_grad()
-    def generate(self, messages: list[dict], max_new_tokens: int) -> HFResult:
-        inputs = {k: v.to(self.device) for k, v in self.inputs(messages).items()}
+    def generate(self, messages: list[dict], max_new_tokens: int, **processor_kwargs) -> HFResult:
+        inputs = {k: v.to(self.device) if hasattr(v, "to") else v
+                  for k, v in self.inputs(messages, **processor_kwargs).items()}
         out = self.model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
                                   output_logits=True, return_dict_in_generate=True)
         n_prompt = inputs["input_ids"].shape[1]

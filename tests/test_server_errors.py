@@ -113,7 +113,8 @@ CASES = {
     "n_too_big": ({**user("hi"), "n": 1000}, 400, ("'n'",)),
     "top_logprobs_without_logprobs": ({**user("hi"), "top_logprobs": 2}, 400, ("logprobs",)),
     "bad_role": (user("hi") | {"messages": [{"content": "no role"}]}, 400, ("role",)),
-    "video": (user([{"type": "video_url", "video_url": {"url": "x"}}]), 400, ("not supported",)),
+    "video": (user([{"type": "video_url", "video_url": {"url": "x"}}]), 400, ("video 1", "local")),
+    "audio": (user([{"type": "input_audio", "input_audio": {"data": "x"}}]), 400, ("not supported",)),
     "tools": ({**user("hi"), "tools": [{"type": "function", "function": {"name": "f"}}],
                "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400, ("tool",)),
     "bad_json_schema": ({**user("hi"), "response_format": {"type": "json_schema", "json_schema": {

@@ -3,7 +3,8 @@ Playwright; no browser download) against a live vlmrun server with the tiny Qwen
 
 Upload an image and ask; the answer streams in and the status shows the model and tokens/s. A
 second turn (from an example image) carries the first one along; Stop aborts a long answer on
-the server. The page is saved as a screenshot under tests/artifacts/.
+the server. A generated video clip, uploaded after clearing the chat, goes to the server as a
+`video_url` and its answer streams back. The page is saved as a screenshot under tests/artifacts/.
 """
 
 from __future__ import annotations
@@ -154,3 +155,34 @@ def test_upload_ask_stream_multiturn_and_stop(page, demo_url, backend):
     time.sleep(0.5)
     assert "2000 tokens in" not in status_text(page) and len(sent) == 3
     assert (ARTIFACTS / "web_demo.png").stat().st_size > 10_000
+
+
+def test_upload_a_video_clip(page, demo_url, backend, tmp_path):
+    """A generated clip goes up as a video_url data URI; the answer streams back."""
+    pytest.importorskip("torchcodec")
+    from processors.video_io import video_decoder
+    from tests.videos import write_video
+
+    if video_decoder() != "torchcodec":
+        pytest.skip("needs torchcodec with the system FFmpeg libraries")
+    engine, _ = backend
+    sent = demo_url[1]
+    wait_until_idle(engine)
+    page.locator("#clear").click()
+    set_max_tokens(page, 6)
+    clip = write_video(tmp_path / "clip.mp4", 8, 48, 64, 4.0)
+    page.locator("#prompt input[type=file]").set_input_files(str(clip))
+    page.wait_for_selector("#prompt .thumbnail-item .feather-video")  # the clip's thumbnail
+    before = len(sent)
+    send(page, "What moves?")
+    try:
+        page.wait_for_function(
+            "() => { const s = document.querySelector('#status').innerText; "
+            "return s.includes(' tokens in') && s.includes('tokens/s') && s.includes('answer 1'); }")
+    except Exception:
+        raise AssertionError(f"status: {status_text(page)!r}") from None
+    assert len(sent) == before + 1
+    messages, _ = sent[-1]
+    assert messages[-1]["content"][0]["video_url"]["url"].startswith("data:video/mp4;base64,")
+    assert page.locator("#chat .message.bot").last.inner_text().strip()
+    page.screenshot(path=str(ARTIFACTS / "web_demo_video.png"), full_page=True)

@@ -563,6 +563,26 @@ def _image_processor(arch: str) -> Any:
     )
 
 
+def _video_processor(arch: str) -> Any:
+    """The video processor class transformers uses for the family, with small pixel bounds.
+
+    Qwen2.5-VL's bounds hold per frame; Qwen3-VL's / Qwen3.5's over all sampled frames together."""
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    if arch == "qwen2_5_vl":
+        factor = 14 * MERGE_SIZE
+        return Qwen2VLVideoProcessor(patch_size=14, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH,
+                                     size={"shortest_edge": MIN_MERGED_TOKENS * factor * factor,
+                                           "longest_edge": MAX_MERGED_TOKENS * factor * factor},
+                                     image_mean=list(QWEN25VL_MEAN), image_std=list(QWEN25VL_STD))
+    factor = 16 * MERGE_SIZE
+    return Qwen3VLVideoProcessor(patch_size=16, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH,
+                                 size={"shortest_edge": MIN_MERGED_TOKENS * factor * factor,
+                                       "longest_edge": 4 * MAX_MERGED_TOKENS * factor * factor},
+                                 image_mean=list(QWEN3VL_MEAN), image_std=list(QWEN3VL_STD))
+
+
 def _write_generation_config(model: Any, ids: SpecialIds) -> None:
     from transformers import GenerationConfig
 
@@ -596,6 +616,7 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     model.save_pretrained(str(out_dir), max_shard_size=SHARD_SIZE)
     if getattr(config, "vision_config", None) is not None:
         _image_processor(arch).save_pretrained(str(out_dir))
+        _video_processor(arch).save_pretrained(str(out_dir))
     return out_dir
 
 

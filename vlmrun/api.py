@@ -73,7 +73,7 @@ class LLM:
 
     def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Each prompt is a string or {"prompt": str, "images": [...]}: one user turn each.
+        """Each prompt is a string or {"prompt": str, "images": [...], "videos": [...]}: one user turn each.
 
         `sampling_params` is one SamplingParams for all prompts or a list with one per prompt.
         """
@@ -147,17 +147,20 @@ def _cached_llm(model: Optional[str], dtype: str, device: str, image_backend: st
     return LLM(model, dtype=dtype, device=device, image_backend=image_backend)
 
 
-def generate(images: Any = None, prompt: str = "Describe the image.", *,
+def generate(images: Any = None, prompt: str = "Describe the image.", *, videos: Any = None,
              model: Optional[str] = None, dtype: str = "auto", device: str = "auto",
              image_backend: str = "auto", max_tokens: int = 256, **sampling: Any) -> str:
-    """One request in one call: images and a prompt in, text out. The engine is kept for the next call.
+    """One request in one call: images and/or videos and a prompt in, text out. The engine is kept for the
+    next call.
 
-    `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them.
+    `images` is one image (a path, URL, bytes, PIL image, array, image item dict) or a list of them;
+    `videos` one video (a path, URL, bytes, array [T, H, W, 3], video item dict such as
+    {"video": path, "fps": 1.0} or {"video": [frame, ...]}) or a list of them.
     Other keywords are `SamplingParams` fields, e.g. `structured_outputs={"json": schema}` for text
     that parses as JSON valid under `schema` (a schema that does not compile raises a ValueError)."""
     llm = _cached_llm(model, dtype, device, image_backend)
     params = SamplingParams(max_tokens=max_tokens, **{"temperature": 0.0, **sampling})
-    out = llm.generate([{"prompt": prompt, "images": images}], params, use_tqdm=False)[0]
+    out = llm.generate([{"prompt": prompt, "images": images, "videos": videos}], params, use_tqdm=False)[0]
     if out.error is not None:
         raise InputError(out.error)
     return out.text

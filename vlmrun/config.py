@@ -50,6 +50,10 @@ class EngineConfig:
     prefix_snapshot_interval: int = 512  # hybrid models: snapshot every this many prompt tokens (and at the last full page)
     max_images_per_request: int = 32
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
+    # Video limits per request (None = the processors' defaults, `processors.ProcessorLimits`)
+    max_video_frames: Optional[int] = None  # frames sampled from one video
+    max_video_frames_decoded: Optional[int] = None  # frames in one video file
+    max_video_tokens: Optional[int] = None  # LLM tokens of all videos of a request
     seed: int = 0
     # Tensor parallelism: one worker process per rank, each holding 1/N of the attention heads, MLP
     # units and experts (vlmrun/executor/distributed.py); "mp" spawns them here, "ray" places them

@@ -1,6 +1,6 @@
-"""The Gradio demo: chat about images with a vlmrun (or any OpenAI-compatible) server.
+"""The Gradio demo: chat about images and videos with a vlmrun (or any OpenAI-compatible) server.
 
-Upload one or more images and type a question; the answer streams in. Turns accumulate into a
+Upload one or more images or video clips and type a question; the answer streams in. Turns accumulate into a
 multi-turn chat (earlier images stay in the conversation). Sampling controls sit beside the chat;
 Stop cancels the answer (the connection closes and the server aborts the request); the status
 line shows the model and the speed in tokens/s. Example images come from `assets/images/`: for the
@@ -18,7 +18,7 @@ import gradio as gr
 from vlmrun.default_model import MODEL_DIR_NAME
 from vlmrun.synthetic import DESCRIBE_PROMPT, QA_KINDS, Scene, scene_from_file
 from web.client import ChatClient, ServerError, Speed
-from web.conversation import Turn, to_chatbot, to_openai, user_turn
+from web.conversation import Turn, is_video_file, to_chatbot, to_openai, user_turn
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
@@ -64,7 +64,10 @@ def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Pa
             yield to_chatbot(turns), turns, gr.MultimodalTextbox(), _status(model, "type a question or add an image")
             return
         if not turn.text:
-            turn.text = "Describe the image." if len(turn.images) == 1 else "Describe the images."
+            videos = sum(is_video_file(p) for p in turn.images)
+            what = "video" if videos == len(turn.images) else "image" if not videos else "media"
+            plural = len(turn.images) > 1 and what != "media"
+            turn.text = f"Describe the {what}s." if plural else f"Describe the {what}."
         turns = [*turns, turn]
         cleared = gr.MultimodalTextbox(value=None)
         speed = Speed()
@@ -84,13 +87,14 @@ def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Pa
         yield to_chatbot(turns), turns, cleared, _status(model, f"{label}: {speed.describe()}")
 
     with gr.Blocks(title=f"vlmrun · {model}", analytics_enabled=False) as demo:
-        gr.Markdown(f"## vlmrun web demo\nChat about images with **{model}**.")
+        gr.Markdown(f"## vlmrun web demo\nChat about images and videos with **{model}**.")
         turns_state = gr.State([])
         with gr.Row():
             with gr.Column(scale=3):
                 chatbot = gr.Chatbot(label=model, height=480, elem_id="chat")
-                textbox = gr.MultimodalTextbox(file_types=["image"], file_count="multiple", sources=["upload"],
-                                               placeholder="Add images and ask about them…", show_label=False,
+                textbox = gr.MultimodalTextbox(file_types=["image", "video"], file_count="multiple",
+                                               sources=["upload"], show_label=False,
+                                               placeholder="Add images or videos and ask about them…",
                                                elem_id="prompt")
                 with gr.Row():
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")

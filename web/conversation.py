@@ -1,8 +1,9 @@
 """The demo's conversation: a list of turns, rendered for the Chatbot and for the server.
 
-A `Turn` is one user message (text and any number of image files) and the answer so far. The
-Chatbot shows the images from their files; the server receives them as base64 data URIs, so the
-demo works against any OpenAI-compatible server, local or not, without sharing a filesystem.
+A `Turn` is one user message (text and any number of image or video files) and the answer so far.
+The Chatbot shows the media from their files; the server receives them as base64 data URIs (images
+as `image_url` items, videos as `video_url` items), so the demo works against any OpenAI-compatible
+server, local or not, without sharing a filesystem.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 @dataclass
 class Turn:
     text: str
-    images: list[str] = field(default_factory=list)  # file paths
+    images: list[str] = field(default_factory=list)  # file paths (images and videos)
     answer: str = ""
 
 
@@ -29,13 +30,28 @@ def image_data_uri(path: str) -> str:
     return f"data:{media_type};base64,{data}"
 
 
+def is_video_file(path: str) -> bool:
+    return (mimetypes.guess_type(path)[0] or "").startswith("video/")
+
+
+def video_data_uri(path: str) -> str:
+    media_type = mimetypes.guess_type(path)[0] or "video/mp4"
+    return f"data:{media_type};base64,{base64.b64encode(Path(path).read_bytes()).decode('ascii')}"
+
+
+def media_part(path: str) -> dict[str, Any]:
+    """The OpenAI content item for one uploaded file."""
+    if is_video_file(path):
+        return {"type": "video_url", "video_url": {"url": video_data_uri(path)}}
+    return {"type": "image_url", "image_url": {"url": image_data_uri(path)}}
+
+
 def to_openai(turns: list[Turn], system_prompt: str = "") -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if system_prompt.strip():
         messages.append({"role": "system", "content": system_prompt.strip()})
     for i, turn in enumerate(turns):
-        content: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": image_data_uri(p)}}
-                                         for p in turn.images]
+        content: list[dict[str, Any]] = [media_part(p) for p in turn.images]
         content.append({"type": "text", "text": turn.text})
         messages.append({"role": "user", "content": content})
         if i < len(turns) - 1:  # the last turn is the one being answered

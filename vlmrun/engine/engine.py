@@ -177,22 +177,24 @@ class Engine:
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
-        if self.config.max_image_pixels is not None:
-            limits = dataclasses.replace(limits, max_image_pixels=self.config.max_image_pixels)
-        return limits
+        optional = ("max_image_pixels", "max_video_frames", "max_video_frames_decoded", "max_video_tokens")
+        given = {name: getattr(self.config, name) for name in optional if getattr(self.config, name) is not None}
+        return dataclasses.replace(limits, **given)
 
     # ------------------------------------------------------------------ requests in
 
     def process(self, prompt: Any) -> ProcessedPrompt:
-        """A chat (list of messages), {"prompt": str, "images": [...]}, a plain string, or a ProcessedPrompt."""
+        """A chat (list of messages), {"prompt": str, "images": [...], "videos": [...]}, a plain string, or a
+        ProcessedPrompt."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         if isinstance(prompt, str):
             return self.processor.process_prompt(prompt, [])
         if isinstance(prompt, dict):
             if "prompt" not in prompt:
-                raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images')")
-            return self.processor.process_prompt(prompt["prompt"], image_list(prompt.get("images")))
+                raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images', 'videos')")
+            return self.processor.process_prompt(prompt["prompt"], image_list(prompt.get("images")),
+                                                 videos=image_list(prompt.get("videos")))
         if isinstance(prompt, list):
             return self.processor.process_chat(prompt)
         raise InputError(f"unsupported prompt type {type(prompt).__name__}")
@@ -211,7 +213,8 @@ class Engine:
         if n + 1 > self.scheduler.capacity_tokens:
             raise InputError(f"the prompt has {n} tokens but the KV cache holds only {self.scheduler.capacity_tokens}")
         positions, delta = compute_mrope_positions(prompt.token_ids, [it.grid_thw for it in prompt.mm_items],
-                                                   self.model_config.hf_config)
+                                                   self.model_config.hf_config,
+                                                   [it.second_per_grid_t for it in prompt.mm_items])
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
@@ -307,7 +310,8 @@ class Engine:
 
 
 def image_list(images: Any) -> list[Any]:
-    """`images` as a list: None -> [], one image (a path, URL, bytes, PIL image, array) -> [it], a list or tuple as is."""
+    """`images` (or videos) as a list: None -> [], one item (a path, URL, bytes, PIL image, array) -> [it], a list or
+    tuple as is (so a video given as a list of frames must be wrapped: [{"video": frames}])."""
     if images is None:
         return []
     if isinstance(images, (list, tuple)):

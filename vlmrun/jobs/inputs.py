@@ -1,4 +1,7 @@
-"""Expanding a caption job's INPUT arguments into a lazy stream of images.
+"""Expanding a caption job's INPUT arguments into a lazy stream of images (and videos).
+
+Files with a video suffix (`VIDEO_SUFFIXES`) are taken wherever image files are: one record per
+video (`is_video`).
 
 An INPUT is one of:
 - an http(s):// or file:// URL (or a data: URI): one image;
@@ -31,6 +34,8 @@ from vlmrun.jobs.records import key_hash
 
 IMAGE_SUFFIXES = frozenset({".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff",
                             ".avif"})
+VIDEO_SUFFIXES = frozenset({".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi", ".mpg", ".mpeg", ".ts"})
+MEDIA_SUFFIXES = IMAGE_SUFFIXES | VIDEO_SUFFIXES
 MANIFEST_SUFFIXES = frozenset({".txt", ".csv", ".jsonl", ".parquet"})
 KEY_COLUMNS = ("image", "path", "url", "file", "filename", "uri")
 _URL_PREFIXES = ("http://", "https://", "file://", "data:")
@@ -108,6 +113,13 @@ def _suffix(path: str) -> str:
     return os.path.splitext(path)[1].lower()
 
 
+def is_video(source: Any) -> bool:
+    """A path or URL (query and fragment ignored) whose suffix is a video suffix."""
+    if not isinstance(source, str) or source[:5].lower() == "data:":
+        return isinstance(source, str) and source[5:11].lower() == "video/"
+    return _suffix(source.split("?", 1)[0].split("#", 1)[0]) in VIDEO_SUFFIXES
+
+
 def _walk(root: str, stats: InputStats) -> Iterator[JobItem]:
     stack = [root]
     while stack:
@@ -124,7 +136,7 @@ def _walk(root: str, stats: InputStats) -> Iterator[JobItem]:
                 continue
             if entry.is_dir(follow_symlinks=False):
                 subfolders.append(entry.path)
-            elif _suffix(entry.name) in IMAGE_SUFFIXES:
+            elif _suffix(entry.name) in MEDIA_SUFFIXES:
                 yield JobItem(entry.path, entry.path)
             else:
                 stats.ignored_files += 1
@@ -137,7 +149,7 @@ def _glob(pattern: str, stats: InputStats) -> Iterator[JobItem]:
         matched = True
         if os.path.isdir(path):
             yield from _walk(path, stats)
-        elif _suffix(path) in IMAGE_SUFFIXES:
+        elif _suffix(path) in MEDIA_SUFFIXES:
             yield JobItem(path, path)
         else:
             stats.ignored_files += 1
@@ -217,7 +229,7 @@ def _csv_items(manifest: _Manifest, fh: Iterable[str], image_column: Optional[st
     header = next(reader, None)
     if header is None:
         return
-    looks_like_data = bool(header) and (is_url(header[0]) or _suffix(header[0].strip()) in IMAGE_SUFFIXES)
+    looks_like_data = bool(header) and (is_url(header[0]) or _suffix(header[0].strip()) in MEDIA_SUFFIXES)
     if looks_like_data and image_column is None:  # no header row: the first column holds the images
         column = 0
         item = manifest.item(header[0], "row 1")

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from processors import InputError, ProcessedPrompt, load_image
-from vlmrun.jobs.inputs import JobItem
+from vlmrun.jobs.inputs import JobItem, is_video
 from vlmrun.jobs.records import CaptionRecord, image_seed, parse_structured
 from vlmrun.sampling_params import SamplingParams
 
@@ -230,6 +230,9 @@ class CaptionPipeline:
         if item.error is not None:
             return _Prepared(item, None, item.error, 0.0)
         try:
+            if is_video(item.source):  # one record per video
+                prompt = self.engine.process({"prompt": self.options.prompt, "videos": [item.source]})
+                return _Prepared(item, prompt, None, time.perf_counter() - start)
             # Loaded here first so that a bad file's error names the file plainly (the processor
             # would prefix "image 1 (...)"); the decoded RGB image then goes through the processor.
             image = load_image(item.source, self.engine.processor.limits)

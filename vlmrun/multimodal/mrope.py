@@ -1,11 +1,17 @@
-"""M-RoPE position ids for a prompt (Qwen2.5-VL and Qwen3-VL, images).
+"""M-RoPE position ids for a prompt (Qwen2.5-VL and Qwen3-VL, images and videos).
 
 Text tokens advance one position per token on all three rows (t, h, w). An image whose merged
 grid is (t, h, w) occupies t*h*w tokens; starting at the current position p its tokens get
 t-row p + frame, h-row p + row, w-row p + col (raster order), and the next token starts at
 p + max(h, w). `delta = max position + 1 - L`, so the generated token at index i >= L sits at
-`i + delta` on every row. Images are matched to runs of `image_token_id` in order, each
-consuming exactly its own t*h*w tokens (so two adjacent images still split correctly).
+`i + delta` on every row. Items (images, videos) are matched to runs of `image_token_id` /
+`video_token_id` in order, each consuming exactly its own t*h*w tokens (so two adjacent items still
+split correctly).
+
+A Qwen2.5-VL video's t-row is scaled: frame group k sits at p + floor(k * tokens_per_second *
+second_per_grid_t), computed in float32 as transformers does (`time_intervals`). Qwen3-VL / Qwen3.5
+videos arrive as one item of grid (1, h, w) per temporal group (their timestamps are text), so
+they need no scaling.
 """
 
 from __future__ import annotations
@@ -16,27 +22,32 @@ import torch
 
 
 def compute_mrope_positions(token_ids: Sequence[int], image_grid_thw: Sequence[Sequence[int]],
-                            hf_config: Any) -> tuple[torch.Tensor, int]:
+                            hf_config: Any, second_per_grid_ts: Sequence[float | None] | None = None
+                            ) -> tuple[torch.Tensor, int]:
     """Positions [3, L] int64 and the rope delta for one prompt.
 
-    image_grid_thw: one (t, h, w) patch grid per image, in prompt order (before spatial merge).
+    image_grid_thw: one (t, h, w) patch grid per image or video item, in prompt order (before
+    spatial merge). second_per_grid_ts: per item, a Qwen2.5-VL video's seconds per temporal group
+    (None for the others); absent = no scaling.
     """
     if getattr(hf_config, "vision_config", None) is None:  # text-only model: 1-D positions on all rows
         if image_grid_thw:
             raise ValueError("this model takes no images")
         return torch.arange(len(token_ids), dtype=torch.int64).expand(3, -1).contiguous(), 0
-    image_token_id = hf_config.image_token_id
+    vision_ids = {hf_config.image_token_id, getattr(hf_config, "video_token_id", hf_config.image_token_id)}
     merge = hf_config.vision_config.spatial_merge_size
+    tokens_per_second = getattr(hf_config.vision_config, "tokens_per_second", 1)
     grids = [tuple(int(x) for x in g) for g in image_grid_thw]
+    seconds = list(second_per_grid_ts) if second_per_grid_ts is not None else [None] * len(grids)
     length = len(token_ids)
     rows: list[torch.Tensor] = []  # [3, n] pieces
     pos = 0  # position of the next token
     i = 0
     next_image = 0
     while i < length:
-        if token_ids[i] != image_token_id:
+        if token_ids[i] not in vision_ids:
             j = i
-            while j < length and token_ids[j] != image_token_id:
+            while j < length and token_ids[j] not in vision_ids:
                 j += 1
             rows.append(torch.arange(pos, pos + j - i).expand(3, -1))
             pos += j - i
@@ -47,10 +58,14 @@ def compute_mrope_positions(token_ids: Sequence[int], image_grid_thw: Sequence[S
         t, gh, gw = grids[next_image]
         h, w = gh // merge, gw // merge
         n = t * h * w
-        if i + n > length or any(tok != image_token_id for tok in token_ids[i:i + n]):
+        if i + n > length or any(tok != token_ids[i] for tok in token_ids[i:i + n]):
             raise ValueError(f"image {next_image} with grid {grids[next_image]} needs {n} consecutive image "
                              f"tokens at index {i}")
-        tt = torch.arange(t).view(t, 1, 1).expand(t, h, w)
+        frame_pos = torch.arange(t)
+        if seconds[next_image] is not None:  # as transformers: float32 product, truncated
+            interval = tokens_per_second * torch.tensor(seconds[next_image], dtype=torch.float32)
+            frame_pos = (frame_pos * interval).long()
+        tt = frame_pos.view(t, 1, 1).expand(t, h, w)
         hh = torch.arange(h).view(1, h, 1).expand(t, h, w)
         ww = torch.arange(w).view(1, 1, w).expand(t, h, w)
         rows.append(torch.stack([tt, hh, ww]).reshape(3, n) + pos)

@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-images-per-request", type=int, default=32)
     p.add_argument("--max-image-pixels", type=int, default=None)
+    p.add_argument("--max-video-frames", type=int, default=None, help="frames sampled from one video (default 768)")
+    p.add_argument("--max-video-tokens", type=int, default=None,
+                   help="LLM tokens of all videos of one request (default 65536)")
     p.add_argument("--max-stop-strings", type=int, default=32, help="stop strings one request may give")
     p.add_argument("--max-stop-string-length", type=int, default=512, help="characters of one stop string")
     p.add_argument("--max-stop-token-ids", type=int, default=64, help="stop token ids one request may give")
@@ -45,6 +48,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
+                        max_video_frames=args.max_video_frames, max_video_tokens=args.max_video_tokens,
                         max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
                         max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend,
@@ -62,7 +66,7 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         max_n=args.max_n, preprocess_workers=args.preprocess_workers,
         allow_remote_urls=not args.no_remote_urls, allow_private_urls=args.allow_private_urls,
         allowed_local_media_path=args.allowed_local_media_path, url_timeout_s=args.url_timeout,
-        max_image_bytes=args.max_image_mb * MiB,
+        max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser)
 
 
@@ -76,6 +80,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-remote-urls", action="store_true", help="refuse http(s) image URLs")
     p.add_argument("--url-timeout", type=float, default=10.0, help="seconds for one image download")
     p.add_argument("--max-image-mb", type=int, default=20, help="size cap of one image (MiB)")
+    p.add_argument("--max-video-mb", type=int, default=200, help="size cap of one video (MiB)")
     p.add_argument("--max-request-mb", type=int, default=64, help="request body cap (MiB); larger: 413")
     p.add_argument("--max-queued-requests", type=int, default=1024,
                    help="requests that may wait beyond --max-num-seqs; more get 429")

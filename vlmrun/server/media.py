@@ -1,4 +1,4 @@
-"""Where the server may get images from, and getting them: the address policy for URLs, the
+"""Where the server may get images and videos from, and getting them: the address policy for URLs, the
 directory policy for local paths, and a bounded fetcher.
 
 The processors can load any source, but a server facing clients must not let them make it read
@@ -10,7 +10,8 @@ before the processors see it:
   be public (not private, loopback, link-local, multicast, reserved or unspecified) unless
   `allow_private_urls`, and the connection goes to that vetted address (so a second DNS answer
   cannot swap in another one). Redirects are followed by hand, each hop checked the same way.
-  One total deadline covers the whole fetch; the body is capped at `max_image_bytes`;
+  One total deadline covers the whole fetch; the body is capped at `max_image_bytes`
+  (`max_video_bytes` for a video);
 - local paths and `file://` URIs are read only when they resolve (symlinks included) inside
   `allowed_local_media_path`; relative paths are taken relative to it.
 
@@ -21,6 +22,7 @@ variables are not used (a proxy would hide the address that the policy checks).
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import ipaddress
 import os
@@ -32,12 +34,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from processors import InputError
+from processors.chat import IMAGE_SOURCE_KEYS, VIDEO_SOURCE_KEYS, item_source
+from processors.video_processor import VIDEO_OPTION_KEYS
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16
 _USER_AGENT = "vlmrun-server/1"
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
+_VIDEO_TYPES = ("video", "video_url", "input_video")
 
 Resolver = Callable[[str, int], list[str]]
 
@@ -50,6 +55,7 @@ class MediaPolicy:
     url_timeout_s: float = 10.0
     max_image_bytes: int = 20 << 20
     max_redirects: int = 3
+    max_video_bytes: int = 200 << 20
 
 
 def system_resolver(host: str, port: int) -> list[str]:
@@ -79,8 +85,9 @@ def address_refusal(address: str) -> Optional[str]:
 class MediaResolver:
     """Turns the image sources of chat messages into bytes (or data URIs) under a `MediaPolicy`."""
 
-    def __init__(self, policy: MediaPolicy, resolver: Resolver = system_resolver):
+    def __init__(self, policy: MediaPolicy, resolver: Resolver = system_resolver, media: str = "image"):
         self.policy = policy
+        self.media = media  # the word error messages use: "image" or "video"
         self._resolve_host = resolver
         root = policy.allowed_local_media_path
         self._root = os.path.realpath(root) if root else None
@@ -95,7 +102,7 @@ class MediaResolver:
         """
         if not isinstance(messages, list):
             return messages
-        count = 0
+        counts = {"image": 0, "video": 0}
         out = []
         for message in messages:
             content = message.get("content") if isinstance(message, Mapping) else None
@@ -104,27 +111,32 @@ class MediaResolver:
                 continue
             items = []
             for item in content:
-                if _is_image_item(item):
-                    count += 1
-                    item = self._resolve_item(item, count)
+                kind = _media_kind(item)
+                if kind is not None:
+                    counts[kind] += 1
+                    item = self._resolve_item(item, counts[kind], kind)
                 items.append(item)
             out.append({**message, "content": items})
         return out
 
-    def _resolve_item(self, item: Mapping[str, Any], number: int) -> Any:
-        source = item.get("image")
-        if source is None:
-            source = item.get("image_url")
-            if isinstance(source, Mapping):
-                source = source.get("url")
+    def _resolve_item(self, item: Mapping[str, Any], number: int, kind: str = "image") -> Any:
+        """An image (video) item with its source as bytes or a data URI, capped at `max_image_bytes`
+        (`max_video_bytes`). Frame lists are left to the processors (which refuse paths and URLs here)."""
+        if kind == "image":
+            keys, options, resolver = IMAGE_SOURCE_KEYS, _SIZE_KEYS, self
+        else:
+            keys, options = VIDEO_SOURCE_KEYS, VIDEO_OPTION_KEYS
+            resolver = MediaResolver(dataclasses.replace(self.policy, max_image_bytes=self.policy.max_video_bytes),
+                                     self._resolve_host, media="video")
+        source = item_source(item, keys)
         if not isinstance(source, str) or not source.strip():
             return item  # the processors explain what is missing
         try:
-            resolved = self.resolve_source(source.strip())
+            resolved = resolver.resolve_source(source.strip())
         except InputError as exc:
-            raise InputError(f"image {number}: {exc}") from None
-        new = {"type": "image", "image": resolved}
-        new.update({k: item[k] for k in _SIZE_KEYS if item.get(k) is not None})
+            raise InputError(f"{kind} {number}: {exc}") from None
+        new = {"type": kind, kind: resolved}
+        new.update({k: item[k] for k in options if item.get(k) is not None})
         return new
 
     # ------------------------------------------------------------------ one source
@@ -139,12 +151,13 @@ class MediaResolver:
             return self.read_local(_file_uri_path(source))
         if "://" in source[:16]:
             scheme = source.split("://", 1)[0]
-            raise InputError(f"unsupported image URL scheme {scheme!r}: use http(s)://, a data: URI or a file path")
+            raise InputError(f"unsupported {self.media} URL scheme {scheme!r}: use http(s)://, a data: URI or a "
+                             "file path")
         return self.read_local(source)
 
     def read_local(self, path: str) -> bytes:
         if self._root is None:
-            raise InputError("local image paths are not accepted by this server (send a data: URI or an "
+            raise InputError(f"local {self.media} paths are not accepted by this server (send a data: URI or an "
                              "http(s) URL; the operator can allow a directory with --allowed-local-media-path)")
         real = os.path.realpath(os.path.join(self._root, path))
         if os.path.commonpath([real, self._root]) != self._root:
@@ -159,36 +172,36 @@ class MediaResolver:
             with open(real, "rb") as fh:
                 return fh.read(self.policy.max_image_bytes + 1)
         except FileNotFoundError:
-            raise InputError(f"image file {_short(path)} not found in the allowed media directory") from None
+            raise InputError(f"{self.media} file {_short(path)} not found in the allowed media directory") from None
         except OSError as exc:
-            raise InputError(f"image file {_short(path)} cannot be read: {exc.strerror or exc}") from None
+            raise InputError(f"{self.media} file {_short(path)} cannot be read: {exc.strerror or exc}") from None
 
     # ------------------------------------------------------------------ URLs
 
     def check_url(self, url: str) -> tuple[urllib.parse.SplitResult, list[str]]:
         """Parse and vet `url`; returns its parts and the addresses it may be fetched from."""
         if not self.policy.allow_remote_urls:
-            raise InputError("image URLs are not accepted by this server: send the image as a data: URI")
+            raise InputError(f"{self.media} URLs are not accepted by this server: send the {self.media} as a data: URI")
         parts = urllib.parse.urlsplit(url)
         if parts.scheme.lower() not in ("http", "https"):
-            raise InputError(f"unsupported image URL scheme {parts.scheme!r}")
+            raise InputError(f"unsupported {self.media} URL scheme {parts.scheme!r}")
         if parts.username or parts.password:
-            raise InputError("image URLs with credentials are not accepted")
+            raise InputError(f"{self.media} URLs with credentials are not accepted")
         host = parts.hostname
         if not host:
-            raise InputError(f"the image URL {_short(url)} has no host")
+            raise InputError(f"the {self.media} URL {_short(url)} has no host")
         try:
             port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
         except ValueError:
-            raise InputError(f"the image URL {_short(url)} has an invalid port") from None
+            raise InputError(f"the {self.media} URL {_short(url)} has an invalid port") from None
         addresses = self._resolve_host(host, port)
         if not addresses:
-            raise InputError(f"the image URL's host {host!r} resolves to no address")
+            raise InputError(f"the {self.media} URL's host {host!r} resolves to no address")
         if not self.policy.allow_private_urls:
             for address in addresses:
                 why = address_refusal(address)
                 if why is not None:
-                    raise InputError(f"the image URL {_short(url)} points to {why} ({address}); this server "
+                    raise InputError(f"the {self.media} URL {_short(url)} points to {why} ({address}); this server "
                                      "only fetches from public addresses")
         return parts, addresses
 
@@ -201,13 +214,13 @@ class MediaResolver:
             status, location, body = self._get_once(parts, addresses, deadline, current)
             if status in _REDIRECTS:
                 if not location:
-                    raise InputError(f"the image URL {_short(current)} redirected without a Location")
+                    raise InputError(f"the {self.media} URL {_short(current)} redirected without a Location")
                 current = urllib.parse.urljoin(current, location)
                 continue
             if status != 200:
-                raise InputError(f"could not fetch the image URL {_short(current)}: HTTP {status}")
+                raise InputError(f"could not fetch the {self.media} URL {_short(current)}: HTTP {status}")
             return body
-        raise InputError(f"the image URL {_short(url)} redirected more than {self.policy.max_redirects} times")
+        raise InputError(f"the {self.media} URL {_short(url)} redirected more than {self.policy.max_redirects} times")
 
     def _get_once(self, parts: urllib.parse.SplitResult, addresses: Sequence[str], deadline: float,
                   url: str) -> tuple[int, Optional[str], bytes]:
@@ -221,7 +234,7 @@ class MediaResolver:
                 path = parts.path or "/"
                 if parts.query:
                     path += "?" + parts.query
-                conn.request("GET", path, headers={"User-Agent": _USER_AGENT, "Accept": "image/*,*/*;q=0.5"})
+                conn.request("GET", path, headers={"User-Agent": _USER_AGENT, "Accept": f"{self.media}/*,*/*;q=0.5"})
                 response = conn.getresponse()
                 if response.status in _REDIRECTS:
                     return response.status, response.getheader("Location"), b""
@@ -231,28 +244,30 @@ class MediaResolver:
             except InputError:
                 raise
             except (socket.timeout, TimeoutError):
-                raise InputError(f"fetching the image URL {_short(url)} timed out after "
+                raise InputError(f"fetching the {self.media} URL {_short(url)} timed out after "
                                  f"{self.policy.url_timeout_s:g} s") from None
             except (OSError, http.client.HTTPException, ssl.SSLError) as exc:
                 last_error = exc
             finally:
                 conn.close()
         if last_error is None:
-            raise InputError(f"fetching the image URL {_short(url)} timed out after {self.policy.url_timeout_s:g} s")
-        raise InputError(f"could not fetch the image URL {_short(url)}: {last_error}")
+            raise InputError(f"fetching the {self.media} URL {_short(url)} timed out after "
+                             f"{self.policy.url_timeout_s:g} s")
+        raise InputError(f"could not fetch the {self.media} URL {_short(url)}: {last_error}")
 
     def _read_body(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse,
                    deadline: float, url: str) -> bytes:
         cap = self.policy.max_image_bytes
         declared = response.getheader("Content-Length")
         if declared is not None and declared.strip().isdigit() and int(declared) > cap:
-            raise InputError(f"the image at {_short(url)} is {int(declared):,} bytes, more than the limit of {cap:,}")
+            raise InputError(f"the {self.media} at {_short(url)} is {int(declared):,} bytes, more than the limit "
+                             f"of {cap:,}")
         chunks: list[bytes] = []
         total = 0
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise InputError(f"fetching the image URL {_short(url)} timed out after "
+                raise InputError(f"fetching the {self.media} URL {_short(url)} timed out after "
                                  f"{self.policy.url_timeout_s:g} s")
             if conn.sock is not None:
                 conn.sock.settimeout(remaining)
@@ -261,10 +276,10 @@ class MediaResolver:
                 break
             total += len(chunk)
             if total > cap:
-                raise InputError(f"the image at {_short(url)} is more than the limit of {cap:,} bytes")
+                raise InputError(f"the {self.media} at {_short(url)} is more than the limit of {cap:,} bytes")
             chunks.append(chunk)
         if not chunks:
-            raise InputError(f"the image at {_short(url)} is empty (0 bytes)")
+            raise InputError(f"the {self.media} at {_short(url)} is empty (0 bytes)")
         return b"".join(chunks)
 
 
@@ -302,13 +317,15 @@ def _connection(parts: urllib.parse.SplitResult, address: str, timeout: float) -
     return _PinnedHTTPConnection(host, parts.port or 80, address, timeout)
 
 
-def _is_image_item(item: Any) -> bool:
+def _media_kind(item: Any) -> Optional[str]:
+    """"image" or "video" for a media item (typed, or known by its key as the templates do), else None."""
     if not isinstance(item, Mapping):
-        return False
+        return None
     kind = item.get("type")
-    if kind is None:
-        return "image" in item or "image_url" in item
-    return kind in _IMAGE_TYPES
+    for media, types in (("image", _IMAGE_TYPES), ("video", _VIDEO_TYPES)):
+        if kind in types or (kind is None and (media in item or f"{media}_url" in item)):
+            return media
+    return None
 
 
 def _file_uri_path(uri: str) -> str:

@@ -26,6 +26,7 @@ class ServerSettings:
     url_timeout_s / max_image_bytes / max_url_redirects: bounds on one image fetch.
     reasoning_parser: "qwen3" splits a chat answer's `<think>…</think>` into `reasoning_content`
         (only answers that start thinking, or whose prompt ends in `<think>`); None leaves it in `content`.
+    max_video_bytes: the byte bound of one video (same URL and path policy as images).
     """
 
     served_model_name: str
@@ -41,9 +42,10 @@ class ServerSettings:
     max_image_bytes: int = 20 * MiB
     max_url_redirects: int = 3
     reasoning_parser: Optional[str] = "qwen3"
+    max_video_bytes: int = 200 * MiB
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes"):
+        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
         if self.max_queued_requests < 0:

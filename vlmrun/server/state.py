@@ -69,13 +69,14 @@ class ServerState:
     def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerState":
         base = engine.engine.processor
         limits = dataclasses.replace(base.limits, allow_local_paths=False, allow_remote_urls=False,
-                                     max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes))
+                                     max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes),
+                                     max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes))
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
-                              device=base.device, source=base.source)
+                              device=base.device, source=base.source, video_processor=base.video_processor)
         media = MediaResolver(MediaPolicy(
             allow_remote_urls=settings.allow_remote_urls, allow_private_urls=settings.allow_private_urls,
             allowed_local_media_path=settings.allowed_local_media_path, url_timeout_s=settings.url_timeout_s,
-            max_image_bytes=limits.max_image_bytes,
+            max_image_bytes=limits.max_image_bytes, max_video_bytes=limits.max_video_bytes,
             max_redirects=settings.max_url_redirects))
         admission = Admission(engine.engine.config.max_num_seqs + settings.max_queued_requests)
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)

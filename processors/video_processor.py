@@ -1,0 +1,438 @@
+"""Qwen-VL video preprocessing: pick frames, size them, resize, normalise, patchify (torch).
+
+Output equals transformers' video processors for the same config, bit for bit:
+`Qwen2VLVideoProcessor` (Qwen2-VL, Qwen2.5-VL: the "qwen2" style) and `Qwen3VLVideoProcessor`
+(Qwen3-VL, Qwen3.5: the "qwen3" style). The two differ in
+
+  frame sampling  qwen2: off unless configured or asked for (then `fps` / `num_frames`, rounded to
+                  the temporal patch); qwen3: on, 2 frames/s by default, `linspace` indices;
+  sizing          qwen2: `smart_resize` of one frame within [shortest_edge, longest_edge];
+                  qwen3: the same bounds apply to the pixels of all sampled frames together;
+  what the LLM sees  qwen2: one run of video tokens, temporal M-RoPE scaled by
+                  `second_per_grid_t` = temporal_patch / sampled fps; qwen3: per temporal group a
+                  `<t seconds>` text timestamp and its own vision_start / vision_end.
+
+Frames are decoded by `processors.video_io` (only the sampled ones), resized as uint8 by
+torchvision (bicubic, antialias, as transformers does), normalised through the per-level lookup
+table of the image path and patchified into rows [grid_t * gh * gw, 3 * T * P * P] in
+merge-window order; an odd frame count repeats the last frame to fill the temporal patch.
+
+Per-item options (qwen-vl-utils names) act as the processor's kwargs would: `fps`, `nframes`
+(= num_frames), `min_frames`, `max_frames`, `min_pixels` / `max_pixels` (= size shortest_edge /
+longest_edge), `total_pixels` (a pixel budget over all frames, qwen-vl-utils' per-frame cap),
+`video_start` / `video_end` (seconds: frames outside are not sampled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from processors.image_io import load_image
+from processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, smart_resize, _check_aspect, _triple
+from processors.limits import InputError, ProcessorLimits
+from processors.pixel_backends import TorchvisionPixels
+from processors.video_io import open_video
+
+IMAGENET_STANDARD = (0.5, 0.5, 0.5)
+# Frame rate assumed for frames given as a list or an array (no container to read it from).
+DEFAULT_FRAME_LIST_FPS = 2.0
+VIDEO_OPTION_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
+                     "video_start", "video_end")
+
+# transformers' class defaults per style (what a checkpoint's config leaves out)
+_STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen2": dict(patch_size=14, min_pixels=128 * 28 * 28, max_pixels=28 * 28 * 768, image_mean=OPENAI_CLIP_MEAN,
+                  image_std=OPENAI_CLIP_STD, do_sample_frames=False, fps=None, max_video_tokens=128000),
+    "qwen3": dict(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768, image_mean=IMAGENET_STANDARD,
+                  image_std=IMAGENET_STANDARD, do_sample_frames=True, fps=2.0, max_video_tokens=768),
+}
+_QWEN2_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+def video_style(model_type: str | None) -> str:
+    """"qwen2" for Qwen2-VL / Qwen2.5-VL checkpoints, "qwen3" for Qwen3-VL / Qwen3.5 (and newer)."""
+    return "qwen2" if model_type in _QWEN2_MODEL_TYPES else "qwen3"
+
+
+@dataclass(frozen=True)
+class VideoProcessorConfig:
+    """The fields of a Qwen-VL video processor config that shape frames and pixel_values."""
+
+    style: str = "qwen3"
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 128 * 32 * 32  # size["shortest_edge"]
+    max_pixels: int = 32 * 32 * 768  # size["longest_edge"]
+    image_mean: tuple[float, float, float] = IMAGENET_STANDARD
+    image_std: tuple[float, float, float] = IMAGENET_STANDARD
+    rescale_factor: float = 1 / 255
+    do_rescale: bool = True
+    do_normalize: bool = True
+    do_resize: bool = True
+    resample: int = int(Image.Resampling.BICUBIC)
+    do_sample_frames: bool = True
+    fps: float | None = 2.0
+    num_frames: int | None = None
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 768
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], style: str) -> "VideoProcessorConfig":
+        """A video processor config dict (or, as transformers falls back to it, the image one).
+
+        The class the dict names (`video_processor_type`, else the video class transformers pairs
+        with its `image_processor_type`) decides the style; `style` (from the model type) otherwise."""
+        style = _style_of_class(config) or style
+        d = _STYLE_DEFAULTS[style]
+        size = config.get("size") if isinstance(config.get("size"), Mapping) else {}
+        min_pixels = size.get("shortest_edge", size.get("min_pixels", d["min_pixels"]))
+        max_pixels = size.get("longest_edge", size.get("max_pixels", d["max_pixels"]))
+        if style == "qwen2":  # Qwen2VLVideoProcessor's init lets top-level min/max_pixels set the size
+            min_pixels = config.get("min_pixels") or min_pixels
+            max_pixels = config.get("max_pixels") or max_pixels
+        base = cls()
+
+        def get(key: str, default: Any) -> Any:
+            value = config.get(key)
+            return default if value is None else value
+
+        out = cls(
+            style=style,
+            patch_size=int(get("patch_size", d["patch_size"])),
+            temporal_patch_size=int(get("temporal_patch_size", base.temporal_patch_size)),
+            merge_size=int(get("merge_size", base.merge_size)),
+            min_pixels=int(min_pixels),
+            max_pixels=int(max_pixels),
+            image_mean=_triple(get("image_mean", d["image_mean"]), "image_mean"),
+            image_std=_triple(get("image_std", d["image_std"]), "image_std"),
+            rescale_factor=float(get("rescale_factor", base.rescale_factor)),
+            do_rescale=bool(get("do_rescale", base.do_rescale)),
+            do_normalize=bool(get("do_normalize", base.do_normalize)),
+            do_resize=bool(get("do_resize", base.do_resize)),
+            resample=int(get("resample", base.resample)),
+            do_sample_frames=bool(get("do_sample_frames", d["do_sample_frames"])),
+            fps=None if get("fps", d["fps"]) is None else float(get("fps", d["fps"])),
+            num_frames=None if config.get("num_frames") is None else int(config["num_frames"]),
+            min_frames=int(get("min_frames", base.min_frames)),
+            max_frames=int(get("max_frames", base.max_frames)),
+            cap_pixels_per_frame=bool(get("cap_pixels_per_frame", False)),
+            max_video_tokens=int(get("max_video_tokens", d["max_video_tokens"])),
+        )
+        if min(out.patch_size, out.temporal_patch_size, out.merge_size, out.min_pixels) <= 0:
+            raise ValueError(f"video processor config has a non-positive size field: {out}")
+        return out
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, style: str) -> "VideoProcessorConfig | None":
+        """transformers' order: `processor_config.json` ["video_processor"], `video_preprocessor_config.json`,
+        then `preprocessor_config.json` (the image processor's). None when there is none of them."""
+        nested = _read_json(os.path.join(path, "processor_config.json"))
+        if nested is not None and isinstance(nested.get("video_processor"), Mapping):
+            return cls.from_dict(nested["video_processor"], style)
+        for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            data = _read_json(os.path.join(path, name))
+            if data is not None:
+                return cls.from_dict(data, style)
+        return None
+
+    def fingerprint(self) -> bytes:
+        fields = [self.style, self.patch_size, self.temporal_patch_size, self.merge_size, list(self.image_mean),
+                  list(self.image_std), self.rescale_factor, self.do_rescale, self.do_normalize, self.resample]
+        return json.dumps(fields, separators=(",", ":")).encode()
+
+
+def _style_of_class(config: Mapping[str, Any]) -> str | None:
+    named = str(config.get("video_processor_type") or config.get("image_processor_type") or "")
+    if named.startswith("Qwen2VL"):
+        return "qwen2"
+    if named.startswith("Qwen3VL"):
+        return "qwen3"
+    return None
+
+
+def _read_json(path: str) -> dict[str, Any] | None:
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+@dataclass
+class ProcessedVideo:
+    """One preprocessed video.
+
+    pixel_values: [grid_t * grid_h * grid_w, 3 * T * P * P] float32.
+    grid_thw: (grid_t, grid_h, grid_w) in patches.
+    hash: sha256 over the config, the sampled frames' uint8 pixels and the sampling (indices, fps).
+    timestamps: seconds of each temporal group (mean of its first and last frame), for the qwen3 prompt.
+    second_per_grid_t: seconds per temporal group (temporal patch / sampled fps), for qwen2 M-RoPE.
+    """
+
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int]
+    hash: str
+    timestamps: list[float] = field(default_factory=list)
+    second_per_grid_t: float = 1.0
+    size: tuple[int, int] = (0, 0)
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """Per-item options (qwen-vl-utils names); None = the processor's config."""
+
+    fps: float | None = None
+    nframes: int | None = None
+    min_frames: int | None = None
+    max_frames: int | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+    video_start: float | None = None
+    video_end: float | None = None
+
+
+class VideoProcessor:
+    """Samples, resizes and patchifies videos for the Qwen-VL vision towers (CPU tensors)."""
+
+    def __init__(self, config: VideoProcessorConfig) -> None:
+        self.config = config
+        self.pixels = TorchvisionPixels()
+        self._table: torch.Tensor | None = None
+
+    def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        t, h, w = grid_thw
+        return t * h * w // (self.config.merge_size ** 2)
+
+    def preprocess(self, source: Any, limits: ProcessorLimits, options: VideoOptions = VideoOptions()
+                   ) -> ProcessedVideo:
+        """Decode (only the sampled frames of) `source`, then resize, normalise and patchify them."""
+        cfg = self._config_for(options)
+        if isinstance(source, (list, tuple)) or isinstance(source, (np.ndarray, torch.Tensor)):
+            given_list = isinstance(source, (list, tuple))
+            frames = _frames_from_list(source, limits) if given_list else _frames_from_array(source)
+            fps = options.fps or DEFAULT_FRAME_LIST_FPS
+            indices = list(range(frames.shape[0]))
+            total = len(indices)
+        else:
+            video = open_video(source, limits)
+            total, fps = video.info.num_frames, video.info.fps
+            indices = self.sample_indices(total, fps, cfg, options)
+            self._check_frame_count(len(indices), limits)
+            frames = video.frames_at(indices)  # [n, 3, H, W] uint8
+        self._check_frame_count(frames.shape[0], limits)
+        if frames.shape[0] == 0:
+            raise InputError("the video has no frames")
+        return self._process_frames(frames, indices, total, fps, cfg, options.total_pixels)
+
+    def _check_frame_count(self, n: int, limits: ProcessorLimits) -> None:
+        if n > limits.max_video_frames:
+            raise InputError(f"{n:,} frames sampled from the video, more than the limit of {limits.max_video_frames:,} "
+                             "(ask for fewer with 'fps' or 'nframes')")
+
+    def _config_for(self, options: VideoOptions) -> VideoProcessorConfig:
+        cfg = self.config
+        changes: dict[str, Any] = {}
+        if options.fps is not None or options.nframes is not None:
+            changes.update(do_sample_frames=True, fps=options.fps if options.nframes is None else None,
+                           num_frames=options.nframes)
+        for key in ("min_frames", "max_frames", "min_pixels", "max_pixels"):
+            if getattr(options, key) is not None:
+                changes[key] = getattr(options, key)
+        return replace(cfg, **changes) if changes else cfg
+
+    # ----------------------------------------------------------------------------------------
+    # frame sampling
+
+    def sample_indices(self, total: int, fps: float | None, cfg: VideoProcessorConfig,
+                       options: VideoOptions = VideoOptions()) -> list[int]:
+        """Indices of the frames to decode, as transformers' processor of the style picks them.
+
+        video_start / video_end cut the frame range first (indices stay those of the file)."""
+        first, last = 0, total - 1
+        if options.video_start is not None or options.video_end is not None:
+            rate = fps or 24.0
+            if options.video_start is not None:
+                first = max(0, math.ceil(options.video_start * rate))
+            if options.video_end is not None:
+                last = min(total - 1, math.floor(options.video_end * rate))
+            if last < first:
+                raise InputError(f"video_start / video_end select no frames of a {total}-frame video")
+        span = last - first + 1
+        if not cfg.do_sample_frames:
+            picked = list(range(span))
+        elif cfg.style == "qwen2":
+            picked = _qwen2_sample(span, fps, cfg)
+        else:
+            picked = _qwen3_sample(span, fps, cfg)
+        return [first + i for i in picked]
+
+    # ----------------------------------------------------------------------------------------
+    # sizing, pixels
+
+    def target_size(self, num_frames: int, height: int, width: int, cfg: VideoProcessorConfig,
+                    total_pixels: int | None = None) -> tuple[int, int]:
+        """(height, width) every frame is resized to."""
+        f, tps = cfg.factor, cfg.temporal_patch_size
+        if not cfg.do_resize:
+            return height, width
+        max_pixels = cfg.max_pixels
+        if cfg.style == "qwen2":
+            if cfg.cap_pixels_per_frame or total_pixels is not None:
+                budget = total_pixels if total_pixels is not None else int(cfg.max_video_tokens * f * f * 0.9)
+                max_pixels = max(min(max_pixels, budget * tps // num_frames), int(cfg.min_pixels * 1.05))
+            return smart_resize(height, width, f, cfg.min_pixels, max_pixels)
+        if cfg.cap_pixels_per_frame:
+            per_frame = max(min(cfg.max_video_tokens * f * f, max_pixels // num_frames), int(cfg.min_pixels * 1.05))
+            max_pixels = per_frame * num_frames
+        if total_pixels is not None:
+            max_pixels = min(max_pixels, total_pixels)
+        return _qwen3_smart_resize(num_frames, height, width, tps, f, cfg.min_pixels, max_pixels)
+
+    def _process_frames(self, frames: torch.Tensor, indices: list[int], total: int, fps: float | None,
+                        cfg: VideoProcessorConfig, total_pixels: int | None = None) -> ProcessedVideo:
+        n, _, height, width = frames.shape
+        size = self.target_size(n, height, width, cfg, total_pixels)
+        p, tps = cfg.patch_size, cfg.temporal_patch_size
+        grid = (-(-n // tps), size[0] // p, size[1] // p)
+        rate = fps if fps else 24.0
+        sampled_fps = len(indices) / total * rate if total else rate
+        timestamps = _timestamps(indices, rate, tps)
+
+        digest = hashlib.sha256()
+        digest.update(cfg.fingerprint())
+        digest.update(struct.pack("<8q", n, height, width, *size, *grid))
+        digest.update(json.dumps([indices, rate]).encode())
+        digest.update(memoryview(frames.numpy()).cast("B"))
+
+        resized = self.pixels.finish(frames, size, cfg.resample) if cfg.do_resize else frames  # [n, 3, H, W] uint8
+        pixel_values = self._patchify(resized, cfg)
+        return ProcessedVideo(pixel_values=pixel_values, grid_thw=grid, hash=digest.hexdigest(),
+                              timestamps=timestamps, second_per_grid_t=tps / sampled_fps, size=size)
+
+    def _patchify(self, frames: torch.Tensor, cfg: VideoProcessorConfig) -> torch.Tensor:
+        """[n, 3, H, W] uint8 -> [grid_t * gh * gw, 3 * T * P * P] float32 (transformers' layout)."""
+        p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+        if self._table is None:  # mean / std are the config's (no per-item option changes them)
+            self._table = self.pixels.normalise_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor,
+                                                      cfg.do_rescale, cfg.do_normalize).reshape(-1)
+        if pad := -frames.shape[0] % t:  # repeat the last frame to fill the temporal patch
+            frames = torch.cat([frames, frames[-1:].expand(pad, -1, -1, -1)])
+        n, c, h, w = frames.shape
+        gt, gh, gw = n // t, h // p, w // p
+        offsets = (torch.arange(3, dtype=torch.int32) * 256).view(1, 3, 1, 1)
+        x = self._table[frames.to(torch.int32) + offsets]  # [n, 3, H, W] float32
+        # [gt, T, C, gh/m, m, P, gw/m, m, P] -> [gt, gh/m, gw/m, m(h), m(w), C, T, P, P]
+        x = x.reshape(gt, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return x.reshape(gt * gh * gw, c * t * p * p)
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' sampling and sizing, per style
+
+
+def _qwen2_sample(total: int, fps: float | None, cfg: VideoProcessorConfig) -> list[int]:
+    """`Qwen2VLVideoProcessor.sample_frames`."""
+    tps = cfg.temporal_patch_size
+    num_frames = cfg.num_frames
+    if num_frames is not None:
+        num_frames = round(num_frames / tps) * tps
+    elif cfg.fps is not None:
+        if fps is None:
+            raise InputError("sampling by fps needs the video's frame rate, and this video has none")
+        max_frames = math.floor(min(cfg.max_frames, total) / tps) * tps
+        n = total / fps * cfg.fps
+        n = min(max(n, cfg.min_frames), max_frames, total)
+        num_frames = math.floor(n / tps) * tps
+    if num_frames is None:
+        return list(range(total))
+    if num_frames > total:
+        raise InputError(f"cannot sample {num_frames} frames from a video of {total} frames")
+    if num_frames <= 0:
+        raise InputError(f"the video has {total} frames, too few to sample whole temporal patches of {tps}")
+    return torch.arange(0, total, total / num_frames).int().tolist()
+
+
+def _qwen3_sample(total: int, fps: float | None, cfg: VideoProcessorConfig) -> list[int]:
+    """`Qwen3VLVideoProcessor.sample_frames` (a video without a frame rate counts as 24 frames/s)."""
+    num_frames = cfg.num_frames
+    if num_frames is None and cfg.fps is not None:
+        num_frames = int(total / (fps or 24) * cfg.fps)
+        num_frames = min(max(num_frames, cfg.min_frames), cfg.max_frames, total)
+    if num_frames is None:
+        num_frames = min(max(total, cfg.min_frames), cfg.max_frames)
+    return np.linspace(0, total - 1, num_frames).round().astype(int).tolist()
+
+
+def _qwen3_smart_resize(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
+                        min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """`smart_resize` of transformers' Qwen3-VL video processor: the bounds hold for all frames together."""
+    if num_frames < temporal_factor:
+        raise InputError(f"the video has {num_frames} sampled frame(s); this model needs at least {temporal_factor}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    _check_aspect(height, width)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _timestamps(indices: Sequence[int], fps: float, temporal_patch: int) -> list[float]:
+    """Seconds of each temporal group: the mean of its first and last frame's time (`Qwen3VLProcessor`)."""
+    padded = list(indices)
+    if len(padded) % temporal_patch:
+        padded.extend(padded[-1] for _ in range(temporal_patch - len(padded) % temporal_patch))
+    times = [i / fps for i in padded]
+    return [(times[i] + times[i + temporal_patch - 1]) / 2 for i in range(0, len(times), temporal_patch)]
+
+
+def _frames_from_list(frames: Sequence[Any], limits: ProcessorLimits) -> torch.Tensor:
+    """Frames given one by one (paths, PIL images, ...): [n, 3, H, W] uint8; all must have one size."""
+    if not frames:
+        raise InputError("the video has no frames (an empty list)")
+    if len(frames) > limits.max_video_frames:
+        raise InputError(f"{len(frames):,} frames given, more than the limit of {limits.max_video_frames:,}")
+    images = [load_image(f, limits) for f in frames]
+    sizes = {im.size for im in images}
+    if len(sizes) > 1:
+        raise InputError(f"the frames of a video must all have one size, got {sorted(sizes)}")
+    stacked = np.stack([np.asarray(im, dtype=np.uint8) for im in images])  # [T, H, W, 3]
+    return torch.from_numpy(stacked).permute(0, 3, 1, 2).contiguous()
+
+
+def _frames_from_array(array: Any) -> torch.Tensor:
+    """An array [T, H, W, 3] uint8 (numpy or torch): [T, 3, H, W] uint8."""
+    tensor = torch.as_tensor(array)
+    if tensor.ndim != 4 or tensor.shape[-1] != 3:
+        raise InputError(f"a video array must have shape [T, H, W, 3], got {tuple(tensor.shape)}")
+    if tensor.dtype != torch.uint8:
+        raise InputError(f"a video array must be uint8, got {tensor.dtype}")
+    if tensor.shape[0] == 0:
+        raise InputError("the video has no frames (an empty array)")
+    return tensor.permute(0, 3, 1, 2).contiguous()
