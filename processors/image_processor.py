@@ -68,27 +68,18 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 def qwen_vl_utils_size(height: int, width: int, factor: int, min_pixels: int | None = None,
                        max_pixels: int | None = None) -> tuple[int, int]:
-    """qwen-vl-utils' variant of smart_resize (used for per-image overrides).
+    """The size qwen-vl-utils' `fetch_image` resizes to for per-item options: the library's own
+    `smart_resize` (which differs from transformers' in two corners: the rounded sides are clamped
+    to at least `factor` before the area checks, the shrink branch is not), its failures as
+    InputError. Missing bounds default to 4 and 16384 merged tokens, as there."""
+    from qwen_vl_utils.vision_process import smart_resize as fetch_image_size
 
-    Differs from `smart_resize` in two corners: the rounded sides are clamped to at least `factor`
-    before the area checks, and the shrink branch has no such clamp. Missing bounds default to
-    4 and 16384 merged tokens.
-    """
     min_pixels = QWEN_VL_UTILS_MIN_TOKENS * factor * factor if min_pixels is None else min_pixels
     max_pixels = QWEN_VL_UTILS_MAX_TOKENS * factor * factor if max_pixels is None else max_pixels
     if max_pixels < min_pixels:
         raise InputError(f"max_pixels ({max_pixels}) must be >= min_pixels ({min_pixels})")
     _check_aspect(height, width)
-    h_bar = max(factor, round(height / factor) * factor)
-    w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h_bar = math.floor(height / beta / factor) * factor
-        w_bar = math.floor(width / beta / factor) * factor
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
+    h_bar, w_bar = fetch_image_size(height, width, factor, min_pixels, max_pixels)
     if h_bar <= 0 or w_bar <= 0:
         raise InputError(
             f"image {width}x{height} cannot be resized into max_pixels={max_pixels} with sides that are "
