@@ -1,22 +1,27 @@
-"""vlmrun vs HF transformers `generate` on CPU: requests/s for concurrent image requests.
+"""vlmrun vs HF transformers `generate` on CPU: requests/s for concurrent requests, fp32 and bf16.
 
 Builds a random-weight Qwen3-VL checkpoint larger than the test ones (text hidden 512; weights do
-not change the speed), then runs the same N requests (one image + a short prompt each, fixed
-output length with EOS ignored) through `vlmrun.LLM.generate` and through HF's batched, left-padded
-`generate`, and prints both rates and their ratio. Two workloads: `uniform` (every image 224x224,
-every output max-tokens long: HF's best case, nothing padded) and `mixed` (photo-like sizes and
-aspect ratios, so prompts differ in length, and output lengths uniform in max/4..max, as captions
-of different detail; HF's batch runs every row to the longest, vlmrun retires each when done). Each side is warmed up on its own image set of the same sizes first, and each
-timed run uses fresh images (no encoder-cache hits); the median of --repeats runs is reported.
+not change the speed), then runs the same N requests (fixed output length with EOS ignored) through
+`vlmrun.LLM.generate` and through HF driven as its users batch: the checkpoint's default processor
+(`AutoProcessor`, the torchvision image processor) called once on the whole batch with left
+padding, then one `generate`. Workloads: `uniform` (one 224x224 image each, every output
+max-tokens long: HF's best case, nothing padded), `mixed` (one image each, photo-like sizes and
+aspect ratios, so prompts differ in length, and output lengths uniform in max/4..max; HF's batch
+runs every row to the longest, vlmrun retires each when done) and `text` (no image, prompts of
+8..96 words, max-tokens each). `--default-model` adds the bundled default model's captioning rate
+(images/s, synthetic scenes, greedy to EOS) on both sides. Each side is warmed up on its own
+inputs of the same sizes first; each timed run uses fresh images (no encoder-cache hits); the
+sides alternate run by run and the median of --repeats runs is reported with the ratio.
 
-    python bench/bench_cpu_vs_hf.py --requests 32 --max-tokens 32 --repeats 3
+    python bench/bench_cpu_vs_hf.py --requests 32 --max-tokens 32 --repeats 3 --dtypes float32 bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import platform
+import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +31,9 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: vlmrun, tests
+# transformers binds its GDN layers to flash-linear-attention whenever `fla` imports, CPU tensors
+# included, where FLA's Triton kernels cannot run: on CPU both sides take their torch paths.
+sys.modules["fla"] = None  # type: ignore[assignment]
 
 
 MAX_SIDE = 448  # the image processor's max_pixels is MAX_SIDE**2
@@ -33,7 +41,7 @@ MAX_SIDE = 448  # the image processor's max_pixels is MAX_SIDE**2
 
 def build_checkpoint(out_dir: Path) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessor  # the default (torchvision) class
 
     from tests.tiny_models import build_tiny_tokenizer, reinit_weights, special_ids
 
@@ -60,20 +68,30 @@ def build_checkpoint(out_dir: Path) -> Path:
     model.generation_config = GenerationConfig(eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.endoftext)
     model.save_pretrained(out_dir)
     factor = 32
-    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=4 * factor**2,
+    Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=4 * factor**2,
                              max_pixels=MAX_SIDE**2, image_mean=[0.5] * 3,
                              image_std=[0.5] * 3).save_pretrained(out_dir)
     return out_dir
 
 
-def make_requests(n: int, workload: str, seed: int, max_tokens: int) -> tuple[list[Image.Image], list[int]]:
-    """Images and per-request output lengths: all max_tokens for uniform, max/4..max for mixed."""
+WORDS = ("the a red blue small large circle square left right middle picture of shape colour "
+         "describe what where how many there is are one two three near far above below").split()
+
+
+def make_requests(n: int, workload: str, seed: int, max_tokens: int) -> tuple[list, list[str], list[int]]:
+    """Per request: an image (None for text), a prompt, an output length (max/4..max for mixed)."""
     rng = np.random.default_rng(seed + 7)
-    if workload == "uniform":
-        lengths = [max_tokens] * n
-    else:
+    if workload == "mixed":
         lengths = [int(x) for x in rng.integers(max_tokens // 4, max_tokens + 1, size=n)]
-    return make_images(n, workload, seed), lengths
+    else:
+        lengths = [max_tokens] * n
+    if workload == "text":
+        prompts = [" ".join(rng.choice(WORDS, size=int(rng.integers(8, 97)))) for _ in range(n)]
+        return [None] * n, prompts, lengths
+    return make_images(n, workload, seed), [PROMPT] * n, lengths
+
+
+PROMPT = "Describe the image in one sentence."
 
 
 def make_images(n: int, workload: str, seed: int) -> list[Image.Image]:
@@ -88,64 +106,102 @@ def make_images(n: int, workload: str, seed: int) -> list[Image.Image]:
 
 
 class VlmrunSide:
-    def __init__(self, model_dir: Path, max_tokens: int):
+    def __init__(self, model_dir, dtype: str, **engine_kwargs):
         from vlmrun import LLM, SamplingParams
 
-        self.llm = LLM(str(model_dir), dtype="float32", device="cpu")
+        self.llm = LLM(str(model_dir) if model_dir else None, dtype=dtype, device="cpu", **engine_kwargs)
         self.params_cls = SamplingParams
 
-    def run(self, images, lengths: list[int], prompt: str) -> tuple[float, int]:
-        params = [self.params_cls(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    def run(self, images, prompts: list[str], lengths: list[int], ignore_eos: bool = True) -> tuple[float, int]:
+        params = [self.params_cls(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lengths]
+        requests = [{"prompt": p, "images": [img]} if img is not None else p for img, p in zip(images, prompts)]
         start = time.perf_counter()
-        outs = self.llm.generate([{"prompt": prompt, "images": [img]} for img in images], params, use_tqdm=False)
+        outs = self.llm.generate(requests, params, use_tqdm=False)
         return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
 
 
 class HFSide:
-    def __init__(self, model_dir: Path, max_tokens: int):
-        from transformers import AutoModelForImageTextToText
-
+    def __init__(self, model_dir: Path, dtype: str):
         from tests.hf_reference import HFReference
 
-        self.ref = HFReference(model_dir)
-        self.ref.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,
-                                                                     attn_implementation="sdpa").eval()
-    def run(self, images, lengths: list[int], prompt: str) -> tuple[float, int]:
-        return run_hf(self.ref, images, lengths, prompt)
+        self.ref = HFReference(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
+        assert self.ref.processor is not None, "HF's default processor needs torchvision"
+
+    def run(self, images, prompts: list[str], lengths: list[int], ignore_eos: bool = True) -> tuple[float, int]:
+        return run_hf(self.ref, images, lengths, prompts, ignore_eos)
 
 
-def run_hf(ref, images, lengths: list[int], prompt: str) -> tuple[float, int]:
-    """One batched generate: it runs every row to the longest requested length (its batch cannot
-    retire rows early); only the tokens each request asked for are counted."""
+def run_hf(ref, images, lengths: list[int], prompts, ignore_eos: bool = True) -> tuple[float, int]:
+    """HF as its users batch: the default processor once over the whole batch (chat template, left
+    padding), then one `generate`. The batch runs every row to the longest requested length (it
+    cannot retire rows early); only the tokens each request asked for are counted (all generated
+    tokens up to EOS with `ignore_eos=False`). `prompts` is one string or one per request."""
+    if isinstance(prompts, str):
+        prompts = [prompts] * len(images)
     max_tokens = max(lengths)
-    msgs = [[{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": prompt}]}]
-            for img in images]
+    msgs = [[{"role": "user", "content": ([{"type": "image", "image": img}] if img is not None else [])
+              + [{"type": "text", "text": p}]}] for img, p in zip(images, prompts)]
+    processor = ref.processor
     start = time.perf_counter()  # HF's preprocessing is timed too, as vlmrun's is
-    singles = [ref.inputs(m) for m in msgs]
-    width = max(s["input_ids"].shape[1] for s in singles)
-    pad = ref.tokenizer.pad_token_id
-    ids = torch.full((len(singles), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    types = torch.zeros((len(singles), width), dtype=torch.int32)
-    for i, s in enumerate(singles):  # left padding
-        n = s["input_ids"].shape[1]
-        ids[i, width - n:] = s["input_ids"][0]
-        mask[i, width - n:] = 1
-        types[i, width - n:] = s["mm_token_type_ids"][0]
+    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
+    pil = [img for img in images if img is not None]
+    inputs = processor(text=texts, images=pil or None, padding=True, padding_side="left", return_tensors="pt")
+    if pil:
+        inputs["pixel_values"] = inputs["pixel_values"].to(ref.model.dtype)
+    lengths_kw = {} if not ignore_eos else {"min_new_tokens": max_tokens}
     with torch.no_grad():
-        out = ref.model.generate(input_ids=ids, attention_mask=mask, mm_token_type_ids=types,
-                                 pixel_values=torch.cat([s["pixel_values"] for s in singles]),
-                                 image_grid_thw=torch.cat([s["image_grid_thw"] for s in singles]),
-                                 max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+        out = ref.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **lengths_kw)
     elapsed = time.perf_counter() - start
-    assert out.shape[1] - width == max_tokens
-    return elapsed, sum(lengths)
+    width = inputs["input_ids"].shape[1]
+    if ignore_eos:
+        assert out.shape[1] - width == max_tokens
+        return elapsed, sum(lengths)
+    eos = set(ref.model.generation_config.eos_token_id or [])
+    produced = 0
+    for row in out[:, width:].tolist():
+        produced += next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+    return elapsed, produced
 
 
-def measure(side, workload: str, n: int, max_tokens: int, prompt: str, repeats: int) -> tuple[float, int]:
-    side.run(*make_requests(n, workload, 1000, max_tokens), prompt)  # warm-up: other pixels
-    runs = sorted(side.run(*make_requests(n, workload, 1000 + r + 1, max_tokens), prompt) for r in range(repeats))
-    return runs[len(runs) // 2]
+def measure_alternating(sides: dict, make, repeats: int, **run_kwargs) -> dict[str, list[tuple[float, int]]]:
+    """Warm each side up on inputs of seed 1000, then `repeats` rounds, the sides alternating, each
+    round on fresh inputs (the same inputs for every side in a round)."""
+    for side in sides.values():
+        side.run(*make(1000), **run_kwargs)
+    runs: dict[str, list[tuple[float, int]]] = {name: [] for name in sides}
+    for r in range(repeats):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name in order:
+            runs[name].append(sides[name].run(*make(1001 + r), **run_kwargs))
+    return runs
+
+
+def report(runs: dict[str, list[tuple[float, int]]], n: int, unit: str) -> None:
+    rates = {}
+    for name, rs in runs.items():
+        rates[name] = statistics.median(n / t for t, _ in rs)
+        tok = statistics.median(k / t for t, k in rs)
+        listed = ", ".join(f"{n / t:.2f}" for t, _ in rs)
+        print(f"  {name:16s} {rates[name]:6.2f} {unit}  {tok:7.1f} out tok/s   (runs: {listed})", flush=True)
+    names = list(rates)
+    for other in names[1:]:
+        print(f"  ratio {names[0]} / {other}: {rates[names[0]] / rates[other]:.2f}x", flush=True)
+
+
+def bench_default_model(dtype: str, n: int, repeats: int, max_tokens: int) -> None:
+    """The bundled default model captioning synthetic scenes (greedy, to EOS): images/s."""
+    from vlmrun import synthetic
+    from vlmrun.default_model import default_model_path
+
+    sides = {"vlmrun": VlmrunSide(None, dtype), "HF": HFSide(default_model_path(), dtype)}
+
+    def make(seed: int):
+        scenes = [synthetic.make_scene(seed, i) for i in range(n)]
+        return [s.render() for s in scenes], [synthetic.DESCRIBE_PROMPT] * n, [max_tokens] * n
+
+    print(f"default model ({dtype}): {n} synthetic scenes, captions to EOS (at most {max_tokens} tokens), "
+          f"median of {repeats}", flush=True)
+    report(measure_alternating(sides, make, repeats, ignore_eos=False), n, "images/s")
 
 
 def main() -> None:
@@ -153,27 +209,37 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed"], choices=["uniform", "mixed"])
+    parser.add_argument("--workloads", nargs="*", default=["uniform", "mixed", "text"],
+                        choices=["uniform", "mixed", "text"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    parser.add_argument("--default-model", action="store_true", help="also the bundled model's captioning rate")
+    parser.add_argument("--eager-ab", action="store_true",
+                        help="also run vlmrun with enforce_eager=True (no decode padding) as a third side")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompt = "Describe the image in one sentence."
     print(f"device: CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
           f"torch {torch.__version__}; Qwen3-VL random weights (text hidden 512, 6 layers; vision 256 x 4)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
-        sides = {"vlmrun": VlmrunSide(model_dir, args.max_tokens), "HF": HFSide(model_dir, args.max_tokens)}
-        for workload in args.workloads:
-            lengths = f"{args.max_tokens}" if workload == "uniform" else f"{args.max_tokens // 4}..{args.max_tokens}"
-            print(f"workload {workload}: {args.requests} requests, one image each, {lengths} output tokens, "
-                  f"median of {args.repeats}")
-            rates = {}
-            for name, side in sides.items():
-                t, n = measure(side, workload, args.requests, args.max_tokens, prompt, args.repeats)
-                rates[name] = args.requests / t
-                print(f"  {name:7s} {t:6.2f}s  {args.requests / t:6.2f} req/s  {n / t:7.1f} out tok/s")
-            print(f"  ratio vlmrun / HF requests/s: {rates['vlmrun'] / rates['HF']:.2f}x")
+        for dtype in args.dtypes:
+            sides = {"vlmrun": VlmrunSide(model_dir, dtype), "HF": HFSide(model_dir, dtype)}
+            if args.eager_ab:
+                sides["vlmrun eager"] = VlmrunSide(model_dir, dtype, enforce_eager=True)
+            for workload in args.workloads:
+                lengths = f"{args.max_tokens // 4}..{args.max_tokens}" if workload == "mixed" else f"{args.max_tokens}"
+                what = "no image" if workload == "text" else "one image each"
+                print(f"{dtype} workload {workload}: {args.requests} requests, {what}, {lengths} output tokens, "
+                      f"median of {args.repeats}", flush=True)
+
+                def make(seed: int, workload=workload):
+                    return make_requests(args.requests, workload, seed, args.max_tokens)
+
+                report(measure_alternating(sides, make, args.repeats), args.requests, "req/s")
+            del sides
+            if args.default_model:
+                bench_default_model(dtype, args.requests, args.repeats, 48)
 
 
 if __name__ == "__main__":
