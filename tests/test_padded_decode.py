@@ -16,6 +16,14 @@ from vlmrun.executor import padded_decode
 from vlmrun.executor.padded_decode import bucket_for, decode_buckets
 
 
+def test_default_is_eager_on_the_cpu_only(qwen3_dir):
+    from vlmrun.config import EngineConfig
+
+    assert EngineConfig().eager_decode(torch.device("cpu")) and not EngineConfig().eager_decode(torch.device("cuda"))
+    assert not EngineConfig(enforce_eager=False).eager_decode(torch.device("cpu"))
+    assert LLM(str(qwen3_dir), dtype="float32", device="cpu").engine.runner.padded_decode is None
+
+
 def test_buckets():
     assert decode_buckets(1) == [1]
     assert decode_buckets(3) == [1, 2, 3]
@@ -27,7 +35,7 @@ def test_buckets():
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl", "qwen3_5", "qwen3_next"])
 def test_padded_decode_equals_eager_and_hf(request, arch):
-    """3 and 5 requests pad to buckets 4 and 8; shorter max_tokens make requests leave mid-batch,
+    """(enforce_eager=False: the CPU pads too.) 3 and 5 requests pad to buckets 4 and 8; shorter max_tokens make requests leave mid-batch,
     so later steps run 4, 3, 2 ... sequences in other buckets."""
     model_dir, cases, expected = setup_for(request, arch)
     names = (list(cases) * 3)[:5]
@@ -105,7 +113,7 @@ def live_state_differences(engine) -> list[str]:
 
 def decoding_engine(model_dir):
     """An engine with 3 requests in decode: the next step pads 3 rows to the bucket of 4."""
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", max_num_seqs=8)
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", max_num_seqs=8, enforce_eager=False)
     engine = llm.engine
     for i, text in enumerate(["A cat.", "The sea is blue and wide.", "Count: one two"]):
         engine.add_request(str(i), engine.process(text), SamplingParams(temperature=0.0, max_tokens=20))

@@ -15,8 +15,9 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                    help="full-attention kernels (auto: torch until the CUDA fast path is verified)")
     p.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
                    help="hybrid models' Gated DeltaNet kernels (fla: flash-linear-attention, CUDA)")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no decode padding to batch-size buckets and no CUDA graphs")
+    p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="no decode padding to batch-size buckets and no CUDA graphs (default: eager on the "
+                        "CPU only; --no-enforce-eager pads on the CPU too)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
                    help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
     p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],

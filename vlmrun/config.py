@@ -29,8 +29,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # full-attention kernels: auto | torch | flashinfer (layers/attention/factory.py)
     gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
-    # a CUDA graph per bucket where the backends allow it; True: every step runs eagerly, unpadded.
-    enforce_eager: bool = False
+    # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs
+    # unpadded. None: False on CUDA, True on the CPU (no graphs there: padding rows only cost, 13 % on
+    # a mixed CPU workload). `eager_decode(device)` resolves it.
+    enforce_eager: Optional[bool] = None
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
     # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device
     # ("cuda"): decoded on the host and uploaded as uint8; the pixels equal the CPU path's.
@@ -99,6 +101,10 @@ class EngineConfig:
     @property
     def gdn_state_torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.gdn_state_dtype]
+
+    def eager_decode(self, device: torch.device) -> bool:
+        """`enforce_eager`, or what None means on `device`."""
+        return self.enforce_eager if self.enforce_eager is not None else device.type != "cuda"
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

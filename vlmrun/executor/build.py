@@ -56,8 +56,9 @@ def fuse_vision_attention(model: nn.Module, caches: Caches, config: EngineConfig
 
 def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Caches, config: EngineConfig,
                        device: torch.device) -> Optional[PaddedDecodeRunner]:
-    """Decode padded to buckets unless enforce_eager; CUDA graphs where the device, backend and model allow."""
-    if config.enforce_eager:
+    """Decode padded to buckets unless eager (`enforce_eager`; by default eager on the CPU only); CUDA
+    graphs where the device, backend and model allow."""
+    if config.eager_decode(device):
         return None
     graphs = (device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
               and config.tensor_parallel_size == 1)  # collectives inside a capture: not attempted yet
