@@ -417,19 +417,19 @@ _QWEN3_5_ROPE = {"rope_type": "default", "rope_theta": 10_000_000.0, "mrope_sect
                  "mrope_interleaved": True}
 
 
+def _vl_config(config_cls: Any, text: dict, vision: dict, ids: SpecialIds) -> Any:
+    """A Qwen3-VL-style checkpoint config: text + vision dims, the vision token ids, untied head, float32."""
+    return config_cls(text_config=text, vision_config=vision, **_vision_token_ids(ids), tie_word_embeddings=False,
+                      architectures=[config_cls.__name__.replace("Config", "ForConditionalGeneration")],
+                      dtype="float32")
+
+
 def _qwen3_5_config(vocab_size: int, ids: SpecialIds) -> Any:
     from transformers import Qwen3_5Config
 
     text = _hybrid_text_dims(vocab_size, ids, _layer_types("LFLF"))
     text.update(rope_parameters=dict(_QWEN3_5_ROPE))
-    return Qwen3_5Config(
-        text_config=text,
-        vision_config=_vision_dims(None),
-        **_vision_token_ids(ids),
-        tie_word_embeddings=False,
-        architectures=["Qwen3_5ForConditionalGeneration"],
-        dtype="float32",
-    )
+    return _vl_config(Qwen3_5Config, text, _vision_dims(None), ids)
 
 
 def _qwen3_5_moe_config(vocab_size: int, ids: SpecialIds) -> Any:
@@ -439,14 +439,7 @@ def _qwen3_5_moe_config(vocab_size: int, ids: SpecialIds) -> Any:
     del text["intermediate_size"]  # every layer is MoE
     text.update(rope_parameters=dict(_QWEN3_5_ROPE), shared_expert_intermediate_size=SHARED_EXPERT_INTERMEDIATE,
                 **_moe_dims())
-    return Qwen3_5MoeConfig(
-        text_config=text,
-        vision_config=_vision_dims(None),
-        **_vision_token_ids(ids),
-        tie_word_embeddings=False,
-        architectures=["Qwen3_5MoeForConditionalGeneration"],
-        dtype="float32",
-    )
+    return _vl_config(Qwen3_5MoeConfig, text, _vision_dims(None), ids)
 
 
 def _qwen3_next_config(vocab_size: int, ids: SpecialIds) -> Any:
@@ -477,14 +470,7 @@ def _qwen3_vl_moe_config(vocab_size: int, ids: SpecialIds) -> Any:
         mlp_only_layers=[1],  # layers 0 and 2 are MoE, layer 1 a dense MLP
         **_moe_dims(),
     )
-    return Qwen3VLMoeConfig(
-        text_config=text,
-        vision_config=_vision_dims([0, 1]),
-        **_vision_token_ids(ids),
-        tie_word_embeddings=False,
-        architectures=["Qwen3VLMoeForConditionalGeneration"],
-        dtype="float32",
-    )
+    return _vl_config(Qwen3VLMoeConfig, text, _vision_dims([0, 1]), ids)
 
 
 _CONFIG_BUILDERS = {

@@ -47,11 +47,15 @@ def build_paged_kv_index(req_to_token: torch.Tensor, req_pool_indices: torch.Ten
     max_pages = max(num_pages)
     # the first slot of every page of every row, then the pages each sequence really holds
     table = req_to_token[req_pool_indices, : max_pages * page_size : page_size]  # [batch, max_pages]
-    flat = torch.cat([torch.arange(n, dtype=torch.int64) + i * max_pages for i, n in enumerate(num_pages)])
+    counts = torch.tensor(num_pages, dtype=torch.int64)
+    kv_indptr = _indptr(num_pages)
+    # entry j of sequence i sits at i * max_pages + j in the flattened table (no Python loop per sequence)
+    within = torch.arange(int(kv_indptr[-1]), dtype=torch.int64) - torch.repeat_interleave(kv_indptr[:-1].long(), counts)
+    flat = torch.repeat_interleave(torch.arange(len(num_pages), dtype=torch.int64) * max_pages, counts) + within
     kv_indices = (table.flatten()[flat.to(table.device)] // page_size).to(torch.int32)
     return PagedKVIndex(
         qo_indptr=_indptr(extend_lens),
-        kv_indptr=_indptr(num_pages),
+        kv_indptr=kv_indptr,
         kv_indices=kv_indices,
         kv_last_page_len=torch.tensor([n - (p - 1) * page_size for n, p in zip(seq_lens, num_pages)],
                                       dtype=torch.int32),
