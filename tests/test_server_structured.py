@@ -64,6 +64,7 @@ def stream(client: openai.OpenAI, **kwargs) -> tuple[str, str, dict[int, dict], 
 def test_response_format_json_schema(client, temperature):
     fmt = {"type": "json_schema", "json_schema": {"name": "shapes", "schema": SHAPES}}
     out = chat(client, response_format=fmt, temperature=temperature, n=2, seed=1)
+    assert any(choice.finish_reason == "stop" for choice in out.choices), "no choice completed its schema"
     for choice in out.choices:
         if choice.finish_reason == "stop":
             jsonschema.validate(json.loads(choice.message.content), SHAPES)
@@ -71,8 +72,8 @@ def test_response_format_json_schema(client, temperature):
 
 def test_response_format_json_object_and_vllm_fields(client):
     out = chat(client, response_format={"type": "json_object"}, max_tokens=200)
-    if out.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    assert out.choices[0].finish_reason == "stop", "the JSON object was not completed"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
     for extra, check in [({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
                          ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
                          ({"structured_outputs": {"choice": ["left", "right"]}}, lambda t: t in ("left", "right")),
@@ -89,8 +90,8 @@ def test_streamed_json_schema_joins_to_valid_json(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "shapes", "schema": SHAPES}}
     content, reasoning, calls, finish = stream(client, response_format=fmt)
     assert not reasoning and not calls
-    if finish == "stop":
-        jsonschema.validate(json.loads(content), SHAPES)
+    assert finish == "stop", "the streamed answer did not complete its schema"
+    jsonschema.validate(json.loads(content), SHAPES)
 
 
 @pytest.mark.parametrize("body", [

@@ -314,7 +314,9 @@ def test_concurrent_compiles_of_one_text_compile_it_once(llm):
         compiled = list(pool.map(grammars.compile, specs))
     for spec, grammar in zip(specs, compiled):
         assert grammar is grammars.compile(spec)
+    cached = grammars.num_cached
     with pytest.raises(StructuredOutputError):
         grammars.compile(StructuredOutputsParams(regex="(bad"))
-    with pytest.raises(StructuredOutputError):  # errors are not cached as grammars
+    assert grammars.num_cached == cached  # errors are not cached as grammars
+    with pytest.raises(StructuredOutputError):
         grammars.compile(StructuredOutputsParams(regex="(bad"))

@@ -149,9 +149,11 @@ def run_scenario(llm: LLM, with_images: bool) -> tuple[list, object]:
 
 
 def assert_same_outputs(ours: list, reference: list) -> None:
+    assert len(ours) == len(reference)
     for out, ref in zip(ours, reference):
         assert out.error is None and ref.error is None
         assert out.token_ids == ref.token_ids
+        assert len(out.logprobs) == len(ref.logprobs)
         for step, (lp, ref_lp) in enumerate(zip(out.logprobs, ref.logprobs)):
             assert lp.keys() == ref_lp.keys(), step
             for token, value in lp.items():  # float32: absolute 1e-5, plus 1e-5 relative (the MoE models'

@@ -30,8 +30,8 @@ class EngineConfig:
     gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
     # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs
-    # unpadded. None: False on CUDA, True on the CPU (no graphs there: padding rows only cost, 13 % on
-    # a mixed CPU workload). `eager_decode(device)` resolves it.
+    # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
+    # add work; bench/bench_decode_padding.py). `eager_decode(device)` resolves it.
     enforce_eager: Optional[bool] = None
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
     # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device

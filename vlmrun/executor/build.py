@@ -19,7 +19,9 @@ from vlmrun.config import EngineConfig
 from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
 from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
-from vlmrun.layers.attention.factory import BackendSetup, backend_names, resolve_backend_name
+from vlmrun.layers.attention.factory import BackendSetup, backend_names
+from vlmrun.layers.attention.flashinfer_backend import FlashInferAttnBackend
+from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 def build_model_runner(model: nn.Module, caches: Caches, vision: Optional[VisionStage], config: EngineConfig,
                        device: torch.device) -> ModelRunner:
     backend = make_attention_backend(model, caches, config, device)
-    fuse_vision_attention(model, caches, config, device)
+    fuse_vision_attention(model, backend, caches)
     return ModelRunner(model, caches, backend, vision, device,
                        padded_decode=make_padded_decode(model, backend, caches, config, device))
 
@@ -44,11 +46,11 @@ def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfi
     return backend
 
 
-def fuse_vision_attention(model: nn.Module, caches: Caches, config: EngineConfig, device: torch.device) -> None:
+def fuse_vision_attention(model: nn.Module, backend: AttentionBackend, caches: Caches) -> None:
     """On the FlashInfer path in half precision, the vision tower's attention runs as one
     flash-attention varlen call instead of one SDPA call per image size."""
-    fast = resolve_backend_name(config.attention_backend, "attention_backend", device) == "flashinfer"
-    if fast and caches.kv_pool.dtype in (torch.float16, torch.bfloat16):
+    full = backend.full if isinstance(backend, HybridAttnBackend) else backend
+    if isinstance(full, FlashInferAttnBackend) and caches.kv_pool.dtype in (torch.float16, torch.bfloat16):
         layers = use_fused_vision_attention(model)
         if layers:
             logger.info("vision attention: fused varlen kernel in %d layers", layers)
@@ -65,4 +67,4 @@ def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Cach
     if device.type == "cuda" and not graphs:
         logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer', "
                     "one device and a model without host syncs (MoE routing syncs)")
-    return PaddedDecodeRunner(model, backend, caches, caches.plan.max_num_seqs, device, use_cuda_graphs=graphs)
+    return PaddedDecodeRunner(model, backend, caches, device, use_cuda_graphs=graphs)

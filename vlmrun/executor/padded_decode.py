@@ -110,11 +110,11 @@ class CapturedDecode:
 class PaddedDecodeRunner:
     """Runs decode steps padded to buckets: from captured CUDA graphs, or eagerly."""
 
-    def __init__(self, model: nn.Module, backend: AttentionBackend, caches: Caches, max_num_seqs: int,
-                 device: torch.device, use_cuda_graphs: bool):
+    def __init__(self, model: nn.Module, backend: AttentionBackend, caches: Caches, device: torch.device,
+                 use_cuda_graphs: bool):
         self.model = model
         self.backend = backend
-        self.buckets = decode_buckets(max_num_seqs)
+        self.buckets = decode_buckets(caches.plan.max_num_seqs)
         self.inputs = DecodeInputs(self.buckets[-1], caches.req_to_token.dummy_row, caches.gdn_pool is not None, device)
         self.graphs: dict[int, CapturedDecode] = {}
         if use_cuda_graphs:
