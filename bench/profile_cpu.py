@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--workload", default="uniform", choices=["uniform", "mixed", "text"])
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     from vlmrun import LLM, SamplingParams
@@ -64,10 +65,11 @@ def main() -> None:
         runner = llm.engine.runner  # the in-process ModelRunner
 
         def run(seed: int) -> float:
-            images, prompts, lengths = make_requests(args.requests, "uniform", seed, args.max_tokens)
+            images, prompts, lengths = make_requests(args.requests, args.workload, seed, args.max_tokens)
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+            requests = [{"prompt": p, "images": [i]} if i is not None else p for i, p in zip(images, prompts)]
             start = time.perf_counter()
-            llm.generate([{"prompt": p, "images": [i]} for i, p in zip(images, prompts)], params, use_tqdm=False)
+            llm.generate(requests, params, use_tqdm=False)
             return time.perf_counter() - start
 
         run(1000)  # warm-up

@@ -17,6 +17,7 @@ import torch
 
 from vlmrun.cache.plan import Caches
 from vlmrun.layers.attention.base import AttentionBackend, LinearAttentionBackend
+from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
 from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
@@ -49,6 +50,7 @@ def _fla(setup: BackendSetup) -> LinearAttentionBackend:
 
 ATTENTION_BACKENDS: dict[str, Callable[[BackendSetup], AttentionBackend]] = {
     "torch": lambda setup: TorchAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token),
+    "cpu": lambda setup: CpuAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token),
     "flashinfer": _flashinfer,
 }
 LINEAR_ATTENTION_BACKENDS: dict[str, Callable[[BackendSetup], LinearAttentionBackend]] = {
@@ -57,7 +59,7 @@ LINEAR_ATTENTION_BACKENDS: dict[str, Callable[[BackendSetup], LinearAttentionBac
 }
 # What "auto" means per option and device type (unverified fast backends stay out).
 AUTO: dict[str, dict[str, str]] = {
-    "attention_backend": {"cpu": "torch", "cuda": "torch"},
+    "attention_backend": {"cpu": "cpu", "cuda": "torch"},
     "gdn_backend": {"cpu": "torch", "cuda": "torch"},
 }
 

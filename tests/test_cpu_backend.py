@@ -1,0 +1,56 @@
+"""The CPU attention backend against the torch reference: same outputs, same KV pool writes.
+
+Batches mix prefills (one ending mid-page, one on a page boundary), chunks over a cached prefix,
+decodes alone and decodes mixed with prefills, and padding rows on the dummy row; pages are
+scattered over the pool (tests/test_flashinfer_plan.py's `make_batch`). float32 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, make_batch
+from vlmrun.layers.attention.base import Attention
+from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
+from vlmrun.layers.attention.factory import resolve_backend_name
+from vlmrun.layers.attention.torch_backend import TorchAttnBackend
+
+
+def run_backend(backend_cls, prefix_lens, extend_lens, padding, dtype, num_heads=HEADS):
+    pool, rows, fb = make_batch(prefix_lens, extend_lens, padding, dtype=dtype)
+    backend = backend_cls(pool, rows)
+    fb.attn_backend = backend
+    layer = Attention(num_heads, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(fb.num_tokens, num_heads * HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(fb.num_tokens, KV_HEADS * HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(fb.num_tokens, KV_HEADS * HEAD_DIM, generator=gen).to(dtype)
+    backend.prepare(fb)
+    out = backend.forward(q, k, v, layer, fb)
+    assert out.shape == (fb.num_tokens, num_heads * HEAD_DIM) and out.dtype == dtype
+    return out, pool, fb.num_tokens - padding
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens,padding", [
+    ([0, 0], [9, 4], 0),  # two prefills
+    ([8, 0, 13], [7, 5, 1], 0),  # a chunk over a cached prefix, a prefill, a decode
+    ([5, 12, 3, 20], [1, 1, 1, 1], 0),  # a decode step
+    ([5, 12, 3], [1, 1, 1], 1),  # a decode step of 3 padded to 4 (one row on the dummy row)
+    ([6, 0, 9, 2], [1, 6, 1, 3], 0),  # decodes between prefills and a chunk
+    ([0], [1], 0),  # one token, one page
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads", [HEADS, KV_HEADS])  # grouped queries and plain MHA
+def test_cpu_backend_equals_the_torch_backend(prefix_lens, extend_lens, padding, dtype, num_heads):
+    got, got_pool, real = run_backend(CpuAttnBackend, prefix_lens, extend_lens, padding, dtype, num_heads)
+    expected, ref_pool, _ = run_backend(TorchAttnBackend, prefix_lens, extend_lens, padding, dtype, num_heads)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:real].float(), expected[:real].float(), atol=tol, rtol=tol)
+    assert torch.equal(got_pool.k_buffers[0], ref_pool.k_buffers[0])
+    assert torch.equal(got_pool.v_buffers[0], ref_pool.v_buffers[0])
+
+
+def test_auto_is_the_cpu_backend_on_the_cpu_only():
+    assert resolve_backend_name("auto", "attention_backend", torch.device("cpu")) == "cpu"
+    assert resolve_backend_name("auto", "attention_backend", torch.device("cuda")) == "torch"
