@@ -54,3 +54,25 @@ def test_cpu_backend_equals_the_torch_backend(prefix_lens, extend_lens, padding,
 def test_auto_is_the_cpu_backend_on_the_cpu_only():
     assert resolve_backend_name("auto", "attention_backend", torch.device("cpu")) == "cpu"
     assert resolve_backend_name("auto", "attention_backend", torch.device("cuda")) == "torch"
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])
+def test_engine_on_the_cpu_backend_equals_the_torch_backend_and_hf(request, arch):
+    """Whole engines: prompts chunked (max_num_batched_tokens) so chunks run over cached prefixes
+    beside decodes, the same conversations twice so the second round hits the prefix cache."""
+    from tests.test_engine_parity import assert_matches, params, setup_for
+    from vlmrun import LLM
+
+    model_dir, cases, expected = setup_for(request, arch)
+    names = list(cases)
+    runs = {}
+    for backend in ("cpu", "torch"):
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", attention_backend=backend,
+                  max_num_batched_tokens=48, max_num_seqs=4)
+        first = llm.chat([cases[n] for n in names], params(), use_tqdm=False)
+        again = llm.chat([cases[n] for n in names], params(), use_tqdm=False)
+        assert llm.engine.scheduler.prefix_cache.stats.hits > 0
+        runs[backend] = first + again
+    for name, ours, ref in zip(names * 2, runs["cpu"], runs["torch"]):
+        assert ours.token_ids == ref.token_ids, name
+        assert_matches(ours, expected[name], name)

@@ -243,4 +243,4 @@ def test_non_hybrid_model_has_no_gdn_pool(qwen3_dir):
     llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", max_num_seqs=2)
     runner, caches = llm.engine.runner, llm.engine.caches
     assert caches.gdn_pool is None and caches.plan.gdn_bytes_per_request == 0
-    assert type(runner.attn_backend).__name__ == "TorchAttnBackend"
+    assert type(runner.attn_backend).__name__ == "CpuAttnBackend"
