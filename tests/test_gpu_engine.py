@@ -21,7 +21,7 @@ import importlib.util
 import pytest
 import torch
 
-from tests.hf_reference import HFReference, HFResult
+from tests.bf16_rule import check_bf16_follows_hf
 from tests.test_engine_parity import ARCHS, HYBRID, MAX_NEW, TOPK, cases_for
 from vlmrun import LLM, SamplingParams
 
@@ -50,20 +50,6 @@ def max_logprob_gap(ours: list[dict[int, float]], ref: list[dict[int, float]]) -
     return max((abs(a[t] - b[t]) for a, b in zip(ours, ref) for t in a.keys() & b.keys()), default=0.0)
 
 
-def first_divergence_ok(ours_tokens: list[int], ours_lps: list[dict[int, float]], ref: HFResult) -> tuple[bool, str]:
-    """vLLM's check_logprobs_close: equal until the first differing token, where each side's
-    token is in the other's top-TOPK. Returns (ok, what happened)."""
-    for step, (a, b) in enumerate(zip(ours_tokens, ref.token_ids)):
-        if a == b:
-            continue
-        ref_top = set(torch.topk(ref.logprobs[step], TOPK).indices.tolist())
-        ok = a in ref_top and b in ours_lps[step]
-        return ok, f"diverged at step {step}: vlmrun {a}, HF {b} (each in the other's top-{TOPK}: {ok})"
-    if len(ours_tokens) != len(ref.token_ids):
-        return False, f"lengths differ with equal tokens: {len(ours_tokens)} vs {len(ref.token_ids)}"
-    return True, "identical"
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_cuda_equals_cpu_engine(request, arch):
     model_dir = request.getfixturevalue(f"{arch}_dir")
@@ -80,21 +66,6 @@ def test_float32_cuda_equals_cpu_engine(request, arch):
             gap = max_logprob_gap(g.logprobs, w.logprobs)
             print(f"{label}: max |logprob gap| CUDA fp32 vs CPU {gap:.2e}")
             assert gap < CUDA_FP32_ATOL, f"{label}: logprobs differ by {gap}"
-
-
-def common_prefix(*sequences: list[int]) -> int:
-    n = 0
-    while all(n < len(s) for s in sequences) and len({s[n] for s in sequences}) == 1:
-        n += 1
-    return n
-
-
-def bf16_error(lps: list, ref32: HFResult, token_sets: list[set[int]], steps: int) -> float:
-    """Largest |logprob - float32 reference| over the given tokens of the first `steps` steps."""
-    def value(step_lps, tok):
-        return step_lps[tok] if isinstance(step_lps, dict) else step_lps[tok].item()
-    return max((abs(value(lps[s], t) - ref32.logprobs[s][t].item()) for s in range(steps) for t in token_sets[s]),
-               default=0.0)
 
 
 KERNELS = {
@@ -117,37 +88,8 @@ def test_bfloat16_cuda_follows_hf(request, arch, kernels):
     if kernels == "fast" and not all(importlib.util.find_spec(m) for m in ("flashinfer", "fla")):
         pytest.skip("the gpu extra (flashinfer-python, flash-linear-attention) is not installed")
     model_dir = request.getfixturevalue(f"{arch}_dir")
-    hf32 = HFReference(model_dir)
-    cases = cases_for(hf32.is_vl, arch in HYBRID)
-    reference = {name: hf32.generate(msgs, MAX_NEW) for name, msgs in cases.items()}
-    del hf32
-    hf = HFReference(model_dir, dtype=torch.bfloat16, device="cuda", attn_implementation="sdpa")
-    expected = {name: hf.generate(msgs, MAX_NEW) for name, msgs in cases.items()}
-    del hf
-    llm = cuda_llm(model_dir, "bfloat16", **KERNELS[kernels])
-    assert llm.engine.model_config.dtype == torch.bfloat16
-    outs = llm.chat(list(cases.values()), params(), use_tqdm=False)
-    failures, ours_errors, hf_errors = [], [], []
-    for (name, ref), out in zip(expected.items(), outs):
-        assert out.error is None, out.error
-        assert out.prompt_token_ids == ref.prompt_ids, f"{arch}/{name}: prompt ids differ"
-        ok, what = first_divergence_ok(out.token_ids, out.logprobs, ref)
-        ref32 = reference[name]
-        steps = min(common_prefix(out.token_ids, ref.token_ids, ref32.token_ids) + 1, len(out.token_ids),
-                    len(ref.token_ids), len(ref32.token_ids))
-        tokens = [set(lp) for lp in out.logprobs[:steps]]
-        ours, theirs = bf16_error(out.logprobs, ref32, tokens, steps), bf16_error(ref.logprobs, ref32, tokens, steps)
-        ours_errors.append(ours)
-        hf_errors.append(theirs)
-        print(f"{arch}/{name}: bf16 vs HF bf16: {what}; |bf16 - fp32| over {steps} steps: "
-              f"vlmrun {ours:.3f}, HF {theirs:.3f}")
-        if not ok:
-            failures.append(f"{name}: {what}")
-    ours, theirs = sum(ours_errors) / len(ours_errors), sum(hf_errors) / len(hf_errors)
-    print(f"{arch} ({kernels}): mean |bf16 - fp32| vlmrun {ours:.3f}, HF {theirs:.3f}")
-    if ours > 1.5 * theirs + 0.02:
-        failures.append(f"mean bf16 error vlmrun {ours:.3f} vs HF {theirs:.3f}")
-    assert not failures, f"{arch}: " + "; ".join(failures)
+    check_bf16_follows_hf(model_dir, arch, lambda: cuda_llm(model_dir, "bfloat16", **KERNELS[kernels]), "cuda",
+                          label=kernels)
 
 
 def test_auto_device_and_dtype_pick_cuda_bfloat16(qwen3_vl_dir):

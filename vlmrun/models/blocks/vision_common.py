@@ -102,11 +102,12 @@ def use_fused_vision_attention(model: nn.Module) -> int:
 class VisionPatchEmbed(nn.Module):
     """Conv3d with kernel == stride over pre-flattened patches.
 
-    Mathematically a linear layer. On CPU it runs as the conv HF runs, so float32 sums round the
-    same way (a matmul differs by ~1e-5, which the CPU parity tests would see). On CUDA it runs as
-    the matmul: cuDNN would run the conv in TF32 (torch's default for convolutions), which put
-    float32 image prompts 4e-3 to 2.5e-2 off the CPU engine in logprob (measured on an H100); the
-    matmul keeps full float32 and is one GEMM.
+    Mathematically a linear layer. In float32 on CPU it runs as the conv HF runs, so the sums round
+    the same way (a matmul differs by ~1e-5, which the CPU parity tests would see). Elsewhere it runs
+    as the matmul: on CUDA, cuDNN would run the conv in TF32 (torch's default for convolutions),
+    which put float32 image prompts 4e-3 to 2.5e-2 off the CPU engine in logprob (measured on an
+    H100); in bfloat16 on CPU, oneDNN's conv took 44 ms where the GEMM takes about a third of that
+    (32 images of 224x224, 2 cores).
     """
 
     def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int, bias: bool):
@@ -118,7 +119,7 @@ class VisionPatchEmbed(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values: [num_patches, in_channels * temporal_patch * patch * patch] -> [num_patches, embed_dim]
         weight = self.proj.weight  # [embed_dim, C, T, P, P]
-        if weight.is_cuda:
+        if weight.is_cuda or weight.dtype != torch.float32:
             return F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.proj.bias)
         patches = pixel_values.to(weight.dtype).view(-1, *weight.shape[1:])  # [num_patches, C, T, P, P]
         return self.proj(patches).view(-1, self.embed_dim)
