@@ -11,8 +11,8 @@ from typing import Any
 
 
 def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "flashinfer"],
-                   help="full-attention kernels (auto: torch until the CUDA fast path is verified)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu", "flashinfer"],
+                   help="full-attention kernels (auto: cpu on the CPU; torch on CUDA until the fast path is verified)")
     p.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
                    help="hybrid models' Gated DeltaNet kernels (fla: flash-linear-attention, CUDA)")
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,

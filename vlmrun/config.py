@@ -26,7 +26,7 @@ class EngineConfig:
     revision: Optional[str] = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # full-attention kernels: auto | torch | flashinfer (layers/attention/factory.py)
+    attention_backend: str = "auto"  # full-attention kernels: auto | torch | cpu | flashinfer (layers/attention/factory.py)
     gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
     # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs

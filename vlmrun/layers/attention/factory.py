@@ -3,9 +3,10 @@
 `create_attention_backend(setup, attention, linear_attention)` returns the full-attention backend
 over the KV pool, or, when the caches hold a GDN state pool (a hybrid model), a
 `HybridAttnBackend` pairing it with a linear-attention backend. Names: "torch" (the reference, any
-device), "flashinfer" (full attention, CUDA) and "fla" (GDN, CUDA); "auto" picks by device from
-`AUTO`. A fast backend joins `AUTO` for CUDA only once it has passed the GPU checks of
-docs/gpu_checks.md; until then "auto" means torch everywhere and the fast path is opt-in.
+device), "cpu" (full attention laid out for the CPU's kernels, the CPU's default), "flashinfer"
+(full attention, CUDA) and "fla" (GDN, CUDA); "auto" picks by device from `AUTO`. A fast backend
+joins `AUTO` for CUDA only once it has passed the GPU checks of docs/gpu_checks.md; until then
+"auto" on CUDA means torch and the CUDA fast path is opt-in.
 """
 
 from __future__ import annotations
