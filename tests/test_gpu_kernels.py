@@ -120,10 +120,10 @@ def test_cuda_graphs_equal_eager(request, arch):
 
 
 def test_fused_vision_attention_equals_reference():
-    from vlmrun.models.blocks.vision_common import fused_varlen_attention, varlen_attention
+    from vlmrun.models.blocks.vision_common import fused_varlen_attention, plan_segments, varlen_attention
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cu = torch.tensor([0, 64, 64 + 256, 64 + 256 + 100], dtype=torch.int32, device="cuda")
+    segments = plan_segments([64, 256, 100], torch.device("cuda"))
     q, k, v = (torch.randn(420, 16, 64, generator=gen, device="cuda").bfloat16() for _ in range(3))
-    torch.testing.assert_close(fused_varlen_attention(q, k, v, cu, scale=0.125).float(),
-                               varlen_attention(q, k, v, cu, scale=0.125).float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(fused_varlen_attention(q, k, v, segments, scale=0.125).float(),
+                               varlen_attention(q, k, v, segments, scale=0.125).float(), atol=2e-2, rtol=2e-2)

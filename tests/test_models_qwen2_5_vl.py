@@ -8,6 +8,7 @@ from PIL import Image
 
 from tests.model_harness import cache_shape_of_layers, prefill_logits
 from vlmrun.loader import iter_weights
+from vlmrun.models.blocks.vision_common import plan_segments
 from vlmrun.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration, build_vision_layout
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
@@ -99,7 +100,7 @@ def test_window_layout_matches_hf(grids, config):
                                                 vc.patch_size)
     layout = build_vision_layout(grids, vc.spatial_merge_size, vc.window_size // vc.spatial_merge_size // vc.patch_size)
     assert torch.equal(layout.unit_order, ref_index)
-    assert torch.equal(layout.cu_window_seqlens, ref_cu)
+    assert plan_segments(layout.window_lens).cu_seqlens.tolist() == ref_cu.tolist()
 
 
 @pytest.mark.parametrize("grids", [
@@ -229,3 +230,23 @@ def test_tied_embeddings(config, ckpt, where):
     embed = next(t for n, t in weights if n.endswith("embed_tokens.weight"))
     hidden = torch.randn(3, model.lm_head.in_features)
     torch.testing.assert_close(model.compute_logits(hidden), hidden @ embed.t())
+
+
+def test_planned_segments_attend_within_themselves():
+    """`plan_segments` + the reference varlen kernel equal one SDPA per segment (mixed lengths,
+    repeated lengths batched together, an empty segment skipped)."""
+    import torch.nn.functional as F
+
+    from vlmrun.models.blocks.vision_common import varlen_attention
+
+    lengths = [4, 9, 0, 4, 16, 9]
+    segments = plan_segments(lengths)
+    assert segments.max_len == 16 and segments.cu_seqlens.tolist() == [0, 4, 13, 13, 17, 33, 42]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), 2, 8, generator=gen) for _ in range(3))
+    expected, start = torch.empty_like(q), 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        expected[rows] = F.scaled_dot_product_attention(*(x[rows].transpose(0, 1) for x in (q, k, v))).transpose(0, 1)
+        start += n
+    torch.testing.assert_close(varlen_attention(q, k, v, segments), expected)

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
@@ -30,12 +29,13 @@ from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
 from vlmrun.models.blocks.vision_common import (
     GridTHW,
+    Segments,
     VisionAttention,
     VisionEmbeddings,
     VisionPatchEmbed,
     VisionRotaryEmbedding,
     grid_list,
-    vision_cu_seqlens,
+    plan_segments,
     vision_rope_positions,
 )
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -55,9 +55,9 @@ class VisionBlock(nn.Module):
         self.attn = VisionAttention(dim, num_heads)
         self.mlp = SwiGLUMLP(dim, mlp_hidden, act, bias=True)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [N, dim]; cu_seqlens: attention segments of this block (windows or frames)
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+    def forward(self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [N, dim]; segments: attention segments of this block (windows or frames)
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -86,15 +86,15 @@ class VisionLayout:
 
     unit_order: [num_units] merge-block index at each window-order slot (undo with argsort).
     token_order: [N] patch index at each window-order slot (each unit expanded to its merge**2 patches).
-    cu_window_seqlens: [num_windows + 1] int32 window boundaries, in patches, window order.
-    cu_seqlens: [num_frames + 1] int32 frame boundaries (full-attention segments; the window
-        reorder never crosses a frame, so these hold in both orders).
+    window_lens: patches of each window, window order (windowed-attention segments).
+    frame_lens: patches of each frame (full-attention segments; the window reorder never crosses a
+        frame, so these hold in both orders).
     """
 
     unit_order: torch.Tensor
     token_order: torch.Tensor
-    cu_window_seqlens: torch.Tensor
-    cu_seqlens: torch.Tensor
+    window_lens: list[int]
+    frame_lens: list[int]
 
 
 def _window_ids(t: int, lh: int, lw: int, win: int) -> torch.Tensor:
@@ -121,8 +121,8 @@ def build_vision_layout(grids: list[tuple[int, int, int]], merge: int, window_un
         offset += wid.numel()
     unit_order = torch.cat(unit_orders)  # [num_units]
     token_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()  # [N]
-    cu_window = F.pad(torch.cat(window_lens).cumsum(0), (1, 0)).to(torch.int32)
-    return VisionLayout(unit_order, token_order, cu_window, vision_cu_seqlens(grids))
+    frame_lens = [h * w for t, h, w in grids for _ in range(t)]
+    return VisionLayout(unit_order, token_order, torch.cat(window_lens).tolist(), frame_lens)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,10 +158,9 @@ class Qwen2_5_VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)[token_order]  # [N, dim], window order
         pos_hw = vision_rope_positions(grids, self.merge)[layout.token_order]  # [N, 2], window order
         cos, sin = self.rotary_pos_emb(pos_hw.to(device))  # [N, head_dim] each
-        cu_window = layout.cu_window_seqlens.to(device)
-        cu_full = layout.cu_seqlens.to(device)
+        windows, frames = plan_segments(layout.window_lens, device), plan_segments(layout.frame_lens, device)
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_full if i in self.fullatt_blocks else cu_window, cos, sin)
+            x = block(x, frames if i in self.fullatt_blocks else windows, cos, sin)
         merged = self.merger(x)  # [num_units, out], window order
         return merged[torch.argsort(layout.unit_order).to(device)]  # image order
 

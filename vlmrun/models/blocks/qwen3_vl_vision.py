@@ -17,11 +17,12 @@ from vlmrun.layers.activation import get_act_fn
 from vlmrun.layers.rotary import rope_parameters
 from vlmrun.models.blocks.vision_common import (
     GridTHW,
+    Segments,
     VisionAttention,
     VisionPatchEmbed,
     VisionRotaryEmbedding,
+    frame_segments,
     grid_list,
-    vision_cu_seqlens,
     vision_rope_positions,
 )
 
@@ -69,8 +70,8 @@ class Qwen3VLVisionBlock(nn.Module):
         self.attn = VisionAttention(config.hidden_size, config.num_heads)
         self.mlp = Qwen3VLVisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+    def forward(self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -119,10 +120,10 @@ class Qwen3VLVisionModel(nn.Module):
         x = self.patch_embed(pixel_values)  # [num_patches, hidden]
         x = x + interpolate_pos_embed(self.pos_embed.weight, grids, merge).to(x.dtype)
         cos, sin = self.rotary_pos_emb(vision_rope_positions(grids, merge, device))  # [num_patches, head_dim]
-        cu_seqlens = vision_cu_seqlens(grids, device)
+        segments = frame_segments(grids, device)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_seqlens, cos, sin)
+            x = block(x, segments, cos, sin)
             if i in self.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[self.deepstack_visual_indexes.index(i)](x))
         return self.merger(x), deepstack

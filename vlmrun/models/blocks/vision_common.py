@@ -38,10 +38,38 @@ def grid_list(grid_thw: GridTHW) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in rows]
 
 
-def vision_cu_seqlens(grids: list[tuple[int, int, int]], device: torch.device | None = None) -> torch.Tensor:
-    """Attention segment boundaries: each frame (h*w patches) of each image attends only to itself."""
-    lens = [h * w for t, h, w in grids for _ in range(t)]
-    return F.pad(torch.tensor(lens, dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32), (1, 0))
+@dataclass(frozen=True)
+class Segments:
+    """The vision tower's attention segments (each attends only to itself), planned once per encode
+    from host lengths, so no layer reads them back from the device.
+
+    cu_seqlens: [num_segments + 1] int32 boundaries on the device (the fused varlen kernel's input);
+    max_len: the longest segment; runs: per distinct length, the rows of all segments of that length
+    ([num_segments_of_that_length * length] int64 on the device; the reference kernel batches them).
+    """
+
+    cu_seqlens: torch.Tensor
+    max_len: int
+    runs: list[tuple[int, torch.Tensor]]
+
+
+def plan_segments(lengths: list[int], device: torch.device | None = None) -> Segments:
+    """Segments of the given lengths (in patches, in stream order); empty ones are skipped."""
+    starts_by_length: dict[int, list[int]] = {}
+    start = 0
+    for n in lengths:
+        if n > 0:
+            starts_by_length.setdefault(n, []).append(start)
+        start += n
+    runs = [(n, (torch.tensor(starts)[:, None] + torch.arange(n)).flatten().to(device))
+            for n, starts in starts_by_length.items()]
+    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    return Segments(cu, max(lengths, default=0), runs)
+
+
+def frame_segments(grids: list[tuple[int, int, int]], device: torch.device | None = None) -> Segments:
+    """Full-attention segments: each frame (h*w patches) of each image attends only to itself."""
+    return plan_segments([h * w for t, h, w in grids for _ in range(t)], device)
 
 
 def vision_rope_positions(grids: list[tuple[int, int, int]], merge: int,
@@ -58,37 +86,31 @@ def vision_rope_positions(grids: list[tuple[int, int, int]], merge: int,
     return torch.cat(out)  # [num_patches, 2]
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                      scale: float | None = None) -> torch.Tensor:
-    """Non-causal attention within each segment [cu_seqlens[i], cu_seqlens[i+1]).
+    """Non-causal attention within each segment.
 
     q, k, v: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim].
     Reference implementation: segments of equal length (same-size images, full windows) are
     gathered into one batched SDPA call, one call per distinct length. A fused varlen kernel
     replaces this function on GPU.
     """
-    bounds = cu_seqlens.tolist()
-    by_length: dict[int, list[int]] = {}
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end > start:
-            by_length.setdefault(end - start, []).append(start)
     out = torch.empty_like(q)
-    for length, starts in by_length.items():
-        rows = (torch.tensor(starts, device=q.device)[:, None]
-                + torch.arange(length, device=q.device)).flatten()  # [num_segments * length]
-        qs, ks, vs = (x[rows].view(len(starts), length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+    for length, rows in segments.runs:  # rows: [num_segments * length]
+        count = rows.numel() // length
+        qs, ks, vs = (x[rows].view(count, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [num_segments, heads, length, head_dim]
         out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
 
 
-def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def fused_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Segments,
                            scale: float | None = None) -> torch.Tensor:
     """`varlen_attention` as one flash-attention varlen call over every segment (CUDA, fp16/bf16)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale)
+    cu, n = segments.cu_seqlens, segments.max_len
+    return varlen_attn(q, k, v, cu, cu, n, n, scale=scale)
 
 
 def use_fused_vision_attention(model: nn.Module) -> int:
@@ -142,7 +164,7 @@ class VisionRotaryEmbedding(nn.Module):
 
 
 class VisionAttention(nn.Module):
-    """Fused-qkv multi-head attention with 2-D rope, restricted to segments of cu_seqlens."""
+    """Fused-qkv multi-head attention with 2-D rope, restricted to segments."""
 
     def __init__(self, dim: int, num_heads: int):
         super().__init__()
@@ -152,9 +174,9 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, bias=True)
         self.varlen = varlen_attention  # the kernel; `use_fused_vision_attention` swaps it
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # [num_patches, heads, head_dim]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.varlen(q, k, v, cu_seqlens, scale=self.head_dim ** -0.5)
+        out = self.varlen(q, k, v, segments, scale=self.head_dim ** -0.5)
         return self.proj(out.reshape(n, -1))
