@@ -110,3 +110,19 @@ def test_rotary_tables_match_hf(arch):
                             interleaved=arch == "qwen3_vl")
     cos, sin = ours(pos)
     assert torch.allclose(cos, ref_cos[0], atol=1e-6) and torch.allclose(sin, ref_sin[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_rotary_equals_hf_rotate_half(dtype):
+    """The rolled one-addcmul form equals HF's `q * cos + rotate_half(q) * sin` (in float32, then cast)."""
+    from transformers.models.qwen3.modeling_qwen3 import rotate_half
+
+    from vlmrun.layers.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 4, 64, generator=gen).to(dtype)
+    cos, sin = RotaryEmbedding(64, 1e6)(torch.randint(0, 5000, (37,), generator=gen))
+    xf = x.float()
+    expected = (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(apply_rotary(x, cos, sin), expected, atol=tol, rtol=tol)

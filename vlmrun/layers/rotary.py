@@ -99,16 +99,17 @@ class MRotaryEmbedding(nn.Module):
         return _cos_sin(freqs)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]. Computed in float32."""
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim]. Computed in float32.
+
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): written as x rolled by half a
+    head, times sin with rotate_half's sign moved onto the (num_heads times smaller) table, in one
+    addcmul; three passes over x instead of six (memory-bound on the CPU).
+    """
+    half = x.shape[-1] // 2
     xf = x.float()
-    cos, sin = cos.float()[:, None, :], sin.float()[:, None, :]  # [num_tokens, 1, head_dim]
-    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+    sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).float()[:, None, :]  # [num_tokens, 1, head_dim]
+    return torch.addcmul(xf * cos.float()[:, None, :], xf.roll(half, dims=-1), sin_signed).to(x.dtype)
 
 
 def build_text_rotary(config: Any, head_dim: int, *, interleaved: bool | None = None) -> nn.Module:
