@@ -11,6 +11,8 @@ same state (preemption, prefix hits); thinking turned off constrains from the fi
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -157,6 +159,25 @@ def test_the_model_may_open_a_think_when_it_is_one_token(llm):
     assert opened, "no sample opened a think"
 
 
+def test_llm_chat_with_a_thinking_template(qwen3_dir, tmp_path):
+    from tests.test_server_reasoning_tools import THINKING_TEMPLATE
+
+    model_dir = tmp_path / "thinking"
+    shutil.copytree(qwen3_dir, model_dir)
+    (model_dir / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
+    llm = LLM(str(model_dir), dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, thinking_token_budget=4,
+                            structured_outputs={"json": SHAPE, "after_reasoning": True})
+    conversation = [{"role": "user", "content": "shape?"}]
+    thought = llm.chat(conversation, params, use_tqdm=False)[0]
+    reasoning, content = split_reasoning(thought.text)
+    assert reasoning and thought.finish_reason == "stop"
+    check_text(params.structured_outputs, content)
+    direct = llm.chat(conversation, params, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})[0]
+    assert "</think>" not in direct.text and direct.finish_reason == "stop"
+    check_text(params.structured_outputs, direct.text)
+
+
 # ---------------------------------------------------------------------------- the gate, token by token
 
 
@@ -253,4 +274,5 @@ def test_split_reasoning():
     assert split_reasoning("<think>a</think>\n\n{}") == ("a", "{}")
     assert split_reasoning("b</think>\n{}", prompt_text="x<think>\n") == ("b", "{}")
     assert split_reasoning("{}") == ("", "{}")
+    assert split_reasoning("c</think>\n\n{}") == ("c", "{}")  # the think began in the prompt
     assert split_reasoning("<think>unclosed") == ("unclosed", "")

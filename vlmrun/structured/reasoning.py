@@ -228,10 +228,11 @@ def _allow(bitmask: torch.Tensor, row: int, token_id: int) -> None:
 def split_reasoning(text: str, prompt_text: str = "", markers: tuple[str, str] = (THINK_OPEN, THINK_CLOSE)
                     ) -> tuple[str, str]:
     """(reasoning, content) of an output: the part in `<think>…</think>` (a leading `<think>`, or from
-    the start when the prompt ended inside one) and what follows, leading newlines dropped.
-    An unclosed think is all reasoning."""
+    the start when the prompt ended inside one, or when the output has a `</think>` but no `<think>`
+    before it) and what follows, leading newlines dropped. An unclosed think is all reasoning."""
     open_text, close_text = markers
-    thinking = prompt_text.rstrip().endswith(open_text)
+    close_at = text.find(close_text)
+    thinking = prompt_text.rstrip().endswith(open_text) or (close_at >= 0 and open_text not in text[:close_at])
     if text.startswith(open_text):
         text, thinking = text[len(open_text):], True
     if not thinking:
