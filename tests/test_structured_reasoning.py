@@ -93,8 +93,9 @@ def test_no_mask_while_thinking(llm):
     # The reasoning is free: its tokens include ones the grammar would refuse at its start.
     spec = StructuredOutputsParams(choice=["yes", "no"], after_reasoning=True)
     prompt = THINKING_PROMPT.format(q="yes or no?")
-    out = llm.generate([raw(llm, prompt)], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec,
-                                                thinking_token_budget=12), use_tqdm=False)[0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec,
+                            thinking_token_budget=12)
+    out = llm.generate([raw(llm, prompt)], params, use_tqdm=False)[0]
     reasoning = check_reasoned(llm, spec, prompt, out, 12)
     assert out.outputs[0].text.endswith(("yes", "no"))
     refused = [t for t in out.token_ids[:12] if not llm.engine.grammars.new_state(spec).accept(t)]
@@ -104,7 +105,8 @@ def test_no_mask_while_thinking(llm):
 def test_thinking_turned_off_constrains_from_the_first_token(llm):
     spec = StructuredOutputsParams(json=SHAPE, after_reasoning=True)
     prompt = NO_THINKING_PROMPT.format(q="shape?")
-    out = llm.generate([raw(llm, prompt)], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec),
+    out = llm.generate([raw(llm, prompt)],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec),
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop"
     check_text(spec, out.text)
@@ -114,7 +116,8 @@ def test_thinking_turned_off_constrains_from_the_first_token(llm):
 
 def test_budget_without_a_grammar_closes_the_think(llm):
     prompt = THINKING_PROMPT.format(q="think briefly")
-    out = llm.generate([raw(llm, prompt)], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, thinking_token_budget=5),
+    out = llm.generate([raw(llm, prompt)],
+                       SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, thinking_token_budget=5),
                        use_tqdm=False)[0]
     close = llm.engine.reasoning_markers.close_ids
     assert tuple(out.token_ids[5:5 + len(close)]) == close  # 5 free tokens, then the forced </think>

@@ -23,6 +23,8 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   reasons freely in `<think>…</think>` first and the constraint holds after `</think>`.
 - `thinking_token_budget` (vLLM's name): at most this many tokens of reasoning (inside
   `<think>…</think>`, counted from the think's start); then `</think>` is forced. None: no limit.
+  A request with a budget has its constraint (if any) hold after the reasoning, as `after_reasoning`.
+  The think must start in the prompt, or be opened by the model with a single `<think>` token.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
   request draws with `seed + i`, wrapped into that range (`for_choice`).
