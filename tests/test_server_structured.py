@@ -188,8 +188,19 @@ def test_streamed_pieces_add_up_to_the_whole_parse(text):
         pieces = [parser.feed(text[i:i + size]) for i in range(0, len(text), size)] + [parser.finish()]
         assert "".join(p.reasoning for p in pieces) == whole.reasoning
         assert "".join(p.content for p in pieces) == whole.content
-        got = [(c.name, c.arguments) for p in pieces for c in p.calls]
-        assert got == [(c.name, c.arguments) for c in whole.calls]
+        assert assemble([c for p in pieces for c in p.calls]) == [(c.name, c.arguments) for c in whole.calls]
+
+
+def assemble(deltas) -> list[tuple[str, str]]:
+    """(name, arguments) per call from streamed call deltas: a start (name, arguments "") then pieces."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.starts_call:
+            assert d.index == len(calls) and d.arguments == "" and d.id.startswith("call_")
+            calls[d.index] = [d.name, ""]
+        else:
+            calls[d.index][1] += d.arguments
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 def test_qwen3_5_xml_calls_and_thinking_prompts_parse():

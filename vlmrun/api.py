@@ -9,9 +9,9 @@ from __future__ import annotations
 import functools
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
-from processors import InputError
+from processors import InputError, ProcessedPrompt
 from vlmrun.config import EngineConfig
 from vlmrun.engine.engine import Engine
 from vlmrun.sampling_params import SamplingParams
@@ -82,13 +82,20 @@ class LLM:
         return self._run(list(prompts), sampling_params, use_tqdm)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
-             sampling_params: ParamsArg = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of them, each through the chat template."""
+             sampling_params: ParamsArg = None, use_tqdm: bool = True,
+             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, each through the chat template
+        (`chat_template_kwargs`: template variables, e.g. {"enable_thinking": False})."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]
-        return self._run([list(conv) for conv in messages], sampling_params, use_tqdm)
 
-    def _run(self, inputs: list[Any], params_arg: ParamsArg, use_tqdm: bool) -> list[RequestOutput]:
+        def process(conversation: Any) -> ProcessedPrompt:
+            return self.engine.processor.process_chat(conversation, chat_template_kwargs=chat_template_kwargs)
+
+        return self._run([list(conv) for conv in messages], sampling_params, use_tqdm, process)
+
+    def _run(self, inputs: list[Any], params_arg: ParamsArg, use_tqdm: bool,
+             process: Optional[Callable[[Any], ProcessedPrompt]] = None) -> list[RequestOutput]:
         if isinstance(params_arg, (list, tuple)):
             if len(params_arg) != len(inputs):
                 raise ValueError(f"got {len(params_arg)} sampling params for {len(inputs)} prompts")
@@ -102,7 +109,7 @@ class LLM:
             out = RequestOutput(request_id=rid, prompt_token_ids=[])
             results.append(out)
             try:
-                prompt = self.engine.process(item)
+                prompt = (process or self.engine.process)(item)
                 out.prompt_token_ids = list(prompt.token_ids)
                 for i in range(params.n):
                     self.engine.add_request(f"{rid}-{i}", prompt, params.for_choice(i))

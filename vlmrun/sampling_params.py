@@ -19,7 +19,12 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   the output must match a JSON schema, any JSON object, a regex, one of some strings or an EBNF
   grammar. The shape is checked here; the engine compiles it before queueing the request. A
   constrained request ends when its grammar does (EOS is allowed only where the grammar may end);
-  `min_tokens` does not hold that end back.
+  `min_tokens` does not hold that end back. With `structured_outputs.after_reasoning` the model
+  reasons freely in `<think>…</think>` first and the constraint holds after `</think>`.
+- `thinking_token_budget` (vLLM's name): at most this many tokens of reasoning (inside
+  `<think>…</think>`, counted from the think's start); then `</think>` is forced. None: no limit.
+  A request with a budget has its constraint (if any) hold after the reasoning, as `after_reasoning`.
+  The think must start in the prompt, or be opened by the model with a single `<think>` token.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
   request draws with `seed + i`, wrapped into that range (`for_choice`).
@@ -78,6 +83,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    thinking_token_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, lo=1)
@@ -100,6 +106,7 @@ class SamplingParams:
         self.stop = _stop_strings(self.stop)
         self.stop_token_ids = _token_ids(self.stop_token_ids)
         self.logprobs = _optional(_integer, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        self.thinking_token_budget = _optional(_integer, "thinking_token_budget", self.thinking_token_budget, lo=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             setattr(self, name, _boolean(name, getattr(self, name)))
         if self.structured_outputs is not None:
@@ -120,6 +127,13 @@ class SamplingParams:
         """The stop strings as a list (possibly empty)."""
         assert isinstance(self.stop, list)  # normalised by __post_init__
         return self.stop
+
+    @property
+    def gates_reasoning(self) -> bool:
+        """True when the engine tracks `<think>…</think>` for this request: its constraint holds only
+        after the reasoning, or its reasoning has a token budget."""
+        spec = self.structured_outputs
+        return self.thinking_token_budget is not None or (spec is not None and spec.after_reasoning)
 
     @property
     def has_penalties(self) -> bool:

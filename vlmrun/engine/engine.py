@@ -11,6 +11,11 @@ token and ends the request when the grammar has terminated. A preempted request 
 tokens (it recomputes them, it does not resample them), so its matcher needs no rollback.
 `compile_structured` is the one method other threads may call (the server compiles off the
 engine thread so that add_request finds the grammar cached).
+
+Reasoning: a request whose constraint holds only after its reasoning
+(`structured_outputs.after_reasoning`) or with a `thinking_token_budget` gets a
+`vlmrun.structured.reasoning.ReasoningGate` in front of its matcher, placed by the end of its
+prompt text: while it reasons the sampler gets no mask and the matcher sees no token.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -41,6 +46,7 @@ from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
 from vlmrun.structured.compiler import GrammarCompiler, GrammarState
+from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +111,7 @@ class Engine:
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
                                         self.model_config.eos_token_ids)
+        self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
 
@@ -203,7 +210,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
-        grammar = self._new_grammar_state(params)  # StructuredOutputError (a ValueError) if it does not compile
+        grammar = self._new_grammar_state(params, prompt)  # StructuredOutputError (a ValueError) if it does not compile
         n = len(prompt.token_ids)
         if n == 0:
             raise InputError("the prompt is empty")
@@ -235,10 +242,20 @@ class Engine:
         if params.structured_outputs is not None:
             self.grammars.compile(params.structured_outputs)
 
-    def _new_grammar_state(self, params: SamplingParams) -> Optional[GrammarState]:
-        if params.structured_outputs is None:
-            return None
-        return self.grammars.new_state(params.structured_outputs)
+    def _new_grammar_state(self, params: SamplingParams,
+                           prompt: ProcessedPrompt) -> Union[GrammarState, ReasoningGate, None]:
+        spec = params.structured_outputs
+        state = None if spec is None else self.grammars.new_state(spec)
+        if not params.gates_reasoning:
+            return state
+        return ReasoningGate.for_prompt(self.reasoning_markers, state, self.grammars.vocab_size,
+                                        self.prompt_text(prompt), params.thinking_token_budget)
+
+    def prompt_text(self, prompt: ProcessedPrompt, tail_tokens: int = 16) -> str:
+        """The prompt's text (its end decoded from the ids when the prompt came as token ids)."""
+        if prompt.text:
+            return prompt.text
+        return self.tokenizer.decode(prompt.token_ids[-tail_tokens:], skip_special_tokens=False)
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

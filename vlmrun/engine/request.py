@@ -28,7 +28,7 @@ class Request:
     mrope_delta: int
     eos_token_ids: list[int]
     generator: Optional[torch.Generator] = None
-    grammar: Optional[Any] = None  # vlmrun.structured.GrammarState of a structured-output request
+    grammar: Optional[Any] = None  # GrammarState of a structured-output request, or a ReasoningGate in front of one
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -74,6 +74,12 @@ class Request:
             gen = torch.arange(max(start, n_prompt), end, dtype=torch.int64) + self.mrope_delta
             parts.append(gen.expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    @property
+    def sampling_grammar(self) -> Optional[Any]:
+        """The grammar that masks this step's logits: None while there is none or it is idle (free reasoning)."""
+        grammar = self.grammar
+        return grammar if grammar is not None and grammar.constraining else None
 
     @property
     def is_finished(self) -> bool:

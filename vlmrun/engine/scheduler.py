@@ -57,7 +57,7 @@ class ScheduledChunk:
         req = self.request
         overlaps_prompt = req.prompt.mm_items and self.start < req.num_prompt_tokens
         sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator,
-                                req.eos_token_ids, req.grammar) if self.samples else None)
+                                req.eos_token_ids, req.sampling_grammar) if self.samples else None)
         return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=req.token_ids_slice(self.start, self.end),
                           positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
                           mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling)

@@ -3,21 +3,28 @@
 - Reasoning (Qwen's `<think>…</think>`): text after a leading `<think>` (or from the start, when
   the prompt itself ended in `<think>`, as thinking templates do) up to `</think>` is
   `reasoning_content`; the newlines after `</think>` are dropped.
-- Tool calls (when the parser is given the request's tools): each complete `<tool_call>…</tool_call>`
-  block whose body `tool_calls.parse_call` reads becomes a call; other text stays content.
+- Tool calls (when the parser is given the request's tools): each `<tool_call>…</tool_call>` block
+  whose body `tool_calls.read_call` reads becomes a call; other text stays content. A call shows as
+  soon as its name is known, and its arguments grow as they are written (a block cut off by the end
+  of the output stays the call it had become, with the arguments as far as they went).
 
 `ChatOutputParser.feed(delta)` returns what became certain with that delta: a tail that might
-still turn into a marker (`</think>`, `<tool_call>`) or an unfinished call is held back until
-the next delta or `finish()`. The parse is recomputed over the whole text each time and only
-its growth is returned, so the streamed pieces always add up to the final message.
+still turn into a marker (`</think>`, `<tool_call>`, `</tool_call>`) or a call not yet named is held
+back until the next delta or `finish()`. The parse is recomputed over the whole text each time and
+only its growth is returned: new text, new calls (`CallDelta` with id and name, arguments "") and
+pieces of arguments (`CallDelta` with the piece), so the streamed pieces always add up to the final
+message, arguments included.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from vlmrun.server.tool_calls import CALL_CLOSE, CALL_OPEN, ToolCall, parse_call
+from vlmrun.server.tool_calls import CALL_CLOSE, CALL_OPEN, ToolCall, read_call
+
+logger = logging.getLogger(__name__)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -29,13 +36,33 @@ class ParsedOutput:
     calls: list[ToolCall] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CallDelta:
+    """A step of call `index`: its start (id and name, `arguments` "") or a piece of its arguments."""
+
+    index: int
+    arguments: str = ""
+    id: Optional[str] = None
+    name: Optional[str] = None
+
+    @property
+    def starts_call(self) -> bool:
+        return self.name is not None
+
+    def to_openai(self) -> dict[str, Any]:
+        if self.starts_call:
+            return {"index": self.index, "id": self.id, "type": "function",
+                    "function": {"name": self.name, "arguments": self.arguments}}
+        return {"index": self.index, "function": {"arguments": self.arguments}}
+
+
 @dataclass
 class OutputDelta:
-    """What one `feed` / `finish` adds: text pieces and newly completed calls."""
+    """What one `feed` / `finish` adds: text pieces, new calls and pieces of arguments."""
 
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    calls: list[CallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
@@ -51,6 +78,7 @@ class ChatOutputParser:
         self.starts_in_reasoning = reasoning and prompt_text.rstrip().endswith(THINK_OPEN)
         self.text = ""
         self._sent = ParsedOutput()
+        self._call_ids: list[str] = []  # each call keeps the id it was first sent with
 
     @property
     def active(self) -> bool:
@@ -79,9 +107,8 @@ class ChatOutputParser:
         now = self._parse(final)
         sent = self._sent
         out = OutputDelta(now.reasoning[len(sent.reasoning):], now.content[len(sent.content):],
-                          now.calls[len(sent.calls):])
-        sent.reasoning, sent.content = now.reasoning, now.content
-        sent.calls.extend(out.calls)
+                          _call_deltas(sent.calls, now.calls))
+        self._sent = now
         return out
 
     def _parse(self, final: bool) -> ParsedOutput:
@@ -121,21 +148,35 @@ class ChatOutputParser:
                 return
             out.content += text[:start]
             end = text.find(CALL_CLOSE, start)
-            if end < 0:  # unfinished: wait for the rest, or keep it as content at the end
-                if final:
-                    out.content += text[start:]
+            body = text[start + len(CALL_OPEN):end if end >= 0 else len(text)]
+            call = read_call(body, self.tools, closed=end >= 0)
+            if call is not None:
+                out.calls.append(self._call(call.name, call.arguments, len(out.calls)))
+            elif end >= 0 or final:  # not a call: its text is content
+                out.content += text[start:end + len(CALL_CLOSE) if end >= 0 else len(text)]
+            if end < 0:  # unfinished: a call so far, or wait for more
                 return
-            block_end = end + len(CALL_CLOSE)
-            call = parse_call(text[start + len(CALL_OPEN):end], self.tools)
-            if call is None:
-                out.content += text[start:block_end]
-            else:
-                out.calls.append(self._known_call(call, len(out.calls)))
-            text = text[block_end:]
+            text = text[end + len(CALL_CLOSE):]
 
-    def _known_call(self, call: ToolCall, index: int) -> ToolCall:
-        """The call at `index` keeps the id it was first sent with."""
-        return self._sent.calls[index] if index < len(self._sent.calls) else call
+    def _call(self, name: str, arguments: str, index: int) -> ToolCall:
+        """The call at `index`, with the id it was first seen with."""
+        if index == len(self._call_ids):
+            self._call_ids.append(ToolCall(name, arguments).id)
+        return ToolCall(name, arguments, self._call_ids[index])
+
+
+def _call_deltas(sent: list[ToolCall], now: list[ToolCall]) -> list[CallDelta]:
+    """The starts of calls not sent yet, then the growth of every call's arguments."""
+    starts = [CallDelta(i, "", call.id, call.name) for i, call in enumerate(now) if i >= len(sent)]
+    pieces = []
+    for i, call in enumerate(now):
+        before = sent[i].arguments if i < len(sent) else ""
+        if len(call.arguments) > len(before):
+            if not call.arguments.startswith(before):  # read_call only grows them: a bug
+                logger.error("tool call %d: arguments %r do not extend the streamed %r", i, call.arguments, before)
+                continue
+            pieces.append(CallDelta(i, call.arguments[len(before):]))
+    return starts + pieces
 
 
 def _held_back(text: str, marker: str) -> int:

@@ -219,7 +219,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                               tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs)
         prompt_text = prompt.text
-        return [(prompt, p) for p in split_choices(_with_tool_grammar(state, req))]
+        return [(prompt, p) for p in split_choices(_chat_params(state, req))]
 
     sub = await _submit(state, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids), "messages")
     model = state.model_name
@@ -254,13 +254,16 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 if not d.text and lp is None and not d.finished:
                     continue
                 parser = parsers[d.index]
-                delta = {"content": d.text} if d.text else {}
                 reason = d.finish_reason if d.finished else None
+                deltas = [{"content": d.text} if d.text else {}]
                 if parser.active:
-                    delta = _stream_delta(parser, d.text, d.finished)
+                    deltas = _stream_deltas(parser, d.text, d.finished)
                     reason = R.with_tool_calls(reason, parser.num_calls)
-                if delta or lp is not None or reason is not None:
-                    yield chunk([R.chat_chunk_choice(d.index, delta, lp, reason)])
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    lp_i, reason_i = (lp if i == 0 else None), (reason if last else None)
+                    if delta or lp_i is not None or reason_i is not None:
+                        yield chunk([R.chat_chunk_choice(d.index, delta, lp_i, reason_i)])
         if req.include_usage:
             yield R.sse(R.usage_chunk(rid, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
                                       completion_tokens))
@@ -269,29 +272,38 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     return _stream(sub, events)
 
 
-def _with_tool_grammar(state: ServerState, req: ChatRequest) -> SamplingParams:
-    """The request's params, constrained to calls of its forced tools when tool_choice asks for that."""
-    if not req.forced_tools:
-        return req.params
-    grammar = tool_call_grammar(req.forced_tools, req.parallel_tool_calls,
-                                xml=uses_xml_calls(state.processor.chat_template))
-    return dataclasses.replace(req.params, structured_outputs=StructuredOutputsParams(grammar=grammar))
+def _chat_params(state: ServerState, req: ChatRequest) -> SamplingParams:
+    """The request's params: constrained to calls of its forced tools when tool_choice asks for that,
+    and, with a reasoning parser on, any constraint holding only after the reasoning."""
+    params = req.params
+    if req.forced_tools:
+        grammar = tool_call_grammar(req.forced_tools, req.parallel_tool_calls,
+                                    xml=uses_xml_calls(state.processor.chat_template))
+        params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
+    spec = params.structured_outputs
+    if spec is not None and state.settings.reasoning_parser is not None and not spec.after_reasoning:
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, after_reasoning=True))
+    return params
 
 
-def _stream_delta(parser: ChatOutputParser, text: str, finished: bool) -> dict[str, Any]:
-    """The chat delta of a parsed choice: reasoning, content and newly completed tool calls."""
-    first_call = parser.num_calls
+def _stream_deltas(parser: ChatOutputParser, text: str, finished: bool) -> list[dict[str, Any]]:
+    """The chat deltas of a parsed choice for new text: reasoning, content, the start of each new tool
+    call (id, name, arguments "") and pieces of arguments; the arguments a new call already has
+    follow in a second delta, so that every call starts with empty arguments, as OpenAI's do."""
     out = parser.feed(text)
     if finished:
         out += parser.finish()
-    delta: dict[str, Any] = {}
+    started = {c.index for c in out.calls if c.starts_call}
+    first: dict[str, Any] = {}
     if out.reasoning:
-        delta["reasoning_content"] = out.reasoning
+        first["reasoning_content"] = out.reasoning
     if out.content:
-        delta["content"] = out.content
-    if out.calls:
-        delta["tool_calls"] = [call.to_openai(first_call + i) for i, call in enumerate(out.calls)]
-    return delta
+        first["content"] = out.content
+    now = [c.to_openai() for c in out.calls if c.starts_call or c.index not in started]
+    if now:
+        first["tool_calls"] = now
+    later = [c.to_openai() for c in out.calls if not c.starts_call and c.index in started]
+    return [first, {"tool_calls": later}] if later else [first]
 
 
 # ---------------------------------------------------------------------------- completions

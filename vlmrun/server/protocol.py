@@ -18,7 +18,8 @@ known chat roles, a `content` on every message (null only beside assistant `tool
 
 Extensions beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
-`skip_special_tokens`, `chat_template_kwargs`.
+`skip_special_tokens`, `chat_template_kwargs`, `thinking_token_budget` (at most that many tokens
+inside `<think>…</think>`, then `</think>` is forced).
 """
 
 from __future__ import annotations
@@ -199,6 +200,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         include_stop_str_in_output=_opt_bool(body, "include_stop_str_in_output", False),
         skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
         structured_outputs=structured,
+        thinking_token_budget=_opt_int(body, "thinking_token_budget", None, lo=0),
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")

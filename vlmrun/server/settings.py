@@ -25,7 +25,9 @@ class ServerSettings:
         file:// URI; None refuses all local paths.
     url_timeout_s / max_image_bytes / max_url_redirects: bounds on one image fetch.
     reasoning_parser: "qwen3" splits a chat answer's `<think>…</think>` into `reasoning_content`
-        (only answers that start thinking, or whose prompt ends in `<think>`); None leaves it in `content`.
+        (only answers that start thinking, or whose prompt ends in `<think>`), and lets a constrained
+        chat answer think before its constraint holds (`after_reasoning`); None leaves it in `content`
+        and constrains from the first token.
     max_video_bytes: the byte bound of one video (same URL and path policy as images).
     """
 

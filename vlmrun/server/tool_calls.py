@@ -2,7 +2,8 @@
 
 Qwen3 writes a call as `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`; Qwen3.5
 (and Qwen3-Coder) as `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>\\n...
-</function>\\n</tool_call>`. `parse_call` reads either body. `tool_call_grammar` is the EBNF
+</function>\\n</tool_call>`. `read_call` reads either body, also unfinished (for streaming the
+arguments as they are written), `parse_call` a finished one. `tool_call_grammar` is the EBNF
 (xgrammar syntax) of one or more calls of the given tools, the constraint behind
 `tool_choice="required"` or a named function: Qwen3-style, each call's JSON valid under
 `{"name": <its name>, "arguments": <its parameters schema>}`, or, for a chat template that writes
@@ -23,7 +24,6 @@ from vlmrun.server.errors import bad_request
 from vlmrun.structured.compiler import strict_json_strings
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_XML_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 _CALL_RULE = "vlmrun_tool_call"
 
@@ -167,28 +167,140 @@ def _json_grammar(schema: dict[str, Any]) -> Any:
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_call(body: str, tools: Sequence[dict[str, Any]] = ()) -> Optional[ToolCall]:
-    """The call in the text between `<tool_call>` and `</tool_call>`, or None when it is neither form.
+@dataclass(frozen=True)
+class CallText:
+    """A call as far as its text goes: the name, and the arguments JSON text so far. Read again from
+    a longer text, the arguments only grow (what was streamed stays a prefix)."""
 
-    An XML-style parameter is JSON unless `tools` declares it a string (then its raw text)."""
-    body = body.strip()
-    if body.startswith("{"):
+    name: str
+    arguments: str
+
+
+def parse_call(body: str, tools: Sequence[dict[str, Any]] = ()) -> Optional[ToolCall]:
+    """The call in the text between `<tool_call>` and `</tool_call>`, or None when it is neither form."""
+    call = read_call(body, tools, closed=True)
+    return None if call is None else ToolCall(call.name, call.arguments)
+
+
+def read_call(body: str, tools: Sequence[dict[str, Any]] = (), closed: bool = True) -> Optional[CallText]:
+    """The call in `body` (the text after `<tool_call>`; up to `</tool_call>` when `closed`), or None:
+    not a call, or (not closed) not far enough to say.
+
+    Qwen3's JSON body: the arguments are the raw text of its `"arguments"` object, streamable once
+    `"name"` is read and the object has begun; a closed body that is not valid JSON is still the call
+    its streamed start announced, with the arguments as far as they went. A body with the arguments
+    as a JSON string (or before the name) is a call only when closed. Qwen3.5's XML body: the
+    arguments object is written a parameter at a time (a value ends only at `</parameter>`), an
+    XML-style parameter being JSON unless `tools` declares it a string (then its raw text)."""
+    text = body.lstrip()
+    if text.startswith("{"):
+        return _read_json_call(text, closed)
+    if text.startswith("<function="):
+        return _read_xml_call(text, tools, closed)
+    return None
+
+
+def _read_json_call(text: str, closed: bool) -> Optional[CallText]:
+    members, pending = _json_members(text)
+    if closed:
         try:
-            obj = json.loads(body)
+            obj = json.loads(text)
         except ValueError:
-            return None
-        name, args = (obj.get("name"), obj.get("arguments", {})) if isinstance(obj, dict) else (None, None)
-        if not isinstance(name, str) or not isinstance(args, (dict, str)):
-            return None
-        return ToolCall(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-    match = _XML_FUNCTION.fullmatch(body)
-    if match is None:
+            obj = None
+        if isinstance(obj, dict):
+            name, args = obj.get("name"), obj.get("arguments", {})
+            if not isinstance(name, str) or not isinstance(args, (dict, str)):
+                return None
+            if isinstance(args, str):
+                return CallText(name, args)
+            span = members.get("arguments")
+            return CallText(name, text[span[0]:span[1]] if span else "{}")
+    name = _streamed_name(text, members, pending)
+    if name is None:
         return None
-    name = match.group(1).strip()
+    if "arguments" in members:
+        start, end = members["arguments"]
+        return CallText(name, text[start:end])
+    start = pending[1]
+    partial = text[start:].rstrip()
+    if not closed:
+        partial = partial[:len(partial) - _close_prefix(partial)].rstrip()
+    return CallText(name, partial)
+
+
+def _streamed_name(text: str, members: dict[str, tuple[int, int]], pending: Optional[tuple[str, int]]) -> Optional[str]:
+    """The call's name once `"name"` has been read and then an `"arguments"` object began; else None."""
+    span = members.get("name")
+    args_start = members["arguments"][0] if "arguments" in members else (
+        pending[1] if pending is not None and pending[0] == "arguments" else None)
+    if span is None or args_start is None or span[0] > args_start or not text.startswith("{", args_start):
+        return None
+    name = json.loads(text[span[0]:span[1]])
+    return name if isinstance(name, str) else None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_members(text: str) -> tuple[dict[str, tuple[int, int]], Optional[tuple[str, int]]]:
+    """The top-level members of the JSON object `text` begins, as far as they are complete: key ->
+    (start, end) of its value; and the member whose value has begun but not ended, as (key, start)."""
+    members: dict[str, tuple[int, int]] = {}
+    i = _skip_ws(text, 1)
+    while i < len(text) and text[i] == '"':
+        try:
+            key, i = _DECODER.raw_decode(text, i)
+        except ValueError:
+            break
+        i = _skip_ws(text, i)
+        if not text.startswith(":", i):
+            break
+        start = _skip_ws(text, i + 1)
+        if start >= len(text):
+            break
+        try:
+            _, end = _DECODER.raw_decode(text, start)
+        except ValueError:
+            return members, (key, start)
+        after = _skip_ws(text, end)
+        if after >= len(text):  # a number may go on; anything else is complete but its member's end unknown
+            return members, (key, start)
+        members.setdefault(key, (start, end))
+        if text[after] != ",":
+            break
+        i = _skip_ws(text, after + 1)
+    return members, None
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _close_prefix(text: str) -> int:
+    """Length of the longest tail of `text` that could begin `</tool_call>` (held back while streaming)."""
+    for k in range(min(len(CALL_CLOSE) - 1, len(text)), 0, -1):
+        if text.endswith(CALL_CLOSE[:k]):
+            return k
+    return 0
+
+
+_XML_NAME = re.compile(r"<function=([^>\n]+)>")
+
+
+def _read_xml_call(text: str, tools: Sequence[dict[str, Any]], closed: bool) -> Optional[CallText]:
+    head = _XML_NAME.match(text)
+    if head is None:
+        return None
+    name = head.group(1).strip()
     strings = _string_parameters(tools, name)
-    args = {key.strip(): value if key.strip() in strings else _parse_value(value)
-            for key, value in _XML_PARAMETER.findall(match.group(2))}
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    pieces = []
+    for key, value in _XML_PARAMETER.findall(text, head.end()):
+        key = key.strip()
+        parsed = value if key in strings else _parse_value(value)
+        pieces.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(parsed, ensure_ascii=False)}")
+    return CallText(name, "{" + ", ".join(pieces) + ("}" if closed else ""))
 
 
 def _string_parameters(tools: Sequence[dict[str, Any]], name: str) -> set[str]:

@@ -6,6 +6,9 @@
   (thread-safe), for one tokenizer and logits width; a bad spec raises `StructuredOutputError`.
 - `GrammarState` (`compiler.py`): one request's matcher: fills its row of the token bitmask the
   sampler applies, accepts each sampled token, says when the grammar has terminated.
+- `ReasoningGate` (`reasoning.py`): in front of a request's matcher when its constraint holds only
+  after `<think>…</think>` (`after_reasoning`) or its reasoning has a budget: no mask and no
+  matcher advance while the model thinks.
 
 xgrammar is imported only when the first grammar is compiled.
 """

@@ -63,6 +63,15 @@ class GrammarState:
         """Advance by `token_id`; False (state unchanged) when the grammar does not allow it."""
         return bool(self._matcher.accept_token(token_id))
 
+    def accept_string(self, text: str) -> bool:
+        """Advance by `text` (not a token: what a reasoning-closing token carried past `</think>`)."""
+        return bool(self._matcher.accept_string(text))
+
+    @property
+    def constraining(self) -> bool:
+        """Always: a bare grammar masks every step (a `ReasoningGate` may not)."""
+        return True
+
     @property
     def is_terminated(self) -> bool:
         return bool(self._matcher.is_terminated())

@@ -8,6 +8,11 @@ Exactly one of:
 - `choice`: the output is exactly one of these strings;
 - `grammar`: an EBNF grammar (xgrammar / GBNF syntax, start rule `root`).
 
+`after_reasoning` (default False): the model may first reason in `<think>…</think>`, unconstrained;
+the constraint holds from after `</think>` (see `reasoning.py` for how the prompt decides where the
+output starts: inside a think, after one, or free to open one). The server sets it for constrained
+chat requests when a reasoning parser is on. It does not change the compiled grammar.
+
 `disable_any_whitespace` (vLLM's flag; default True here, unlike vLLM): JSON is generated in one
 line with `", "` and `": "` separators. Small models allowed free whitespace tend to emit it
 forever; set False to let the model format the JSON as it likes.
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+FLAGS = ("disable_any_whitespace", "after_reasoning")
 
 
 class StructuredOutputError(ValueError):
@@ -40,6 +46,7 @@ class StructuredOutputsParams:
     grammar: Optional[str] = None
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = True
+    after_reasoning: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -60,8 +67,9 @@ class StructuredOutputsParams:
                     or not all(isinstance(c, str) and c for c in self.choice)):
                 raise StructuredOutputError("structured_outputs.choice must be a non-empty list of non-empty strings")
             self.choice = list(self.choice)
-        if not isinstance(self.disable_any_whitespace, bool):
-            raise StructuredOutputError("structured_outputs.disable_any_whitespace must be true or false")
+        for flag in ("disable_any_whitespace", "after_reasoning"):
+            if not isinstance(getattr(self, flag), bool):
+                raise StructuredOutputError(f"structured_outputs.{flag} must be true or false")
 
     @classmethod
     def of(cls, value: Any) -> "StructuredOutputsParams":
@@ -71,10 +79,10 @@ class StructuredOutputsParams:
         if not isinstance(value, dict):
             raise StructuredOutputError(f"structured_outputs must be an object with one of {', '.join(KINDS)}, "
                                         f"got {type(value).__name__}")
-        unknown = sorted(set(value) - set(KINDS) - {"disable_any_whitespace"})
+        unknown = sorted(set(value) - set(KINDS) - set(FLAGS))
         if unknown:
             raise StructuredOutputError(f"structured_outputs has unknown fields {', '.join(unknown)} "
-                                        f"(supported: {', '.join(KINDS)}, disable_any_whitespace)")
+                                        f"(supported: {', '.join(KINDS + FLAGS)})")
         return cls(**value)
 
     @property
