@@ -20,9 +20,13 @@ of bench/vllm_side.py). That python runs bench/vllm_side.py as a subprocess, one
 builds `vllm.LLM` once (the checkpoint's processor and chat template, 1 GiB of KV cache,
 max_num_seqs = --requests, at most one image a prompt, its OpenMP threads bound to the same cores
 as the other sides' threads rather than vLLM's default of keeping one core of two for its
-scheduler), then times only `llm.chat` on each batch, greedy, `max_tokens` per request, EOS
+scheduler: set VLLM_CPU_OMP_THREADS_BIND=auto for that default), then times only `llm.chat` on
+each batch (chat template and image processing included), greedy, `max_tokens` per request, EOS
 ignored as on the other sides. The images go over as PNG files, decoded before the timing starts
-(the other sides get them decoded too). If vLLM fails to start, the run goes on without it.
+(the other sides get them decoded too). Its engine is built and warmed up (torch.compile) once per
+dtype, before the warm-up runs; after each of its runs the bench waits, untimed, until vLLM's
+processes are idle (its worker polls for about a second after a batch), so the next side does not
+share the cores with it. If vLLM fails to start, the run goes on without it.
 
     python bench/bench_cpu_vs_hf.py --requests 32 --max-tokens 32 --repeats 3 --dtypes float32 bfloat16
     python bench/bench_cpu_vs_hf.py --dtypes float32 bfloat16 --vllm-python /work/vllm-venv/bin/python
@@ -191,11 +195,37 @@ class VllmSide:
         self.proc.stdin.flush()
         result = self._read(timeout=None)
         shutil.rmtree(run_dir)
+        self.wait_quiet()
         if "seconds" not in result:
             raise RuntimeError(f"vLLM run failed: {result.get('error', 'no result line')}\n{self.log_tail()}")
         if ignore_eos:
             assert result["tokens"] == sum(lengths), (result["tokens"], sum(lengths))
         return result["seconds"], result["tokens"]
+
+    def wait_quiet(self, window: float = 0.25, max_wait: float = 10.0) -> None:
+        """Untimed: wait until vLLM's processes have gone idle. After a batch its worker keeps
+        polling its message queue for about a second (and its OpenMP threads spin a while), which
+        on 2 cores would slow whichever side runs next."""
+        deadline = time.monotonic() + max_wait
+        before = self.cpu_ticks()
+        while time.monotonic() < deadline:
+            time.sleep(window)
+            now = self.cpu_ticks()
+            if now - before <= 1:  # at most one clock tick (10 ms) in the window
+                return
+            before = now
+
+    def cpu_ticks(self) -> int:
+        """User + system clock ticks of every process in the subprocess's process group (Linux)."""
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.proc.pid:  # pgrp
+                total += int(fields[11]) + int(fields[12])
+        return total
 
     def _read(self, timeout: float | None) -> dict:
         """The next result line, or {"error": ...} when the subprocess ended or timed out."""
