@@ -18,6 +18,8 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="no decode padding to batch-size buckets and no CUDA graphs (default: eager on the "
                         "CPU only; --no-enforce-eager pads on the CPU too)")
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
+                   help="dense linears' GEMMs: onednn packs the weights once (auto: on the CPU)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
                    help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
     p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],
@@ -27,5 +29,6 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
 def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields `add_kernel_args` set."""
     return {"attention_backend": args.attention_backend, "gdn_backend": args.gdn_backend,
-            "enforce_eager": args.enforce_eager, "image_backend": args.image_backend,
+            "linear_backend": args.linear_backend, "enforce_eager": args.enforce_eager,
+            "image_backend": args.image_backend,
             "preprocess_device": args.preprocess_device}

@@ -28,6 +28,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # full-attention kernels: auto | torch | cpu | flashinfer (layers/attention/factory.py)
     gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
+    # Dense linears' GEMMs: "onednn" packs the weights once for oneDNN (CPU; layers/packed_linear.py),
+    # "torch" runs F.linear on the weights as loaded (the reference); "auto": onednn on the CPU.
+    linear_backend: str = "auto"
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
     # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
@@ -87,6 +90,8 @@ class EngineConfig:
             raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
         if self.image_backend not in IMAGE_BACKENDS:
             raise ValueError(f"image_backend must be one of {', '.join(IMAGE_BACKENDS)}, got {self.image_backend!r}")
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         if self.preprocess_device not in ("cpu", "cuda"):
             raise ValueError(f"preprocess_device must be cpu or cuda, got {self.preprocess_device!r}")
         if self.tensor_parallel_size < 1:
@@ -101,6 +106,12 @@ class EngineConfig:
     @property
     def gdn_state_torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.gdn_state_dtype]
+
+    def packs_linears(self, device: torch.device) -> bool:
+        """Whether the dense linears run from oneDNN-packed weights on `device` (CPU only)."""
+        if self.linear_backend == "onednn" and device.type != "cpu":
+            raise ValueError(f"linear_backend='onednn' runs on the CPU only, not on {device.type}")
+        return self.linear_backend == "onednn" or (self.linear_backend == "auto" and device.type == "cpu")
 
     def eager_decode(self, device: torch.device) -> bool:
         """`enforce_eager`, or what None means on `device`."""

@@ -1,6 +1,7 @@
 """Builds a `ModelRunner` around a loaded model and its caches: the one place kernels are chosen.
 
-`build_model_runner` picks the attention backends (`EngineConfig.attention_backend` /
+`build_model_runner` packs the dense linears' weights for oneDNN on the CPU
+(`EngineConfig.linear_backend`), picks the attention backends (`EngineConfig.attention_backend` /
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
 FlashInfer path, and sets up decode padding and CUDA graphs (`enforce_eager`). The engine (one
 device) and each tensor-parallel rank build their runner with it.
@@ -22,6 +23,7 @@ from vlmrun.layers.attention import Attention, AttentionBackend, create_attentio
 from vlmrun.layers.attention.factory import BackendSetup, backend_names
 from vlmrun.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
+from vlmrun.layers.packed_linear import pack_linear_weights
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 
@@ -30,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 def build_model_runner(model: nn.Module, caches: Caches, vision: Optional[VisionStage], config: EngineConfig,
                        device: torch.device) -> ModelRunner:
+    if config.packs_linears(device):
+        pack_linear_weights(model)
     backend = make_attention_backend(model, caches, config, device)
     fuse_vision_attention(model, backend, caches)
     return ModelRunner(model, caches, backend, vision, device,

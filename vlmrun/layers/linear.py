@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmrun.layers.packed_linear import linear
 from vlmrun.parallel import SINGLE, Shard, TensorParallel
 
 
@@ -79,7 +80,7 @@ class ColumnParallelLinear(ShardedRows):
         super().__init__(shards, (in_features,), bias, part_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def column_linear(in_features: int, out_features: int, tp: TensorParallel = SINGLE, bias: bool = False
@@ -107,8 +108,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)  # [.., out] partial sum over this rank's inputs
+            return linear(x, self.weight, self.bias)
+        y = linear(x, self.weight)  # [.., out] partial sum over this rank's inputs
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
@@ -164,7 +165,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.num_embeddings
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [n, rows_per_rank]
+        logits = linear(hidden, self.weight)  # [n, rows_per_rank]
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[..., : self.num_embeddings]
