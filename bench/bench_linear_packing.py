@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmrun.layers.packed_linear import linear  # noqa: E402
+from vlmrun.layers.linear import linear  # noqa: E402
 
 SHAPES = {"qkv": (1024, 512), "gate_up": (3072, 512), "down": (512, 1536)}  # (out, in)
 

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.config import EngineConfig
-from vlmrun.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from vlmrun.layers.packed_linear import linear, pack_linear_weights
+from vlmrun.layers.linear import ParallelLMHead, VocabParallelEmbedding, linear
+from vlmrun.layers.packed_linear import pack_linear_weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,6 +16,8 @@ its rows with `tensor.narrow`, so a lazily read safetensors tensor (`vlmrun.load
 reads only this rank's slice. A fused layer names its checkpoint parts (`part_names`, e.g.
 `("q_proj", "k_proj", "v_proj")`): the loader sends `self_attn.q_proj.weight` to
 `self_attn.qkv_proj.weight` as part 0. With one rank every layer is the plain torch layer.
+The layers multiply through `linear()`: `F.linear`, or oneDNN's GEMM once the weights have been
+packed for it (`vlmrun.layers.packed_linear`, the CPU fast path).
 """
 
 from __future__ import annotations
@@ -26,8 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vlmrun.layers.packed_linear import linear
 from vlmrun.parallel import SINGLE, Shard, TensorParallel
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [.., in] -> [.., out]: oneDNN's GEMM for a weight packed for it (`vlmrun.layers.packed_linear`),
+    `F.linear` for a plain one."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def copy_rows(dst: torch.Tensor, src: Any, src_start: int, hf_name: str) -> None:

@@ -11,7 +11,8 @@ on the 2-core AVX-512 bench machine 1.7-1.8x faster than `F.linear` in float32 a
 `pack_linear_weights(model)` swaps the weight of every dense linear (the tensor-parallel linears,
 the LM head, `nn.Linear` in the vision tower and routers) for its packed form, in place; a weight
 shared with another module (an LM head tied to the embeddings) stays as it is. The layers call
-`linear(x, weight, bias)`, which runs oneDNN's kernel for a packed weight and `F.linear` otherwise.
+`vlmrun.layers.linear.linear(x, weight, bias)`, which runs oneDNN's kernel for a packed weight and
+`F.linear` otherwise.
 `linear_backend="torch"` (`EngineConfig`) keeps every weight unpacked: the reference.
 """
 
@@ -19,32 +20,19 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from vlmrun.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, linear
 
 logger = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """x [.., in] -> [.., out]: oneDNN's GEMM for a packed weight, `F.linear` for a plain one."""
-    if weight.is_mkldnn:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
 def pack_linear_weights(model: nn.Module) -> int:
     """Packs the weights of the model's dense linears for oneDNN (CPU); returns how many."""
-    from vlmrun.layers.linear import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
-
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = 0
     for module in model.modules():
