@@ -217,16 +217,17 @@ def test_mixed_batches_through_the_backend_match_whole_sequences():
     backend = TorchGDNBackend(pool)
     layer = LinearAttention(1, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(0)) * 0.5
-    a, b, c = Stream(150, 1), Stream(72, 2), Stream(7, 3)
+    a, b, c, d = Stream(150, 1), Stream(72, 2), Stream(7, 3), Stream(31, 4)
     plan = [
         [(a, 1, 0, 64), (b, 2, 0, 40)],  # two prefill chunks
-        [(a, 1, 64, 1), (b, 2, 40, 30), (c, 4, 0, 5)],  # a one-token chunk, a chunk, a whole prompt
+        # a one-token chunk, a chunk over a carried state batched with a prompt of its length, a whole prompt
+        [(a, 1, 64, 1), (b, 2, 40, 30), (c, 4, 0, 5), (d, 3, 0, 30)],
         [(a, 1, 65, 85)],  # a chunk over two 64-token GDN chunks, alone
-        [(b, 2, 70, 1), (c, 4, 5, 1)],  # a DECODE step
+        [(b, 2, 70, 1), (c, 4, 5, 1), (d, 3, 30, 1)],  # a DECODE step
         [(c, 4, 6, 1), (b, 2, 71, 1)],  # another, batch order swapped
     ]
     outs = run_steps(backend, layer, weight, plan)
-    for st in (a, b, c):
+    for st in (a, b, c, d):
         torch.testing.assert_close(torch.cat(outs[id(st)]), st.reference(weight), atol=1e-5, rtol=1e-5)
     assert not pool.conv_state[:, 0].any() and not pool.recurrent_state[:, 0].any(), "the dummy slot stays unused"
     assert not pool.recurrent_state[0].any(), "GDN layer 0 was never run"

@@ -42,18 +42,22 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor,
                   state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence: x [T, C] after the carried conv inputs `state` [C, K-1] (zeros when None).
+    """One sequence: x [T, C] after the carried conv inputs `state` [C, K-1] (zeros when None); or N
+    sequences of one length at once: x [N, T, C], state [N, C, K-1].
 
     Returns y [T, C] = SiLU(depthwise causal conv) in x's dtype (computed in weight's dtype, as HF)
-    and the new state [C, K-1]: the last K-1 inputs, in x's dtype.
+    and the new state [C, K-1]: the last K-1 inputs, in x's dtype (each with the leading N when batched).
     """
+    if x.dim() == 2:
+        y, new_state = causal_conv1d(x[None], weight, None if state is None else state[None])
+        return y[0], new_state[0]
     channels, kernel = weight.shape
     if state is None:
-        state = x.new_zeros(channels, kernel - 1)
-    full = torch.cat([state.to(x.dtype), x.t()], dim=1)  # [C, K-1+T]
-    new_state = full[:, full.shape[1] - (kernel - 1):].contiguous()  # [C, K-1]
-    y = F.conv1d(full.to(weight.dtype).unsqueeze(0), weight.unsqueeze(1), groups=channels)[0]  # [C, T]
-    return F.silu(y).t().to(x.dtype), new_state
+        state = x.new_zeros(x.shape[0], channels, kernel - 1)
+    full = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=2)  # [N, C, K-1+T]
+    new_state = full[..., full.shape[2] - (kernel - 1):].contiguous()  # [N, C, K-1]
+    y = F.conv1d(full.to(weight.dtype), weight.unsqueeze(1), groups=channels)  # [N, C, T]
+    return F.silu(y).transpose(1, 2).to(x.dtype), new_state
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor,

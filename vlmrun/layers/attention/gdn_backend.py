@@ -4,8 +4,10 @@
 ragged batch it reads the sequence's slot (`fb.state_slots`), runs the causal conv1d from the
 slot's conv state and the gated delta rule from the slot's recurrent state, and writes both
 states back:
-  - a sequence feeding several tokens (prefill or a prefill chunk) runs `chunk_gated_delta_rule`
-    on its own; a later chunk starts from the state the previous chunk left;
+  - sequences feeding several tokens (prefills or prefill chunks) run `chunk_gated_delta_rule`
+    together when they feed the same number of tokens (one batched call per length: a batch of
+    same-size images prefills at once), each from its own slot's state; a later chunk starts from
+    the state the previous chunk left;
   - all sequences feeding one token (decodes) run together as one `recurrent_gated_delta_rule`
     step, gathered and scattered by slot.
 The per-step split is computed once in `prepare` from host lists (no device→host sync) and kept
@@ -30,15 +32,17 @@ from vlmrun.layers.gdn_ops import (
 )
 
 @dataclass
-class ExtendSpan:
-    batch_index: int  # the sequence's index in the batch
-    start: int  # its first row in the token stream
-    end: int  # one past its last row
+class ExtendGroup:
+    """Sequences feeding the same number (> 1) of tokens this step, run as one batch."""
+
+    length: int
+    batch_indices: torch.Tensor  # [n] the sequences' indices in the batch
+    rows: torch.Tensor  # [n * length] their rows in the token stream, sequence by sequence
 
 
 @dataclass
 class GDNMetadata:
-    extends: list[ExtendSpan]  # sequences feeding more than one token
+    extends: list[ExtendGroup]  # sequences feeding more than one token, grouped by length
     decode_rows: Optional[torch.Tensor]  # [n_decode] token rows of one-token sequences (None in a DECODE step)
     decode_slots: Optional[torch.Tensor]  # [n_decode] their GDN slots; None when no sequence feeds one token
     decode_is_whole_batch: bool  # a DECODE step: every sequence feeds one token, rows are the stream in order
@@ -53,7 +57,7 @@ class TorchGDNBackend(LinearAttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.state_slots is None:
             raise ValueError("a hybrid model's ForwardBatch needs state_slots (the GDN slot of each sequence)")
-        extends: list[ExtendSpan] = []
+        by_length: dict[int, list[tuple[int, int]]] = {}  # length -> (batch index, first row)
         decode_batch: list[int] = []
         decode_rows: list[int] = []
         start = 0
@@ -62,14 +66,17 @@ class TorchGDNBackend(LinearAttentionBackend):
                 decode_batch.append(i)
                 decode_rows.append(start)
             else:
-                extends.append(ExtendSpan(i, start, start + n))
+                by_length.setdefault(n, []).append((i, start))
             start += n
+        device = fb.state_slots.device
+        extends = [ExtendGroup(n, torch.tensor([i for i, _ in seqs], device=device),
+                               (torch.tensor([s for _, s in seqs])[:, None] + torch.arange(n)).flatten().to(device))
+                   for n, seqs in by_length.items()]
         whole = len(decode_batch) == fb.batch_size  # a DECODE step
         rows = slots = None
         if decode_batch and whole:
             slots = fb.state_slots
         elif decode_batch:
-            device = fb.state_slots.device
             rows = torch.tensor(decode_rows, dtype=torch.int64).to(device)
             slots = fb.state_slots[torch.tensor(decode_batch, dtype=torch.int64).to(device)]
         fb.linear_attn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole)
@@ -84,15 +91,18 @@ class TorchGDNBackend(LinearAttentionBackend):
             return self._decode(mixed_qkv, g, beta, conv_weight, md.decode_slots, layer, conv_state, rec_state)
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim)  # [T, Hv, Dv]
 
-        for span in md.extends:
-            slot = fb.state_slots[span.batch_index:span.batch_index + 1]  # [1], stays on device
-            y, new_conv = causal_conv1d(mixed_qkv[span.start:span.end], conv_weight, conv_state[slot][0])
-            q, k, v = split_gdn_heads(y, layer)  # [n, H, D] each
-            o, new_rec = chunk_gated_delta_rule(q[None], k[None], v[None], g[None, span.start:span.end],
-                                                beta[None, span.start:span.end], rec_state[slot])
-            conv_state[slot] = new_conv.unsqueeze(0).to(conv_state.dtype)
-            rec_state[slot] = new_rec.to(rec_state.dtype)
-            out[span.start:span.end] = o[0]
+        for group in md.extends:
+            n, length = group.batch_indices.shape[0], group.length
+            slots = fb.state_slots[group.batch_indices]  # [n]
+            x = mixed_qkv[group.rows].view(n, length, -1)  # [n, length, conv_dim]
+            y, new_conv = causal_conv1d(x, conv_weight, conv_state[slots])
+            q, k, v = split_gdn_heads(y.flatten(0, 1), layer)  # [n * length, H, D] each
+            o, new_rec = chunk_gated_delta_rule(
+                q.view(n, length, *q.shape[1:]), k.view(n, length, *k.shape[1:]), v.view(n, length, *v.shape[1:]),
+                g[group.rows].view(n, length, -1), beta[group.rows].view(n, length, -1), rec_state[slots])
+            conv_state[slots] = new_conv.to(conv_state.dtype)
+            rec_state[slots] = new_rec.to(rec_state.dtype)
+            out[group.rows] = o.flatten(0, 1)
 
         if md.decode_slots is not None:
             rows = md.decode_rows
