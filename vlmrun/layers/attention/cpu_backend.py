@@ -37,7 +37,6 @@ class DecodeGroup:
     rows: Optional[torch.Tensor]  # [num_decode] token row of each decode; None when every row decodes
     page_ids: torch.Tensor  # [num_decode * max_pages] KV page of each page-sized run of key positions
     mask: torch.Tensor  # [num_decode, 1, 1, max_seq] bool, True for a sequence's cached keys
-    max_pages: int
 
 
 @dataclass
@@ -70,7 +69,7 @@ class CpuAttnBackend(AttentionBackend):
         for n in extend_lens:
             starts.append(starts[-1] + n)
         decode = self._decode_group(fb, decode_idx, starts) if decode_idx else None
-        rows = fb.req_pool_indices.tolist()
+        rows = fb.req_pool_indices.tolist()  # host values (a sync on a GPU: this backend is the CPU's)
         prefills = [self._prefill_chunk(rows[i], starts[i], n, fb.extend_prefix_lens_cpu[i], fb.seq_lens_cpu[i])
                     for i, n in enumerate(extend_lens) if n > 1]
         fb.attn_metadata = CpuAttnMetadata(decode, prefills)
@@ -86,7 +85,7 @@ class CpuAttnBackend(AttentionBackend):
         lens = fb.seq_lens if sel is None else fb.seq_lens[sel]
         mask = torch.arange(max_seq, device=lens.device)[None, :] < lens.clamp(min=1)[:, None]  # [num_decode, max_seq]
         token_rows = None if all_decode else torch.tensor([starts[i] for i in idx], device=fb.seq_lens.device)
-        return DecodeGroup(token_rows, page_ids, mask[:, None, None, :], max_pages)
+        return DecodeGroup(token_rows, page_ids, mask[:, None, None, :])
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
