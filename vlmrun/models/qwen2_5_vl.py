@@ -34,6 +34,7 @@ from vlmrun.models.blocks.vision_common import (
     VisionEmbeddings,
     VisionPatchEmbed,
     VisionRotaryEmbedding,
+    frame_segments,
     grid_list,
     plan_segments,
     vision_rope_positions,
@@ -86,15 +87,13 @@ class VisionLayout:
 
     unit_order: [num_units] merge-block index at each window-order slot (undo with argsort).
     token_order: [N] patch index at each window-order slot (each unit expanded to its merge**2 patches).
-    window_lens: patches of each window, window order (windowed-attention segments).
-    frame_lens: patches of each frame (full-attention segments; the window reorder never crosses a
-        frame, so these hold in both orders).
+    window_lens: patches of each window, window order (windowed-attention segments; the frames,
+        full attention's segments, need no reordering: the window reorder never crosses a frame).
     """
 
     unit_order: torch.Tensor
     token_order: torch.Tensor
     window_lens: list[int]
-    frame_lens: list[int]
 
 
 def _window_ids(t: int, lh: int, lw: int, win: int) -> torch.Tensor:
@@ -121,8 +120,7 @@ def build_vision_layout(grids: list[tuple[int, int, int]], merge: int, window_un
         offset += wid.numel()
     unit_order = torch.cat(unit_orders)  # [num_units]
     token_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()  # [N]
-    frame_lens = [h * w for t, h, w in grids for _ in range(t)]
-    return VisionLayout(unit_order, token_order, torch.cat(window_lens).tolist(), frame_lens)
+    return VisionLayout(unit_order, token_order, torch.cat(window_lens).tolist())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -158,7 +156,7 @@ class Qwen2_5_VisionTower(nn.Module):
         x = self.patch_embed(pixel_values)[token_order]  # [N, dim], window order
         pos_hw = vision_rope_positions(grids, self.merge)[layout.token_order]  # [N, 2], window order
         cos, sin = self.rotary_pos_emb(pos_hw.to(device))  # [N, head_dim] each
-        windows, frames = plan_segments(layout.window_lens, device), plan_segments(layout.frame_lens, device)
+        windows, frames = plan_segments(layout.window_lens, device), frame_segments(grids, device)
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in self.fullatt_blocks else windows, cos, sin)
         merged = self.merger(x)  # [num_units, out], window order

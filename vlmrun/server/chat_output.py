@@ -22,11 +22,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from vlmrun.server.tool_calls import CALL_CLOSE, CALL_OPEN, ToolCall, read_call
+from vlmrun.server.tool_calls import CALL_CLOSE, CALL_OPEN, ToolCall, held_back, read_call
+from vlmrun.structured.reasoning import THINK_CLOSE, THINK_OPEN
 
 logger = logging.getLogger(__name__)
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 @dataclass
@@ -135,7 +135,7 @@ class ChatOutputParser:
             return text
         end = text.find(THINK_CLOSE)
         if end < 0:
-            out.reasoning = text if final else text[:len(text) - _held_back(text, THINK_CLOSE)]
+            out.reasoning = text if final else text[:len(text) - held_back(text, THINK_CLOSE)]
             return None
         out.reasoning = text[:end]
         return text[end + len(THINK_CLOSE):].lstrip("\n")
@@ -144,7 +144,7 @@ class ChatOutputParser:
         while True:
             start = text.find(CALL_OPEN)
             if start < 0:
-                out.content += text if final else text[:len(text) - _held_back(text, CALL_OPEN)]
+                out.content += text if final else text[:len(text) - held_back(text, CALL_OPEN)]
                 return
             out.content += text[:start]
             end = text.find(CALL_CLOSE, start)
@@ -177,11 +177,3 @@ def _call_deltas(sent: list[ToolCall], now: list[ToolCall]) -> list[CallDelta]:
                 continue
             pieces.append(CallDelta(i, call.arguments[len(before):]))
     return starts + pieces
-
-
-def _held_back(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:k]):
-            return k
-    return 0

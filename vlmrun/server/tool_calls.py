@@ -224,7 +224,7 @@ def _read_json_call(text: str, closed: bool) -> Optional[CallText]:
     start = pending[1]
     partial = text[start:].rstrip()
     if not closed:
-        partial = partial[:len(partial) - _close_prefix(partial)].rstrip()
+        partial = partial[:len(partial) - held_back(partial, CALL_CLOSE)].rstrip()
     return CallText(name, partial)
 
 
@@ -278,10 +278,11 @@ def _skip_ws(text: str, i: int) -> int:
     return i
 
 
-def _close_prefix(text: str) -> int:
-    """Length of the longest tail of `text` that could begin `</tool_call>` (held back while streaming)."""
-    for k in range(min(len(CALL_CLOSE) - 1, len(text)), 0, -1):
-        if text.endswith(CALL_CLOSE[:k]):
+def held_back(text: str, marker: str) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of `marker` (what a stream holds
+    back until the next piece says whether the marker follows)."""
+    for k in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:k]):
             return k
     return 0
 

@@ -6,8 +6,8 @@ SDPA. On the CPU both halves of that are slow: advanced indexing copies a page a
 ATen's generic index kernel, and the masked flash kernel is slowest in bfloat16 with one query per
 row. This backend splits the batch by what each sequence does this step:
 
-- Decode rows (one new token each) run together. Their pages are copied with `index_select`
-  into a buffer made once per step and reused by every layer, and the query heads that share a
+- Decode rows (one new token each) run together. Each layer copies their pages with
+  `index_select` (whole pages as rows: a memcpy each), and the query heads that share a
   KV head ride as that head's query rows (q [decodes, kv_heads, group, head_dim]), so one SDPA call
   over [decodes, kv_heads] needs no GQA expansion and a mask of [decodes, 1, 1, max_seq].
 - Prefill rows (a chunk of several tokens) run one sequence at a time on their own lengths. A
@@ -69,9 +69,10 @@ class CpuAttnBackend(AttentionBackend):
         for n in extend_lens:
             starts.append(starts[-1] + n)
         decode = self._decode_group(fb, decode_idx, starts) if decode_idx else None
-        rows = fb.req_pool_indices.tolist()  # host values (a sync on a GPU: this backend is the CPU's)
-        prefills = [self._prefill_chunk(rows[i], starts[i], n, fb.extend_prefix_lens_cpu[i], fb.seq_lens_cpu[i])
-                    for i, n in enumerate(extend_lens) if n > 1]
+        prefill_idx = [i for i, n in enumerate(extend_lens) if n > 1]
+        rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)
+        prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
+                                        fb.seq_lens_cpu[i]) for i in prefill_idx]
         fb.attn_metadata = CpuAttnMetadata(decode, prefills)
 
     def _decode_group(self, fb: ForwardBatch, idx: list[int], starts: list[int]) -> DecodeGroup:
