@@ -69,10 +69,32 @@ def test_engine_on_the_cpu_backend_equals_the_torch_backend_and_hf(request, arch
     for backend in ("cpu", "torch"):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", attention_backend=backend,
                   max_num_batched_tokens=48, max_num_seqs=4)
+        seen = record_step_kinds(llm.engine.runner.attn_backend) if backend == "cpu" else None
         first = llm.chat([cases[n] for n in names], params(), use_tqdm=False)
         again = llm.chat([cases[n] for n in names], params(), use_tqdm=False)
         assert llm.engine.scheduler.prefix_cache.stats.hits > 0
+        if seen is not None:  # the paths this test is for were taken
+            assert {"decode_step", "decodes_beside_prefills", "chunk_over_prefix"} <= seen, seen
         runs[backend] = first + again
     for name, ours, ref in zip(names * 2, runs["cpu"], runs["torch"]):
         assert ours.token_ids == ref.token_ids, name
         assert_matches(ours, expected[name], name)
+
+
+def record_step_kinds(backend) -> set[str]:
+    """Wraps the (hybrid or plain) CPU backend's `prepare`; returns the set of step kinds it saw."""
+    full = getattr(backend, "full", backend)
+    assert isinstance(full, CpuAttnBackend)
+    seen: set[str] = set()
+    prepare = full.prepare
+
+    def recording(fb):
+        prepare(fb)
+        md = fb.attn_metadata
+        if md.decode is not None:
+            seen.add("decode_step" if md.decode.rows is None else "decodes_beside_prefills")
+        if any(chunk.mask is not None for chunk in md.prefills):
+            seen.add("chunk_over_prefix")
+
+    full.prepare = recording
+    return seen
