@@ -26,15 +26,18 @@ ignored as on the other sides. The images go over as PNG files, decoded before t
 (the other sides get them decoded too). Its engine is built and warmed up (torch.compile) once per
 dtype, before the warm-up runs; after each of its runs the bench waits, untimed, until vLLM's
 processes are idle (its worker polls for about a second after a batch), so the next side does not
-share the cores with it. If vLLM fails to start, the run goes on without it.
+share the cores with it. If vLLM fails to start, the run goes on without it. `--variant OPTION=VALUE`
+adds vlmrun with that engine option as another side (an A/B of one option in the same run).
 
     python bench/bench_cpu_vs_hf.py --requests 32 --max-tokens 32 --repeats 3 --dtypes float32 bfloat16
     python bench/bench_cpu_vs_hf.py --dtypes float32 bfloat16 --vllm-python /work/vllm-venv/bin/python
+    python bench/bench_cpu_vs_hf.py --workloads uniform text --dtypes float32 bfloat16 --variant linear_backend=torch
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import platform
@@ -357,6 +360,17 @@ def bench_workload(sides: dict, dtype: str, workload: str, args: argparse.Namesp
     report(measure_alternating(sides, make, args.repeats), args.requests, "req/s")
 
 
+def engine_option(variant: str) -> dict[str, object]:
+    """"OPTION=VALUE" -> {OPTION: VALUE}, the value read as a Python literal when it is one (True, 4)."""
+    key, sep, value = variant.partition("=")
+    if not sep:
+        raise SystemExit(f"--variant {variant!r}: expected OPTION=VALUE")
+    try:
+        return {key: ast.literal_eval(value)}
+    except (ValueError, SyntaxError):
+        return {key: value}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
@@ -366,8 +380,10 @@ def main() -> None:
                         choices=["uniform", "mixed", "text"])
     parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     parser.add_argument("--default-model", action="store_true", help="also the bundled model's captioning rate")
-    parser.add_argument("--eager-ab", action="store_true",
-                        help="also run vlmrun with enforce_eager=True (no decode padding) as a third side")
+    parser.add_argument("--variant", action="append", default=[], metavar="OPTION=VALUE",
+                        help="also run vlmrun with this engine option as another side, e.g. "
+                             "linear_backend=torch or attention_backend=torch (repeatable)")
+    parser.add_argument("--eager-ab", action="store_true", help="the same as --variant enforce_eager=True")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--vllm-python", default=os.environ.get("VLMRUN_BENCH_VLLM_PYTHON") or None,
                         help="python of a virtual environment with vLLM's CPU build: adds vLLM as a side "
@@ -381,8 +397,8 @@ def main() -> None:
         model_dir = build_checkpoint(Path(tmp))
         for dtype in args.dtypes:
             sides = {"vlmrun": VlmrunSide(model_dir, dtype), "HF": HFSide(model_dir, dtype)}
-            if args.eager_ab:
-                sides["vlmrun eager"] = VlmrunSide(model_dir, dtype, enforce_eager=True)
+            for variant in args.variant + (["enforce_eager=True"] if args.eager_ab else []):
+                sides[f"vlmrun {variant}"] = VlmrunSide(model_dir, dtype, **engine_option(variant))
             vllm = start_vllm(args.vllm_python, model_dir, dtype, args.requests) if args.vllm_python else None
             if vllm is not None:
                 sides["vLLM"] = vllm

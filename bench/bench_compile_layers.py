@@ -1,0 +1,78 @@
+"""torch.compile of the text decoder layers on the CPU, against the eager engine: is it worth it?
+
+Two engines on bench_cpu_vs_hf.py's checkpoint in one process; in one, every decoder layer's forward
+is `torch.compile(..., dynamic=True)` (inductor's C++ backend) with the attention call left eager
+(`torch.compiler.disable` on `Attention.forward`, so the paged-KV metadata never enters a graph).
+Both engines run unpacked linear weights (`linear_backend="torch"`): dynamo cannot trace oneDNN's
+packed weights, so compiling means giving the packing up (or inductor's own freezing pass).
+The first run of the compiled engine (which compiles) is timed apart; then the two alternate on
+the same fresh requests. Prints requests/s (best and median) and whether the greedy tokens agree.
+An experiment, not an engine option: vlmrun does not compile its layers (BENCHMARKS.md says why).
+
+    python bench/bench_compile_layers.py --dtype bfloat16 --workload text --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only, as in bench_cpu_vs_hf
+
+from bench.bench_cpu_vs_hf import build_checkpoint, make_requests  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--workload", default="text", choices=["uniform", "mixed", "text"])
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    from vlmrun import LLM, SamplingParams
+    from vlmrun.layers.attention.base import Attention
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_checkpoint(Path(tmp))
+        # Unpacked weights on both sides: dynamo does not trace oneDNN's packed (opaque) weight tensors.
+        llms = {name: LLM(str(model_dir), dtype=args.dtype, device="cpu", linear_backend="torch")
+                for name in ("eager", "compiled")}
+        Attention.forward = torch.compiler.disable(Attention.forward)
+        layers = [m for m in llms["compiled"].engine.runner.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        for layer in layers:
+            layer.forward = torch.compile(layer.forward, dynamic=True)
+
+        def run(llm, seed: int) -> tuple[float, list[list[int]]]:
+            images, prompts, lengths = make_requests(args.requests, args.workload, seed, 32)
+            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+            requests = [{"prompt": p, "images": [i]} if i is not None else p for i, p in zip(images, prompts)]
+            start = time.perf_counter()
+            outs = llm.generate(requests, params, use_tqdm=False)
+            return time.perf_counter() - start, [o.token_ids for o in outs]
+
+        for name, llm in llms.items():
+            print(f"first run ({name}, compiling when compiled: {len(layers)} layers): {run(llm, 1000)[0]:.1f} s")
+        rates: dict[str, list[float]] = {name: [] for name in llms}
+        same = True
+        for r in range(args.repeats):
+            tokens = {}
+            for name in (list(llms) if r % 2 == 0 else list(reversed(llms))):
+                seconds, tokens[name] = run(llms[name], 1001 + r)
+                rates[name].append(args.requests / seconds)
+            same &= tokens["eager"] == tokens["compiled"]
+        for name, rs in rates.items():
+            print(f"{args.dtype} {args.workload} {name:9s} best {max(rs):6.2f} req/s, median {statistics.median(rs):6.2f}")
+        print(f"compiled / eager: best {max(rates['compiled']) / max(rates['eager']):.2f}x, median "
+              f"{statistics.median(rates['compiled']) / statistics.median(rates['eager']):.2f}x; "
+              f"greedy tokens identical: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""The CPU fast path's kernels against what they replace, at the bench model's shapes, one process.
+
+bench_cpu_vs_hf.py's checkpoint (text hidden 512, 8 query / 4 KV heads of 64, page 16; vision
+hidden 256, 16x16x2 patches); milliseconds per call (mean of 30 after 3 warm-ups):
+- linears: `F.linear` vs oneDNN-packed weights (`vlmrun.layers.linear.linear`), qkv / gate_up / down
+  at decode (M = 32) and prefill (M = 2,496) sizes, with the largest relative difference;
+- page gather of a decode step's KV (32 sequences): advanced indexing (the torch backend's) vs
+  `index_select` of whole pages (the CPU backend's);
+- decode attention over the gathered pages: the masked GQA SDPA call of the torch backend vs the
+  grouped call of the CPU backend (query heads of a KV head as its query rows);
+- rotary: `x * cos + rotate_half(x) * sin` (HF's form) vs `vlmrun.layers.rotary.apply_rotary`;
+- bf16 only: the vision patch embed as oneDNN's conv vs one GEMM (32 images of 224x224).
+
+    python bench/bench_cpu_kernels.py
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vlmrun.layers.linear import linear  # noqa: E402
+from vlmrun.layers.rotary import apply_rotary  # noqa: E402
+
+LINEARS = {"qkv": (1024, 512), "gate_up": (3072, 512), "down": (512, 1536)}  # (out, in)
+HEADS, KV_HEADS, HEAD_DIM, PAGE, SEQS = 8, 4, 64, 16, 32
+
+
+def per_call_ms(fn, calls: int = 30) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def row(what: str, old_name: str, old: float, new_name: str, new: float, extra: str = "") -> None:
+    print(f"  {what:34s} {old_name} {old:8.3f} ms, {new_name} {new:8.3f} ms, {old / new:5.2f}x{extra}", flush=True)
+
+
+def bench_linears(dtype: torch.dtype, gen: torch.Generator) -> None:
+    for name, (out_features, in_features) in LINEARS.items():
+        weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        for rows in (32, 2496):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            ref = F.linear(x.float(), weight.float())
+            rel = ((linear(x, packed).float() - ref).abs().max() / ref.abs().max()).item()
+            row(f"linear {name} M={rows}", "F.linear", per_call_ms(lambda: F.linear(x, weight)),
+                "packed", per_call_ms(lambda: linear(x, packed)), f", max rel diff {rel:.1e}")
+
+
+def bench_decode_attention(dtype: torch.dtype, gen: torch.Generator) -> None:
+    pool = torch.randn(22000 * PAGE, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)  # one layer's K buffer
+    pages = pool.view(-1, PAGE, KV_HEADS, HEAD_DIM)
+    for keys in (96, 256):
+        table = torch.randperm(22000, generator=gen)[: SEQS * keys // PAGE].view(SEQS, keys // PAGE)
+        row(f"page gather, {keys} keys", "index", per_call_ms(lambda: pages[table]),
+            "index_select", per_call_ms(lambda: torch.index_select(pages.view(pages.shape[0], -1), 0, table.flatten())))
+        k = pages[table].flatten(1, 2).transpose(1, 2)  # [seqs, kv_heads, keys, head_dim]
+        q = torch.randn(SEQS, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        mask = (torch.arange(keys)[None, :] < torch.randint(keys - PAGE + 1, keys + 1, (SEQS, 1), generator=gen))
+        masked = lambda: F.scaled_dot_product_attention(q[:, :, None], k, k, attn_mask=mask[:, None, None], enable_gqa=True)  # noqa: E731
+        grouped = lambda: F.scaled_dot_product_attention(q.view(SEQS, KV_HEADS, -1, HEAD_DIM), k, k,  # noqa: E731
+                                                         attn_mask=mask[:, None, None])
+        row(f"decode attention, {keys} keys", "masked GQA", per_call_ms(masked), "grouped", per_call_ms(grouped))
+
+
+def bench_rotary(dtype: torch.dtype, gen: torch.Generator) -> None:
+    x = torch.randn(4126, HEADS, HEAD_DIM, generator=gen).to(dtype)
+    cos, sin = torch.randn(4126, HEAD_DIM, generator=gen), torch.randn(4126, HEAD_DIM, generator=gen)
+
+    def hf_form() -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        return (xf * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]).to(dtype)
+
+    row("rotary, 4,126 tokens", "rotate_half", per_call_ms(hf_form), "addcmul", per_call_ms(lambda: apply_rotary(x, cos, sin)))
+
+
+def bench_patch_embed(gen: torch.Generator) -> None:
+    from vlmrun.models.blocks.vision_common import VisionPatchEmbed
+
+    embed = VisionPatchEmbed(3, 2, 16, 256, bias=True).to(torch.bfloat16)
+    x = torch.randn(32 * 196, 3 * 2 * 16 * 16, generator=gen).bfloat16()
+    conv = lambda: embed.proj(x.view(-1, *embed.proj.weight.shape[1:])).view(-1, 256)  # noqa: E731
+    row("patch embed, 32 images", "conv", per_call_ms(conv, 5), "GEMM", per_call_ms(lambda: embed(x), 5))
+
+
+def main() -> None:
+    print(f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for dtype in (torch.float32, torch.bfloat16):
+            print(str(dtype)[6:], flush=True)
+            bench_linears(dtype, gen)
+            bench_decode_attention(dtype, gen)
+            bench_rotary(dtype, gen)
+        bench_patch_embed(gen)
+
+
+if __name__ == "__main__":
+    main()
