@@ -1,12 +1,13 @@
 """Where vlmrun's CPU time goes: a step-phase split and torch.profiler's top operators.
 
-Runs the 32-request `uniform` workload of bench_cpu_vs_hf.py (one 224x224 image and 32 output
+Runs a 32-request workload of bench_cpu_vs_hf.py (default `uniform`: one 224x224 image and 32 output
 tokens each) on its random-weight Qwen3-VL and splits wall time into: vision encoder, text-model
 forward of prefill steps and of decode steps, logits + sampling, and everything else (scheduler,
 batch building, detokenizing: host work). Then it profiles one more run with torch.profiler and
 prints the operators with the most self CPU time, and the share of attention's SDPA calls.
 
-    python bench/profile_cpu.py --dtype float32 [--enforce-eager]
+    python bench/profile_cpu.py --dtype float32 [--workload uniform|mixed|text] [--enforce-eager]
+        [--option attention_backend=torch --option linear_backend=torch]  # the reference kernels
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only, as in bench_cpu_vs_hf
 
-from bench.bench_cpu_vs_hf import build_checkpoint, make_requests  # noqa: E402
+from bench.bench_cpu_vs_hf import build_checkpoint, engine_option, make_requests  # noqa: E402
 
 
 class PhaseTimer:
@@ -55,13 +56,16 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--workload", default="uniform", choices=["uniform", "mixed", "text"])
+    parser.add_argument("--option", action="append", default=[], metavar="OPTION=VALUE",
+                        help="an engine option, e.g. attention_backend=torch linear_backend=torch (the reference)")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
     from vlmrun import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
-        llm = LLM(str(model_dir), dtype=args.dtype, device="cpu", enforce_eager=args.enforce_eager)
+        options = {k: v for option in args.option for k, v in engine_option(option).items()}
+        llm = LLM(str(model_dir), dtype=args.dtype, device="cpu", enforce_eager=args.enforce_eager, **options)
         runner = llm.engine.runner  # the in-process ModelRunner
 
         def run(seed: int) -> float:

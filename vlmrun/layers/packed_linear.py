@@ -3,10 +3,9 @@
 torch's `F.linear` on the CPU multiplies by the weight as it is stored, every call. oneDNN can
 reorder a weight once into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what
 inductor's CPU freezing pass does) and then run each GEMM from it (`mkldnn._linear_pointwise`):
-on the 2-core AVX-512 bench machine 1.7-1.8x faster than `F.linear` in float32 at decode size
-(M = 32) and 1.1-1.3x at prefill size (M = 2,496), 1.3-1.5x and 1.04-1.08x in bfloat16
-(bench/bench_linear_packing.py). Float32 results differ from `F.linear` by summation order only
-(~1e-6 relative).
+on the 2-core AVX-512 bench machine 1.4-1.6x faster than `F.linear` in float32 at decode size
+(M = 32) and 1.2x at prefill size (M = 2,496), 1.2x and 1.0x in bfloat16 (bench/bench_cpu_kernels.py).
+Float32 results differ from `F.linear` by summation order only (~1e-6 relative).
 
 `pack_linear_weights(model)` swaps the weight of every dense linear (the tensor-parallel linears,
 the LM head, `nn.Linear` in the vision tower and routers) for its packed form, in place; a weight

@@ -128,8 +128,8 @@ class VisionPatchEmbed(nn.Module):
     the same way (a matmul differs by ~1e-5, which the CPU parity tests would see). Elsewhere it runs
     as the matmul: on CUDA, cuDNN would run the conv in TF32 (torch's default for convolutions),
     which put float32 image prompts 4e-3 to 2.5e-2 off the CPU engine in logprob (measured on an
-    H100); in bfloat16 on CPU, oneDNN's conv took 44 ms where the GEMM takes about a third of that
-    (32 images of 224x224, 2 cores).
+    H100); in bfloat16 on CPU, oneDNN's conv takes about three times as long as the GEMM
+    (bench/bench_cpu_kernels.py).
     """
 
     def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int, bias: bool):
