@@ -14,7 +14,7 @@ import torch
 
 from processors import Processor
 from training.aux_targets import cell_labels, subject_labels
-from vlmrun.synthetic import DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene
+from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene, scene_json
 
 IGNORE = -100
 # Counting and colours are learned early; telling circles, squares and triangles apart takes longest.
@@ -34,12 +34,17 @@ class Example:
     subject_labels: tuple[int, int, int]  # kind, colour and third of the named shape (training.aux_targets)
 
 
-def pick_task(scene: Scene, seed: int, caption_fraction: float) -> QA:
+def pick_task(scene: Scene, seed: int, caption_fraction: float, json_fraction: float = 0.0) -> QA:
     """The training prompt/answer drawn for this scene (a fixed function of the scene and seed): its
-    caption with probability caption_fraction, else a question (a kind by KIND_WEIGHTS, then a pair)."""
+    caption with probability caption_fraction, its JSON object (`scene_json`) with probability
+    json_fraction, else a question (a kind by KIND_WEIGHTS, then a pair). With json_fraction 0 the
+    draws are those of the first training stage, which had no JSON task."""
     rng = random.Random(f"task/{seed}/{scene.split_seed}/{scene.index}")
-    if rng.random() < caption_fraction:
+    draw = rng.random()
+    if draw < caption_fraction:
         return QA(DESCRIBE_PROMPT, scene.caption, "caption")
+    if draw < caption_fraction + json_fraction:
+        return QA(DESCRIBE_JSON_PROMPT, scene_json(scene), "json")
     pairs = scene.qa_pairs()
     kinds = sorted({p.kind for p in pairs}, key=QA_KINDS.index)
     kind = rng.choices(kinds, weights=[KIND_WEIGHTS[k] for k in kinds])[0]
@@ -64,12 +69,12 @@ def encode(processor: Processor, scene: Scene, qa: QA) -> Example:
 
 
 def training_batch(processor: Processor, split_seed: int, start: int, size: int, task_seed: int,
-                   caption_fraction: float) -> list[Example]:
+                   caption_fraction: float, json_fraction: float = 0.0) -> list[Example]:
     """Scenes start .. start+size-1 of the split, one task each."""
     out = []
     for index in range(start, start + size):
         scene = make_scene(split_seed, index)
-        out.append(encode(processor, scene, pick_task(scene, task_seed, caption_fraction)))
+        out.append(encode(processor, scene, pick_task(scene, task_seed, caption_fraction, json_fraction)))
     return out
 
 

@@ -1,7 +1,7 @@
 """Accuracy of a checkpoint on held-out scenes, decoding greedily with HF transformers.
 
-`eval_requests` lists what is asked: for each scene its caption prompt and one question
-(`vlmrun.synthetic.eval_question`). `hf_greedy` batches prompts (left-padded) through HF's
+`eval_requests` lists what is asked: for each scene its caption prompt, its JSON prompt (the
+reference is `vlmrun.synthetic.scene_json`) and one question (`vlmrun.synthetic.eval_question`). `hf_greedy` batches prompts (left-padded) through HF's
 `generate`; `score` compares the answers with the references (exact string match after strip).
 The test `tests/test_default_model.py` asks the same through vlmrun.
 """
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from processors import Processor
-from vlmrun.synthetic import DESCRIBE_PROMPT, Scene, eval_question
+from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, Scene, eval_question, scene_json
 
-MAX_NEW_TOKENS = 40
+MAX_NEW_TOKENS = 160  # a three-shape JSON answer is about 140 tokens of this tokenizer (a caption about 20)
 
 
 @dataclass(frozen=True)
@@ -23,14 +23,15 @@ class EvalRequest:
     scene: Scene
     prompt: str
     reference: str
-    kind: str  # "caption" or a question kind (count, colour, ...)
+    kind: str  # "caption", "json" or a question kind (count, colour, ...)
 
 
 def eval_requests(scenes: list[Scene]) -> list[EvalRequest]:
-    """Per scene: the caption request, then its one question."""
+    """Per scene: the caption request, the JSON request, then its one question."""
     out = []
     for scene in scenes:
         out.append(EvalRequest(scene, DESCRIBE_PROMPT, scene.caption, "caption"))
+        out.append(EvalRequest(scene, DESCRIBE_JSON_PROMPT, scene_json(scene), "json"))
         qa = eval_question(scene)
         out.append(EvalRequest(scene, qa.question, qa.answer, qa.kind))
     return out
@@ -39,17 +40,19 @@ def eval_requests(scenes: list[Scene]) -> list[EvalRequest]:
 @torch.no_grad()
 def hf_greedy(model, processor: Processor, requests: list[EvalRequest], batch_size: int = 32,
               max_new_tokens: int = MAX_NEW_TOKENS) -> list[list[int]]:
-    """Greedy token ids (up to and without the stop token) for each request, via HF generate."""
+    """Greedy token ids (up to and without the stop token) for each request, via HF generate; batches
+    hold requests of one kind (so caption and question batches stop long before JSON ones)."""
     tok = processor.tokenizer
     pad = tok.convert_tokens_to_ids("<|endoftext|>")
     image_id = tok.convert_tokens_to_ids("<|image_pad|>")
     stops = {tok.convert_tokens_to_ids("<|im_end|>"), pad}
-    results: list[list[int]] = []
-    for start in range(0, len(requests), batch_size):
-        chunk = requests[start : start + batch_size]
-        prompts = [processor.process_prompt(r.prompt, [r.scene.render()]) for r in chunk]
+    order = sorted(range(len(requests)), key=lambda i: requests[i].kind == "json")  # stable: JSON last
+    results: list[list[int]] = [[] for _ in requests]
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        prompts = [processor.process_prompt(requests[i].prompt, [requests[i].scene.render()]) for i in rows]
         length = max(len(p.token_ids) for p in prompts)
-        ids = torch.full((len(chunk), length), pad, dtype=torch.long)
+        ids = torch.full((len(rows), length), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(prompts):
             ids[row, length - len(p.token_ids) :] = torch.tensor(p.token_ids)
@@ -63,21 +66,19 @@ def hf_greedy(model, processor: Processor, requests: list[EvalRequest], batch_si
             max_new_tokens=max_new_tokens,
             do_sample=False,
         )
-        for row in out[:, length:].tolist():
-            tokens = []
-            for t in row:
+        for i, generated in zip(rows, out[:, length:].tolist()):
+            for t in generated:
                 if t in stops:
                     break
-                tokens.append(t)
-            results.append(tokens)
+                results[i].append(t)
     return results
 
 
 def score(requests: list[EvalRequest], answers: list[str]) -> dict[str, float]:
-    """caption / question exact-match accuracy, plus per question kind."""
+    """caption / json / question exact-match accuracy, plus per question kind."""
     totals: dict[str, list[int]] = {}
     for r, a in zip(requests, answers):
-        group = "caption" if r.kind == "caption" else "question"
+        group = r.kind if r.kind in ("caption", "json") else "question"
         for key in (group, f"question/{r.kind}" if group == "question" else None):
             if key is not None:
                 hit = totals.setdefault(key, [0, 0])

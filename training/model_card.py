@@ -7,7 +7,8 @@ from typing import Any
 
 from training.data import KIND_WEIGHTS
 from vlmrun.default_model import MODEL_DIR_NAME
-from vlmrun.synthetic import COLOURS, LARGE_EXTENT, QUESTION_TEMPLATES, SHAPES, SMALL_EXTENT
+from vlmrun.synthetic import (COLOURS, DESCRIBE_JSON_PROMPT, LARGE_EXTENT, QUESTION_TEMPLATES, SCENE_SCHEMA, SHAPES,
+                              SMALL_EXTENT)
 
 
 def _pct(x: float) -> str:
@@ -15,11 +16,14 @@ def _pct(x: float) -> str:
 
 
 def write_model_card(out: Path, results: dict[str, Any]) -> None:
-    r, s, h = results["recipe"], results["size"], results["heldout"]
+    r, j, s, h = results["recipe"], results["json_stage"], results["size"], results["heldout"]
     kinds = "\n".join(f"| {k.split('/', 1)[1]} | {_pct(v)} |" for k, v in h.items() if k.startswith("question/"))
     questions = "\n".join(f"- `{q}`" for q in QUESTION_TEMPLATES)
     caption_pct = round(100 * r["caption_fraction"])
     weights = ", ".join(f"{k} {w:g}" for k, w in KIND_WEIGHTS.items())
+    item = SCENE_SCHEMA["properties"]["shapes"]["items"]["properties"]
+    fields = ", ".join(f"`{name}` one of {', '.join(spec['enum'])}" for name, spec in item.items())
+    json_pct, json_caption_pct = round(100 * j["json_fraction"]), round(100 * j["caption_fraction"])
     text = f"""\
 # {MODEL_DIR_NAME}
 
@@ -39,9 +43,14 @@ shapes left to right:
 
     a small red circle on the left, a large blue square in the middle and a small green triangle on the right
 
+its JSON object (`vlmrun.synthetic.SCENE_SCHEMA`: a list `shapes` of 1-3 objects, left to right, {fields}):
+
+    {{"shapes": [{{"colour": "red", "shape": "circle", "position": "left"}}, {{"colour": "blue", "shape": "square", "position": "middle"}}]}}
+
 and questions, each with one correct answer. The prompts it knows (one user turn with one image):
 
 - `Describe the image.` (the caption)
+- `{DESCRIBE_JSON_PROMPT}` (the JSON object, on one line, keys in the schema's order)
 {questions}
 
 The scene complexity was chosen so that a 3 M-parameter model reaches >= 90 % within a 60-minute CPU
@@ -62,6 +71,9 @@ full-attention layer and predicts the kind, colour and third of the shape the qu
 from the answer token alone, finding the named shape stayed at chance for 4,000 steps. Both probes
 (`training/aux_targets.py`, weight {r['aux_weight']}) are dropped: the checkpoint is a plain Qwen3.5.
 
+A second stage taught it the JSON prompt: {j['steps']:,} more steps on the {j['steps'] * j['batch_size']:,} training scenes after those
+of stage one, {json_pct} % JSON answers, {json_caption_pct} % captions and {100 - json_pct - json_caption_pct} % questions (so it forgets neither), no probes.
+
 ## Architecture
 
 - Vision: Qwen3.5 vision tower, patch 16, spatial merge 2 (one merged token per 32 x 32 pixels), depth
@@ -79,25 +91,36 @@ from the answer token alone, finding the named shape stayed at chance for 4,000 
 python training/train_default_model.py --out assets/model/{MODEL_DIR_NAME}
 ```
 
+Stage one:
+
 HF transformers' own Qwen3.5 classes on CPU, float32, AdamW (lr {r['lr']}, betas 0.9/0.98, weight decay
 {r['weight_decay']}, {r['warmup']} warm-up steps then cosine to {r['min_lr_ratio']} x), batch {r['batch_size']}, {r['steps']} steps, gradient
 clipping {r['grad_clip']}, seed {r['seed']}; deterministic data order (step s trains on training scenes
 s*{r['batch_size']} .. s*{r['batch_size']}+{r['batch_size'] - 1}). One compute thread plus one process that renders
 the next batches; two exact speed-ups while training (the patch-embedding Conv3d as the equal matrix
 product, Gated DeltaNet chunks of 32 instead of 64: `training/fast_ops.py`). It took
-{results['train_minutes']} min on 2 CPU cores (torch {results['torch']}), plus {results['eval_minutes']} min for the held-out evaluation. The same command with the
-same torch build on the same CPU type gives bit-identical weights; an interrupted run picks up from its
-last snapshot when started again.
+{results['train_minutes']} min on 2 CPU cores (torch {results['torch']}).
+
+Stage two (`JSON_STAGE`; `--from DIR` runs it alone from a stage-one checkpoint): a fresh AdamW (lr
+{j['lr']}, {j['warmup']} warm-up steps then cosine to {j['min_lr_ratio']} x, the rest as stage one), batch {j['batch_size']}, {j['steps']:,} steps,
+training scenes {j['first_scene']:,} onwards. It took {results['json_minutes']} min (torch {results['json_torch']}), plus
+{results['eval_minutes']} min for the held-out evaluation.
+
+Both stages are deterministic (fixed seeds, one compute thread, no randomness after init): a rerun of
+stage one with the same torch build on the same CPU type gave bit-identical weights (stage two was
+not re-run to check). An interrupted run picks up from its last snapshot when started again.
 
 ## Accuracy
 
 {h['scenes']} held-out scenes (split seed {h['split_seed']}, never used in training), greedy decoding, exact match
-after stripping whitespace; one caption and one question per scene ({h['decoder']}; the vlmrun test
-`tests/test_default_model.py` checks the same through vlmrun):
+after stripping whitespace; one caption, one JSON object and one question per scene ({h['decoder']}; the
+vlmrun test `tests/test_default_model.py` checks the same through vlmrun, and the JSON held to
+`SCENE_SCHEMA` by constrained decoding):
 
 | | accuracy |
 | --- | --- |
 | captions (exact match) | {_pct(h['caption'])} |
+| JSON objects (exact text) | {_pct(h['json'])} |
 | questions | {_pct(h['question'])} |
 {kinds}
 

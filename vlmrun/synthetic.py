@@ -21,6 +21,7 @@ as a large one (checked on 3,000 training scenes).
 
 from __future__ import annotations
 
+import json
 import random
 import re
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ COLOUR_JITTER = 14  # per-channel uniform jitter of a shape's colour
 SUPERSAMPLE = 4  # shapes are drawn at 4x and box-filtered down (anti-aliased edges)
 
 DESCRIBE_PROMPT = "Describe the image."
+# The prompt the default model answers with the scene's `SCENE_SCHEMA` object (`scene_json`). Taught in a
+# second training stage, it is not in PROMPTS: adding it there would change the shipped tokenizer.
+DESCRIBE_JSON_PROMPT = "Describe the image as JSON."
 COUNT_QUESTION = "How many shapes are there?"
 QA_KINDS: tuple[str, ...] = ("count", "colour", "shape", "position")  # the question kinds, in eval order
 
@@ -269,6 +273,12 @@ def caption_objects(caption: str) -> dict:
 def scene_objects(scene: Scene) -> dict:
     """The truth of a scene as `SCENE_SCHEMA` objects (left to right)."""
     return {"shapes": [{"colour": s.colour, "shape": s.kind, "position": s.slot} for s in scene.shapes]}
+
+
+def scene_json(scene: Scene) -> str:
+    """`scene_objects` as the JSON text the default model answers `DESCRIBE_JSON_PROMPT` with: one line,
+    `", "` and `": "` separators, keys in the schema's order (what schema-constrained decoding emits)."""
+    return json.dumps(scene_objects(scene))
 
 
 # --------------------------------------------------------------------------------------------
