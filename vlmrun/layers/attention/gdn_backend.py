@@ -93,31 +93,33 @@ class TorchGDNBackend(LinearAttentionBackend):
 
         for group in md.extends:
             n, length = group.batch_indices.shape[0], group.length
-            slots = fb.state_slots[group.batch_indices]  # [n]
-            x = mixed_qkv[group.rows].view(n, length, -1)  # [n, length, conv_dim]
-            y, new_conv = causal_conv1d(x, conv_weight, conv_state[slots])
+            slots = fb.state_slots.index_select(0, group.batch_indices)  # [n]
+            x = mixed_qkv.index_select(0, group.rows).view(n, length, -1)  # [n, length, conv_dim]
+            y, new_conv = causal_conv1d(x, conv_weight, conv_state.index_select(0, slots))
             q, k, v = split_gdn_heads(y.flatten(0, 1), layer)  # [n * length, H, D] each
             o, new_rec = chunk_gated_delta_rule(
                 q.view(n, length, *q.shape[1:]), k.view(n, length, *k.shape[1:]), v.view(n, length, *v.shape[1:]),
-                g[group.rows].view(n, length, -1), beta[group.rows].view(n, length, -1), rec_state[slots])
+                g.index_select(0, group.rows).view(n, length, -1), beta.index_select(0, group.rows).view(n, length, -1),
+                rec_state.index_select(0, slots))
             conv_state[slots] = new_conv.to(conv_state.dtype)
             rec_state[slots] = new_rec.to(rec_state.dtype)
             out[group.rows] = o.flatten(0, 1)
 
         if md.decode_slots is not None:
             rows = md.decode_rows
-            out[rows] = self._decode(mixed_qkv[rows], g[rows], beta[rows], conv_weight, md.decode_slots, layer,
-                                     conv_state, rec_state)
+            out[rows] = self._decode(mixed_qkv.index_select(0, rows), g.index_select(0, rows),
+                                     beta.index_select(0, rows), conv_weight, md.decode_slots, layer, conv_state,
+                                     rec_state)
         return out
 
     def _decode(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 slots: torch.Tensor, layer: LinearAttention, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:
         """One token for each of n sequences: x [n, conv_dim], g/beta [n, Hv] -> [n, Hv, Dv]."""
-        y, new_conv = causal_conv1d_step(x, conv_weight, conv_state[slots])
+        y, new_conv = causal_conv1d_step(x, conv_weight, conv_state.index_select(0, slots))
         q, k, v = split_gdn_heads(y, layer)  # [n, H, D] each
         o, new_rec = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
-                                                rec_state[slots])
+                                                rec_state.index_select(0, slots))
         conv_state[slots] = new_conv.to(conv_state.dtype)
         rec_state[slots] = new_rec.to(rec_state.dtype)
         return o[:, 0]
