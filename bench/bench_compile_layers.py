@@ -5,11 +5,16 @@ is `torch.compile(..., dynamic=True)` (inductor's C++ backend) with the attentio
 (`torch.compiler.disable` on `Attention.forward`, so the paged-KV metadata never enters a graph).
 Both engines run unpacked linear weights (`linear_backend="torch"`): dynamo cannot trace oneDNN's
 packed weights, so compiling means giving the packing up (or inductor's own freezing pass).
-The first run of the compiled engine (which compiles) is timed apart; then the two alternate on
-the same fresh requests. Prints requests/s (best and median) and whether the greedy tokens agree.
-An experiment, not an engine option: vlmrun does not compile its layers (BENCHMARKS.md says why).
+With `--freezing`, inductor's freezing pass is on (`torch._inductor.config.freezing`): the weights
+become constants of the graph, which it may pre-pack for oneDNN itself, the packing the eager
+engine does by hand; the eager side then runs the default (packed) linears, so the two are each at
+their best. The first run of the compiled engine (which compiles) is timed apart; then the two
+alternate on the same fresh requests. Prints requests/s (best and median) and whether the greedy
+tokens agree. An experiment, not an engine option: vlmrun does not compile its layers
+(BENCHMARKS.md says why).
 
     python bench/bench_compile_layers.py --dtype bfloat16 --workload text --repeats 5
+    python bench/bench_compile_layers.py --dtype bfloat16 --workload text --repeats 5 --freezing
 """
 
 from __future__ import annotations
@@ -35,15 +40,22 @@ def main() -> None:
     parser.add_argument("--workload", default="text", choices=["uniform", "mixed", "text"])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--freezing", action="store_true",
+                        help="inductor's freezing pass on the compiled side; the eager side packed (the default)")
     args = parser.parse_args()
     from vlmrun import LLM, SamplingParams
     from vlmrun.layers.attention.base import Attention
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
-        # Unpacked weights on both sides: dynamo does not trace oneDNN's packed (opaque) weight tensors.
-        llms = {name: LLM(str(model_dir), dtype=args.dtype, device="cpu", linear_backend="torch")
-                for name in ("eager", "compiled")}
+        # The compiled side unpacked: dynamo does not trace oneDNN's packed (opaque) weight tensors. The
+        # eager side unpacked too, unless inductor's freezing may pack the compiled side's weights itself.
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = args.freezing
+        llms = {"eager": LLM(str(model_dir), dtype=args.dtype, device="cpu",
+                             linear_backend="auto" if args.freezing else "torch"),
+                "compiled": LLM(str(model_dir), dtype=args.dtype, device="cpu", linear_backend="torch")}
         Attention.forward = torch.compiler.disable(Attention.forward)
         layers = [m for m in llms["compiled"].engine.runner.model.modules() if type(m).__name__.endswith("DecoderLayer")]
         for layer in layers:
