@@ -151,13 +151,14 @@ def train(out: Path, recipe: Recipe, json_stage: Recipe, size: ModelSize, eval_e
     snapshot = _load_snapshot(out)
     if snapshot is not None and snapshot.get("stage", 1) == 2:
         stage_one = snapshot["stage_one"]
-    elif start_from is not None:
-        stage_one = _stage_one_results(start_from)
-        loaded = Qwen3_5ForConditionalGeneration.from_pretrained(str(start_from), dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        print(f"stage one: the weights of {start_from}", flush=True)
-    else:
-        stage_one = _run_stage(1, model, recipe, stream, probed, snapshot, None)
+    else:  # stage two starts afresh after stage one (run here, or the weights of start_from)
+        if start_from is not None:
+            stage_one = _stage_one_results(start_from)
+            loaded = Qwen3_5ForConditionalGeneration.from_pretrained(str(start_from), dtype=torch.float32)
+            model.load_state_dict(loaded.state_dict())
+            print(f"stage one: the weights of {start_from}", flush=True)
+        else:
+            stage_one = _run_stage(1, model, recipe, stream, probed, snapshot, None)
         snapshot = None
     stage_two = _run_stage(2, model, json_stage, stream, probed, snapshot, stage_one)
     (out / RESUME_FILE).unlink(missing_ok=True)
