@@ -36,7 +36,7 @@ class ExtendGroup:
     """Sequences feeding the same number (> 1) of tokens this step, run as one batch."""
 
     length: int
-    batch_indices: torch.Tensor  # [n] the sequences' indices in the batch
+    slots: torch.Tensor  # [n] the sequences' GDN slots
     rows: torch.Tensor  # [n * length] their rows in the token stream, sequence by sequence
 
 
@@ -69,7 +69,7 @@ class TorchGDNBackend(LinearAttentionBackend):
                 by_length.setdefault(n, []).append((i, start))
             start += n
         device = fb.state_slots.device
-        extends = [ExtendGroup(n, torch.tensor([i for i, _ in seqs], device=device),
+        extends = [ExtendGroup(n, fb.state_slots.index_select(0, torch.tensor([i for i, _ in seqs], device=device)),
                                (torch.tensor([s for _, s in seqs])[:, None] + torch.arange(n)).flatten().to(device))
                    for n, seqs in by_length.items()]
         whole = len(decode_batch) == fb.batch_size  # a DECODE step
@@ -92,8 +92,8 @@ class TorchGDNBackend(LinearAttentionBackend):
         out = mixed_qkv.new_empty(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim)  # [T, Hv, Dv]
 
         for group in md.extends:
-            n, length = group.batch_indices.shape[0], group.length
-            slots = fb.state_slots.index_select(0, group.batch_indices)  # [n]
+            slots, length = group.slots, group.length
+            n = slots.shape[0]
             x = mixed_qkv.index_select(0, group.rows).view(n, length, -1)  # [n, length, conv_dim]
             y, new_conv = causal_conv1d(x, conv_weight, conv_state.index_select(0, slots))
             q, k, v = split_gdn_heads(y.flatten(0, 1), layer)  # [n * length, H, D] each

@@ -98,7 +98,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments
     out = torch.empty_like(q)
     for length, rows in segments.runs:  # rows: [num_segments * length]
         count = rows.numel() // length
-        qs, ks, vs = (x[rows].view(count, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
+        qs, ks, vs = (x.index_select(0, rows).view(count, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)  # [num_segments, heads, length, head_dim]
         out[rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])
     return out
