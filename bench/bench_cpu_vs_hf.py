@@ -28,9 +28,12 @@ dtype, before the warm-up runs; after each of its runs the bench waits, untimed,
 processes are idle (its worker polls for about a second after a batch), so the next side does not
 share the cores with it. If vLLM fails to start, the run goes on without it. `--variant OPTION=VALUE`
 adds vlmrun with that engine option as another side (an A/B of one option in the same run).
+`--ceiling` adds each workload's GEMM ceiling on this machine (bench/roofline_cpu.py: the most
+requests/s the model's linears allow at their best measured rates, everything else free), each
+side's share of it, and the issue's aims (2x HF, 1.5x vLLM) as shares of it.
 
     python bench/bench_cpu_vs_hf.py --requests 32 --max-tokens 32 --repeats 3 --dtypes float32 bfloat16
-    python bench/bench_cpu_vs_hf.py --dtypes float32 bfloat16 --vllm-python /work/vllm-venv/bin/python
+    python bench/bench_cpu_vs_hf.py --dtypes float32 bfloat16 --vllm-python /work/vllm-venv/bin/python --ceiling
     python bench/bench_cpu_vs_hf.py --workloads uniform text --dtypes float32 bfloat16 --variant linear_backend=torch
 """
 
@@ -320,7 +323,8 @@ def measure_alternating(sides: dict, make, repeats: int, **run_kwargs) -> dict[s
     return runs
 
 
-def report(runs: dict[str, list[tuple[float, int]]], n: int, unit: str) -> None:
+def report(runs: dict[str, list[tuple[float, int]]], n: int, unit: str) -> dict[str, float]:
+    """Prints each side's median rate and the first side's ratio to each other; returns the rates."""
     rates = {}
     for name, rs in runs.items():
         rates[name] = statistics.median(n / t for t, _ in rs)
@@ -330,6 +334,7 @@ def report(runs: dict[str, list[tuple[float, int]]], n: int, unit: str) -> None:
     names = list(rates)
     for other in names[1:]:
         print(f"  ratio {names[0]} / {other}: {rates[names[0]] / rates[other]:.2f}x", flush=True)
+    return rates
 
 
 def bench_default_model(dtype: str, n: int, repeats: int, max_tokens: int) -> None:
@@ -348,7 +353,7 @@ def bench_default_model(dtype: str, n: int, repeats: int, max_tokens: int) -> No
     report(measure_alternating(sides, make, repeats, ignore_eos=False), n, "images/s")
 
 
-def bench_workload(sides: dict, dtype: str, workload: str, args: argparse.Namespace) -> None:
+def bench_workload(sides: dict, dtype: str, workload: str, args: argparse.Namespace, gemm_timings: dict) -> None:
     lengths = f"{args.max_tokens // 4}..{args.max_tokens}" if workload == "mixed" else f"{args.max_tokens}"
     what = "no image" if workload == "text" else "one image each"
     print(f"{dtype} workload {workload}: {args.requests} requests, {what}, {lengths} output tokens, "
@@ -357,7 +362,31 @@ def bench_workload(sides: dict, dtype: str, workload: str, args: argparse.Namesp
     def make(seed: int):
         return make_requests(args.requests, workload, seed, args.max_tokens)
 
-    report(measure_alternating(sides, make, args.repeats), args.requests, "req/s")
+    rates = report(measure_alternating(sides, make, args.repeats), args.requests, "req/s")
+    if args.ceiling:
+        report_ceiling(sides["HF"].ref, rates, dtype, workload, args, gemm_timings)
+
+
+AIMS = {"HF": 2.0, "vLLM": 1.5}  # issue 19's aims for vlmrun: these multiples of these sides' rates
+
+
+def report_ceiling(ref, rates: dict[str, float], dtype: str, workload: str, args: argparse.Namespace,
+                   gemm_timings: dict) -> None:
+    """The workload's GEMM ceiling on this machine (bench/roofline_cpu.py; the median over the timed
+    runs' requests), each side's measured rate as a share of it, and the aims as shares of it.
+    `gemm_timings` caches each GEMM shape's best time across the workloads of a run."""
+    from bench.roofline_cpu import ceiling
+
+    results = [ceiling(ref.model, ref.processor, workload, getattr(torch, dtype), args.requests, args.max_tokens,
+                       1001 + r, cache=gemm_timings) for r in range(args.repeats)]
+    bound = statistics.median(r.req_per_s for r in results)
+    print(f"  GEMM ceiling (the runs' requests; {results[0].describe()}): median {bound:.2f} req/s", flush=True)
+    shares = ", ".join(f"{name} {100 * rate / bound:.0f} %" for name, rate in rates.items())
+    print(f"  share of the ceiling: {shares}", flush=True)
+    for side, multiple in AIMS.items():
+        if side in rates:
+            aim = multiple * rates[side]
+            print(f"  aim {multiple:g}x {side} = {aim:.2f} req/s = {100 * aim / bound:.0f} % of the ceiling", flush=True)
 
 
 def engine_option(variant: str) -> dict[str, object]:
@@ -384,6 +413,9 @@ def main() -> None:
                         help="also run vlmrun with this engine option as another side, e.g. "
                              "linear_backend=torch or attention_backend=torch (repeatable)")
     parser.add_argument("--eager-ab", action="store_true", help="the same as --variant enforce_eager=True")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also each workload's GEMM ceiling on this machine (bench/roofline_cpu.py) and "
+                             "every side's share of it")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--vllm-python", default=os.environ.get("VLMRUN_BENCH_VLLM_PYTHON") or None,
                         help="python of a virtual environment with vLLM's CPU build: adds vLLM as a side "
@@ -393,6 +425,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"device: CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
           f"torch {torch.__version__}; Qwen3-VL random weights (text hidden 512, 6 layers; vision 256 x 4)")
+    gemm_timings: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
         for dtype in args.dtypes:
@@ -404,7 +437,7 @@ def main() -> None:
                 sides["vLLM"] = vllm
             try:
                 for workload in args.workloads:
-                    bench_workload(sides, dtype, workload, args)
+                    bench_workload(sides, dtype, workload, args, gemm_timings)
             finally:
                 if vllm is not None:
                     vllm.close()
