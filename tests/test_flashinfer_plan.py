@@ -60,7 +60,7 @@ def make_batch(prefix_lens: list[int], extend_lens: list[int], padding_rows: int
     for row, (prefix, n) in enumerate(zip(prefix_lens, extend_lens)):
         total = prefix + n
         pages = [free.pop() for _ in range((total + PAGE - 1) // PAGE)]
-        slots = token_slots(pages, 0, total, PAGE)
+        slots = torch.tensor(token_slots(pages, 0, total, PAGE), dtype=torch.int64)
         rows.req_to_token[row, :total] = slots.to(device)
         out_loc.append(slots[prefix:])
         seq_lens.append(total)

@@ -15,7 +15,7 @@ import pytest
 from tests.hf_reference import HFReference
 from tests.test_engine_parity import LONG_TEXT, assert_matches, make_image, params, user
 from vlmrun import LLM
-from vlmrun.cache.kv_pool import PageAllocator
+from vlmrun.cache.kv_pool import PageAllocator, token_slots
 from vlmrun.cache.prefix_cache import PrefixCache, page_keys
 
 _HF: dict[str, HFReference] = {}
@@ -81,6 +81,18 @@ def test_allocator_refcounts_and_lru_eviction():
     assert got is not None and cache.stats.evicted_pages == 2
     assert cache.match([bytes([0]), bytes([1]), bytes([2])], 3).pages == [pages[0]]
     assert alloc.alloc(2) is None
+
+
+def test_token_slots_follow_the_pages():
+    """Slot of position p = its page's first slot + p % page_size, for any span of positions."""
+    rng = random.Random(0)
+    for page_size in (1, 4, 16):
+        pages = rng.sample(range(1, 200), 12)
+        for _ in range(50):
+            start = rng.randrange(12 * page_size)
+            end = rng.randrange(start + 1, 12 * page_size + 1)
+            want = [pages[p // page_size] * page_size + p % page_size for p in range(start, end)]
+            assert token_slots(pages, start, end, page_size) == want, (page_size, start, end)
 
 
 def test_snapshot_memory_is_counted_in_the_one_budget():

@@ -142,7 +142,11 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return (num_tokens + page_size - 1) // page_size
 
 
-def token_slots(pages: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
-    """KV slots [end - start] int64 of token positions start..end-1 of a request holding `pages` in order."""
-    pos = torch.arange(start, end, dtype=torch.int64)
-    return torch.tensor(pages, dtype=torch.int64)[pos // page_size] * page_size + pos % page_size
+def token_slots(pages: list[int], start: int, end: int, page_size: int) -> list[int]:
+    """KV slots of token positions start..end-1 of a request holding `pages` in order (host ints:
+    one `range` per page touched, cheaper than tensor ops for the one-token chunks of decode)."""
+    slots: list[int] = []
+    for page in range(start // page_size, (end - 1) // page_size + 1):
+        offset = pages[page] * page_size - page * page_size  # slot of position p in this page: offset + p
+        slots.extend(range(offset + max(start, page * page_size), offset + min(end, (page + 1) * page_size)))
+    return slots

@@ -150,18 +150,26 @@ class Scheduler:
     def _map_tokens(self, chunks: list[ScheduledChunk]) -> None:
         """Set each chunk's KV slots and write them into its page table row, in one copy for the step.
 
-        A request admitted this step also gets the rows of its cached prefix (a prefix-cache hit)."""
-        rows, positions, slots = [], [], []
+        A request admitted this step also gets the rows of its cached prefix (a prefix-cache hit).
+        The step's slots are worked out as host ints and become one tensor; each chunk's are a view of it."""
+        rows: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        fed: list[tuple[ScheduledChunk, int]] = []  # (chunk, where its fed tokens' slots start in `slots`)
         for c in chunks:
             req = c.request
             first = 0 if c.admitted else c.start
-            mapped = token_slots(req.pages, first, c.end, self.page_size)  # [end - first]
-            c.kv_slots = mapped[c.start - first:]
-            rows.append(torch.full((c.end - first,), req.req_pool_idx, dtype=torch.int64))
-            positions.append(torch.arange(first, c.end, dtype=torch.int64))
-            slots.append(mapped)
-        if chunks:
-            self.req_pool.write(torch.cat(rows), torch.cat(positions), torch.cat(slots))
+            rows.extend([req.req_pool_idx] * (c.end - first))
+            positions.extend(range(first, c.end))
+            fed.append((c, len(slots) + c.start - first))
+            slots.extend(token_slots(req.pages, first, c.end, self.page_size))
+        if not chunks:
+            return
+        step_slots = torch.tensor(slots, dtype=torch.int64)
+        for c, offset in fed:
+            c.kv_slots = step_slots[offset:offset + c.num_tokens]
+        self.req_pool.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
+                            step_slots)
 
     def _zero_fresh_gdn_slots(self, chunks: list[ScheduledChunk]) -> None:
         """A request computing from its first token (new, or recomputing after a preemption) starts
