@@ -31,6 +31,9 @@ class EngineConfig:
     # Dense linears' GEMMs: "onednn" packs the weights once for oneDNN (CPU; layers/packed_linear.py),
     # "torch" runs F.linear on the weights as loaded (the reference); "auto": onednn on the CPU.
     linear_backend: str = "auto"
+    # On the CPU: glibc's malloc keeps freed blocks for reuse instead of unmapping them, so a step does
+    # not fault its activations in again (executor/cpu_malloc.py; process-wide). False leaves malloc as is.
+    keep_freed_memory: bool = True
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
     # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only

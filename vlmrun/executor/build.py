@@ -1,7 +1,8 @@
 """Builds a `ModelRunner` around a loaded model and its caches: the one place kernels are chosen.
 
 `build_model_runner` packs the dense linears' weights for oneDNN on the CPU
-(`EngineConfig.linear_backend`), picks the attention backends (`EngineConfig.attention_backend` /
+(`EngineConfig.linear_backend`) and has glibc's malloc keep freed memory there
+(`keep_freed_memory`), picks the attention backends (`EngineConfig.attention_backend` /
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
 FlashInfer path, and sets up decode padding and CUDA graphs (`enforce_eager`). The engine (one
 device) and each tensor-parallel rank build their runner with it.
@@ -17,6 +18,7 @@ from torch import nn
 
 from vlmrun.cache.plan import Caches
 from vlmrun.config import EngineConfig
+from vlmrun.executor.cpu_malloc import keep_freed_memory
 from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
 from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
@@ -34,6 +36,8 @@ def build_model_runner(model: nn.Module, caches: Caches, vision: Optional[Vision
                        device: torch.device) -> ModelRunner:
     if config.packs_linears(device):
         pack_linear_weights(model)
+    if device.type == "cpu" and config.keep_freed_memory:
+        keep_freed_memory()
     backend = make_attention_backend(model, caches, config, device)
     fuse_vision_attention(model, backend, caches)
     return ModelRunner(model, caches, backend, vision, device,
