@@ -40,10 +40,10 @@ def run_side(keep: bool, dtypes: list[str], workloads: list[str], repeats: int) 
                 for r in range(repeats):
                     seconds.append(side.run(*make_requests(32, workload, 1001 + r, 32))[0])
                 after = resource.getrusage(resource.RUSAGE_SELF)
+                cpu = (after.ru_stime + after.ru_utime) - (before.ru_stime + before.ru_utime)
                 results[f"{dtype} {workload}"] = [32 / statistics.median(seconds),
                                                   (after.ru_minflt - before.ru_minflt) / repeats,
-                                                  (after.ru_stime - before.ru_stime) / repeats,
-                                                  (after.ru_stime + after.ru_utime - before.ru_stime - before.ru_utime) / repeats,
+                                                  (after.ru_stime - before.ru_stime) / repeats, cpu / repeats,
                                                   sum(seconds) / repeats]
     return results
 

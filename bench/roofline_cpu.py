@@ -3,8 +3,8 @@
 Every engine runs the same dense model on the same requests, so every one multiplies the same
 matrices: vision tower, mergers, text layers (prompt and output tokens), LM head. This script
 counts those FLOPs for the workloads of `bench/bench_cpu_vs_hf.py` (its checkpoint, the requests
-of one of its timed runs, prompt lengths as the checkpoint's processor makes them, no padding counted),
-times every GEMM shape the count contains on this machine at its best (`F.linear` and
+of one of its timed runs, prompt lengths as the checkpoint's processor makes them, no padding
+counted), times every GEMM shape the count contains on this machine at its best (`F.linear` and
 oneDNN-packed weights, the faster one, best of several rounds), and prints:
 
 - GFLOP per batch by part (linears by where they run, attention's QK and PV products);
@@ -45,7 +45,8 @@ class WorkloadCount:
     """The FLOPs of one batch: its GEMMs (rows of each call, per weight shape), attention FLOPs apart."""
 
     requests: int
-    gemm_calls: dict[tuple[str, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))  # (part, out, in) -> M of each call
+    # (part, out features, in features) -> the rows (M) of each call
+    gemm_calls: dict[tuple[str, int, int], list[int]] = field(default_factory=lambda: defaultdict(list))
     attention_flops: float = 0.0
 
     def add_linears(self, part: str, shapes: list[tuple[int, int]], rows: int) -> None:
@@ -85,7 +86,9 @@ def count_workload(model, processor, workload: str, requests: int, max_tokens: i
     attn_width = text.num_attention_heads * head_dim  # QK and PV each cost 2 * width FLOPs per (query, key)
     patches = merged = prompt_tokens = 0
     for image, prompt, n_out in zip(images, prompts, lengths):
-        content = ([{"type": "image", "image": image}] if image is not None else []) + [{"type": "text", "text": prompt}]
+        content = [{"type": "text", "text": prompt}]
+        if image is not None:
+            content.insert(0, {"type": "image", "image": image})
         chat = processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                              add_generation_prompt=True)
         inputs = processor(text=[chat], images=[image] if image is not None else None, return_tensors="pt")

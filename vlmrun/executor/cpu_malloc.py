@@ -45,7 +45,8 @@ def keep_freed_memory() -> bool:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return False
-    done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    done = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    done = bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and done
     if done:
         logger.info("glibc malloc keeps freed blocks up to %d MiB for reuse (executor/cpu_malloc.py)",
                     MMAP_THRESHOLD >> 20)
