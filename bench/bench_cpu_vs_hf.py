@@ -380,7 +380,8 @@ def report_ceiling(ref, rates: dict[str, float], dtype: str, workload: str, args
     results = [ceiling(ref.model, ref.processor, workload, getattr(torch, dtype), args.requests, args.max_tokens,
                        1001 + r, cache=gemm_timings) for r in range(args.repeats)]
     bound = statistics.median(r.req_per_s for r in results)
-    print(f"  GEMM ceiling (the runs' requests; {results[0].describe()}): median {bound:.2f} req/s", flush=True)
+    print(f"  GEMM ceiling, first run's requests: {results[0].describe()}", flush=True)
+    print(f"  GEMM ceiling, median over the {len(results)} runs' requests: {bound:.2f} req/s", flush=True)
     shares = ", ".join(f"{name} {100 * rate / bound:.0f} %" for name, rate in rates.items())
     print(f"  share of the ceiling: {shares}", flush=True)
     for side, multiple in AIMS.items():

@@ -10,8 +10,8 @@ Only the sampler's grammar work (host bitmask fill, mask, matcher advance) diffe
 
 accuracy: the held-out scenes captioned three ways, greedy: plain (the caption must equal the
 scene's canonical caption), asked for JSON (`DESCRIBE_JSON_PROMPT`) and constrained to
-`vlmrun.synthetic.SCENE_SCHEMA` (the object must equal the scene's), and constrained to the model's own caption language (`caption_grammar`),
-then parsed into the same objects (`caption_objects`).
+`vlmrun.synthetic.SCENE_SCHEMA` (the object must equal the scene's), and constrained to the model's
+own caption language (`caption_grammar`), then parsed into the same objects (`caption_objects`).
 
     python bench/bench_structured.py throughput --requests 32 --max-tokens 64 --repeats 3
     python bench/bench_structured.py accuracy --scenes 300
@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from vlmrun import LLM, SamplingParams  # noqa: E402
-from vlmrun.synthetic import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, caption_grammar, caption_objects,  # noqa: E402
-                              eval_scenes, scene_objects)
+from vlmrun.synthetic import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, caption_grammar,  # noqa: E402
+                              caption_objects, eval_scenes, scene_objects)
 
 ENDLESS_SCHEMA = {"type": "array", "minItems": 100, "items": SCENE_SCHEMA["properties"]["shapes"]["items"]}
 

@@ -5,13 +5,14 @@ oneDNN's outputs) every step. glibc serves a block above its mmap threshold (128
 rising with use to at most 32 MiB) with fresh pages from `mmap` and unmaps it on `free`, and it
 trims the top of its heap once more than its trim threshold is free there: the next step then
 faults the same memory in again, page by page, each page zeroed by the kernel. On the 2-core bench
-machine a 32-request float32 batch of bench/bench_cpu_vs_hf.py took ~140,000 minor page faults
-this way and ran ~1.3x slower (BENCHMARKS.md). vLLM's CPU build avoids the same cost by
+machine a 32-request float32 image batch of bench/bench_cpu_vs_hf.py took up to ~140,000 minor
+page faults this way, and kept from them ran up to ~1.4x faster (bench/bench_cpu_malloc.py;
+BENCHMARKS.md has the spread). vLLM's CPU build avoids the same cost by
 preloading tcmalloc into its workers.
 
 `keep_freed_memory()` raises both thresholds with `mallopt`, so freed blocks stay in the process
 and are reused; the process keeps the memory of its busiest step (as any caching allocator does).
-Blocks over `MMAP_THRESHOLD` (the KV pool) are still mapped and unmapped as they come and go.
+Blocks over `MMAP_THRESHOLD` (a large KV pool) are still mapped and unmapped as they come and go.
 It is process-wide and left alone where the user has chosen: the `MALLOC_MMAP_THRESHOLD_` /
 `MALLOC_TRIM_THRESHOLD_` variables set, or another allocator in `LD_PRELOAD`. Linux with glibc only.
 """
