@@ -10,13 +10,18 @@ hidden 256, 16x16x2 patches); milliseconds per call (mean of 30 after 3 warm-ups
   grouped call of the CPU backend (query heads of a KV head as its query rows);
 - rotary: `x * cos + rotate_half(x) * sin` (HF's form) vs `vlmrun.layers.rotary.apply_rotary`;
 - bf16 only: the vision patch embed as oneDNN's conv vs one GEMM (32 images of 224x224).
+Packed linears are left out for a dtype this CPU's oneDNN cannot run (bf16 without AVX-512).
 
-    python bench/bench_cpu_kernels.py
+`--shapes`: F.linear vs packed float32 GEMMs from 128 x 384 to 12,288 x 2,048 weights (the bundled
+model's up to Qwen3-VL-2B's) at M = 1, 8, 32 and 256 rows, in microseconds (mean of 200 after 10
+warm-ups): where `cpu_kernels.PACK_THRESHOLD` comes from.
+
+    python bench/bench_cpu_kernels.py [--shapes]
 """
 
 from __future__ import annotations
 
-import platform
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from vlmrun.layers.cpu_kernels import cpu_features  # noqa: E402
 from vlmrun.layers.linear import linear  # noqa: E402
 from vlmrun.layers.rotary import apply_rotary  # noqa: E402
 
@@ -47,6 +53,9 @@ def row(what: str, old_name: str, old: float, new_name: str, new: float, extra: 
 
 
 def bench_linears(dtype: torch.dtype, gen: torch.Generator) -> None:
+    if missing := cpu_features().cannot_pack(dtype):
+        print(f"  linears: packed left out ({missing})")
+        return
     for name, (out_features, in_features) in LINEARS.items():
         weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -92,12 +101,38 @@ def bench_patch_embed(gen: torch.Generator) -> None:
     embed = VisionPatchEmbed(3, 2, 16, 256, bias=True).to(torch.bfloat16)
     x = torch.randn(32 * 196, 3 * 2 * 16 * 16, generator=gen).bfloat16()
     conv = lambda: embed.proj(x.view(-1, *embed.proj.weight.shape[1:])).view(-1, 256)  # noqa: E731
-    row("patch embed, 32 images", "conv", per_call_ms(conv, 5), "GEMM", per_call_ms(lambda: embed(x), 5))
+    gemm = lambda: F.linear(x, embed.proj.weight.flatten(1), embed.proj.bias)  # noqa: E731
+    row("patch embed, 32 images", "conv", per_call_ms(conv, 5), "GEMM", per_call_ms(gemm, 5))
+
+
+GEMM_SHAPES = [(384, 128), (128, 384), (1024, 512), (3072, 512), (512, 1536), (4096, 2048), (12288, 2048),
+               (2048, 6144)]  # (out, in)
+
+
+def bench_gemm_shapes(gen: torch.Generator) -> None:
+    for out_features, in_features in GEMM_SHAPES:
+        weight = torch.randn(out_features, in_features, generator=gen)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        cells = []
+        for rows in (1, 8, 32, 256):
+            x = torch.randn(rows, in_features, generator=gen)
+            plain = per_call_ms(lambda: F.linear(x, weight), 200) * 1e3
+            fast = per_call_ms(lambda: linear(x, packed), 200) * 1e3
+            cells.append(f"M={rows}: {plain:8.1f} / {fast:8.1f} us {fast / plain:4.2f}x")
+        print(f"  {out_features:5d} x {in_features:5d}  " + " | ".join(cells), flush=True)
 
 
 def main() -> None:
-    print(f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads, torch {torch.__version__}")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", action="store_true", help="float32 F.linear vs packed over weight sizes")
+    args = parser.parse_args()
+    print(f"CPU: {cpu_features().describe()}; {torch.get_num_threads()} threads, torch {torch.__version__}")
     gen = torch.Generator().manual_seed(0)
+    if args.shapes:
+        print("float32 GEMM, F.linear / packed (weight out x in)", flush=True)
+        with torch.inference_mode():
+            bench_gemm_shapes(gen)
+        return
     with torch.inference_mode():
         for dtype in (torch.float32, torch.bfloat16):
             print(str(dtype)[6:], flush=True)

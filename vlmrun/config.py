@@ -16,6 +16,7 @@ import torch
 
 from processors.pixel_backends import IMAGE_BACKENDS
 
+LINEAR_BACKENDS = ("auto", "torch", "onednn")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -29,7 +30,8 @@ class EngineConfig:
     attention_backend: str = "auto"  # full-attention kernels: auto | torch | cpu | flashinfer (layers/attention/factory.py)
     gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
     # Dense linears' GEMMs: "onednn" packs the weights once for oneDNN (CPU; layers/packed_linear.py),
-    # "torch" runs F.linear on the weights as loaded (the reference); "auto": onednn on the CPU.
+    # "torch" runs F.linear on the weights as loaded (the reference); "auto": onednn where this CPU runs
+    # it and a measurement says it wins (layers/cpu_kernels.py), else torch.
     linear_backend: str = "auto"
     # On the CPU: glibc's malloc keeps freed blocks for reuse instead of unmapping them, so a step does
     # not fault its activations in again (executor/cpu_malloc.py; process-wide). False leaves malloc as is.
@@ -93,7 +95,7 @@ class EngineConfig:
             raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
         if self.image_backend not in IMAGE_BACKENDS:
             raise ValueError(f"image_backend must be one of {', '.join(IMAGE_BACKENDS)}, got {self.image_backend!r}")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
+        if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         if self.preprocess_device not in ("cpu", "cuda"):
             raise ValueError(f"preprocess_device must be cpu or cuda, got {self.preprocess_device!r}")
@@ -109,12 +111,6 @@ class EngineConfig:
     @property
     def gdn_state_torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.gdn_state_dtype]
-
-    def packs_linears(self, device: torch.device) -> bool:
-        """Whether the dense linears run from oneDNN-packed weights on `device` (CPU only)."""
-        if self.linear_backend == "onednn" and device.type != "cpu":
-            raise ValueError(f"linear_backend='onednn' runs on the CPU only, not on {device.type}")
-        return self.linear_backend == "onednn" or (self.linear_backend == "auto" and device.type == "cpu")
 
     def eager_decode(self, device: torch.device) -> bool:
         """`enforce_eager`, or what None means on `device`."""

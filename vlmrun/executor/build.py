@@ -1,7 +1,7 @@
 """Builds a `ModelRunner` around a loaded model and its caches: the one place kernels are chosen.
 
-`build_model_runner` packs the dense linears' weights for oneDNN on the CPU
-(`EngineConfig.linear_backend`) and has glibc's malloc keep freed memory there
+`build_model_runner` packs the dense linears' weights for oneDNN where this CPU runs it and it wins
+(`EngineConfig.linear_backend`, `layers/cpu_kernels.py`) and has glibc's malloc keep freed memory there
 (`keep_freed_memory`), picks the attention backends (`EngineConfig.attention_backend` /
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
 FlashInfer path, and sets up decode padding and CUDA graphs (`enforce_eager`). The engine (one
@@ -25,6 +25,7 @@ from vlmrun.layers.attention import Attention, AttentionBackend, create_attentio
 from vlmrun.layers.attention.factory import BackendSetup, backend_names
 from vlmrun.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
+from vlmrun.layers.cpu_kernels import cpu_features, pack_threshold
 from vlmrun.layers.packed_linear import pack_linear_weights
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
@@ -34,8 +35,11 @@ logger = logging.getLogger(__name__)
 
 def build_model_runner(model: nn.Module, caches: Caches, vision: Optional[VisionStage], config: EngineConfig,
                        device: torch.device) -> ModelRunner:
-    if config.packs_linears(device):
-        pack_linear_weights(model)
+    if device.type == "cpu":
+        logger.info("CPU: %s", cpu_features().describe())
+    threshold = pack_threshold(config.linear_backend, device, next(model.parameters()).dtype)
+    if threshold is not None:
+        pack_linear_weights(model, threshold)
     if device.type == "cpu" and config.keep_freed_memory:
         keep_freed_memory()
     backend = make_attention_backend(model, caches, config, device)

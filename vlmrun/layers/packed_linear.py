@@ -12,7 +12,8 @@ the LM head, `nn.Linear` in the vision tower and routers) for its packed form, i
 shared with another module (an LM head tied to the embeddings) stays as it is. The layers call
 `vlmrun.layers.linear.linear(x, weight, bias)`, which runs oneDNN's kernel for a packed weight and
 `F.linear` otherwise.
-`linear_backend="torch"` (`EngineConfig`) keeps every weight unpacked: the reference.
+`linear_backend="torch"` (`EngineConfig`) keeps every weight unpacked: the reference; which weights
+"auto" packs on which CPU is `vlmrun/layers/cpu_kernels.py`'s choice.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ logger = logging.getLogger(__name__)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_linear_weights(model: nn.Module) -> int:
-    """Packs the weights of the model's dense linears for oneDNN (CPU); returns how many."""
+def pack_linear_weights(model: nn.Module, min_elements: int = 0) -> int:
+    """Packs the weights of the model's dense linears that have at least `min_elements` elements for
+    oneDNN (CPU; `cpu_kernels.pack_threshold` says how many); returns how many."""
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     packed = 0
     for module in model.modules():
@@ -41,6 +43,8 @@ def pack_linear_weights(model: nn.Module) -> int:
         if weight.is_mkldnn:  # packed already (a runner built again over the same model)
             continue
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES:
+            continue
+        if weight.numel() < min_elements:  # oneDNN's per-call cost outweighs a small GEMM
             continue
         if uses[id(weight)] > 1:  # tied (e.g. to the embeddings, which read rows of it)
             continue

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmrun.layers.cpu_kernels import patch_embed_as_gemm
 from vlmrun.layers.rotary import apply_rotary
 
 GridTHW = Union[torch.Tensor, Sequence[Sequence[int]]]
@@ -124,12 +125,12 @@ def use_fused_vision_attention(model: nn.Module) -> int:
 class VisionPatchEmbed(nn.Module):
     """Conv3d with kernel == stride over pre-flattened patches.
 
-    Mathematically a linear layer. In float32 on CPU it runs as the conv HF runs, so the sums round
-    the same way (a matmul differs by ~1e-5, which the CPU parity tests would see). Elsewhere it runs
-    as the matmul: on CUDA, cuDNN would run the conv in TF32 (torch's default for convolutions),
-    which put float32 image prompts 4e-3 to 2.5e-2 off the CPU engine in logprob (measured on an
-    H100); in bfloat16 on CPU, oneDNN's conv takes about three times as long as the GEMM
-    (bench/bench_cpu_kernels.py).
+    Mathematically a linear layer, run as one or the other by `cpu_kernels.patch_embed_as_gemm`. In
+    float32 on CPU it runs as the conv HF runs, so the sums round the same way (a matmul differs by
+    ~1e-5, which the CPU parity tests would see). On CUDA it runs as the matmul: cuDNN would run the
+    conv in TF32 (torch's default for convolutions), which put float32 image prompts 4e-3 to 2.5e-2
+    off the CPU engine in logprob (measured on an H100). In bfloat16 on CPU, whichever the CPU's
+    measurement favours (on AVX-512 oneDNN's conv takes about three times as long as the GEMM).
     """
 
     def __init__(self, in_channels: int, temporal_patch_size: int, patch_size: int, embed_dim: int, bias: bool):
@@ -141,7 +142,7 @@ class VisionPatchEmbed(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # pixel_values: [num_patches, in_channels * temporal_patch * patch * patch] -> [num_patches, embed_dim]
         weight = self.proj.weight  # [embed_dim, C, T, P, P]
-        if weight.is_cuda or weight.dtype != torch.float32:
+        if patch_embed_as_gemm(weight.device, weight.dtype):
             return F.linear(pixel_values.to(weight.dtype), weight.flatten(1), self.proj.bias)
         patches = pixel_values.to(weight.dtype).view(-1, *weight.shape[1:])  # [num_patches, C, T, P, P]
         return self.proj(patches).view(-1, self.embed_dim)
