@@ -7,10 +7,13 @@ adding special tokens. Here the text is tokenized with one pad per item and the 
 expanded afterwards (same ids: the pad is a special token, matched before any BPE, so N copies in
 the text tokenize to N pad ids).
 
-Videos of the "qwen3" style (Qwen3-VL, Qwen3.5) first have their one `<|video_pad|>` replaced in
-the text by `<t seconds><|vision_start|><|video_pad|><|vision_end|>` per temporal group, as
-`Qwen3VLProcessor` writes it; each group is then its own MMItem of grid (1, h, w) (the vision
-towers attend within a temporal group only, so encoding the groups apart gives the same rows).
+Videos in a "qwen3" prompt (the checkpoint's processor class is `Qwen3VLProcessor`: Qwen3-VL,
+Qwen3.5) first have their one `<|video_pad|>` replaced in the text by
+`<t seconds><|vision_start|><|video_pad|><|vision_end|>` per temporal group, as `Qwen3VLProcessor`
+writes it; each group is then its own MMItem of grid (1, h, w) (the vision towers attend within a
+temporal group only, so encoding the groups apart gives the same rows). The prompt style follows the
+processor class and the frames follow the video processor class, each found as transformers'
+`AutoProcessor` / `AutoVideoProcessor` find them (`video_prompt_style`, `VideoProcessorConfig`).
 """
 
 from __future__ import annotations
@@ -96,8 +99,9 @@ class Processor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None,
                  image_processor: ImageProcessor | None, limits: ProcessorLimits | None = None,
                  device: str | torch.device = "cpu", source: str = "",
-                 video_processor: VideoProcessor | None = None) -> None:
+                 video_processor: VideoProcessor | None = None, video_prompt: str = "qwen3") -> None:
         self.tokenizer = tokenizer
+        self.video_prompt = video_prompt  # "qwen3": timestamped groups (Qwen3VLProcessor); "qwen2": one run
         self.chat_template = chat_template
         self.image_processor = image_processor
         self.video_processor = video_processor
@@ -122,7 +126,8 @@ class Processor:
             raise FileNotFoundError(f"processor: {path!r} is not a checkpoint directory")
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = ImageProcessorConfig.from_pretrained(path)
-        video_config = VideoProcessorConfig.from_pretrained(path, video_style(_model_type(path))) if config else None
+        model_style = video_style(_model_type(path))
+        video_config = VideoProcessorConfig.from_pretrained(path, model_style) if config else None
         return cls(
             tokenizer,
             _read_chat_template(path, tokenizer),
@@ -131,6 +136,7 @@ class Processor:
             device=device,
             source=path,
             video_processor=VideoProcessor(video_config) if video_config is not None else None,
+            video_prompt=video_prompt_style(path, model_style),
         )
 
     # ----------------------------------------------------------------------------------------
@@ -255,7 +261,7 @@ class Processor:
     def _write_video_timestamps(self, text: str, videos: list[ProcessedVideo]) -> str:
         """qwen3 style: each video's pad becomes `<t seconds><|vision_start|><|video_pad|><|vision_end|>`
         per temporal group (as `Qwen3VLProcessor.replace_video_token` writes it, one pad per group here)."""
-        if not videos or self.video_processor.config.style != "qwen3":  # type: ignore[union-attr]
+        if not videos or self.video_prompt != "qwen3":
             return text
         parts = text.split(VIDEO_PAD)
         out = [parts[0]]
@@ -265,9 +271,9 @@ class Processor:
         return "".join(out)
 
     def _video_pieces(self, video: ProcessedVideo, device: str | torch.device) -> list[_Piece]:
-        """qwen2 style: the whole video is one piece; qwen3 style: one piece per temporal group."""
+        """qwen2 prompt: the whole video is one piece; qwen3 prompt: one piece per temporal group."""
         pixels = video.pixel_values.to(device)
-        if self.video_processor.config.style != "qwen3":  # type: ignore[union-attr]
+        if self.video_prompt != "qwen3":
             return [_Piece(pixels, video.grid_thw, video.hash, "video", video.second_per_grid_t)]
         t, h, w = video.grid_thw
         return [_Piece(pixels[k * h * w:(k + 1) * h * w], (1, h, w), f"{video.hash}:{k}", "video")
@@ -313,11 +319,38 @@ def _media_items(kind: str, sources: Any) -> list[dict[str, Any]]:
 
 
 def _model_type(path: str) -> str | None:
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
+    return _json_field(path, "config.json", "model_type")
+
+
+def video_prompt_style(path: str, model_style: str) -> str:
+    """How the checkpoint's processor class writes videos into the prompt: "qwen3" (`Qwen3VLProcessor`:
+    timestamped groups) or "qwen2" (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`: one run of pads).
+
+    The class is found where `AutoProcessor` looks: `processor_config.json`, `preprocessor_config.json`
+    (`video_preprocessor_config.json` only without it), `tokenizer_config.json`, `config.json`; else the
+    model type decides (`model_style`)."""
+    has_image_config = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
+    files = ("processor_config.json", "preprocessor_config.json" if has_image_config else
+             "video_preprocessor_config.json", "tokenizer_config.json", "config.json")
+    for name in files:
+        named = _json_field(path, name, "processor_class")
+        if named is not None:
+            if str(named).startswith("Qwen3VL"):
+                return "qwen3"
+            if str(named).startswith(("Qwen2VL", "Qwen2_5_VL")):
+                return "qwen2"
+            break
+    return model_style
+
+
+def _json_field(path: str, name: str, key: str) -> Any:
+    """`key` of the JSON object in file `name` of the checkpoint, None when either is missing."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
         return None
-    with open(config, encoding="utf-8") as fh:
-        return json.load(fh).get("model_type")
+    with open(file, encoding="utf-8") as fh:
+        data = json.load(fh)
+    return data.get(key) if isinstance(data, dict) else None
 
 
 def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:

@@ -8,9 +8,12 @@ Output equals transformers' video processors for the same config, bit for bit:
                   the temporal patch); qwen3: on, 2 frames/s by default, `linspace` indices;
   sizing          qwen2: `smart_resize` of one frame within [shortest_edge, longest_edge];
                   qwen3: the same bounds apply to the pixels of all sampled frames together;
-  what the LLM sees  qwen2: one run of video tokens, temporal M-RoPE scaled by
-                  `second_per_grid_t` = temporal_patch / sampled fps; qwen3: per temporal group a
-                  `<t seconds>` text timestamp and its own vision_start / vision_end.
+
+What the LLM sees is the processor class's choice, not the video processor's (`processors.processor`):
+`Qwen2_5_VLProcessor` writes one run of video tokens, temporal M-RoPE scaled by `second_per_grid_t`
+= temporal_patch / sampled fps; `Qwen3VLProcessor` writes per temporal group a `<t seconds>` text
+timestamp and its own vision_start / vision_end. A Qwen3-VL checkpoint without a video config gets
+`Qwen2VLVideoProcessor` frames (from its image config's class) in the Qwen3-VL prompt, as in transformers.
 
 Frames are decoded by `processors.video_io` (only the sampled ones), resized as uint8 by
 torchvision (bicubic, antialias, as transformers does), normalised through the per-level lookup
@@ -56,7 +59,10 @@ _STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768, image_mean=IMAGENET_STANDARD,
                   image_std=IMAGENET_STANDARD, do_sample_frames=True, fps=2.0, max_video_tokens=768),
 }
-_QWEN2_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+# transformers' model type -> video processor class (VIDEO_PROCESSOR_MAPPING_NAMES), as a style
+_QWEN2_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "qwen3_omni_moe")
+# the video processor classes transformers has, by the style they sample and size frames in
+_STYLE_OF_VIDEO_CLASS = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3"}
 
 
 def video_style(model_type: str | None) -> str:
@@ -159,12 +165,13 @@ class VideoProcessorConfig:
 
 
 def _style_of_class(config: Mapping[str, Any]) -> str | None:
-    named = str(config.get("video_processor_type") or config.get("image_processor_type") or "")
-    if named.startswith("Qwen2VL"):
-        return "qwen2"
-    if named.startswith("Qwen3VL"):
-        return "qwen3"
-    return None
+    """The style of the class `AutoVideoProcessor` picks from a config dict: `video_processor_type`, else
+    the video twin of `image_processor_type` where transformers has one (`Qwen2VLImageProcessor` ->
+    `Qwen2VLVideoProcessor`; `Qwen2VLImageProcessorFast` has none). None: the model type decides."""
+    named = config.get("video_processor_type")
+    if named is None and config.get("image_processor_type"):
+        named = str(config["image_processor_type"]).replace("ImageProcessor", "VideoProcessor")
+    return _STYLE_OF_VIDEO_CLASS.get(str(named))
 
 
 def _read_json(path: str) -> dict[str, Any] | None:

@@ -11,6 +11,8 @@ files fail their request alone.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -146,6 +148,51 @@ def test_video_options_change_the_sampling(qwen3_vl_dir, video_files):
     assert "<0.4 seconds>" not in cut.text  # frames before video_start are not sampled
     larger = proc.process_chat(chat(video(video_files["b"], min_pixels=4 * 32 * 32 * 16), "Hi"))
     assert larger.mm_items[0].length > base.mm_items[0].length
+
+
+def _without_video_config(model_dir: Path, out: Path, image_class: str, processor_class: str | None) -> Path:
+    """The checkpoint as some Qwen3-VL / Qwen3.5 repos ship it: `preprocessor_config.json` (naming
+    `image_class`, with `processor_class` when given) and no video processor config."""
+    shutil.copytree(model_dir, out)
+    (out / "video_preprocessor_config.json").unlink()
+    config = json.loads((out / "preprocessor_config.json").read_text())
+    config["image_processor_type"] = image_class
+    if processor_class:
+        config["processor_class"] = processor_class
+    (out / "preprocessor_config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("image_class,processor_class,video_class", [
+    ("Qwen2VLImageProcessor", "Qwen3VLProcessor", "Qwen2VLVideoProcessor"),
+    ("Qwen2VLImageProcessor", None, "Qwen2VLVideoProcessor"),  # the processor class from the model type
+    ("Qwen2VLImageProcessorFast", "Qwen3VLProcessor", "Qwen3VLVideoProcessor"),  # no video twin: model type
+])
+def test_checkpoint_without_video_config_prompts_as_hf(request, video_files, tmp_path, arch, image_class,
+                                                       processor_class, video_class):
+    """transformers pairs Qwen3VLProcessor's timestamped prompt with the video processor its image
+    config's class implies (Qwen2VLVideoProcessor: every frame, per-frame sizing), else the model
+    type's: prompt ids, pixels and (Qwen3-VL) greedy tokens equal HF's."""
+    model_dir = _without_video_config(request.getfixturevalue(f"{arch}_dir"), tmp_path / arch, image_class,
+                                      processor_class)
+    hf = HFReference.processor_only(model_dir)
+    assert (type(hf).__name__, type(hf.video_processor).__name__) == ("Qwen3VLProcessor", video_class)
+    ours = Processor.from_pretrained(model_dir)
+    for name in VIDEOS:
+        msgs = chat(video(video_files[name]), "Hi")
+        want = hf.apply_chat_template(msgs, tokenize=True, return_dict=True, add_generation_prompt=True,
+                                      return_tensors="pt")
+        got = ours.process_chat(msgs)
+        assert got.token_ids == want["input_ids"][0].tolist(), name
+        assert "seconds>" in got.text, name
+        assert torch.equal(torch.cat([it.pixel_values for it in got.mm_items]), want["pixel_values_videos"]), name
+    if arch == "qwen3_vl" and video_class == "Qwen2VLVideoProcessor" and processor_class:
+        # the model side: groups of qwen2-sized frames through M-RoPE and the vision tower
+        msgs = chat(video(video_files["b"]), "Describe it.")
+        expected = HFReference(model_dir).generate(msgs, MAX_NEW)
+        llm = LLM(str(model_dir), dtype="float32", device="cpu")
+        assert_matches(llm.chat(msgs, params(), use_tqdm=False)[0], expected, "no video config")
 
 
 # --------------------------------------------------------------------------------------------

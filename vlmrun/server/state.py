@@ -72,7 +72,8 @@ class ServerState:
                                      max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes),
                                      max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes))
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
-                              device=base.device, source=base.source, video_processor=base.video_processor)
+                              device=base.device, source=base.source, video_processor=base.video_processor,
+                              video_prompt=base.video_prompt)
         media = MediaResolver(MediaPolicy(
             allow_remote_urls=settings.allow_remote_urls, allow_private_urls=settings.allow_private_urls,
             allowed_local_media_path=settings.allowed_local_media_path, url_timeout_s=settings.url_timeout_s,
