@@ -3,9 +3,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 # torch and torchvision from the registry as a matching pair (torchvision's C ops load only
-# against the torch build it was made for).
+# against the torch build it was made for), and the torchcodec made for that torch. The pair that
+# installs and runs on the CPU differs by architecture: on Arm torch 2.9.1, for which the registry
+# has no Arm torchcodec (videos decode with PyAV there). Override any of them: make TORCH=... test
+ARCH := $(shell uname -m)
+ifeq ($(ARCH),$(filter $(ARCH),aarch64 arm64))
+TORCH ?= torch==2.9.1
+TORCHVISION ?= torchvision==0.24.1
+TORCHCODEC ?=
+else
 TORCH ?= torch==2.14.1
 TORCHVISION ?= torchvision==0.29.1
+TORCHCODEC ?= torchcodec==0.17.*
+endif
 PY := $(VENV)/bin/python
 
 .PHONY: install demo test clean
@@ -13,7 +23,7 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)" "$(TORCHVISION)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH)" "$(TORCHVISION)" $(if $(TORCHCODEC),"$(TORCHCODEC)")
 	touch $@
 
 install: $(VENV)/.installed
