@@ -18,6 +18,7 @@ to the chat template (which writes the vision placeholder for it), every video i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
@@ -174,7 +175,19 @@ def _positive_int(value: Any, what: str) -> int:
     return int(value)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_unicode(text: str, where: str) -> None:
+    """InputError for a lone surrogate (e.g. a JSON "\\ud800" escape): not text a tokenizer can encode."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise InputError(f"{where}: text has a lone surrogate U+{ord(found.group()):04X} at character "
+                         f"{found.start()} (not valid Unicode)")
+
+
 def _check_text(text: str, forbidden: tuple[str, ...], where: str) -> None:
+    check_unicode(text, where)
     for token in forbidden:
         if token in text:
             raise InputError(f"{where}: text may not contain the reserved token {token!r}")

@@ -26,7 +26,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from processors.chat import ImageRef, VideoRef, parse_messages
+from processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
 from processors.image_io import describe_source, load_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
@@ -194,6 +194,7 @@ class Processor:
         images = [self._process_image(ref, k, device) for k, ref in enumerate(image_refs)]
         videos = self._process_videos(video_refs)
         text = self._write_video_timestamps(text, videos)
+        check_unicode(text, "the prompt")  # what no message check saw: tools, template variables
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         target = device or self.device
         pieces = {"image": [_Piece(im.pixel_values, im.grid_thw, im.hash, "image") for im in images],

@@ -249,13 +249,13 @@ def test_completions_errors(server):
 def test_queue_full_is_429(server, engine):
     admission = server.app.state.vlmrun.admission
     limit = admission.limit
-    admission.limit = 1
+    admission.limit, admission.in_flight = 2, admission.in_flight + 1  # one slot taken: n=2 must wait
     try:
         r = post(server, {**user("hi"), "n": 2})
         err = assert_error(r, 429, "queue is full")
         assert err["code"] == "queue_full" and r.headers["retry-after"] == "1"
     finally:
-        admission.limit = limit
+        admission.limit, admission.in_flight = limit, admission.in_flight - 1
     assert_serves(server)
     wait_until_idle(engine)
     assert admission.in_flight == 0

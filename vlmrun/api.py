@@ -1,13 +1,17 @@
 """The Python API: `LLM`, `SamplingParams`, `RequestOutput` and the one-call `generate`.
 
 Mirrors vLLM where users expect it. A request whose input is bad fails alone: its
-`RequestOutput.error` says why and the other requests of the call still complete.
+`RequestOutput.error` says why and the other requests of the call still complete. A call that is
+interrupted (Ctrl-C, an engine error) aborts its own requests before the exception leaves it, so the
+next call starts clean. `LLM` is safe to share between threads: calls run one at a time (a lock),
+each to completion.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -70,6 +74,7 @@ class LLM:
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._lock = threading.Lock()  # one call at a time drives the (single-threaded) engine
 
     def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -102,28 +107,37 @@ class LLM:
             per_input = list(params_arg)
         else:
             per_input = [params_arg or SamplingParams()] * len(inputs)
-        results: list[RequestOutput] = []
-        pending: dict[str, tuple[RequestOutput, int]] = {}
-        for item, params in zip(inputs, per_input):
-            rid = str(next(self._ids))
-            out = RequestOutput(request_id=rid, prompt_token_ids=[])
-            results.append(out)
+        with self._lock:
+            pending: dict[str, tuple[RequestOutput, int]] = {}
             try:
-                prompt = (process or self.engine.process)(item)
-                out.prompt_token_ids = list(prompt.token_ids)
-                for i in range(params.n):
-                    self.engine.add_request(f"{rid}-{i}", prompt, params.for_choice(i))
-                    pending[f"{rid}-{i}"] = (out, i)
-            except (InputError, ValueError, OSError) as e:
-                for cid, (o, _) in list(pending.items()):
-                    if o is out:
-                        self.engine.abort(cid)
-                        del pending[cid]
-                out.error = f"{type(e).__name__}: {e}" if not isinstance(e, InputError) else str(e)
-        self._drain(pending, use_tqdm and len(inputs) > 1)
+                results = [self._add(item, params, pending, process) for item, params in zip(inputs, per_input)]
+                self._drain(pending, use_tqdm and len(inputs) > 1)
+            except BaseException:  # Ctrl-C or an engine error: this call's requests go with it
+                for cid in pending:
+                    self.engine.abort(cid)
+                raise
         for out in results:
             out.outputs.sort(key=lambda c: c.index)
         return results
+
+    def _add(self, item: Any, params: SamplingParams, pending: dict[str, tuple[RequestOutput, int]],
+             process: Optional[Callable[[Any], ProcessedPrompt]]) -> RequestOutput:
+        """Process one input and queue its `n` choices; a bad input fails alone (its `error`)."""
+        rid = str(next(self._ids))
+        out = RequestOutput(request_id=rid, prompt_token_ids=[])
+        try:
+            prompt = (process or self.engine.process)(item)
+            out.prompt_token_ids = list(prompt.token_ids)
+            for i in range(params.n):
+                self.engine.add_request(f"{rid}-{i}", prompt, params.for_choice(i))
+                pending[f"{rid}-{i}"] = (out, i)
+        except Exception as e:  # noqa: BLE001 - whatever one input raises is that request's error
+            for cid, (o, _) in list(pending.items()):
+                if o is out:
+                    self.engine.abort(cid)
+                    del pending[cid]
+            out.error = str(e) if isinstance(e, InputError) else f"{type(e).__name__}: {e}"
+        return out
 
     def _drain(self, pending: dict[str, tuple[RequestOutput, int]], show_progress: bool) -> None:
         bar = _progress_bar(len(pending)) if show_progress else None

@@ -2,7 +2,8 @@
 
 `add_request` validates and queues a processed prompt; `step` runs one scheduler step and returns
 what each touched request produced; `abort` drops a request and frees its memory. The engine is
-synchronous and single-threaded; the async wrapper for the server drives it from one loop.
+synchronous and single-threaded; the async wrapper for the server drives it from one loop, `LLM`
+under a lock. A step is all or nothing: one that raises aborts its requests (`_drop_interrupted`).
 
 Structured outputs: `add_request` compiles the request's grammar (cached by its text; a bad one
 raises `StructuredOutputError`, a ValueError, before anything is queued) and gives the request a
@@ -274,17 +275,28 @@ class Engine:
         updates = [self._finish(req, "length") for req in too_long]
         if not chunks:
             return updates
-        results = self.runner.execute([c.to_input() for c in chunks])
-        now = time.monotonic()
-        for chunk, sampled in zip(chunks, results):
-            req = chunk.request
-            req.num_computed_tokens = chunk.end
-            self.scheduler.commit(req)  # index new full pages (and snapshot GDN state) before a finish frees them
-            if sampled is not None:
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                updates.append(self._append_token(req, sampled))
+        try:
+            results = self.runner.execute([c.to_input() for c in chunks])
+            now = time.monotonic()
+            for chunk, sampled in zip(chunks, results):
+                req = chunk.request
+                req.num_computed_tokens = chunk.end
+                self.scheduler.commit(req)  # index new full pages (and snapshot GDN state) before a finish frees them
+                if sampled is not None:
+                    if req.first_token_time is None:
+                        req.first_token_time = now
+                    updates.append(self._append_token(req, sampled))
+        except BaseException:
+            self._drop_interrupted(chunks)
+            raise
         return updates
+
+    def _drop_interrupted(self, chunks: list[Any]) -> None:
+        """A step that raised (an error, a KeyboardInterrupt) mid-way may have advanced some layers' GDN
+        state in place, or committed some requests and not others: its requests are aborted, so nothing
+        later reads their KV pages, GDN slots or grammar state, and no snapshot is taken of them."""
+        for chunk in chunks:
+            self.abort(chunk.request.request_id)
 
     def _append_token(self, req: Request, sampled: SampledToken) -> RequestUpdate:
         req.output_token_ids.append(sampled.token_id)

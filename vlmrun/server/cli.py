@@ -91,9 +91,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    try:
+    try:  # what the command line got wrong, before any model is loaded
+        settings = server_settings(args)
         resolve_model(args.model)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
     import uvicorn
@@ -101,7 +102,6 @@ def serve(args: argparse.Namespace) -> int:
     from vlmrun.server.app import create_app
     from vlmrun.server.launch import build_engine
 
-    settings = server_settings(args)
     engine = build_engine(engine_config(args))
     try:
         app = create_app(engine, settings)

@@ -1,6 +1,6 @@
 """The two generation endpoints: `/v1/chat/completions` and `/v1/completions`.
 
-One request goes: body read on the event loop (capped: 413) → JSON parse + validation in the
+One request goes: body read on the event loop (JSON only: 415; capped: 413) → JSON parse + validation in the
 thread pool (400) → model check (404) → admission (429) → image fetch + preprocessing + chat
 template in the thread pool (400) → `AsyncEngine.submit` (400 for what the engine refuses, e.g.
 a prompt longer than the context; 503 if the engine is gone) → a streamed (SSE) or a collected
@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from processors import InputError, ProcessedPrompt
+from processors.chat import check_unicode
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server.chat_output import ChatOutputParser
@@ -31,7 +32,7 @@ from vlmrun.server.metrics import ServerMetrics
 from vlmrun.server.protocol import (ChatRequest, CompletionRequest, parse_chat_request,
                                     parse_completion_request, parse_json, split_choices)
 from vlmrun.server.state import ServerState, Ticket
-from vlmrun.server.transport import SSEResponse, read_body, until_done_or_disconnected
+from vlmrun.server.transport import SSEResponse, read_json_body, until_done_or_disconnected
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class Submitted:
 
 
 async def _parse(state: ServerState, request: Request, parse: Callable[[dict[str, Any], int], Any]) -> Any:
-    raw = await read_body(request, state.settings.max_request_bytes)
+    raw = await read_json_body(request, state.settings.max_request_bytes)
     return await state.in_pool(lambda: parse(parse_json(raw), state.limits))
 
 
@@ -124,6 +125,7 @@ async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
                   param: str) -> Submitted:
     try:
         items = await state.in_pool(lambda: _input_errors_as_400(lambda: _compile_grammars(state, prepare())))
+        _check_context(items, state.engine.engine.max_model_len)
         group = await state.engine.submit(rid, items)
     except StructuredOutputError as exc:
         ticket.release()
@@ -141,6 +143,17 @@ async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
     state.metrics.prompt_tokens.inc(n_prompt)
     choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids)) for i, (p, _) in enumerate(items)]
     return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
+
+
+def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_model_len: int) -> None:
+    """400, as vLLM answers, for a prompt whose requested completion cannot fit the context."""
+    for prompt, params in items[:1]:  # the choices of one request share prompt and max_tokens
+        n = len(prompt.token_ids)
+        if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+            raise bad_request(f"this model's maximum context length is {max_model_len:,} tokens; the request asks "
+                              f"for {n + params.max_tokens:,} ({n:,} in the prompt, {params.max_tokens:,} to "
+                              "generate): shorten the prompt or lower max_tokens", param="max_tokens",
+                              code="context_length_exceeded")
 
 
 def _compile_grammars(state: ServerState, items: list[tuple[ProcessedPrompt, SamplingParams]]) -> list[
@@ -366,6 +379,7 @@ def _raw_prompt(state: ServerState, prompt: Union[str, list[int]], index: int, c
     tokenizer = state.engine.tokenizer
     where = f"prompt {index}" if count > 1 else "the prompt"
     if isinstance(prompt, str):
+        check_unicode(prompt, where)
         for token in _RESERVED_TOKENS:
             if token in prompt:
                 raise InputError(f"{where} may not contain the reserved token {token!r} (send images to "

@@ -56,3 +56,7 @@ class ServerSettings:
             raise ValueError("ServerSettings.reasoning_parser must be 'qwen3' or None")
         if self.url_timeout_s <= 0:
             raise ValueError("ServerSettings.url_timeout_s must be > 0")
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and self.api_key.strip() == self.api_key and self.api_key):
+            # HTTP headers carry latin-1 at most and clients send ASCII: any other key could never match
+            raise ValueError("ServerSettings.api_key must be printable ASCII without surrounding spaces")

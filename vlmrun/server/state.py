@@ -18,7 +18,7 @@ from typing import Callable, Optional, TypeVar
 from processors import Processor
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.sampling_params import StopLimits
-from vlmrun.server.errors import model_not_found, queue_full
+from vlmrun.server.errors import bad_request, model_not_found, queue_full
 from vlmrun.server.media import MediaPolicy, MediaResolver
 from vlmrun.server.metrics import ServerMetrics
 from vlmrun.server.protocol import RequestLimits
@@ -28,13 +28,17 @@ T = TypeVar("T")
 
 
 class Admission:
-    """Counts engine requests in flight; refuses (429) beyond `limit`. Event-loop thread only."""
+    """Counts engine requests in flight; refuses (429) beyond `limit`, and (400) a request that alone
+    asks for more than `limit`: no retry could admit it. Event-loop thread only."""
 
     def __init__(self, limit: int):
         self.limit = limit
         self.in_flight = 0
 
     def admit(self, n: int) -> "Ticket":
+        if n > self.limit:
+            raise bad_request(f"the request needs {n:,} engine requests (prompts x n), more than this server "
+                              f"ever runs at once ({self.limit:,}); split it", code="too_many_requests_in_one")
         if self.in_flight + n > self.limit:
             raise queue_full(self.limit)
         self.in_flight += n

@@ -1,4 +1,4 @@
-"""HTTP plumbing the handlers share: a capped body read, and client-disconnect handling.
+"""HTTP plumbing the handlers share: a capped JSON body read, and client-disconnect handling.
 
 A client that goes away must not keep its request running. Two cases:
 
@@ -17,10 +17,11 @@ import asyncio
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from vlmrun.server.errors import too_large
+from vlmrun.server.errors import not_json, too_large
 
 T = TypeVar("T")
 
@@ -29,18 +30,31 @@ class ClientDisconnected(Exception):
     """The client closed the connection before the response was complete."""
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 as soon as it is known to exceed `limit` bytes."""
+def is_json(content_type: str) -> bool:
+    """`application/json` or `application/<anything>+json`, parameters (charset) aside."""
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def read_json_body(request: Request, limit: int) -> bytes:
+    """The request body of a JSON route: 415 unless it says it is JSON (before reading it), 413 as soon
+    as it is known to exceed `limit` bytes."""
+    content_type = request.headers.get("content-type", "")
+    if not is_json(content_type):
+        raise not_json(content_type)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise too_large(limit)
     chunks: list[bytes] = []
     total = 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > limit:
+                raise too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left mid-upload: a 499, not a server error
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 
