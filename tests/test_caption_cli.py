@@ -102,8 +102,9 @@ def test_resume_skips_recorded_images_and_retry_errors_redoes_failures(qwen3_vl_
     assert main(args) == 1
     first = _by_image(_records(out))
     assert first[str(folder / "late.png")]["error"] is not None
-    assert main(args) == 1  # nothing new; the recorded failure still counts
-    assert "nothing left to caption" in capsys.readouterr().err
+    assert main(args) == 0  # nothing new: the status speaks of this run; the kept failure is reported
+    err = capsys.readouterr().err
+    assert "nothing left to caption" in err and "1 earlier failure kept" in err
     write_images(tmp_path / "fix", 1, seed=9)[0].rename(folder / "late.png")
     write_images(folder / "new", 1, seed=10)
     assert main(args + ["--retry-errors"]) == 0
@@ -113,6 +114,40 @@ def test_resume_skips_recorded_images_and_retry_errors_redoes_failures(qwen3_vl_
     assert {k: final[k]["caption"] for k in first if k.endswith("img_00000.png")} == \
         {k: first[k]["caption"] for k in first if k.endswith("img_00000.png")}
     assert not Path(str(out) + JOURNAL_SUFFIX).exists()
+
+
+@pytest.mark.parametrize("content", [
+    b'{"id": 1, "text": "a dataset line"}\n{"id": 2, "text": "another"}\n',  # another program's JSONL
+    b'{"image": "a.png", "label": "cat"}\n',  # a manifest with an image column
+    b"plain notes without a newline",  # not JSON at all
+    b'{"image":"a.png","caption":"x","num_tokens":1,"model":"m","prompt":"p","error":null,"finish_reason":"stop"}\n'
+    b'{"note": "a line someone added"}\n',  # a journal with a foreign line
+])
+def test_an_out_file_that_is_not_a_journal_is_refused_and_untouched(qwen3_vl_dir: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture, content: bytes):
+    write_images(tmp_path / "imgs", 1)
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(content)
+    for extra in ([], ["--retry-errors"]):
+        rc = main(["caption", str(tmp_path / "imgs"), "--out", str(out), "--model", str(qwen3_vl_dir),
+                   "--max-tokens", "2", "--no-progress", *extra])
+        assert rc == 2
+        assert out.read_bytes() == content
+        assert "is not a caption job's output" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_input_manifest_as_out_is_refused_and_untouched(qwen3_vl_dir: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture, overwrite: bool):
+    paths = write_images(tmp_path / "imgs", 2)
+    manifest = tmp_path / "list.jsonl"
+    content = "".join(json.dumps({"image": str(p)}) + "\n" for p in paths).encode()
+    manifest.write_bytes(content)
+    rc = main(["caption", str(manifest), "--out", str(manifest), "--model", str(qwen3_vl_dir), "--max-tokens", "2",
+               "--no-progress"] + (["--overwrite"] if overwrite else []))
+    assert rc == 2
+    assert manifest.read_bytes() == content
+    assert "is one of the inputs" in capsys.readouterr().err
 
 
 def test_print_mode_and_no_inputs(qwen3_vl_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -160,7 +195,7 @@ def test_sigkill_mid_job_then_resume_records_every_image_exactly_once(qwen3_vl_d
 
     rc = main(cmd[3:])  # the resumed run, in this process
     assert rc == 0
-    assert "torn or invalid" in capsys.readouterr().err
+    assert "removed the torn last record line" in capsys.readouterr().err
     records = _by_image(_records(out))
     assert sorted(records) == sorted(str(p) for p in paths)
     assert all(r["error"] is None and r["num_tokens"] >= 1 for r in records.values())

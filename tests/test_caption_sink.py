@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vlmrun.jobs.journal import scan_journal
+from vlmrun.jobs.journal import NotAJournalError, scan_journal
 from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, key_hash
 from vlmrun.jobs.sink import JOURNAL_SUFFIX, OutputError, ParquetOutput, open_output, output_format
 
@@ -45,15 +45,20 @@ def test_jsonl_records_are_whole_lines_and_resume_sees_them(tmp_path: Path) -> N
     again.close()
 
 
-def test_torn_and_invalid_lines_are_repaired(tmp_path: Path) -> None:
+def test_a_torn_last_record_is_cut_and_nothing_else_is_touched(tmp_path: Path) -> None:
     out = tmp_path / "o.jsonl"
-    good = json.dumps(_record("a.png").to_dict())
-    out.write_text(good + "\n" + "garbage line\n" + json.dumps(_record("b.png").to_dict()) + "\n"
-                   + '{"image": "c.png", "capt')
+    records = json.dumps(_record("a.png").to_dict()) + "\n" + json.dumps(_record("b.png").to_dict()) + "\n"
+    out.write_text(records + '{"image": "c.png", "capt')
     state = scan_journal(str(out))
-    assert state.dropped_lines == 2
+    assert state.dropped_lines == 1
     assert state.done == {key_hash("a.png"), key_hash("b.png")}
-    assert [r["image"] for r in _lines(out)] == ["a.png", "b.png"]  # file rewritten: whole records only
+    assert _lines(out) == [json.loads(line) for line in records.splitlines()]  # rewritten: whole records only
+
+    for foreign in ("garbage line\n", '{"id": 7}\n', "a torn line of something else"):
+        out.write_text(records + foreign)
+        with pytest.raises(NotAJournalError, match="line 3 is not a caption record"):
+            scan_journal(str(out))
+        assert out.read_text() == records + foreign
 
 
 def test_retry_errors_drops_error_records(tmp_path: Path) -> None:

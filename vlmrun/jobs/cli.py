@@ -10,8 +10,9 @@ error record.
 
 INPUT: image files, directories (recursive), glob patterns, manifests (.txt / .csv / .jsonl /
 .parquet of paths or URLs), URLs (see `vlmrun.jobs.inputs`). Without --out each image prints one
-line. Exit status: 0 every image captioned, 1 some failed (error records), 2 bad usage or the job
-could not start, 130 interrupted.
+line. Exit status, of this run: 0 every image it captioned has a caption, 1 some failed (error
+records), 2 bad usage or the job could not start (an --out that is not a caption journal, or that is
+an input, is refused untouched), 130 interrupted.
 """
 
 from __future__ import annotations

@@ -6,9 +6,11 @@ kernel has them as soon as `write` returns) and at worst, after a power loss or 
 torn last line. The file is fsynced at most every `fsync_interval` seconds and at close (a power
 loss can cost the last second of records, which a resume then redoes).
 
-Scanning a journal **repairs** it: a last line without its newline is cut off, and complete lines
-that are not records are dropped (the file is rewritten through a temporary file and an atomic
-rename). What remains is the set of recorded images (`ResumeState`), which `--resume` skips.
+Scanning a journal **repairs** it, and only it: a torn last line of a record (it starts as every
+record line does) is cut off (the file is rewritten through a temporary file and an atomic rename).
+A file with any other line, complete lines that are not caption records (another program's JSONL,
+a manifest) or a torn line that is not one, is not a journal: `NotAJournalError`, and the file is
+left as it was. What remains is the set of recorded images (`ResumeState`), which a rerun skips.
 The outputs built on it are in `sink.py`.
 """
 
@@ -20,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
-from vlmrun.jobs.records import key_hash, record_key
+from vlmrun.jobs.records import RECORD_FIELDS, key_hash, record_key
 
 
 @dataclass
@@ -30,7 +32,7 @@ class ResumeState:
     done: set[int] = field(default_factory=set)  # key hashes of recorded images
     ok: int = 0
     failed: int = 0
-    dropped_lines: int = 0  # torn or invalid lines removed by the repair
+    dropped_lines: int = 0  # the torn last record line removed by the repair (0 or 1)
     retried: int = 0  # error records removed for --retry-errors
     models: set[str] = field(default_factory=set)
     prompts: set[str] = field(default_factory=set)
@@ -46,12 +48,22 @@ def encode_record(record: dict[str, Any]) -> bytes:
         return json.dumps(record, separators=(",", ":")).encode("ascii") + b"\n"
 
 
+class NotAJournalError(ValueError):
+    """The file holds lines no caption job wrote: it is not touched."""
+
+
+# the fields every record has (later fields, e.g. `parsed`, came with later versions)
+_RECORD_CORE = RECORD_FIELDS[:RECORD_FIELDS.index("finish_reason") + 1]
+_RECORD_START = b'{"image":'  # encode_record writes the fields in RECORD_FIELDS order
+
+
 def _parse_line(line: bytes) -> Optional[dict[str, Any]]:
+    """The caption record on a whole line, or None when the line is anything else."""
     try:
         value = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if isinstance(value, dict) and isinstance(value.get("image"), str):
+    if isinstance(value, dict) and isinstance(value.get("image"), str) and all(k in value for k in _RECORD_CORE):
         return value
     return None
 
@@ -126,9 +138,12 @@ def scan_journal(path: str, retry_errors: bool = False) -> ResumeState:
     if not os.path.exists(path):
         return state
     with open(path, "rb") as fh:
-        for line in fh:
-            if not line.endswith(b"\n") or _parse_line(line) is None:
-                state.dropped_lines += 1
+        for number, line in enumerate(fh, 1):
+            if not line.endswith(b"\n") and line.startswith(_RECORD_START):
+                state.dropped_lines += 1  # the torn last line of a record: a crash mid-write
+            elif _parse_line(line) is None:
+                raise NotAJournalError(f"{path!r} is not a caption job's output: line {number} is not a caption "
+                                       "record; it is left untouched (name another --out, or move the file)")
     scan_records(iter_journal(path), retry_errors, state)
     if state.dropped_lines or state.retried:
         rewrite_journal(path, (r for r in iter_journal(path) if not (retry_errors and r.get("error") is not None)))

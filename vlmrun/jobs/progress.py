@@ -148,15 +148,12 @@ class JobSummary:
     def tokens_per_s(self) -> float:
         return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
-    @property
-    def any_failed(self) -> bool:
-        return self.failed + self.prior_failed > 0
-
     def exit_code(self) -> int:
-        """0: every image of the output has a caption; 1: some failed; 130: interrupted."""
+        """Of this run: 0 every image it captioned has a caption; 1 some failed; 130 interrupted.
+        (Failures kept from earlier runs are reported in `lines`, not in the status.)"""
         if self.interrupted:
             return 130
-        return 1 if self.any_failed else 0
+        return 1 if self.failed else 0
 
     def lines(self) -> list[str]:
         if self.interrupted and not self.written:  # stopped before the first record: images may remain

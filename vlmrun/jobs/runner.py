@@ -8,6 +8,7 @@ caption, and only this thread touches it.
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import threading
 import time
@@ -19,7 +20,7 @@ from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
 from vlmrun.jobs.journal import ResumeState
-from vlmrun.jobs.sink import open_output
+from vlmrun.jobs.sink import JOURNAL_SUFFIX, OutputError, open_output
 
 
 class NoInputsError(ValueError):
@@ -35,6 +36,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
     summary.interrupted set). stdout / stderr: default sys.stdout / sys.stderr at call time."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
+    _refuse_an_input_as_output(config)
     sink = open_output(config.out, overwrite=config.overwrite, retry_errors=config.retry_errors,
                        fsync_interval=config.fsync_interval, stream=stdout)
     state = sink.state
@@ -97,6 +99,17 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
         engine.shutdown()  # tensor-parallel rank processes, if any
 
 
+def _refuse_an_input_as_output(config: CaptionJobConfig) -> None:
+    """OutputError when `--out` (or a Parquet output's journal) is one of the input files: writing
+    it would destroy the manifest the job reads."""
+    if config.out is None:
+        return
+    outputs = [path for path in (config.out, config.out + JOURNAL_SUFFIX) if os.path.isfile(path)]
+    for spec in config.inputs:
+        if os.path.isfile(spec) and any(os.path.samefile(spec, path) for path in outputs):
+            raise OutputError(f"--out {config.out!r} is one of the inputs ({spec!r}); it is left untouched")
+
+
 def _count_in_background(config: CaptionJobConfig, done: set[int], counters: JobCounters) -> None:
     """Set counters.total once the inputs are counted (a second, cheap pass: no image is read)."""
     def count() -> None:
@@ -110,8 +123,8 @@ def _count_in_background(config: CaptionJobConfig, done: set[int], counters: Job
 
 def _warn_if_mixed(state: ResumeState, config: CaptionJobConfig, stderr: IO[str]) -> None:
     if state.dropped_lines:
-        print(f"note: removed {state.dropped_lines} torn or invalid line(s) from {config.out}; "
-              "their images are captioned again", file=stderr)
+        print(f"note: removed the torn last record line from {config.out} (a crash mid-write); "
+              "its image is captioned again", file=stderr)
     others = [f"model {m!r}" for m in state.models - {config.model}]
     others += [f"prompt {p!r}" for p in state.prompts - {config.prompt}]
     if others:
