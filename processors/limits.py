@@ -43,7 +43,9 @@ class ProcessorLimits:
         frame is decoded; sampling then decodes only the frames it picks).
     max_video_frames: frames sampled from one video (what the vision tower sees, before temporal
         patching); a request asking for more (nframes, fps) fails.
-    max_video_tokens: LLM tokens of all videos of one request together.
+    max_video_tokens: LLM tokens of all videos of one request together, checked from the container's
+        metadata before a video's first frame is decoded. It bounds a request's video memory: about
+        38 KB per token (float32 pixel values, the resized frames, transients; README, "Video").
     Each video frame is also bounded by `max_image_pixels` as decoded.
     """
 

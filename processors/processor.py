@@ -251,7 +251,8 @@ class Processor:
         tokens = 0
         for k, ref in enumerate(refs):
             try:
-                video = self.video_processor.preprocess(ref.source, self.limits, VideoOptions(**ref.options))
+                video = self.video_processor.preprocess(ref.source, self.limits, VideoOptions(**ref.options),
+                                                        max_tokens=self.limits.max_video_tokens - tokens)
             except InputError as exc:
                 raise InputError(f"video {k + 1} ({describe_source(ref.source)}): {exc}") from None
             tokens += self.video_processor.num_tokens(video.grid_thw)

@@ -49,6 +49,10 @@ from processors.video_io import open_video
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 # Frame rate assumed for frames given as a list or an array (no container to read it from).
 DEFAULT_FRAME_LIST_FPS = 2.0
+# Frames decoded at full size at a time, each batch resized before the next is decoded.
+DECODE_BATCH = 2
+# Pixel values normalised and patchified at a time (the gather's int32 and float32 copies).
+PATCHIFY_CHUNK = 1 << 22
 VIDEO_OPTION_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
                      "video_start", "video_end")
 
@@ -227,26 +231,57 @@ class VideoProcessor:
         t, h, w = grid_thw
         return t * h * w // (self.config.merge_size ** 2)
 
-    def preprocess(self, source: Any, limits: ProcessorLimits, options: VideoOptions = VideoOptions()
-                   ) -> ProcessedVideo:
-        """Decode (only the sampled frames of) `source`, then resize, normalise and patchify them."""
+    def preprocess(self, source: Any, limits: ProcessorLimits, options: VideoOptions = VideoOptions(),
+                   max_tokens: int | None = None) -> ProcessedVideo:
+        """Decode (only the sampled frames of) `source`, then resize, normalise and patchify them.
+
+        The frame count and the size every frame is resized to, and so the LLM tokens, come from the
+        container's metadata before any frame is decoded: a video over `max_tokens` (default
+        `limits.max_video_tokens`) is refused then. Frames are decoded a few at a time and resized at
+        once, so a request holds at most `DECODE_BATCH` full-size frames."""
         cfg = self._config_for(options)
+        budget = limits.max_video_tokens if max_tokens is None else max_tokens
         if isinstance(source, (list, tuple)) or isinstance(source, (np.ndarray, torch.Tensor)):
             given_list = isinstance(source, (list, tuple))
             frames = _frames_from_list(source, limits) if given_list else _frames_from_array(source)
+            self._check_frame_count(frames.shape[0], limits)
             fps = options.fps or DEFAULT_FRAME_LIST_FPS
             indices = list(range(frames.shape[0]))
-            total = len(indices)
-        else:
-            video = open_video(source, limits)
-            total, fps = video.info.num_frames, video.info.fps
-            indices = self.sample_indices(total, fps, cfg, options)
-            self._check_frame_count(len(indices), limits)
-            frames = video.frames_at(indices)  # [n, 3, H, W] uint8
-        self._check_frame_count(frames.shape[0], limits)
-        if frames.shape[0] == 0:
+            size = self._plan(len(indices), *frames.shape[-2:], cfg, options.total_pixels, budget,
+                              limits.max_video_tokens)
+            resized = self.pixels.finish(frames, size, cfg.resample) if cfg.do_resize else frames
+            return self._process_frames(resized, indices, len(indices), fps, cfg)
+        video = open_video(source, limits)
+        total, fps = video.info.num_frames, video.info.fps
+        indices = self.sample_indices(total, fps, cfg, options)
+        self._check_frame_count(len(indices), limits)
+        if not indices:
             raise InputError("the video has no frames")
-        return self._process_frames(frames, indices, total, fps, cfg, options.total_pixels)
+        size = self._plan(len(indices), video.info.height, video.info.width, cfg, options.total_pixels, budget,
+                          limits.max_video_tokens)
+        resized = torch.empty(len(indices), 3, *size, dtype=torch.uint8)
+        for start in range(0, len(indices), DECODE_BATCH):
+            frames = video.frames_at(indices[start:start + DECODE_BATCH])  # [k, 3, H, W] uint8
+            if tuple(frames.shape[-2:]) != (video.info.height, video.info.width):
+                raise InputError(f"the video's frames are {frames.shape[-1]}x{frames.shape[-2]}, not the "
+                                 f"{video.info.width}x{video.info.height} its container declares")
+            resized[start:start + len(frames)] = self.pixels.finish(frames, size, cfg.resample)
+        return self._process_frames(resized, indices, total, fps, cfg)
+
+    def _plan(self, num_frames: int, height: int, width: int, cfg: VideoProcessorConfig, total_pixels: int | None,
+              max_tokens: int, limit: int) -> tuple[int, int]:
+        """The (height, width) frames are resized to; InputError when that needs more than `max_tokens`."""
+        if num_frames == 0:
+            raise InputError("the video has no frames")
+        size = self.target_size(num_frames, height, width, cfg, total_pixels)
+        grid = (-(-num_frames // cfg.temporal_patch_size), size[0] // cfg.patch_size, size[1] // cfg.patch_size)
+        tokens = self.num_tokens(grid)
+        if tokens > max_tokens:
+            left = f" ({max_tokens:,} left after the request's earlier videos)" if max_tokens < limit else ""
+            raise InputError(f"{num_frames:,} frames at {size[1]}x{size[0]} need {tokens:,} tokens, more than the "
+                             f"limit of {limit:,} video tokens per request{left} (sample fewer frames with 'fps' / "
+                             "'nframes', or fewer pixels with 'max_pixels' / 'total_pixels')")
+        return size
 
     def _check_frame_count(self, n: int, limits: ProcessorLimits) -> None:
         if n > limits.max_video_frames:
@@ -312,29 +347,30 @@ class VideoProcessor:
             max_pixels = min(max_pixels, total_pixels)
         return _qwen3_smart_resize(num_frames, height, width, tps, f, cfg.min_pixels, max_pixels)
 
-    def _process_frames(self, frames: torch.Tensor, indices: list[int], total: int, fps: float | None,
-                        cfg: VideoProcessorConfig, total_pixels: int | None = None) -> ProcessedVideo:
-        n, _, height, width = frames.shape
-        size = self.target_size(n, height, width, cfg, total_pixels)
+    def _process_frames(self, resized: torch.Tensor, indices: list[int], total: int, fps: float | None,
+                        cfg: VideoProcessorConfig) -> ProcessedVideo:
+        """Frames already at their target size ([n, 3, H, W] uint8): hash, normalise, patchify."""
+        n, _, height, width = resized.shape
         p, tps = cfg.patch_size, cfg.temporal_patch_size
-        grid = (-(-n // tps), size[0] // p, size[1] // p)
+        grid = (-(-n // tps), height // p, width // p)
         rate = fps if fps else 24.0
         sampled_fps = len(indices) / total * rate if total else rate
         timestamps = _timestamps(indices, rate, tps)
 
         digest = hashlib.sha256()
         digest.update(cfg.fingerprint())
-        digest.update(struct.pack("<8q", n, height, width, *size, *grid))
+        digest.update(struct.pack("<6q", n, height, width, *grid))
         digest.update(json.dumps([indices, rate]).encode())
-        digest.update(memoryview(frames.numpy()).cast("B"))
+        digest.update(memoryview(resized.numpy()).cast("B"))
 
-        resized = self.pixels.finish(frames, size, cfg.resample) if cfg.do_resize else frames  # [n, 3, H, W] uint8
         pixel_values = self._patchify(resized, cfg)
         return ProcessedVideo(pixel_values=pixel_values, grid_thw=grid, hash=digest.hexdigest(),
-                              timestamps=timestamps, second_per_grid_t=tps / sampled_fps, size=size)
+                              timestamps=timestamps, second_per_grid_t=tps / sampled_fps, size=(height, width))
 
     def _patchify(self, frames: torch.Tensor, cfg: VideoProcessorConfig) -> torch.Tensor:
-        """[n, 3, H, W] uint8 -> [grid_t * gh * gw, 3 * T * P * P] float32 (transformers' layout)."""
+        """[n, 3, H, W] uint8 -> [grid_t * gh * gw, 3 * T * P * P] float32 (transformers' layout), written
+        into the output a band of merge-window rows of one temporal group at a time (the int32 / float32
+        copies of the gather exist only for about `PATCHIFY_CHUNK` values at once)."""
         p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
         if self._table is None:  # mean / std are the config's (no per-item option changes them)
             self._table = self.pixels.normalise_table(cfg.image_mean, cfg.image_std, cfg.rescale_factor,
@@ -344,10 +380,19 @@ class VideoProcessor:
         n, c, h, w = frames.shape
         gt, gh, gw = n // t, h // p, w // p
         offsets = (torch.arange(3, dtype=torch.int32) * 256).view(1, 3, 1, 1)
-        x = self._table[frames.to(torch.int32) + offsets]  # [n, 3, H, W] float32
-        # [gt, T, C, gh/m, m, P, gw/m, m, P] -> [gt, gh/m, gw/m, m(h), m(w), C, T, P, P]
-        x = x.reshape(gt, t, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return x.reshape(gt * gh * gw, c * t * p * p)
+        out = torch.empty(gt * gh * gw, c * t * p * p, dtype=torch.float32)
+        band = m * p  # pixel rows of one row of merge windows
+        step = max(1, PATCHIFY_CHUNK // (t * c * band * w))  # rows of merge windows per chunk
+        for g in range(gt):
+            for r in range(0, gh // m, step):
+                k = min(step, gh // m - r)
+                pixels = frames[g * t:(g + 1) * t, :, r * band:(r + k) * band]  # [T, 3, k*m*P, W] uint8
+                x = self._table[pixels.to(torch.int32) + offsets]  # float32
+                # [T, C, k, m, P, gw/m, m, P] -> [k, gw/m, m(h), m(w), C, T, P, P]
+                x = x.reshape(t, c, k, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
+                first = g * gh * gw + r * m * gw
+                out[first:first + k * m * gw] = x.reshape(k * m * gw, c * t * p * p)
+        return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -235,6 +235,46 @@ def test_video_token_limit(qwen3_vl_dir, video_files):
         proc.process_chat(chat(video(video_files["a"]), video(video_files["c"]), "Hi"))
 
 
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("options", [{"min_pixels": 300_000_000, "max_pixels": 10**10},
+                                     {"min_pixels": 10**9, "max_pixels": 10**10},
+                                     {"total_pixels": 10**10, "min_pixels": 5 * 10**8, "max_pixels": 10**10},
+                                     {"fps": 8.0, "min_pixels": 2 * 10**8, "max_pixels": 10**10}])
+def test_sizes_a_request_asks_for_are_refused_before_any_frame_is_decoded(request, video_files, monkeypatch, arch,
+                                                                          options):
+    """A 9-frame 48x64 clip asked to be upscaled past the video token limit: refused from the container's
+    metadata, naming the item and the limit, before a single frame is decoded or a pixel allocated."""
+    from processors import video_io
+
+    decoded = []
+    monkeypatch.setattr(video_io._TorchcodecVideo, "frames_at", lambda self, indices: decoded.append(indices))
+    proc = Processor.from_pretrained(request.getfixturevalue(f"{arch}_dir"))
+    with pytest.raises(InputError, match=r"video 1 \(.*a\.mp4'\): .* tokens, more than the limit of 65,536 video "
+                                         r"tokens per request"):
+        proc.process_chat(chat(video(video_files["a"], **options), "Hi"))
+    assert decoded == []
+
+
+def test_frames_are_decoded_a_few_at_a_time_and_the_second_video_gets_what_is_left(qwen2_5_vl_dir, video_files,
+                                                                                     monkeypatch):
+    from processors import video_io
+    from processors.video_processor import DECODE_BATCH
+
+    batches = []
+    real = video_io._TorchcodecVideo.frames_at
+    monkeypatch.setattr(video_io._TorchcodecVideo, "frames_at",
+                        lambda self, indices: batches.append(len(indices)) or real(self, indices))
+    proc = Processor.from_pretrained(qwen2_5_vl_dir)
+    one = proc.process_chat(chat(video(video_files["b"]), "Hi"))
+    assert sum(batches) == 14 and max(batches) <= DECODE_BATCH  # all 14 frames (qwen2 style), in small batches
+    tokens = sum(it.length for it in one.mm_items)
+    limited = Processor.from_pretrained(qwen2_5_vl_dir, ProcessorLimits(max_video_tokens=tokens + 5))
+    batches.clear()
+    with pytest.raises(InputError, match=r"video 2 .* \(5 left after the request's earlier videos\)"):
+        limited.process_chat(chat(video(video_files["b"]), video(video_files["b"]), "Hi"))
+    assert sum(batches) == 14  # the second video was refused before its first frame
+
+
 def test_text_only_model_refuses_videos(qwen3_dir, video_files):
     proc = Processor.from_pretrained(qwen3_dir)
     with pytest.raises(InputError, match="does not accept videos"):
