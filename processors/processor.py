@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -169,10 +170,12 @@ class Processor:
     def process_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                      tools: list[dict[str, Any]] | None = None,
                      chat_template_kwargs: Mapping[str, Any] | None = None,
-                     device: str | torch.device | None = None) -> ProcessedPrompt:
+                     device: str | torch.device | None = None,
+                     cancel: threading.Event | None = None) -> ProcessedPrompt:
         """Render `messages` with the chat template, preprocess their images, tokenize.
 
         chat_template_kwargs: extra template variables (e.g. {"enable_thinking": False}).
+        cancel: once set (the client left), the work stops before the next image or video (InputError).
         Raises InputError for bad messages or images.
         """
         template_messages, refs = parse_messages(messages, self._forbidden_text)
@@ -191,8 +194,8 @@ class Processor:
                     f"the chat template wrote {text.count(pad)} {what} placeholders for {n} {what}s "
                     f"(does this template support {what}s in these messages?)"
                 )
-        images = [self._process_image(ref, k, device) for k, ref in enumerate(image_refs)]
-        videos = self._process_videos(video_refs)
+        images = [self._process_image(ref, k, device, cancel) for k, ref in enumerate(image_refs)]
+        videos = self._process_videos(video_refs, cancel)
         text = self._write_video_timestamps(text, videos)
         check_unicode(text, "the prompt")  # what no message check saw: tools, template variables
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -233,8 +236,9 @@ class Processor:
     # ----------------------------------------------------------------------------------------
 
     def _process_image(self, ref: ImageRef, index: int, device: str | torch.device | None,
-                       single: bool = False) -> ProcessedImage:
+                       cancel: threading.Event | None = None, single: bool = False) -> ProcessedImage:
         assert self.image_processor is not None
+        _stop_if_cancelled(cancel)
         try:
             image = load_image(ref.source, self.limits)
             return self.image_processor.preprocess(image, device=device or self.device, **ref.size_options())
@@ -243,13 +247,14 @@ class Processor:
                 raise
             raise InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}") from None
 
-    def _process_videos(self, refs: list[VideoRef]) -> list[ProcessedVideo]:
+    def _process_videos(self, refs: list[VideoRef], cancel: threading.Event | None = None) -> list[ProcessedVideo]:
         if not refs:
             return []
         assert self.video_processor is not None
         videos: list[ProcessedVideo] = []
         tokens = 0
         for k, ref in enumerate(refs):
+            _stop_if_cancelled(cancel)
             try:
                 video = self.video_processor.preprocess(ref.source, self.limits, VideoOptions(**ref.options),
                                                         max_tokens=self.limits.max_video_tokens - tokens)
@@ -309,6 +314,11 @@ class Processor:
             if n != len(pieces[kind]):
                 raise InputError(f"the tokenized prompt has {n} {kind} placeholders for {len(pieces[kind])} {kind}s")
         return ProcessedPrompt(token_ids=out, mm_items=items, text=text)
+
+
+def _stop_if_cancelled(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise InputError("cancelled: the request's client has gone")
 
 
 def _media_items(kind: str, sources: Any) -> list[dict[str, Any]]:

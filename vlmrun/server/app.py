@@ -46,7 +46,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
-            state.executor.shutdown(wait=False, cancel_futures=True)
+            state.shutdown_pools()
 
     app = FastAPI(title="vlmrun", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.vlmrun = state

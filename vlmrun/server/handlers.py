@@ -1,16 +1,20 @@
 """The two generation endpoints: `/v1/chat/completions` and `/v1/completions`.
 
-One request goes: body read on the event loop (JSON only: 415; capped: 413) → JSON parse + validation in the
-thread pool (400) → model check (404) → admission (429) → image fetch + preprocessing + chat
-template in the thread pool (400) → `AsyncEngine.submit` (400 for what the engine refuses, e.g.
-a prompt longer than the context; 503 if the engine is gone) → a streamed (SSE) or a collected
-answer. From submission on, every exit path aborts what is unfinished and releases the admission.
+One request goes: body read on the event loop (JSON only: 415; capped: 413) → JSON parse +
+validation in a thread pool (400) → model check (404) → admission (429) → image fetch +
+preprocessing + chat template in a thread pool (400; stopped at the next image when the client
+leaves) → `AsyncEngine.submit` (400 for what the engine refuses, e.g. a prompt longer than the
+context; 503 if the engine is gone) → a streamed (SSE) or a collected answer. From submission on,
+every exit path aborts what is unfinished and releases the admission. Two pools: large bodies and
+requests with images or videos run in the media pool, everything else in the light pool, so a small
+request never waits behind another client's image decoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +35,7 @@ from vlmrun.server.errors import APIError, bad_request, internal, unavailable
 from vlmrun.server.metrics import ServerMetrics
 from vlmrun.server.protocol import (ChatRequest, CompletionRequest, parse_chat_request,
                                     parse_completion_request, parse_json, split_choices)
-from vlmrun.server.state import ServerState, Ticket
+from vlmrun.server.state import LIGHT_BODY_BYTES, ServerState, Ticket
 from vlmrun.server.transport import SSEResponse, read_json_body, until_done_or_disconnected
 
 logger = logging.getLogger(__name__)
@@ -116,15 +120,24 @@ class Submitted:
 
 async def _parse(state: ServerState, request: Request, parse: Callable[[dict[str, Any], int], Any]) -> Any:
     raw = await read_json_body(request, state.settings.max_request_bytes)
-    return await state.in_pool(lambda: parse(parse_json(raw), state.limits))
+    return await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=len(raw) > LIGHT_BODY_BYTES)
 
 
-async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
-                  prepare: Callable[[], list[tuple[ProcessedPrompt, SamplingParams]]],
-                  prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
-                  param: str) -> Submitted:
+Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams]]]
+
+
+async def _submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
+                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
+                  param: str, heavy: bool) -> Submitted:
+    """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine. A
+    client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image."""
+    cancel = threading.Event()
     try:
-        items = await state.in_pool(lambda: _input_errors_as_400(lambda: _compile_grammars(state, prepare())))
+        work = state.in_pool(lambda: _input_errors_as_400(lambda: _compile_grammars(state, prepare(cancel))), heavy)
+        try:
+            items = await until_done_or_disconnected(request, work)
+        finally:
+            cancel.set()  # done, or nobody is waiting for it any more
         _check_context(items, state.engine.engine.max_model_len)
         group = await state.engine.submit(rid, items)
     except StructuredOutputError as exc:
@@ -143,6 +156,14 @@ async def _submit(state: ServerState, rid: str, ticket: Ticket, arrival: float,
     state.metrics.prompt_tokens.inc(n_prompt)
     choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids)) for i, (p, _) in enumerate(items)]
     return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
+
+
+def has_media(messages: Any) -> bool:
+    """Whether chat `messages` hold any content part other than text (images and videos to fetch and decode)."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(not (isinstance(part, dict) and part.get("type") == "text") for part in m["content"])
+        for m in messages)
 
 
 def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_model_len: int) -> None:
@@ -226,15 +247,17 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
     prompt_text = ""
 
-    def prepare() -> list[tuple[ProcessedPrompt, SamplingParams]]:
+    def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         nonlocal prompt_text
         messages = state.media.resolve_messages(req.messages)
         prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs)
+                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs,
+                                              cancel=cancel)
         prompt_text = prompt.text
         return [(prompt, p) for p in split_choices(_chat_params(state, req))]
 
-    sub = await _submit(state, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids), "messages")
+    sub = await _submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
+                        "messages", heavy=has_media(req.messages))
     model = state.model_name
     token_text = R.TokenText(state.engine.tokenizer)
     parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
@@ -331,13 +354,13 @@ async def completions(state: ServerState, request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     prompts: list[ProcessedPrompt] = []
 
-    def prepare() -> list[tuple[ProcessedPrompt, SamplingParams]]:
+    def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         prompts.extend(_raw_prompt(state, p, i, len(req.prompts)) for i, p in enumerate(req.prompts))
         children = split_choices(req.params)
         return [(p, c) for p in prompts for c in children]
 
-    sub = await _submit(state, rid, ticket, arrival, prepare,
-                        lambda items: sum(len(p.token_ids) for p in prompts), "prompt")
+    sub = await _submit(state, request, rid, ticket, arrival, prepare,
+                        lambda items: sum(len(p.token_ids) for p in prompts), "prompt", heavy=False)
     model = state.model_name
     token_text = R.TokenText(state.engine.tokenizer)
     prefixes = [(_prompt_text(state, p) if req.echo else "") for p in prompts for _ in range(n)]

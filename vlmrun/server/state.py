@@ -57,13 +57,19 @@ class Ticket:
             self.admission.in_flight -= self.n
 
 
+# Threads of the light pool; a body over LIGHT_BODY_BYTES is parsed in the media pool.
+LIGHT_WORKERS = 2
+LIGHT_BODY_BYTES = 256 * 1024
+
+
 @dataclass
 class ServerState:
     engine: AsyncEngine
     settings: ServerSettings
     processor: Processor
     media: MediaResolver
-    executor: ThreadPoolExecutor
+    media_pool: ThreadPoolExecutor  # large bodies, image and video fetching and preprocessing
+    light_pool: ThreadPoolExecutor  # small bodies and text-only requests: never queued behind media work
     metrics: ServerMetrics
     admission: Admission
     limits: RequestLimits
@@ -85,9 +91,10 @@ class ServerState:
             max_redirects=settings.max_url_redirects))
         admission = Admission(engine.engine.config.max_num_seqs + settings.max_queued_requests)
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)
-        executor = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-preprocess")
+        media_pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-media")
+        light_pool = ThreadPoolExecutor(LIGHT_WORKERS, thread_name_prefix="vlmrun-light")
         limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config))
-        return cls(engine, settings, processor, media, executor, metrics, admission, limits)
+        return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits)
 
     @property
     def model_name(self) -> str:
@@ -98,5 +105,11 @@ class ServerState:
         if model is not None and model != self.model_name:
             raise model_not_found(model, [self.model_name])
 
-    async def in_pool(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+    async def in_pool(self, fn: Callable[[], T], heavy: bool) -> T:
+        """Run `fn` off the event loop: in the media pool when `heavy`, else in the light pool."""
+        pool = self.media_pool if heavy else self.light_pool
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    def shutdown_pools(self) -> None:
+        for pool in (self.media_pool, self.light_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
