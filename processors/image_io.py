@@ -8,7 +8,9 @@ Every image goes through the same steps:
   1. bytes are capped (`limits.max_image_bytes`) before they are read / downloaded / decoded;
   2. the header is parsed and width*height checked against `limits.max_image_pixels` BEFORE the
      pixels are decoded (decompression bombs cost nothing);
-  3. the pixels are fully decoded (`Image.load()`), so corrupt / truncated files fail here, not later;
+  3. the pixels are fully decoded (`Image.load()`), so corrupt / truncated files fail here, not later.
+     Steps 1-2 are `open_image` (an `OpenedImage`: the size known, nothing decoded, so a request's
+     token count can be checked before any image of it is decoded), 3-5 `OpenedImage.decode`;
   4. the EXIF orientation is applied (`ImageOps.exif_transpose`);
   5. transparency (RGBA, LA, PA, P / L / RGB with a transparency key) is composited on white,
      then the image is converted to RGB (16-bit grayscale is scaled down to 8 bits first).
@@ -25,6 +27,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
@@ -46,21 +49,50 @@ def load_image(source: ImageSource, limits: ProcessorLimits | None = None) -> Im
     Raises InputError (a ValueError) with a message naming the problem for anything that is not a
     readable image within `limits`.
     """
+    return open_image(source, limits).decode()
+
+
+@dataclass
+class OpenedImage:
+    """An image whose bytes and header were read (size known and checked), pixels not yet decoded."""
+
+    image: Image.Image
+    what: str  # how error messages name it
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width) as stored (before any EXIF rotation, which keeps the token count)."""
+        return self.image.height, self.image.width
+
+    def decode(self) -> Image.Image:
+        """The image fully decoded (corrupt or truncated data fails here), EXIF-rotated, RGB."""
+        try:
+            self.image.load()
+        except MemoryError:
+            raise
+        except Exception as exc:  # truncated / corrupt data: OSError, SyntaxError, EOFError, ...
+            kind = f" ({self.image.format})" if self.image.format else ""
+            raise InputError(f"{self.what} is corrupt or truncated{kind}: {exc}") from None
+        return to_rgb(_apply_exif_orientation(self.image))
+
+
+def open_image(source: ImageSource, limits: ProcessorLimits | None = None) -> OpenedImage:
+    """Read one image's bytes (file, URL, data URI) and header, not its pixels. InputError for anything
+    that is not a readable image header within `limits`."""
     limits = limits or DEFAULT_LIMITS
     if isinstance(source, Image.Image):
-        image = _from_pil(source, limits)
-    elif isinstance(source, np.ndarray):
-        image = _from_array(source, limits)
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        image = decode_image_bytes(bytes(source), limits, what="image bytes")
-    elif isinstance(source, (str, os.PathLike)):
-        image = _from_string(source, limits)
-    else:
-        raise InputError(
-            f"unsupported image source of type {type(source).__name__}: expected a path, URL, data URI, "
-            "bytes, PIL image or numpy array"
-        )
-    return to_rgb(_apply_exif_orientation(image))
+        _check_pixels(source.width, source.height, limits, "PIL image")
+        return OpenedImage(source, "PIL image")
+    if isinstance(source, np.ndarray):
+        return _from_array(source, limits)
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return open_image_bytes(bytes(source), limits, what="image bytes")
+    if isinstance(source, (str, os.PathLike)):
+        return _from_string(source, limits)
+    raise InputError(
+        f"unsupported image source of type {type(source).__name__}: expected a path, URL, data URI, "
+        "bytes, PIL image or numpy array"
+    )
 
 
 def describe_source(source: Any) -> str:
@@ -85,17 +117,17 @@ def describe_source(source: Any) -> str:
 # sources
 
 
-def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> Image.Image:
+def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> OpenedImage:
     text = os.fspath(source)
     if isinstance(text, bytes):  # a bytes path from os.fspath(PathLike[bytes])
         text = text.decode()
     if isinstance(source, str):
         head = text[:10].lower()
         if head.startswith("data:"):
-            return decode_image_bytes(decode_data_uri(text, limits.max_image_bytes), limits, what="data URI")
+            return open_image_bytes(decode_data_uri(text, limits.max_image_bytes), limits, what="data URI")
         if head.startswith(("http://", "https://")):
             data = fetch_url(text, limits, limits.max_image_bytes)
-            return decode_image_bytes(data, limits, what=f"image at {short_text(text)}")
+            return open_image_bytes(data, limits, what=f"image at {short_text(text)}")
         if head.startswith("file://"):
             return _from_path(file_uri_to_path(text), limits)
         if "://" in text[:16]:
@@ -104,9 +136,9 @@ def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> Image.Im
     return _from_path(text, limits)
 
 
-def _from_path(path: str, limits: ProcessorLimits) -> Image.Image:
+def _from_path(path: str, limits: ProcessorLimits) -> OpenedImage:
     data = read_local_file(path, limits, limits.max_image_bytes)
-    return decode_image_bytes(data, limits, what=f"image file {short_text(path)}")
+    return open_image_bytes(data, limits, what=f"image file {short_text(path)}")
 
 
 def read_local_file(path: str, limits: ProcessorLimits, max_bytes: int, what: str = "image") -> bytes:
@@ -271,7 +303,12 @@ def _check_pixels(width: int, height: int, limits: ProcessorLimits, what: str) -
 
 
 def decode_image_bytes(data: bytes, limits: ProcessorLimits | None = None, what: str = "image") -> Image.Image:
-    """Decode encoded image bytes into a fully loaded PIL image (mode as stored; not yet RGB)."""
+    """Decode encoded image bytes into a fully loaded RGB PIL image."""
+    return open_image_bytes(data, limits, what).decode()
+
+
+def open_image_bytes(data: bytes, limits: ProcessorLimits | None = None, what: str = "image") -> OpenedImage:
+    """Encoded image bytes opened (header read, size checked), pixels not yet decoded."""
     limits = limits or DEFAULT_LIMITS
     if not data:
         raise InputError(f"{what} is empty (0 bytes)")
@@ -293,28 +330,10 @@ def decode_image_bytes(data: bytes, limits: ProcessorLimits | None = None, what:
         raise InputError(f"{what} has an invalid image header: {exc}") from None
     # The header alone gave the size: refuse bombs before a single pixel is decoded.
     _check_pixels(image.width, image.height, limits, what)
-    try:
-        image.load()
-    except MemoryError:
-        raise
-    except Exception as exc:  # truncated / corrupt data: OSError, SyntaxError, EOFError, ...
-        raise InputError(f"{what} is corrupt or truncated ({image.format}): {exc}") from None
-    return image
+    return OpenedImage(image, what)
 
 
-def _from_pil(image: Image.Image, limits: ProcessorLimits) -> Image.Image:
-    what = "PIL image"
-    _check_pixels(image.width, image.height, limits, what)
-    try:
-        image.load()  # a lazily opened file: decode it now so that errors surface here
-    except MemoryError:
-        raise
-    except Exception as exc:
-        raise InputError(f"{what} is corrupt or truncated: {exc}") from None
-    return image
-
-
-def _from_array(array: np.ndarray, limits: ProcessorLimits) -> Image.Image:
+def _from_array(array: np.ndarray, limits: ProcessorLimits) -> OpenedImage:
     what = f"numpy image {tuple(array.shape)}"
     if array.ndim == 3 and array.shape[2] == 1:
         array = array[:, :, 0]
@@ -335,7 +354,7 @@ def _from_array(array: np.ndarray, limits: ProcessorLimits) -> Image.Image:
         pixels = np.rint(array.astype(np.float64) * 255.0).astype(np.uint8)
     else:
         raise InputError(f"{what} has dtype {array.dtype}; use uint8 (0-255) or float (0-1)")
-    return Image.fromarray(np.ascontiguousarray(pixels))  # HxW -> L, HxWx3 -> RGB, HxWx4 -> RGBA
+    return OpenedImage(Image.fromarray(np.ascontiguousarray(pixels)), what)  # HxW -> L, HxWx3 -> RGB, HxWx4 -> RGBA
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,4 +406,5 @@ def short_text(text: str, limit: int = 100) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
-__all__ = ["ImageSource", "load_image", "decode_image_bytes", "to_rgb", "describe_source"]
+__all__ = ["ImageSource", "OpenedImage", "load_image", "open_image", "decode_image_bytes", "to_rgb",
+           "describe_source"]

@@ -269,6 +269,17 @@ class ImageProcessor:
             return qwen_vl_utils_size(resized_height, resized_width, f)
         return qwen_vl_utils_size(height, width, f, min_pixels, max_pixels)
 
+    def num_tokens(self, height: int, width: int, *, min_pixels: int | None = None, max_pixels: int | None = None,
+                   resized_height: int | None = None, resized_width: int | None = None) -> int:
+        """LLM tokens of a height x width image with these per-item options, as `preprocess` would make it."""
+        first = self.override_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels,
+                                   resized_height=resized_height, resized_width=resized_width)
+        if first is not None and self.config.do_resize:
+            height, width = first
+        h, w = self.model_size(height, width)
+        p, m = self.config.patch_size, self.config.merge_size
+        return (h // p) * (w // p) // (m * m)
+
     def model_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) the HF processor resizes a height x width image to: `smart_resize` within the
         config's [min_pixels, max_pixels] (the size itself when the config does not resize)."""

@@ -47,6 +47,8 @@ class ProcessorLimits:
         metadata before a video's first frame is decoded. It bounds a request's video memory: about
         38 KB per token (float32 pixel values, the resized frames, transients; README, "Video").
     Each video frame is also bounded by `max_image_pixels` as decoded.
+    max_prompt_tokens: the most tokens a prompt may have (None: unchecked here). The images of a
+        request are refused from their headers, before any is decoded, when they alone need more.
     """
 
     max_image_pixels: int = 64_000_000
@@ -60,6 +62,7 @@ class ProcessorLimits:
     max_video_frames_decoded: int = 216_000  # two hours at 30 frames/s
     max_video_frames: int = 768
     max_video_tokens: int = 65_536
+    max_prompt_tokens: int | None = None  # the images of a request may need no more (set by the engine)
 
     def __post_init__(self) -> None:
         for name in ("max_image_pixels", "max_images_per_request", "max_image_bytes", "max_video_bytes",

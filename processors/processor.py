@@ -28,7 +28,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
-from processors.image_io import describe_source, load_image
+from processors.image_io import OpenedImage, describe_source, load_image, open_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
 from processors.video_processor import (ProcessedVideo, VideoOptions, VideoProcessor, VideoProcessorConfig,
@@ -194,7 +194,10 @@ class Processor:
                     f"the chat template wrote {text.count(pad)} {what} placeholders for {n} {what}s "
                     f"(does this template support {what}s in these messages?)"
                 )
-        images = [self._process_image(ref, k, device, cancel) for k, ref in enumerate(image_refs)]
+        opened = [self._open_image(ref, k) for k, ref in enumerate(image_refs)]  # bytes and headers only
+        self._check_image_tokens(opened, image_refs)
+        images = [self._process_image(image, ref, k, device, cancel)
+                  for k, (image, ref) in enumerate(zip(opened, image_refs))]
         videos = self._process_videos(video_refs, cancel)
         text = self._write_video_timestamps(text, videos)
         check_unicode(text, "the prompt")  # what no message check saw: tools, template variables
@@ -231,21 +234,48 @@ class Processor:
         ref = ImageRef(source, min_pixels, max_pixels, resized_height, resized_width)
         if self.image_processor is None:
             raise InputError("this model does not accept images (text-only checkpoint: no preprocessor_config.json)")
-        return self._process_image(ref, 0, device, single=True)
+        return self.image_processor.preprocess(load_image(source, self.limits), device=device or self.device,
+                                               **ref.size_options())
 
     # ----------------------------------------------------------------------------------------
 
-    def _process_image(self, ref: ImageRef, index: int, device: str | torch.device | None,
-                       cancel: threading.Event | None = None, single: bool = False) -> ProcessedImage:
+    def _open_image(self, ref: ImageRef, index: int) -> OpenedImage:
+        try:
+            return open_image(ref.source, self.limits)
+        except InputError as exc:
+            raise _image_error(exc, ref, index) from None
+
+    def _check_image_tokens(self, opened: list[OpenedImage], refs: list[ImageRef]) -> None:
+        """InputError, before any image is decoded, when an image's options resize it past
+        `limits.max_image_pixels`, or the images alone need more tokens than a prompt may have
+        (`limits.max_prompt_tokens`): their sizes come from the headers."""
+        if not opened:
+            return
+        assert self.image_processor is not None
+        total = 0
+        for k, (image, ref) in enumerate(zip(opened, refs)):
+            try:
+                first = self.image_processor.override_size(*image.size, **ref.size_options())
+                if first is not None and first[0] * first[1] > self.limits.max_image_pixels:
+                    raise InputError(f"its options resize it to {first[1]}x{first[0]} = {first[0] * first[1]:,} "
+                                     f"pixels, more than the limit of {self.limits.max_image_pixels:,}")
+                total += self.image_processor.num_tokens(*image.size, **ref.size_options())
+            except InputError as exc:
+                raise _image_error(exc, ref, k) from None
+        limit = self.limits.max_prompt_tokens
+        if limit is not None and total > limit:
+            raise InputError(f"the {len(opened)} image(s) of this request need {total:,} tokens, more than a prompt "
+                             f"may have ({limit:,}); refused before any was decoded")
+
+    def _process_image(self, image: OpenedImage, ref: ImageRef, index: int, device: str | torch.device | None,
+                       cancel: threading.Event | None = None) -> ProcessedImage:
         assert self.image_processor is not None
         _stop_if_cancelled(cancel)
         try:
-            image = load_image(ref.source, self.limits)
-            return self.image_processor.preprocess(image, device=device or self.device, **ref.size_options())
+            return self.image_processor.preprocess(image.decode(), device=device or self.device,
+                                                   **ref.size_options())
         except InputError as exc:
-            if single:
-                raise
-            raise InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}") from None
+            raise _image_error(exc, ref, index) from None
 
     def _process_videos(self, refs: list[VideoRef], cancel: threading.Event | None = None) -> list[ProcessedVideo]:
         if not refs:
@@ -314,6 +344,10 @@ class Processor:
             if n != len(pieces[kind]):
                 raise InputError(f"the tokenized prompt has {n} {kind} placeholders for {len(pieces[kind])} {kind}s")
         return ProcessedPrompt(token_ids=out, mm_items=items, text=text)
+
+
+def _image_error(exc: InputError, ref: ImageRef, index: int) -> InputError:
+    return InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}")
 
 
 def _stop_if_cancelled(cancel: threading.Event | None) -> None:

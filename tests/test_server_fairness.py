@@ -90,3 +90,26 @@ def test_a_client_that_leaves_stops_its_preparation(slow_server):
     with httpx.Client(base_url=srv.base_url, timeout=60) as client:
         assert client.post("/v1/chat/completions", json=TEXT).status_code == 200
     assert srv.app.state.vlmrun.admission.in_flight == 0
+
+
+def test_images_a_prompt_cannot_hold_are_refused_before_any_is_decoded(qwen3_vl_dir, monkeypatch):
+    """Each image's token count comes from its header and options; a request whose images alone need
+    more tokens than the context allows fails before one pixel is decoded (no 70 s of work for a 400)."""
+    from processors.image_io import OpenedImage
+    from tests.test_server import picture
+    from vlmrun import LLM, SamplingParams
+
+    decoded = []
+    real = OpenedImage.decode
+    monkeypatch.setattr(OpenedImage, "decode", lambda self: decoded.append(self.what) or real(self))
+    llm = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_model_len=128)
+    big = [picture(400, 300, seed=k) for k in range(3)]  # 54 tokens each at the tiny processor's cap: 162 > 127
+    out = llm.generate([{"prompt": "Describe.", "images": big}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert "need 162 tokens, more than a prompt may have (127); refused before any was decoded" in out.error
+    assert decoded == []
+    out = llm.generate([{"prompt": "Describe.", "images": big[:1]}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert out.error is None and len(decoded) == 1
+    out = llm.generate([{"prompt": "Hi", "images": [{"image": big[0], "min_pixels": 10**9, "max_pixels": 10**10}]}],
+                       SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert "its options resize it to 36544x27392 = 1,001,013,248 pixels, more than the limit" in out.error
+    assert len(decoded) == 1

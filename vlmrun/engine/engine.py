@@ -184,7 +184,8 @@ class Engine:
         return self.device
 
     def _limits(self) -> ProcessorLimits:
-        limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request)
+        limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request,
+                                 max_prompt_tokens=self.model_config.max_model_len - 1)
         optional = ("max_image_pixels", "max_video_frames", "max_video_frames_decoded", "max_video_tokens")
         given = {name: getattr(self.config, name) for name in optional if getattr(self.config, name) is not None}
         return dataclasses.replace(limits, **given)
