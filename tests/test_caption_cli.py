@@ -150,15 +150,73 @@ def test_an_input_manifest_as_out_is_refused_and_untouched(qwen3_vl_dir: Path, t
     assert "is one of the inputs" in capsys.readouterr().err
 
 
-def test_print_mode_and_no_inputs(qwen3_vl_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_print_mode_and_no_inputs(qwen3_vl_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     paths = write_images(tmp_path / "imgs", 2)
-    assert main(["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--max-tokens", "2"]) == 0
+    args = ["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--max-tokens", "2"]
+    for extra in ([], ["--out", "-"]):  # stdout is not a terminal here (a pipe): JSONL records, as in a file
+        assert main(args + extra) == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert sorted(r["image"] for r in records) == [str(p) for p in paths]
+        assert all(r["caption"] is not None and r["error"] is None for r in records)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)  # a person's terminal: readable lines
+    assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert sorted(line.split(": ", 1)[0] for line in lines) == [str(p) for p in paths]
     (tmp_path / "empty").mkdir()
     assert main(["caption", str(tmp_path / "empty"), "--model", str(qwen3_vl_dir)]) == 2
     assert "no images found" in capsys.readouterr().err
     assert main(["caption", str(tmp_path / "imgs"), "--model", str(qwen3_vl_dir), "--out", "x.csv"]) == 2
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_full_disk_stops_the_job_with_a_summary_and_loses_nothing(qwen3_vl_dir: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch, suffix: str):
+    import errno
+
+    from vlmrun.jobs.journal import Journal
+
+    paths = write_images(tmp_path / "imgs", 6)
+    out = tmp_path / f"out{suffix}"
+    args = ["caption", str(tmp_path / "imgs"), "--out", str(out), "--model", str(qwen3_vl_dir), "--max-tokens", "2",
+            "--no-progress"]
+    real, written = Journal.append, []
+
+    def append(self, record):
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, record)
+        written.append(record["image"])
+
+    monkeypatch.setattr(Journal, "append", append)
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "stopped: cannot write the output" in err and "No space left on device" in err
+    assert "the 3 records before it are kept" in err and "captioned 3/3" in err
+    assert sorted(r["image"] for r in _records(out)) == sorted(written)
+    assert not Path(str(out) + ".tmp").exists()
+    monkeypatch.setattr(Journal, "append", real)  # space again: the rerun captions the rest
+    assert main(args) == 0
+    assert sorted(r["image"] for r in _records(out)) == sorted(str(p) for p in paths)
+
+
+def test_a_failed_parquet_conversion_leaves_no_tmp_and_keeps_the_journal(tmp_path: Path, monkeypatch):
+    from vlmrun.jobs import sink
+
+    out = tmp_path / "o.parquet"
+    output = sink.open_output(str(out))
+    output.write(sink.CaptionRecord.failure("a.png", "m", "p", "boom"))
+
+    def full(records, tmp, schema, row_group_size):
+        Path(tmp).write_bytes(b"PAR1 half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sink, "_write_parquet_file", full)
+    with pytest.raises(OSError):
+        output.close()
+    assert not Path(str(out) + ".tmp").exists() and not out.exists()
+    assert [r["image"] for r in _records(Path(str(out) + JOURNAL_SUFFIX))] == ["a.png"]
 
 
 def _lines_in(path: Path) -> int:

@@ -9,10 +9,11 @@ record then carries `parsed`, and one whose output does not complete (cut by --m
 error record.
 
 INPUT: image files, directories (recursive), glob patterns, manifests (.txt / .csv / .jsonl /
-.parquet of paths or URLs), URLs (see `vlmrun.jobs.inputs`). Without --out each image prints one
-line. Exit status, of this run: 0 every image it captioned has a caption, 1 some failed (error
-records), 2 bad usage or the job could not start (an --out that is not a caption journal, or that is
-an input, is refused untouched), 130 interrupted.
+.parquet of paths or URLs), URLs (see `vlmrun.jobs.inputs`). `--out -` prints JSONL records; without
+--out each image prints one line on a terminal, one JSONL record on a pipe. Exit status, of this run:
+0 every image it captioned has a caption, 1 some failed (error records) or the output could not be
+written (disk full: the summary says how far it got), 2 bad usage or the job could not start (an --out
+that is not a caption journal, or that is an input, is refused untouched), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -123,7 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     cap.add_argument("inputs", nargs="+", metavar="INPUT",
                      help="image file, directory (recursive), glob, URL, or manifest (.txt/.csv/.jsonl/.parquet)")
     cap.add_argument("--out", default=None, metavar="FILE",
-                     help="write one record per image to FILE (*.jsonl or *.parquet); without it, print lines")
+                     help="write one record per image to FILE (*.jsonl or *.parquet; - for JSONL on stdout); "
+                          "without it, JSONL records on a pipe, readable lines on a terminal")
     cap.add_argument("--model", default=None,
                      help="HF checkpoint directory or hub id (default: the bundled shapes model, assets/model/)")
     cap.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"instruction given with each image ({DEFAULT_PROMPT!r})")

@@ -139,6 +139,7 @@ class JobSummary:
     ignored_files: int = 0
     interrupted: bool = False
     out: Optional[str] = None
+    output_error: Optional[str] = None  # the job stopped: its output could not be written
 
     @property
     def images_per_s(self) -> float:
@@ -153,7 +154,7 @@ class JobSummary:
         (Failures kept from earlier runs are reported in `lines`, not in the status.)"""
         if self.interrupted:
             return 130
-        return 1 if self.failed else 0
+        return 1 if self.failed or self.output_error else 0
 
     def lines(self) -> list[str]:
         if self.interrupted and not self.written:  # stopped before the first record: images may remain
@@ -174,7 +175,10 @@ class JobSummary:
             notes.append(f"{_n(self.ignored_files, 'file')} without an image suffix ignored")
         if notes:
             out.append("; ".join(notes))
-        if self.interrupted:
+        if self.output_error:
+            out.append(f"stopped: {self.output_error}; the {self.written:,} records before it are kept: "
+                       "free the space and run the same command again to resume")
+        elif self.interrupted:
             out.append("interrupted: run the same command again to resume")
         elif self.out:
             out.append(f"records in {self.out}")

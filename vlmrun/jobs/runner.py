@@ -20,11 +20,15 @@ from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
 from vlmrun.jobs.journal import ResumeState
-from vlmrun.jobs.sink import JOURNAL_SUFFIX, OutputError, open_output
+from vlmrun.jobs.sink import JOURNAL_SUFFIX, STDOUT, OutputError, open_output
 
 
 class NoInputsError(ValueError):
     """The inputs name no image at all."""
+
+
+class OutputWriteError(Exception):
+    """A record could not be written (the job stops; its summary says why)."""
 
 
 def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
@@ -44,11 +48,14 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
     stats = InputStats()
     counters = JobCounters()
     summary = JobSummary(prior_failed=state.failed, out=config.out)
-    bar = ProgressBar(counters, stderr, enabled=config.progress and config.out is not None)
+    bar = ProgressBar(counters, stderr, enabled=config.progress and config.out not in (None, STDOUT))
     done = state.done  # read-only from here on (the input filter and the counting thread read it)
 
     def on_record(item: JobItem, record: CaptionRecord) -> None:
-        sink.write(record)
+        try:
+            sink.write(record)
+        except OSError as exc:  # disk full, a vanished folder: the job stops, what was written stays
+            raise OutputWriteError(f"cannot write the output {config.out or 'stdout'!r}: {exc}") from exc
         counters.count(record.error is not None, record.num_tokens)
         bar.refresh()
 
@@ -63,9 +70,13 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
             _run(config, itertools.chain([first], items), counters, on_record, bar)
     except KeyboardInterrupt:
         summary.interrupted = True
+    except OutputWriteError as exc:
+        summary.output_error = str(exc)
     finally:
         try:
             sink.close()
+        except OSError as exc:  # closing (fsync, the Parquet conversion) can fail the same way
+            summary.output_error = summary.output_error or f"cannot finish the output {config.out!r}: {exc}"
         finally:
             bar.close()
     summary.written, summary.failed, summary.tokens = counters.done, counters.failed, counters.tokens
@@ -102,7 +113,7 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
 def _refuse_an_input_as_output(config: CaptionJobConfig) -> None:
     """OutputError when `--out` (or a Parquet output's journal) is one of the input files: writing
     it would destroy the manifest the job reads."""
-    if config.out is None:
+    if config.out in (None, STDOUT):
         return
     outputs = [path for path in (config.out, config.out + JOURNAL_SUFFIX) if os.path.isfile(path)]
     for spec in config.inputs:

@@ -27,6 +27,7 @@ from typing import IO, Any, Iterator, Optional, Protocol
 from vlmrun.jobs.journal import (
     Journal,
     ResumeState,
+    encode_record,
     fsync_dir,
     iter_journal,
     rewrite_journal,
@@ -43,6 +44,7 @@ except ImportError:  # pragma: no cover
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JOURNAL_SUFFIX = ".journal.jsonl"
+STDOUT = "-"  # --out -: JSONL records on standard output
 PARQUET_ROW_GROUP = 10_000
 
 
@@ -185,13 +187,20 @@ class ParquetOutput:
 
 
 class PrintOutput:
-    """No --out: one line per image on a text stream (`path: 'caption'` or `path: ERROR ...`)."""
+    """`--out -`, or no --out with stdout not a terminal (a pipe, a file): one JSONL record per line, as
+    in a .jsonl output. No --out on a terminal: one line per image for a person to read
+    (`path: 'caption'` or `path: ERROR ...`)."""
 
-    def __init__(self, stream: Optional[IO[str]] = None):
+    def __init__(self, stream: Optional[IO[str]] = None, jsonl: bool = False):
         self.stream = stream if stream is not None else sys.stdout
+        self.jsonl = jsonl
         self.state = ResumeState()
 
     def write(self, record: CaptionRecord) -> None:
+        if self.jsonl:
+            self.stream.write(encode_record(record.to_dict()).decode("utf-8"))
+            self.stream.flush()
+            return
         text = f"ERROR {record.error}" if record.error is not None else repr(record.caption)
         print(f"{record.image}: {text}", file=self.stream, flush=True)
 
@@ -199,11 +208,20 @@ class PrintOutput:
         self.stream.flush()
 
 
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
 def open_output(path: Optional[str], *, overwrite: bool = False, retry_errors: bool = False,
                 fsync_interval: float = 1.0, stream: Optional[IO[str]] = None) -> JsonlOutput | ParquetOutput | PrintOutput:
-    """The output for `--out path` (None: print), repaired and scanned; `.state` says what is done."""
-    if path is None:
-        return PrintOutput(stream)
+    """The output for `--out path` (None: print; "-": JSONL on `stream`), repaired and scanned; `.state`
+    says what is done."""
+    if path is None or path == STDOUT:
+        stream = stream if stream is not None else sys.stdout
+        return PrintOutput(stream, jsonl=path == STDOUT or not _is_terminal(stream))
     kind = output_format(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
@@ -244,11 +262,23 @@ def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: 
     """Stream `records` into a Parquet file at `path` (through `path.tmp` and an atomic rename),
     one row group per `row_group_size` records, the first record of each image only. Returns the
     number of rows."""
+    tmp = path + ".tmp"
+    try:
+        rows = _write_parquet_file(records, tmp, arrow_schema(), row_group_size)
+    except BaseException:  # a full disk, an interrupt: no half-written file is left beside the journal
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    os.replace(tmp, path)
+    fsync_dir(path)
+    return rows
+
+
+def _write_parquet_file(records: Iterator[dict[str, Any]], tmp: str, schema: Any, row_group_size: int) -> int:
+    """`write_parquet`'s file at `tmp`, fsynced; returns the number of rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = arrow_schema()
-    tmp = path + ".tmp"
     seen: set[int] = set()
     rows = 0
     batch: list[dict[str, Any]] = []
@@ -273,6 +303,4 @@ def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: 
             flush()
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path)
     return rows
