@@ -18,7 +18,7 @@ import gradio as gr
 from vlmrun.default_model import MODEL_DIR_NAME
 from vlmrun.synthetic import DESCRIBE_PROMPT, QA_KINDS, Scene, scene_from_file
 from web.client import ChatClient, ServerError, Speed
-from web.conversation import Turn, is_video_file, to_chatbot, to_openai, user_turn
+from web.conversation import Turn, explain_error, is_video_file, to_chatbot, to_openai, user_turn, without_files
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
@@ -81,8 +81,10 @@ def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Pa
                 if event.text or event.completion_tokens is not None:
                     yield to_chatbot(turns), turns, cleared, _status(model, f"{label}: {speed.describe()}")
         except ServerError as exc:
+            error, bad_files = explain_error(str(exc), turns)
             turns = turns[:-1]
-            yield to_chatbot(turns), turns, gr.MultimodalTextbox(value=message), _status(model, f"error: {exc}")
+            yield (to_chatbot(turns), turns, gr.MultimodalTextbox(value=without_files(message, bad_files)),
+                   _status(model, f"error: {error}"))
             return
         yield to_chatbot(turns), turns, cleared, _status(model, f"{label}: {speed.describe()}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import mimetypes
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,3 +79,32 @@ def user_turn(message: Any) -> Turn:
     for f in message.get("files") or []:
         files.append(f["path"] if isinstance(f, dict) else str(f))
     return Turn(text=(message.get("text") or "").strip(), images=files)
+
+
+_MEDIA_REF = re.compile(r"\b(image|video) (\d+) \(data URI \(\d+ chars\)\)")
+
+
+def explain_error(error: str, turns: list[Turn]) -> tuple[str, set[str]]:
+    """The server's error with each "image N (data URI (...))" / "video N (...)" named by its uploaded
+    file, and the paths of the files it names. The server numbers images and videos apart, in the
+    order `to_openai` sends them."""
+    files = {"image": [p for t in turns for p in t.images if not is_video_file(p)],
+             "video": [p for t in turns for p in t.images if is_video_file(p)]}
+    named: set[str] = set()
+
+    def name(match: re.Match) -> str:
+        kind, number = match.group(1), int(match.group(2))
+        if not 1 <= number <= len(files[kind]):
+            return match.group(0)
+        path = files[kind][number - 1]
+        named.add(path)
+        return f"{kind} {number} ({Path(path).name!r})"
+
+    return _MEDIA_REF.sub(name, error), named
+
+
+def without_files(message: Any, paths: set[str]) -> dict[str, Any]:
+    """The MultimodalTextbox value `message` less the uploads at `paths` (a bad file's thumbnail goes)."""
+    message = message or {}
+    keep = [f for f in message.get("files") or [] if (f["path"] if isinstance(f, dict) else str(f)) not in paths]
+    return {"text": message.get("text") or "", "files": keep}
