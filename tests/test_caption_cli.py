@@ -150,6 +150,21 @@ def test_an_input_manifest_as_out_is_refused_and_untouched(qwen3_vl_dir: Path, t
     assert "is one of the inputs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_manifest_columns_pass_through_to_the_records(qwen3_vl_dir: Path, tmp_path: Path, suffix: str) -> None:
+    paths = write_images(tmp_path / "imgs", 2)
+    (tmp_path / "list.csv").write_text(f"id,image,label\n7,{paths[0]},cat\n")
+    (tmp_path / "list.jsonl").write_text(json.dumps({"image": str(paths[1]), "id": 8, "tags": ["a", "b"]}) + "\n")
+    out = tmp_path / f"out{suffix}"
+    assert main(["caption", str(tmp_path / "list.csv"), str(tmp_path / "list.jsonl"), "--out", str(out),
+                 "--model", str(qwen3_vl_dir), "--max-tokens", "2", "--no-progress"]) == 0
+    records = _by_image(_records(out))
+    columns = {k: r["columns"] if suffix == ".jsonl" else json.loads(r["columns"]) for k, r in records.items()}
+    assert columns[str(paths[0])] == {"id": "7", "label": "cat"}  # Parquet: JSON text, as `parsed`
+    assert columns[str(paths[1])] == {"id": 8, "tags": ["a", "b"]}
+    assert all(r["kind"] == "image" for r in records.values())
+
+
 def test_print_mode_and_no_inputs(qwen3_vl_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     paths = write_images(tmp_path / "imgs", 2)

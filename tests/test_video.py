@@ -364,9 +364,10 @@ def test_no_decoder_is_a_clear_error(video_files, monkeypatch):
 # vlmrun caption over video files: one record per video
 
 
-def test_caption_over_video_files(qwen2_5_vl_dir, video_files, tmp_path):
+def test_caption_over_video_files(qwen2_5_vl_dir, video_files, tmp_path, capsys):
     import json
 
+    from tests.test_caption_cli import write_images
     from vlmrun.cli import main
 
     folder = tmp_path / "clips"
@@ -374,13 +375,17 @@ def test_caption_over_video_files(qwen2_5_vl_dir, video_files, tmp_path):
     for name in ("a", "c"):
         (folder / f"{name}.mp4").write_bytes(video_files[name].read_bytes())
     (folder / "broken.mp4").write_bytes(b"no video here" * 10)
+    image = write_images(folder, 1, size=(40, 40))[0]
     out = tmp_path / "out.jsonl"
     rc = main(["caption", str(folder), "--out", str(out), "--model", str(qwen2_5_vl_dir), "--prompt", "Describe.",
                "--max-tokens", "3", "--no-progress"])
     assert rc == 1  # the broken file is an error record
     records = {r["image"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(records) == {str(folder / n) for n in ("a.mp4", "c.mp4", "broken.mp4")}
+    assert set(records) == {str(folder / n) for n in ("a.mp4", "c.mp4", "broken.mp4")} | {str(image)}
     assert "cannot decode the video" in records[str(folder / "broken.mp4")]["error"]
+    assert {k: r["kind"] for k, r in records.items()} == {**{str(folder / f"{n}.mp4"): "video" for n in "acb"[:2]},
+                                                           str(folder / "broken.mp4"): "video", str(image): "image"}
+    assert "captioned 3/4 inputs (1 image, 3 videos)" in capsys.readouterr().err
     llm = LLM(str(qwen2_5_vl_dir), dtype="float32", device="cpu")
     for name in ("a", "c"):
         want = llm.generate({"prompt": "Describe.", "videos": [str(folder / f"{name}.mp4")]},

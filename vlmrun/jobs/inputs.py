@@ -50,6 +50,7 @@ class JobItem:
     key: str
     source: Any
     error: Optional[str] = None
+    columns: Optional[dict[str, Any]] = None  # a manifest row's other columns: carried into its record
 
 
 @dataclass
@@ -237,12 +238,15 @@ def _csv_items(manifest: _Manifest, fh: Iterable[str], image_column: Optional[st
             yield item
     else:
         column = _pick_column(header, image_column)
+    names = None if looks_like_data and image_column is None else header
     for rowno, row in enumerate(reader, 2):
         if not row:
             continue
         value = row[column] if column < len(row) else None
         item = manifest.item(value, f"row {rowno}")
         if item is not None:
+            if names is not None:
+                item.columns = {str(n): v for i, (n, v) in enumerate(zip(names, row)) if i != column} or None
             yield item
 
 
@@ -256,15 +260,18 @@ def _jsonl_items(manifest: _Manifest, fh: Iterable[str], image_column: Optional[
         except json.JSONDecodeError as exc:
             yield JobItem(f"{manifest.path}:{where}", None, error=f"{manifest.path} {where}: not JSON ({exc.msg})")
             continue
+        columns = None
         if isinstance(value, dict):
             keys = [image_column] if image_column else [k for k in KEY_COLUMNS if k in value]
             if not keys or keys[0] not in value:
                 yield JobItem(f"{manifest.path}:{where}", None,
                               error=f"{manifest.path} {where}: no {image_column or '/'.join(KEY_COLUMNS)} field")
                 continue
+            columns = {k: v for k, v in value.items() if k != keys[0]} or None
             value = value[keys[0]]
         item = manifest.item(value, where)
         if item is not None:
+            item.columns = columns
             yield item
 
 
@@ -275,9 +282,10 @@ def _parquet_items(manifest: _Manifest, image_column: Optional[str]) -> Iterator
     names = pf.schema_arrow.names
     column = names[_pick_column(names, image_column)]
     offset = 0
-    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=[column]):
-        for i, value in enumerate(batch.column(0).to_pylist()):
-            item = manifest.item(value, f"row {offset + i + 1}")
+    for batch in pf.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+        for i, row in enumerate(batch.to_pylist()):
+            item = manifest.item(row[column], f"row {offset + i + 1}")
             if item is not None:
+                item.columns = {k: v for k, v in row.items() if k != column} or None
                 yield item
         offset += batch.num_rows

@@ -23,12 +23,14 @@ class JobCounters:
     done: int = 0  # records written by this run (successes + failures)
     failed: int = 0
     tokens: int = 0
+    videos: int = 0  # of `done`, records of videos
     started: float = field(default_factory=time.monotonic)
 
-    def count(self, failed: bool, tokens: int) -> None:
+    def count(self, failed: bool, tokens: int, video: bool = False) -> None:
         self.done += 1
         self.failed += failed
         self.tokens += tokens
+        self.videos += video
 
     def elapsed(self, now: Optional[float] = None) -> float:
         return max((now if now is not None else time.monotonic()) - self.started, 1e-9)
@@ -131,6 +133,7 @@ class JobSummary:
 
     written: int = 0  # records written by this run
     failed: int = 0  # of which errors
+    videos: int = 0  # of which videos
     tokens: int = 0
     elapsed_s: float = 0.0  # from the first input to the last record (engine load excluded)
     skipped_done: int = 0  # already in the output
@@ -160,8 +163,10 @@ class JobSummary:
         if self.interrupted and not self.written:  # stopped before the first record: images may remain
             out = ["interrupted before any image was captioned"]
         elif self.written or not self.skipped_done:
-            out = [f"captioned {self.written - self.failed:,}/{self.written:,} images in {self.elapsed_s:.2f}s "
-                   f"({self.images_per_s:.2f} images/s, {self.tokens_per_s:.1f} tokens/s), {self.failed:,} failed"]
+            what = "images" if not self.videos else \
+                f"inputs ({_n(self.written - self.videos, 'image')}, {_n(self.videos, 'video')})"
+            out = [f"captioned {self.written - self.failed:,}/{self.written:,} {what} in {self.elapsed_s:.2f}s "
+                   f"({self.images_per_s:.2f} inputs/s, {self.tokens_per_s:.1f} tokens/s), {self.failed:,} failed"]
         else:
             out = ["nothing left to caption"]
         notes = []

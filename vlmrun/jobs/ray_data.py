@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from vlmrun.default_model import resolve_model
 from vlmrun.jobs.config import DEFAULT_MAX_TOKENS, DEFAULT_PREFETCH, DEFAULT_PROMPT, default_workers
 from vlmrun.jobs.inputs import JobItem
-from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord
+from vlmrun.jobs.records import JSON_TEXT_FIELDS, RECORD_FIELDS, CaptionRecord
 
 _SOURCE_COLUMN = "source"
 
@@ -88,8 +88,10 @@ class VlmrunCaptioner:
         self.pipeline.run(items, on_record)
         assert all(r is not None for r in records), "the pipeline returned fewer records than rows"
         columns = {name: [getattr(r, name) for r in records] for name in RECORD_FIELDS}
-        columns["parsed"] = [None if v is None else json.dumps(v, ensure_ascii=False) for v in columns["parsed"]]
-        return columns  # `parsed` travels as JSON text (one arrow type for any value)
+        for name in JSON_TEXT_FIELDS:  # any JSON value travels as JSON text (one arrow type)
+            columns[name] = [None if v is None else json.dumps(v, ensure_ascii=False, default=str)
+                             for v in columns[name]]
+        return columns
 
 
 def _plain(value: Any) -> Any:
@@ -146,11 +148,14 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
     The driver holds the names of the images to caption (not the images) to build the dataset."""
     ray = _ensure_ray(config.ray.address)
     rows = []
+    columns_of: dict[str, dict[str, Any]] = {}  # manifest columns stay on the driver, joined back by key
     for item in items:
         if item.error is not None:
             on_record(item, CaptionRecord.failure(item.key, config.model, config.prompt, item.error))
         else:
             rows.append({"image": item.key, _SOURCE_COLUMN: str(item.source)})
+            if item.columns:
+                columns_of[item.key] = item.columns
     if not rows:
         return
     actors, gpus = _actor_layout(ray, config.ray)
@@ -167,6 +172,7 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
         for row in batch.to_pylist():
             record = CaptionRecord(**{name: row[name] for name in RECORD_FIELDS})
             record.parsed = None if record.parsed is None else json.loads(record.parsed)
-            on_record(JobItem(record.image, None), record)
+            record.columns = None if record.columns is None else json.loads(record.columns)
+            on_record(JobItem(record.image, None, columns=columns_of.get(record.image)), record)
         if on_tick is not None:
             on_tick()

@@ -23,8 +23,9 @@ from typing import Any, Optional
 # Field order of the record (JSONL keys and Parquet columns).
 RECORD_FIELDS: tuple[str, ...] = (
     "image", "caption", "num_tokens", "model", "prompt", "error", "finish_reason", "preprocess_s", "generate_s",
-    "image_escaped", "parsed",
+    "image_escaped", "parsed", "kind", "columns",
 )
+JSON_TEXT_FIELDS = ("parsed", "columns")  # any JSON value: Parquet stores it as JSON text
 
 
 @dataclass
@@ -43,6 +44,8 @@ class CaptionRecord:
     preprocess_s: seconds spent reading, decoding and preprocessing the image (worker thread).
     generate_s: seconds from the request entering the engine to its last token.
     image_escaped: set (from `image`) when the key is not valid Unicode, see the module docstring.
+    kind: "image" or "video" (a file with a video suffix: one record per video; the key stays `image`).
+    columns: a manifest row's other columns (e.g. {"id": 7, "label": "cat"}), None for other inputs.
     """
 
     image: str
@@ -56,6 +59,8 @@ class CaptionRecord:
     generate_s: float
     image_escaped: Optional[str] = None
     parsed: Any = None
+    kind: str = "image"
+    columns: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.image_escaped is None and not _is_unicode(self.image):
@@ -129,5 +134,5 @@ def arrow_schema():  # -> pyarrow.Schema (pyarrow is imported only when Parquet 
         ("image", pa.string()), ("caption", pa.string()), ("num_tokens", pa.int32()), ("model", pa.string()),
         ("prompt", pa.string()), ("error", pa.string()), ("finish_reason", pa.string()),
         ("preprocess_s", pa.float64()), ("generate_s", pa.float64()), ("image_escaped", pa.string()),
-        ("parsed", pa.string()),
+        ("parsed", pa.string()), ("kind", pa.string()), ("columns", pa.string()),
     ])

@@ -15,7 +15,7 @@ import time
 from typing import IO, Iterator, Optional
 
 from vlmrun.jobs.config import CaptionJobConfig
-from vlmrun.jobs.inputs import InputStats, JobItem, count_new, iter_items, new_items
+from vlmrun.jobs.inputs import InputStats, JobItem, count_new, is_video, iter_items, new_items
 from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
@@ -52,11 +52,13 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
     done = state.done  # read-only from here on (the input filter and the counting thread read it)
 
     def on_record(item: JobItem, record: CaptionRecord) -> None:
+        record.kind = "video" if is_video(item.source if item.source is not None else item.key) else "image"
+        record.columns = item.columns
         try:
             sink.write(record)
         except OSError as exc:  # disk full, a vanished folder: the job stops, what was written stays
             raise OutputWriteError(f"cannot write the output {config.out or 'stdout'!r}: {exc}") from exc
-        counters.count(record.error is not None, record.num_tokens)
+        counters.count(record.error is not None, record.num_tokens, record.kind == "video")
         bar.refresh()
 
     try:
@@ -80,6 +82,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
         finally:
             bar.close()
     summary.written, summary.failed, summary.tokens = counters.done, counters.failed, counters.tokens
+    summary.videos = counters.videos
     summary.elapsed_s = counters.elapsed() if counters.done else 0.0
     summary.skipped_done, summary.duplicates, summary.ignored_files = (stats.skipped_done, stats.duplicates,
                                                                        stats.ignored_files)

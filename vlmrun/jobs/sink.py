@@ -34,7 +34,7 @@ from vlmrun.jobs.journal import (
     scan_journal,
     scan_records,
 )
-from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key
+from vlmrun.jobs.records import JSON_TEXT_FIELDS, RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key
 
 try:  # POSIX only; elsewhere the lock is skipped
     import fcntl
@@ -253,8 +253,9 @@ def _parquet_records(path: str) -> Iterator[dict[str, Any]]:
     for batch in pf.iter_batches(batch_size=PARQUET_ROW_GROUP):
         for row in batch.to_pylist():
             record = {f: row.get(f) for f in RECORD_FIELDS}
-            if record["parsed"] is not None:
-                record["parsed"] = json.loads(record["parsed"])  # stored as JSON text
+            for name in JSON_TEXT_FIELDS:
+                if record[name] is not None:
+                    record[name] = json.loads(record[name])  # stored as JSON text
             yield record
 
 
@@ -293,8 +294,9 @@ def _write_parquet_file(records: Iterator[dict[str, Any]], tmp: str, schema: Any
                 continue
             seen.add(h)
             row = {f: record.get(f) for f in RECORD_FIELDS}
-            if row["parsed"] is not None:
-                row["parsed"] = json.dumps(row["parsed"], ensure_ascii=False)
+            for name in JSON_TEXT_FIELDS:
+                if row[name] is not None:
+                    row[name] = json.dumps(row[name], ensure_ascii=False, default=str)
             batch.append(row)
             rows += 1
             if len(batch) >= row_group_size:
