@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
-from processors.limits import InputError
+from processors.limits import InputError, quote
 
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _TEXT_TYPES = ("text", "input_text")
@@ -120,8 +120,8 @@ def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[
         images.append(_video_ref(item, where))
         return {"type": "video"}
     if kind in ("audio", "input_audio", "audio_url"):
-        raise InputError(f"{where}: content type {kind!r} is not supported (images, videos and text only)")
-    raise InputError(f"{where}: unknown content type {kind!r} (expected 'text', 'image', 'image_url', 'video' or "
+        raise InputError(f"{where}: content type {quote(kind)} is not supported (images, videos and text only)")
+    raise InputError(f"{where}: unknown content type {quote(kind)} (expected 'text', 'image', 'image_url', 'video' or "
                      "'video_url')")
 
 
@@ -159,19 +159,19 @@ def _video_ref(item: Mapping[str, Any], where: str) -> VideoRef:
 
 def _non_negative_number(value: Any, what: str, positive: bool) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"),):
-        raise InputError(f"{what} must be a number, got {value!r}")
+        raise InputError(f"{what} must be a number, got {quote(value)}")
     if value < 0 or (positive and value == 0):
-        raise InputError(f"{what} must be {'positive' if positive else 'non-negative'}, got {value!r}")
+        raise InputError(f"{what} must be {'positive' if positive else 'non-negative'}, got {quote(value)}")
     return float(value)
 
 
 def _positive_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InputError(f"{what} must be a positive integer, got {value!r}")
+        raise InputError(f"{what} must be a positive integer, got {quote(value)}")
     if isinstance(value, float) and not value.is_integer():
-        raise InputError(f"{what} must be a positive integer, got {value!r}")
+        raise InputError(f"{what} must be a positive integer, got {quote(value)}")
     if value <= 0:
-        raise InputError(f"{what} must be a positive integer, got {value!r}")
+        raise InputError(f"{what} must be a positive integer, got {quote(value)}")
     return int(value)
 
 

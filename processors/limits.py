@@ -73,6 +73,14 @@ class ProcessorLimits:
             raise ValueError("ProcessorLimits.url_timeout_s must be positive")
 
 
+def quote(value: object, limit: int = 100) -> str:
+    """A client value as an error message shows it: repr'd, at most `limit` characters of it."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text):,} characters)"
+
+
 def check_video_tokens(n_tokens: int, limits: ProcessorLimits) -> None:
     """Raise InputError if the videos of a request need more LLM tokens than `limits` allows."""
     if n_tokens > limits.max_video_tokens:

@@ -161,3 +161,14 @@ def test_llm_surrogate_fails_that_prompt_alone(qwen3_vl_dir):
                     SamplingParams(max_tokens=2), use_tqdm=False)
     assert "lone surrogate" in chat[0].error and chat[1].error is None
     assert not llm.engine.requests and not llm.engine.has_unfinished()
+
+
+def test_error_messages_quote_a_bounded_prefix_of_any_client_string(http):
+    huge = "x" * 200_000
+    bodies = [chat_body() | {"messages": [{"role": "user", "content": [{"type": huge}]}]},
+              chat_body() | {"messages": [{"role": huge, "content": "hi"}]},
+              chat_body() | {"messages": [{"role": "user", "content": [
+                  {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}, "max_pixels": huge}]}]}]
+    for body in bodies:
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and len(r.text) < 2_000, r.text[:300]

@@ -12,6 +12,8 @@ from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
 
+from processors.limits import quote
+
 
 @dataclass
 class APIError(Exception):
@@ -42,20 +44,15 @@ def unauthorized() -> APIError:
                     type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def echo(value: str, limit: int = 100) -> str:
-    """A client string as an error message quotes it: repr'd, at most `limit` characters of it."""
-    return repr(value) if len(value) <= limit else f"{value[:limit]!r}... ({len(value):,} characters)"
-
-
 def model_not_found(model: str, served: list[str]) -> APIError:
-    return APIError(404, f"the model {echo(model)} does not exist on this server; it serves {', '.join(map(repr, served))}",
+    return APIError(404, f"the model {quote(model)} does not exist on this server; it serves {', '.join(map(repr, served))}",
                     param="model", code="model_not_found", type="not_found_error")
 
 
 def not_json(content_type: str) -> APIError:
     """415 for a body that does not say it is JSON: a browser page may POST text/plain (or form, or
     untyped) bodies to any address without asking first, JSON bodies only with the server's consent."""
-    what = f"Content-Type {echo(content_type)}" if content_type else "no Content-Type"
+    what = f"Content-Type {quote(content_type)}" if content_type else "no Content-Type"
     return APIError(415, f"the request body must be JSON (Content-Type: application/json); got {what}",
                     code="unsupported_media_type")
 
