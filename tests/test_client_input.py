@@ -110,6 +110,8 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_a_400(http):
     assert f"maximum context length is {CONTEXT}" in error["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": CONTEXT + 5})
     assert r.status_code == 400, r.text
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": ["Hi", "word " * 20], "max_tokens": 60})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text  # the second
     assert http.post("/v1/chat/completions", json=chat_body(max_tokens=8)).status_code == 200
 
 

@@ -168,7 +168,7 @@ def has_media(messages: Any) -> bool:
 
 def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_model_len: int) -> None:
     """400, as vLLM answers, for a prompt whose requested completion cannot fit the context."""
-    for prompt, params in items[:1]:  # the choices of one request share prompt and max_tokens
+    for prompt, params in items:
         n = len(prompt.token_ids)
         if params.max_tokens is not None and n + params.max_tokens > max_model_len:
             raise bad_request(f"this model's maximum context length is {max_model_len:,} tokens; the request asks "
