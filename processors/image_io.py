@@ -302,11 +302,6 @@ def _check_pixels(width: int, height: int, limits: ProcessorLimits, what: str) -
         )
 
 
-def decode_image_bytes(data: bytes, limits: ProcessorLimits | None = None, what: str = "image") -> Image.Image:
-    """Decode encoded image bytes into a fully loaded RGB PIL image."""
-    return open_image_bytes(data, limits, what).decode()
-
-
 def open_image_bytes(data: bytes, limits: ProcessorLimits | None = None, what: str = "image") -> OpenedImage:
     """Encoded image bytes opened (header read, size checked), pixels not yet decoded."""
     limits = limits or DEFAULT_LIMITS
@@ -406,5 +401,4 @@ def short_text(text: str, limit: int = 100) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
-__all__ = ["ImageSource", "OpenedImage", "load_image", "open_image", "decode_image_bytes", "to_rgb",
-           "describe_source"]
+__all__ = ["ImageSource", "OpenedImage", "load_image", "open_image", "to_rgb", "describe_source"]

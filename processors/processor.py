@@ -28,7 +28,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
-from processors.image_io import OpenedImage, describe_source, load_image, open_image
+from processors.image_io import OpenedImage, describe_source, open_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
 from processors.video_processor import (ProcessedVideo, VideoOptions, VideoProcessor, VideoProcessorConfig,
@@ -226,16 +226,6 @@ class Processor:
             raise
         except Exception as exc:  # jinja raise_exception(...) for bad roles / orders, undefined fields
             raise InputError(f"the chat template rejected the messages: {exc}") from None
-
-    def process_image(self, source: Any, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                      resized_height: int | None = None, resized_width: int | None = None,
-                      device: str | torch.device | None = None) -> ProcessedImage:
-        """Load and preprocess one image (no tokens)."""
-        ref = ImageRef(source, min_pixels, max_pixels, resized_height, resized_width)
-        if self.image_processor is None:
-            raise InputError("this model does not accept images (text-only checkpoint: no preprocessor_config.json)")
-        return self.image_processor.preprocess(load_image(source, self.limits), device=device or self.device,
-                                               **ref.size_options())
 
     # ----------------------------------------------------------------------------------------
 

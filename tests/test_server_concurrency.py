@@ -128,13 +128,9 @@ def test_stream_closed_during_prefill_is_aborted(server, engine):
     assert server.app.state.vlmrun.admission.in_flight == 0
 
 
-def test_hybrid_model_frees_its_gdn_slots(request):
+def test_hybrid_model_frees_its_gdn_slots(qwen3_5_dir):
     """With a hybrid (GDN) model, the GDN state pool is used while clients run and empty after."""
-    try:
-        model_dir = request.getfixturevalue("qwen3_5_dir")
-    except pytest.FixtureLookupError:
-        pytest.skip("no tiny hybrid (Qwen3.5) checkpoint fixture in this tree")
-    engine = tiny_engine(model_dir, max_model_len=512, max_num_seqs=16)
+    engine = tiny_engine(qwen3_5_dir, max_model_len=512, max_num_seqs=16)
     srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
     peak = {"gdn": 0}
     try:

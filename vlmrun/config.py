@@ -160,10 +160,6 @@ class ModelConfig:
     def text_config(self) -> Any:
         return text_config(self.hf_config)
 
-    @property
-    def is_multimodal(self) -> bool:
-        return getattr(self.hf_config, "vision_config", None) is not None
-
 
 @dataclass(frozen=True)
 class CacheShape:

@@ -135,12 +135,6 @@ class SamplingParams:
         spec = self.structured_outputs
         return self.thinking_token_budget is not None or (spec is not None and spec.after_reasoning)
 
-    @property
-    def has_penalties(self) -> bool:
-        """True when any of the three penalties changes the logits."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
-
     def stop_ids_for(self, eos_token_ids: list[int] | tuple[int, ...]) -> list[int]:
         """Token ids that finish the request: EOS (unless ignore_eos) plus stop_token_ids."""
         ids = [] if self.ignore_eos else list(eos_token_ids)

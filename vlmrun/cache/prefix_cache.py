@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from vlmrun.cache.gdn_pool import GDNSnapshotPool
@@ -67,9 +67,6 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 @dataclass

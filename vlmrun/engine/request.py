@@ -80,7 +80,3 @@ class Request:
         """The grammar that masks this step's logits: None while there is none or it is idle (free reasoning)."""
         grammar = self.grammar
         return grammar if grammar is not None and grammar.constraining else None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED

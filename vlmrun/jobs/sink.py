@@ -22,7 +22,7 @@ import importlib
 import json
 import os
 import sys
-from typing import IO, Any, Iterator, Optional, Protocol
+from typing import IO, Any, Iterator, Optional
 
 from vlmrun.jobs.journal import (
     Journal,
@@ -50,12 +50,6 @@ PARQUET_ROW_GROUP = 10_000
 
 class OutputError(Exception):
     """The output cannot be used (unknown format, locked by another job, unreadable)."""
-
-
-class RecordSink(Protocol):
-    def write(self, record: CaptionRecord) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def output_format(path: str) -> str:

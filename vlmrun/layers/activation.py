@@ -4,16 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-
-class SiluAndMul(nn.Module):
-    """Gated SiLU: `silu(gate) * up` where the input is `cat([gate, up], -1)`."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [num_tokens, 2 * d] -> [num_tokens, d]
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
 
 
 def get_act_fn(name: str):

@@ -92,12 +92,6 @@ class ColumnParallelLinear(ShardedRows):
         return linear(x, self.weight, self.bias)
 
 
-def column_linear(in_features: int, out_features: int, tp: TensorParallel = SINGLE, bias: bool = False
-                  ) -> ColumnParallelLinear:
-    """One part, split evenly: the plain column-parallel linear."""
-    return ColumnParallelLinear(in_features, [tp.split(out_features, "output features")], bias)
-
-
 class RowParallelLinear(nn.Module):
     """x [.., in / size] (this rank's input columns) -> [.., out], summed over the ranks unless `reduce=False`.
 

@@ -54,7 +54,7 @@ Tensor = torch.Tensor
 
 
 class SamplingRow(NamedTuple):
-    """What the sampler needs to know about one request this step (a plain 5-tuple works too).
+    """What the sampler needs to know about one request this step (a plain tuple of these six works too).
 
     `grammar` (structured outputs) is anything with `fill_bitmask(bitmask [n, words] int32 CPU, row)`
     that writes the tokens allowed next into `bitmask[row]`, e.g. `vlmrun.structured.GrammarState`."""
