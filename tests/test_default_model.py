@@ -21,7 +21,6 @@ fallback) is tested by tests/test_default_model_wiring.py with a stand-in checkp
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -160,8 +159,8 @@ def test_hf_batched_greedy_matches_on_every_scene(heldout):
 def test_readme_main_command_captions_the_scene_assets(capsys):
     """`vlmrun caption assets/images` (no --model): exact captions for the scenes, a caption for every photo."""
     assert main(["caption", str(ASSET_IMAGES), "--no-progress", "--device", "cpu"]) == 0
-    lines = [line.split(": ", 1) for line in capsys.readouterr().out.splitlines() if ": " in line]
-    printed = {image: ast.literal_eval(text) for image, text in lines}  # `path: 'caption'`
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # stdout is no terminal: JSONL
+    printed = {r["image"]: r["caption"] for r in records}
     for path, caption in _scene_assets():
         assert printed[str(path)] == caption, path.name
     photos = [p for p in ASSET_IMAGES.iterdir() if p.suffix in (".jpg", ".png") and scene_from_file(p) is None]

@@ -4,6 +4,7 @@ itself, its accuracy and its HF parity are tested by tests/test_default_model.py
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,8 @@ def test_engine_and_caption_use_the_default(tiny_as_default, tmp_path, capsys):
     image = tmp_path / "x.png"
     Image.new("RGB", (64, 64), "red").save(image)
     assert main(["caption", str(image), "--no-progress", "--device", "cpu", "--max-tokens", "3"]) == 0
-    assert capsys.readouterr().out.startswith(f"{image}: ")
+    record = json.loads(capsys.readouterr().out)  # stdout is no terminal here: one JSONL record
+    assert record["image"] == str(image) and record["model"] == str(tiny_as_default) and record["error"] is None
 
 
 def test_serve_and_web_default_to_it():
