@@ -16,8 +16,9 @@ from processors.image_processor import (
 from processors.limits import InputError, ProcessorLimits
 from processors.pixel_backends import IMAGE_BACKENDS, resolve_image_backend
 from processors.processor import MMItem, ProcessedPrompt, Processor
+from processors.video_config import VideoProcessorConfig
 from processors.video_io import video_decoder
-from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor, VideoProcessorConfig
+from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
 
 __all__ = [
     "InputError",

@@ -31,8 +31,8 @@ from processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
 from processors.image_io import OpenedImage, describe_source, open_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
-from processors.video_processor import (ProcessedVideo, VideoOptions, VideoProcessor, VideoProcessorConfig,
-                                        video_style)
+from processors.video_config import VideoProcessorConfig, video_style
+from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
