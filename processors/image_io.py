@@ -33,7 +33,7 @@ from typing import Any, Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from processors.limits import InputError, ProcessorLimits
+from processors.limits import InputError, ProcessorLimits, quote
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
 
@@ -127,7 +127,7 @@ def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> OpenedIm
             return open_image_bytes(decode_data_uri(text, limits.max_image_bytes), limits, what="data URI")
         if head.startswith(("http://", "https://")):
             data = fetch_url(text, limits, limits.max_image_bytes)
-            return open_image_bytes(data, limits, what=f"image at {short_text(text)}")
+            return open_image_bytes(data, limits, what=f"image at {quote(text)}")
         if head.startswith("file://"):
             return _from_path(file_uri_to_path(text), limits)
         if "://" in text[:16]:
@@ -138,14 +138,14 @@ def _from_string(source: str | os.PathLike, limits: ProcessorLimits) -> OpenedIm
 
 def _from_path(path: str, limits: ProcessorLimits) -> OpenedImage:
     data = read_local_file(path, limits, limits.max_image_bytes)
-    return open_image_bytes(data, limits, what=f"image file {short_text(path)}")
+    return open_image_bytes(data, limits, what=f"image file {quote(path)}")
 
 
 def read_local_file(path: str, limits: ProcessorLimits, max_bytes: int, what: str = "image") -> bytes:
     """The bytes of a regular file of at most `max_bytes` (InputError otherwise, or if local paths are off)."""
     if not limits.allow_local_paths:
         raise InputError(f"local {what} paths are not accepted here: send the {what} as a data URI or URL")
-    label = f"{what} file {short_text(path)}"
+    label = f"{what} file {quote(path)}"
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -223,7 +223,7 @@ class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
-            raise InputError(f"URL redirected to a non-http(s) location: {short_text(newurl)}")
+            raise InputError(f"URL redirected to a non-http(s) location: {quote(newurl)}")
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
@@ -231,7 +231,7 @@ def fetch_url(url: str, limits: ProcessorLimits, max_bytes: int, what: str = "im
     """Download `url` with a total deadline of `limits.url_timeout_s` and a cap of `max_bytes`."""
     if not limits.allow_remote_urls:
         raise InputError(f"{what} URLs are not accepted here: send the {what} as a data URI")
-    label = f"{what} URL {short_text(url)}"
+    label = f"{what} URL {quote(url)}"
     deadline = time.monotonic() + limits.url_timeout_s
     request = urllib.request.Request(url, headers={"User-Agent": _USER_AGENT, "Accept": f"{what}/*,*/*;q=0.5"})
     opener = urllib.request.build_opener(_HttpOnlyRedirects)  # per call: honours current proxy env
@@ -395,10 +395,6 @@ def _sniff(data: bytes) -> str:
     if printable >= 0.95 * len(head):
         return "looks like text"
     return f"{len(data):,} bytes of unknown type"
-
-
-def short_text(text: str, limit: int = 100) -> str:
-    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
 __all__ = ["ImageSource", "OpenedImage", "load_image", "open_image", "to_rgb", "describe_source"]

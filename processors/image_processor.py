@@ -269,16 +269,21 @@ class ImageProcessor:
             return qwen_vl_utils_size(resized_height, resized_width, f)
         return qwen_vl_utils_size(height, width, f, min_pixels, max_pixels)
 
-    def num_tokens(self, height: int, width: int, *, min_pixels: int | None = None, max_pixels: int | None = None,
-                   resized_height: int | None = None, resized_width: int | None = None) -> int:
-        """LLM tokens of a height x width image with these per-item options, as `preprocess` would make it."""
+    def plan(self, height: int, width: int, *, min_pixels: int | None = None, max_pixels: int | None = None,
+             resized_height: int | None = None, resized_width: int | None = None
+             ) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+        """What `preprocess` does to a height x width image, known from its size alone: (the size the
+        per-item options resize it to first, None when they do not; the size the model sees)."""
         first = self.override_size(height, width, min_pixels=min_pixels, max_pixels=max_pixels,
                                    resized_height=resized_height, resized_width=resized_width)
-        if first is not None and self.config.do_resize:
-            height, width = first
-        h, w = self.model_size(height, width)
-        p, m = self.config.patch_size, self.config.merge_size
-        return (h // p) * (w // p) // (m * m)
+        if not self.config.do_resize or first == (height, width):
+            first = None
+        return first, self.model_size(*(first or (height, width)))
+
+    def grid(self, size: tuple[int, int]) -> tuple[int, int, int]:
+        """The patch grid (1, h, w) of an image the model sees at `size`."""
+        p = self.config.patch_size
+        return 1, size[0] // p, size[1] // p
 
     def model_size(self, height: int, width: int) -> tuple[int, int]:
         """(height, width) the HF processor resizes a height x width image to: `smart_resize` within the
@@ -313,14 +318,12 @@ class ImageProcessor:
         device = torch.device(device)
         if image.mode != "RGB":
             image = to_rgb(image)
-        first = self.override_size(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels,
-                                   resized_height=resized_height, resized_width=resized_width)
-        if first is not None and cfg.do_resize and first != (image.height, image.width):
+        first, size = self.plan(image.height, image.width, min_pixels=min_pixels, max_pixels=max_pixels,
+                                resized_height=resized_height, resized_width=resized_width)
+        if first is not None:
             image = image.resize((first[1], first[0]), resample=Image.Resampling.BICUBIC)  # qwen-vl-utils' resize
-        size = self.model_size(image.height, image.width)
         host = self.pixels.host_pixels(image, size, cfg.resample)  # [h, w, 3] uint8
-        p = cfg.patch_size
-        grid = (1, size[0] // p, size[1] // p)
+        grid = self.grid(size)
 
         digest = hashlib.sha256()
         digest.update(self.fingerprint(device))

@@ -31,7 +31,7 @@ from processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
 from processors.image_io import OpenedImage, describe_source, open_image
 from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
-from processors.video_config import VideoProcessorConfig, video_style
+from processors.video_config import VideoProcessorConfig, read_json, video_style
 from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
 
 IMAGE_PAD = "<|image_pad|>"
@@ -245,11 +245,11 @@ class Processor:
         total = 0
         for k, (image, ref) in enumerate(zip(opened, refs)):
             try:
-                first = self.image_processor.override_size(*image.size, **ref.size_options())
+                first, size = self.image_processor.plan(*image.size, **ref.size_options())
                 if first is not None and first[0] * first[1] > self.limits.max_image_pixels:
                     raise InputError(f"its options resize it to {first[1]}x{first[0]} = {first[0] * first[1]:,} "
                                      f"pixels, more than the limit of {self.limits.max_image_pixels:,}")
-                total += self.image_processor.num_tokens(*image.size, **ref.size_options())
+                total += self.image_processor.num_tokens(self.image_processor.grid(size))
             except InputError as exc:
                 raise _image_error(exc, ref, k) from None
         limit = self.limits.max_prompt_tokens
@@ -381,11 +381,7 @@ def video_prompt_style(path: str, model_style: str) -> str:
 
 def _json_field(path: str, name: str, key: str) -> Any:
     """`key` of the JSON object in file `name` of the checkpoint, None when either is missing."""
-    file = os.path.join(path, name)
-    if not os.path.isfile(file):
-        return None
-    with open(file, encoding="utf-8") as fh:
-        data = json.load(fh)
+    data = read_json(os.path.join(path, name))
     return data.get(key) if isinstance(data, dict) else None
 
 

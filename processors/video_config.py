@@ -116,11 +116,11 @@ class VideoProcessorConfig:
     def from_pretrained(cls, path: str | os.PathLike, style: str) -> "VideoProcessorConfig | None":
         """transformers' order: `processor_config.json` ["video_processor"], `video_preprocessor_config.json`,
         then `preprocessor_config.json` (the image processor's). None when there is none of them."""
-        nested = _read_json(os.path.join(path, "processor_config.json"))
+        nested = read_json(os.path.join(path, "processor_config.json"))
         if nested is not None and isinstance(nested.get("video_processor"), Mapping):
             return cls.from_dict(nested["video_processor"], style)
         for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-            data = _read_json(os.path.join(path, name))
+            data = read_json(os.path.join(path, name))
             if data is not None:
                 return cls.from_dict(data, style)
         return None
@@ -141,7 +141,8 @@ def _style_of_class(config: Mapping[str, Any]) -> str | None:
     return _STYLE_OF_VIDEO_CLASS.get(str(named))
 
 
-def _read_json(path: str) -> dict[str, Any] | None:
+def read_json(path: str) -> dict[str, Any] | None:
+    """The JSON object in the checkpoint file at `path`; None when there is no such file."""
     if not os.path.isfile(path):
         return None
     with open(path, encoding="utf-8") as fh:

@@ -22,8 +22,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from processors.image_io import fetch_url, file_uri_to_path, decode_data_uri, read_local_file, short_text
-from processors.limits import InputError, ProcessorLimits
+from processors.image_io import fetch_url, file_uri_to_path, decode_data_uri, read_local_file
+from processors.limits import InputError, ProcessorLimits, quote
 
 VIDEO_DECODERS = ("torchcodec", "pyav")
 
@@ -118,7 +118,7 @@ def _first_line(exc: Exception) -> str:
     text = lines[0] if lines else type(exc).__name__
     if ".cpp:" in text:
         text = text.rsplit(".cpp:", 1)[1].split(", ", 1)[-1]
-    return short_text(text, 200)
+    return quote(text, 200)
 
 
 class _TorchcodecVideo:

@@ -14,8 +14,8 @@ The choices, each read from `CpuFeatures` and a table of measurements keyed by c
   call costs ~30 us more than F.linear's on AVX2, so there a weight smaller than the threshold stays
   unpacked; a capability or dtype nobody measured keeps the reference. An explicit "onednn" packs
   every linear, and where the CPU cannot run it is a ValueError naming what is missing.
-- `patch_embed_as_gemm`: the vision patch embed in half precision as one GEMM or as oneDNN's conv
-  (float32 on the CPU always runs the conv, as HF does: `models/blocks/vision_common.py`).
+- `patch_embed_as_gemm`: the vision patch embed as one GEMM or as the conv HF runs (float32 on the CPU;
+  `models/blocks/vision_common.py`); the GEMM won in half precision on every ISA measured.
 """
 
 from __future__ import annotations
@@ -39,15 +39,6 @@ PACK_THRESHOLD: dict[tuple[str, torch.dtype], int] = {
     ("AVX512", torch.bfloat16): 0,
     ("AVX2", torch.float32): 512 * 512,
 }
-
-# (capability, dtype) -> whether the half-precision patch embed runs faster as one GEMM than as
-# oneDNN's conv (bench/bench_cpu_kernels.py, 32 images of 224x224: ~3x on the AVX-512 EPYC, 4.2-4.7x
-# on the AVX2 one). Unmeasured: the GEMM.
-PATCH_EMBED_GEMM_WINS: dict[tuple[str, torch.dtype], bool] = {
-    ("AVX512", torch.bfloat16): True,
-    ("AVX2", torch.bfloat16): True,
-}
-
 
 @dataclass(frozen=True)
 class CpuFeatures:
@@ -107,14 +98,12 @@ def pack_threshold(linear_backend: str, device: torch.device, dtype: torch.dtype
     return None if missing else PACK_THRESHOLD.get((features.capability, dtype))
 
 
-def patch_embed_as_gemm(device: torch.device, dtype: torch.dtype, features: CpuFeatures | None = None) -> bool:
-    """Whether the vision patch embed runs as one GEMM (else as the Conv3d HF runs)."""
-    if device.type != "cpu":
-        return True  # cuDNN's conv would run float32 in TF32
-    if dtype == torch.float32:
-        return False  # the conv rounds its sums as HF's does (CPU parity)
-    features = features or cpu_features()
-    return PATCH_EMBED_GEMM_WINS.get((features.capability, dtype), True)
+def patch_embed_as_gemm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the vision patch embed runs as one GEMM (else as the Conv3d HF runs): float32 on the CPU
+    runs the conv, whose sums round as HF's do (CPU parity); on CUDA the GEMM (cuDNN would run the conv
+    in TF32); in half precision on the CPU the GEMM on every ISA measured (bench/bench_cpu_kernels.py,
+    32 images of 224x224: ~3x faster than oneDNN's conv on the AVX-512 EPYC, 4.2-4.7x on the AVX2 one)."""
+    return device.type != "cpu" or dtype != torch.float32
 
 
 def _cpu_model_name() -> str:

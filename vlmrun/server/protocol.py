@@ -28,6 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.tool_calls import check_tools, forced_tools
@@ -280,7 +281,7 @@ def _check_messages(messages: list[Any]) -> list[Any]:
         if not isinstance(role, str) or not role:
             raise bad_request(f"{where} has no 'role' string", param="messages")
         if role not in CHAT_ROLES:
-            raise bad_request(f"{where} has the unknown role {_clip(role)!r} (expected {', '.join(CHAT_ROLES)})",
+            raise bad_request(f"{where} has the unknown role {quote(role, 40)} (expected {', '.join(CHAT_ROLES)})",
                               param="messages")
         tool_calls = message.get("tool_calls") if role == "assistant" else None
         if isinstance(tool_calls, list):
@@ -314,10 +315,6 @@ def _check_depth(body: Any) -> None:
             raise _too_deep()
         children = node.values() if isinstance(node, dict) else node
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-
-
-def _clip(text: str, limit: int = 40) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
@@ -362,7 +359,7 @@ def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {_clip(repr(value))}", param=name)
+        raise bad_request(f"'{name}' must be true or false, got {quote(value, 40)}", param=name)
     return value
 
 
@@ -374,7 +371,7 @@ def _opt_int(body: dict[str, Any], name: str, default: Any, lo: Optional[int] = 
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {_clip(repr(value))}", param=name)
+        raise bad_request(f"'{name}' must be an integer, got {quote(value, 40)}", param=name)
     _check_range(name, value, lo, hi)
     return value
 
@@ -385,7 +382,7 @@ def _opt_float(body: dict[str, Any], name: str, default: float, lo: Optional[flo
     if value is None:
         return default
     if not isinstance(value, _NUMBER) or isinstance(value, bool) or value != value:
-        raise bad_request(f"'{name}' must be a number, got {_clip(repr(value))}", param=name)
+        raise bad_request(f"'{name}' must be a number, got {quote(value, 40)}", param=name)
     _check_range(name, value, lo, hi)
     return float(value)
 
