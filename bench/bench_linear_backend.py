@@ -1,8 +1,9 @@
-"""The dense linears as F.linear or oneDNN-packed, on this CPU: the measurement `linear_backend="auto"`
-follows (`vlmrun/layers/cpu_kernels.py`, `PACKED_LINEARS_WIN`).
+"""The dense linears as F.linear or oneDNN-packed, on this CPU, whole engine: what `linear_backend="auto"`
+(`vlmrun/layers/cpu_kernels.py`, `PACK_THRESHOLD`) gives against packing none or all.
 
-For each dtype, one engine per backend ("torch", "auto", and "onednn" where this CPU runs it) in one process (the bundled default
-model, and bench_cpu_vs_hf.py's random-weight Qwen3-VL with `--bench-model`), alternating rounds:
+For each dtype, one engine per backend ("torch", "auto", and "onednn" where this CPU runs it) in one
+process (the bundled default model, or bench_cpu_vs_hf.py's random-weight Qwen3-VL with
+`--bench-model`), alternating rounds:
 a decode step's time at batch B = (time of B text requests generating N + 1 tokens - time of the
 same requests generating 1 token) / N, median over the rounds. Prints the CPU's model name and
 torch's view of it (ATen capability, oneDNN bf16) first.

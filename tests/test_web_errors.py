@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
-from web.conversation import Turn, explain_error, without_files
+from processors.image_io import describe_source
+from web.conversation import Turn, explain_error, media_part, without_files
 
 
-def test_the_error_names_the_uploaded_file_and_only_it_leaves_the_box():
-    turns = [Turn("first", ["/tmp/up/cat.png"], answer="a cat"),
-             Turn("second", ["/tmp/up/clip.mp4", "/tmp/up/broken.jpg", "/tmp/up/dog.png"])]
-    error = ("image 2 (data URI (38 chars)): data URI is not a recognised image (looks like text); "
-             "supported formats: JPEG, PNG")
+def test_the_error_names_the_uploaded_file_and_only_it_leaves_the_box(tmp_path):
+    paths = {}
+    for name in ("cat.png", "clip.mp4", "broken.jpg", "dog.png"):
+        paths[name] = str(tmp_path / name)
+        (tmp_path / name).write_bytes(b"not really a " + name.encode())
+    turns = [Turn("first", [paths["cat.png"]], answer="a cat"),
+             Turn("second", [paths["clip.mp4"], paths["broken.jpg"], paths["dog.png"]])]
+
+    def sent_as(name: str) -> str:  # how the server's processors name the upload the demo sent
+        part = media_part(paths[name])
+        return describe_source(part.get("image_url", part.get("video_url"))["url"])
+
+    error = f"image 2 ({sent_as('broken.jpg')}): data URI is not a recognised image (looks like text)"
     text, bad = explain_error(error, turns)
-    assert text.startswith("image 2 ('broken.jpg'): ") and "38 chars" not in text
-    assert bad == {"/tmp/up/broken.jpg"}
-    video_error = "video 1 (data URI (1,234 chars)): cannot decode the video: Invalid data"
-    text, bad = explain_error(video_error.replace("1,234", "1234"), turns)
-    assert text.startswith("video 1 ('clip.mp4'): ") and bad == {"/tmp/up/clip.mp4"}
+    assert text.startswith("image 2 ('broken.jpg'): ") and "chars" not in text
+    assert bad == {paths["broken.jpg"]}
+    text, bad = explain_error(f"video 1 ({sent_as('clip.mp4')}): cannot decode the video: Invalid data", turns)
+    assert text.startswith("video 1 ('clip.mp4'): ") and bad == {paths["clip.mp4"]}
     assert explain_error("image 9 (data URI (5 chars)): x", turns) == ("image 9 (data URI (5 chars)): x", set())
     assert explain_error("the prompt is too long", turns) == ("the prompt is too long", set())
 
-    message = {"text": "second", "files": [{"path": "/tmp/up/clip.mp4"}, {"path": "/tmp/up/broken.jpg"},
-                                          "/tmp/up/dog.png"]}
-    assert without_files(message, {"/tmp/up/broken.jpg"}) == {
-        "text": "second", "files": [{"path": "/tmp/up/clip.mp4"}, "/tmp/up/dog.png"]}
+    message = {"text": "second", "files": [{"path": paths["clip.mp4"]}, {"path": paths["broken.jpg"]},
+                                          paths["dog.png"]]}
+    assert without_files(message, {paths["broken.jpg"]}) == {
+        "text": "second", "files": [{"path": paths["clip.mp4"]}, paths["dog.png"]]}

@@ -77,10 +77,11 @@ def user_turn(message: Any) -> Turn:
     message = message or {}
     files = []
     for f in message.get("files") or []:
-        files.append(f["path"] if isinstance(f, dict) else str(f))
+        files.append(_file_path(f))
     return Turn(text=(message.get("text") or "").strip(), images=files)
 
 
+# how the server's processors name a data-URI upload in an error (`processors.image_io.describe_source`)
 _MEDIA_REF = re.compile(r"\b(image|video) (\d+) \(data URI \(\d+ chars\)\)")
 
 
@@ -106,5 +107,10 @@ def explain_error(error: str, turns: list[Turn]) -> tuple[str, set[str]]:
 def without_files(message: Any, paths: set[str]) -> dict[str, Any]:
     """The MultimodalTextbox value `message` less the uploads at `paths` (a bad file's thumbnail goes)."""
     message = message or {}
-    keep = [f for f in message.get("files") or [] if (f["path"] if isinstance(f, dict) else str(f)) not in paths]
+    keep = [f for f in message.get("files") or [] if _file_path(f) not in paths]
     return {"text": message.get("text") or "", "files": keep}
+
+
+def _file_path(file: Any) -> str:
+    """An upload of the MultimodalTextbox value: a path, or {"path": ...}."""
+    return file["path"] if isinstance(file, dict) else str(file)

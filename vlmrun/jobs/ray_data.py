@@ -21,7 +21,6 @@ Ray is an optional extra (`pip install 'vlmrun[ray]'`): importing this module do
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -29,7 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from vlmrun.default_model import resolve_model
 from vlmrun.jobs.config import DEFAULT_MAX_TOKENS, DEFAULT_PREFETCH, DEFAULT_PROMPT, default_workers
 from vlmrun.jobs.inputs import JobItem
-from vlmrun.jobs.records import JSON_TEXT_FIELDS, RECORD_FIELDS, CaptionRecord
+from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, record_of, row_of
 
 _SOURCE_COLUMN = "source"
 
@@ -87,11 +86,8 @@ class VlmrunCaptioner:
 
         self.pipeline.run(items, on_record)
         assert all(r is not None for r in records), "the pipeline returned fewer records than rows"
-        columns = {name: [getattr(r, name) for r in records] for name in RECORD_FIELDS}
-        for name in JSON_TEXT_FIELDS:  # any JSON value travels as JSON text (one arrow type)
-            columns[name] = [None if v is None else json.dumps(v, ensure_ascii=False, default=str)
-                             for v in columns[name]]
-        return columns
+        rows = [row_of(r.to_dict()) for r in records]  # any JSON value travels as JSON text (one arrow type)
+        return {name: [row[name] for row in rows] for name in RECORD_FIELDS}
 
 
 def _plain(value: Any) -> Any:
@@ -170,9 +166,7 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
         on_start()
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         for row in batch.to_pylist():
-            record = CaptionRecord(**{name: row[name] for name in RECORD_FIELDS})
-            record.parsed = None if record.parsed is None else json.loads(record.parsed)
-            record.columns = None if record.columns is None else json.loads(record.columns)
+            record = CaptionRecord(**record_of(row))
             on_record(JobItem(record.image, None, columns=columns_of.get(record.image)), record)
         if on_tick is not None:
             on_tick()

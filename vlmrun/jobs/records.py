@@ -25,7 +25,7 @@ RECORD_FIELDS: tuple[str, ...] = (
     "image", "caption", "num_tokens", "model", "prompt", "error", "finish_reason", "preprocess_s", "generate_s",
     "image_escaped", "parsed", "kind", "columns",
 )
-JSON_TEXT_FIELDS = ("parsed", "columns")  # any JSON value: Parquet stores it as JSON text
+JSON_TEXT_FIELDS = ("parsed", "columns")  # any JSON value: Parquet and Ray store it as JSON text
 
 
 @dataclass
@@ -136,3 +136,21 @@ def arrow_schema():  # -> pyarrow.Schema (pyarrow is imported only when Parquet 
         ("preprocess_s", pa.float64()), ("generate_s", pa.float64()), ("image_escaped", pa.string()),
         ("parsed", pa.string()), ("kind", pa.string()), ("columns", pa.string()),
     ])
+
+
+def row_of(record: dict[str, Any]) -> dict[str, Any]:
+    """A record as an Arrow row (Parquet, Ray): its fields in order, any-JSON fields as JSON text."""
+    row = {f: record.get(f) for f in RECORD_FIELDS}
+    for name in JSON_TEXT_FIELDS:
+        if row[name] is not None:
+            row[name] = json.dumps(row[name], ensure_ascii=False, default=str)
+    return row
+
+
+def record_of(row: dict[str, Any]) -> dict[str, Any]:
+    """An Arrow row back as a record dict (`row_of`'s inverse; fields a row lacks are None)."""
+    record = {f: row.get(f) for f in RECORD_FIELDS}
+    for name in JSON_TEXT_FIELDS:
+        if record[name] is not None:
+            record[name] = json.loads(record[name])
+    return record

@@ -19,7 +19,6 @@ A lock file `<out>.lock` (flock) stops two jobs from appending to the same outpu
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import sys
 from typing import IO, Any, Iterator, Optional
@@ -34,7 +33,7 @@ from vlmrun.jobs.journal import (
     scan_journal,
     scan_records,
 )
-from vlmrun.jobs.records import JSON_TEXT_FIELDS, RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key
+from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key, record_of, row_of
 
 try:  # POSIX only; elsewhere the lock is skipped
     import fcntl
@@ -246,11 +245,7 @@ def _parquet_records(path: str) -> Iterator[dict[str, Any]]:
         raise OutputError(f"cannot resume: {path!r} has no 'image' column; use --overwrite or another --out")
     for batch in pf.iter_batches(batch_size=PARQUET_ROW_GROUP):
         for row in batch.to_pylist():
-            record = {f: row.get(f) for f in RECORD_FIELDS}
-            for name in JSON_TEXT_FIELDS:
-                if record[name] is not None:
-                    record[name] = json.loads(record[name])  # stored as JSON text
-            yield record
+            yield record_of(row)
 
 
 def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: int = PARQUET_ROW_GROUP) -> int:
@@ -287,11 +282,7 @@ def _write_parquet_file(records: Iterator[dict[str, Any]], tmp: str, schema: Any
             if h in seen:
                 continue
             seen.add(h)
-            row = {f: record.get(f) for f in RECORD_FIELDS}
-            for name in JSON_TEXT_FIELDS:
-                if row[name] is not None:
-                    row[name] = json.dumps(row[name], ensure_ascii=False, default=str)
-            batch.append(row)
+            batch.append(row_of(record))
             rows += 1
             if len(batch) >= row_group_size:
                 flush()
