@@ -45,7 +45,7 @@ class ProcessorLimits:
         patching); a request asking for more (nframes, fps) fails.
     max_video_tokens: LLM tokens of all videos of one request together, checked from the container's
         metadata before a video's first frame is decoded. It bounds a request's video memory: about
-        38 KB per token (float32 pixel values, the resized frames, transients; README, "Video").
+        30 KB per token (float32 pixel values 24 KB, the resized frames 6 KB; README, "Video").
     Each video frame is also bounded by `max_image_pixels` as decoded.
     max_prompt_tokens: the most tokens a prompt may have (None: unchecked here). The images of a
         request are refused from their headers, before any is decoded, when they alone need more.
