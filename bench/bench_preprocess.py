@@ -26,7 +26,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from processors import ImageProcessor  # noqa: E402
+from vlmrun.processors import ImageProcessor  # noqa: E402
 
 QWEN3_VL_CONFIG = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
                    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],

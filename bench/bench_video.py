@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from processors import ProcessorLimits  # noqa: E402
-from processors.video_io import video_decoder  # noqa: E402
-from processors.video_config import VideoProcessorConfig  # noqa: E402
-from processors.video_processor import VideoOptions, VideoProcessor  # noqa: E402
+from vlmrun.processors import ProcessorLimits  # noqa: E402
+from vlmrun.processors.video_io import video_decoder  # noqa: E402
+from vlmrun.processors.video_config import VideoProcessorConfig  # noqa: E402
+from vlmrun.processors.video_processor import VideoOptions, VideoProcessor  # noqa: E402
 
 CONFIGS = {
     "Qwen3-VL": ({"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "patch_size": 16, "fps": 2,

@@ -26,7 +26,7 @@ CASES = [("big", {"nframes": 32}), ("small", {"min_pixels": 13_000_000}), ("smal
 
 def measure(small: str, clip: str, options: dict) -> dict:
     """In this process: warm up on `small`, then process `clip` with `options`."""
-    from processors import InputError, Processor
+    from vlmrun.processors import InputError, Processor
     from vlmrun.default_model import default_model_path
 
     processor = Processor.from_pretrained(default_model_path())

@@ -6,19 +6,19 @@ Entry point: `Processor.from_pretrained(checkpoint_dir, limits=ProcessorLimits()
 Bad input raises `InputError` (a ValueError) with a message naming the problem.
 """
 
-from processors.image_io import load_image
-from processors.image_processor import (
+from vlmrun.processors.image_io import load_image
+from vlmrun.processors.image_processor import (
     ImageProcessor,
     ImageProcessorConfig,
     ProcessedImage,
     smart_resize,
 )
-from processors.limits import InputError, ProcessorLimits
-from processors.pixel_backends import IMAGE_BACKENDS, resolve_image_backend
-from processors.processor import MMItem, ProcessedPrompt, Processor
-from processors.video_config import VideoProcessorConfig
-from processors.video_io import video_decoder
-from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
+from vlmrun.processors.limits import InputError, ProcessorLimits
+from vlmrun.processors.pixel_backends import IMAGE_BACKENDS, resolve_image_backend
+from vlmrun.processors.processor import MMItem, ProcessedPrompt, Processor
+from vlmrun.processors.video_config import VideoProcessorConfig
+from vlmrun.processors.video_io import video_decoder
+from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
 
 __all__ = [
     "InputError",

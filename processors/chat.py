@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence, Union
 
-from processors.limits import InputError, quote
+from vlmrun.processors.limits import InputError, quote
 
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _TEXT_TYPES = ("text", "input_text")

@@ -33,7 +33,7 @@ from typing import Any, Union
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from processors.limits import InputError, ProcessorLimits, quote
+from vlmrun.processors.limits import InputError, ProcessorLimits, quote
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, Image.Image, np.ndarray]
 

@@ -6,7 +6,7 @@ Qwen3-VL and Qwen3.5) bit for bit, for the same preprocessor config: with the "t
 on the CPU or the GPU), with the "pil" backend `Qwen2VLImageProcessorPil` (resize by PIL on the
 host). Rescale + normalise is one lookup table per uint8 level, built with the backend's float ops,
 so values are bit-identical; it and the patchify run in torch, on CPU or CUDA
-(`processors.pixel_backends`).
+(`vlmrun.processors.pixel_backends`).
 
 Layout of `pixel_values` for one image with grid (t=1, gh, gw), patch P, temporal patch T, merge m:
 rows are patches in merge-window order (window row, window col, row in window, col in window),
@@ -31,9 +31,9 @@ from typing import Any, Mapping
 import torch
 from PIL import Image
 
-from processors.image_io import to_rgb
-from processors.limits import InputError
-from processors.pixel_backends import create_pixel_backend, resolve_image_backend
+from vlmrun.processors.image_io import to_rgb
+from vlmrun.processors.limits import InputError
+from vlmrun.processors.pixel_backends import create_pixel_backend, resolve_image_backend
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -226,7 +226,7 @@ class ImageProcessor:
     """Resizes and patchifies images for the Qwen-VL vision towers (CPU or CUDA tensors).
 
     backend: "auto" (torchvision when it imports, else PIL — transformers' default), "torchvision"
-    or "pil"; see `processors.pixel_backends`.
+    or "pil"; see `vlmrun.processors.pixel_backends`.
     """
 
     def __init__(self, config: ImageProcessorConfig | None = None, backend: str = "auto") -> None:

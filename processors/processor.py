@@ -27,12 +27,12 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
-from processors.image_io import OpenedImage, describe_source, open_image
-from processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
-from processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
-from processors.video_config import VideoProcessorConfig, read_json, video_style
-from processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
+from vlmrun.processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
+from vlmrun.processors.image_io import OpenedImage, describe_source, open_image
+from vlmrun.processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
+from vlmrun.processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
+from vlmrun.processors.video_config import VideoProcessorConfig, read_json, video_style
+from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
 
 IMAGE_PAD = "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"

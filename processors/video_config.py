@@ -2,7 +2,7 @@
 
 Two styles, by the class transformers' `AutoVideoProcessor` picks: `Qwen2VLVideoProcessor` ("qwen2":
 Qwen2-VL, Qwen2.5-VL, and Qwen3-VL checkpoints whose only config is an image config naming
-`Qwen2VLImageProcessor`) and `Qwen3VLVideoProcessor` ("qwen3"). `processors.video_processor` samples,
+`Qwen2VLImageProcessor`) and `Qwen3VLVideoProcessor` ("qwen3"). `vlmrun.processors.video_processor` samples,
 sizes and patchifies by it.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from PIL import Image
 
-from processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _triple
+from vlmrun.processors.image_processor import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, _triple
 
 IMAGENET_STANDARD = (0.5, 0.5, 0.5)
 

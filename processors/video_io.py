@@ -22,8 +22,8 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from processors.image_io import fetch_url, file_uri_to_path, decode_data_uri, read_local_file
-from processors.limits import InputError, ProcessorLimits, quote
+from vlmrun.processors.image_io import fetch_url, file_uri_to_path, decode_data_uri, read_local_file
+from vlmrun.processors.limits import InputError, ProcessorLimits, quote
 
 VIDEO_DECODERS = ("torchcodec", "pyav")
 

@@ -2,7 +2,7 @@
 
 Output equals transformers' video processors for the same config, bit for bit:
 `Qwen2VLVideoProcessor` (Qwen2-VL, Qwen2.5-VL: the "qwen2" style) and `Qwen3VLVideoProcessor`
-(Qwen3-VL, Qwen3.5: the "qwen3" style; which one a checkpoint has: `processors.video_config`). The
+(Qwen3-VL, Qwen3.5: the "qwen3" style; which one a checkpoint has: `vlmrun.processors.video_config`). The
 two differ in
 
   frame sampling  qwen2: off unless configured or asked for (then `fps` / `num_frames`, rounded to
@@ -10,13 +10,13 @@ two differ in
   sizing          qwen2: `smart_resize` of one frame within [shortest_edge, longest_edge];
                   qwen3: the same bounds apply to the pixels of all sampled frames together;
 
-What the LLM sees is the processor class's choice, not the video processor's (`processors.processor`):
+What the LLM sees is the processor class's choice, not the video processor's (`vlmrun.processors.processor`):
 `Qwen2_5_VLProcessor` writes one run of video tokens, temporal M-RoPE scaled by `second_per_grid_t`
 = temporal_patch / sampled fps; `Qwen3VLProcessor` writes per temporal group a `<t seconds>` text
 timestamp and its own vision_start / vision_end. A Qwen3-VL checkpoint without a video config gets
 `Qwen2VLVideoProcessor` frames (from its image config's class) in the Qwen3-VL prompt, as in transformers.
 
-Frames are decoded by `processors.video_io` (only the sampled ones), resized as uint8 by
+Frames are decoded by `vlmrun.processors.video_io` (only the sampled ones), resized as uint8 by
 torchvision (bicubic, antialias, as transformers does), normalised through the per-level lookup
 table of the image path and patchified into rows [grid_t * gh * gw, 3 * T * P * P] in
 merge-window order; an odd frame count repeats the last frame to fill the temporal patch.
@@ -39,12 +39,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from processors.image_io import load_image
-from processors.image_processor import _check_aspect, smart_resize
-from processors.limits import InputError, ProcessorLimits
-from processors.pixel_backends import TorchvisionPixels
-from processors.video_config import VideoProcessorConfig
-from processors.video_io import open_video
+from vlmrun.processors.image_io import load_image
+from vlmrun.processors.image_processor import _check_aspect, smart_resize
+from vlmrun.processors.limits import InputError, ProcessorLimits
+from vlmrun.processors.pixel_backends import TorchvisionPixels
+from vlmrun.processors.video_config import VideoProcessorConfig
+from vlmrun.processors.video_io import open_video
 
 # Frame rate assumed for frames given as a list or an array (no container to read it from).
 DEFAULT_FRAME_LIST_FPS = 2.0

@@ -21,7 +21,7 @@ import torch
 from transformers import (AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText,
                           AutoProcessor, AutoTokenizer)
 
-from processors.pixel_backends import torchvision_available
+from vlmrun.processors.pixel_backends import torchvision_available
 
 IMAGE_PAD = "<|image_pad|>"
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from processors import InputError, ProcessedPrompt
+from vlmrun.processors import InputError, ProcessedPrompt
 from tests.test_server import tiny_engine, wait_until_idle
 from vlmrun import LLM
 from vlmrun.engine.async_engine import AsyncEngine

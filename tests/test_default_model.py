@@ -28,7 +28,7 @@ import pytest
 from PIL import Image
 
 import vlmrun
-from processors import Processor
+from vlmrun.processors import Processor
 from training.evaluate import MAX_NEW_TOKENS, eval_requests, hf_greedy, score
 from vlmrun import LLM, SamplingParams
 from vlmrun.cli import main
@@ -174,7 +174,7 @@ def test_generate_without_model():
 
 def test_web_examples_ask_what_the_scene_answers(llm):
     """The web demo's examples for this model: scenes with a question each one answers, answered right."""
-    from web.app import examples
+    from vlmrun.web.app import examples
 
     shown = examples(MODEL_DIR_NAME, ASSET_IMAGES)
     references = []

@@ -64,7 +64,7 @@ def test_engine_and_caption_use_the_default(tiny_as_default, tmp_path, capsys):
 
 def test_serve_and_web_default_to_it():
     from vlmrun.server.cli import engine_config, server_settings
-    from web.app import examples
+    from vlmrun.web.app import examples
 
     args = build_parser().parse_args(["serve"])
     assert engine_config(args).model is None  # the engine resolves None to the bundled model

@@ -28,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vlmrun.api
-from processors import InputError, ProcessorLimits, load_image
+from vlmrun.processors import InputError, ProcessorLimits, load_image
 from vlmrun.api import LLM
 from vlmrun.config import EngineConfig
 from vlmrun.engine.detokenizer import OutputTextStream, StopStringMatcher

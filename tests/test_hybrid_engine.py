@@ -21,7 +21,7 @@ from torch import nn
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 from transformers.utils import logging as hf_logging
 
-from processors import ProcessedPrompt
+from vlmrun.processors import ProcessedPrompt
 from vlmrun import LLM, SamplingParams
 from vlmrun.config import CacheShape
 from vlmrun.engine import engine as engine_module

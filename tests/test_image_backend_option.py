@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from processors import Processor
-from processors.pixel_backends import resolve_image_backend, torchvision_available
+from vlmrun.processors import Processor
+from vlmrun.processors.pixel_backends import resolve_image_backend, torchvision_available
 from tests.test_engine_parity import make_image, user
 from vlmrun import LLM
 from vlmrun.cache.prefix_cache import page_keys

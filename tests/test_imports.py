@@ -1,5 +1,8 @@
 """Imports run downward and never in a circle: a walk over the source of `vlmrun/`, `processors/`, `web/`.
 
+`processors/` and `web/` install as `vlmrun.processors` and `vlmrun.web` (pyproject's package-dir), so
+their modules are named that way here.
+
 The floors, top to bottom (docs/architecture.md): api / cli / server / web / jobs / ray -> engine ->
 executor -> models, multimodal -> layers, cache -> processors, loader, config, forward_batch. A module
 may import modules of its own floor and of any floor below, never of a floor above. Neither modules
@@ -18,19 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("vlmrun", "processors", "web")  # the packages pyproject ships
+PACKAGES = {"vlmrun": "vlmrun", "vlmrun.processors": "processors", "vlmrun.web": "web"}  # name -> folder, as pyproject ships them
 
 # Module prefix -> floor (higher floors import lower ones). A key covers that module and everything
 # under it; the longest key wins. A module under no other key falls under "vlmrun": the top floor,
 # which nothing below may import, so a new module must be given its floor here before they can.
 FLOORS: dict[str, int] = {
-    "vlmrun": 6, "vlmrun.api": 6, "vlmrun.cli": 6, "vlmrun.server": 6, "web": 6, "vlmrun.jobs": 6,
+    "vlmrun": 6, "vlmrun.api": 6, "vlmrun.cli": 6, "vlmrun.server": 6, "vlmrun.web": 6, "vlmrun.jobs": 6,
     "vlmrun.ray": 6, "vlmrun.synthetic": 6,
     "vlmrun.engine": 5,
     "vlmrun.executor": 4,
     "vlmrun.models": 3, "vlmrun.multimodal": 3,
     "vlmrun.layers": 2, "vlmrun.cache": 2,
-    "processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
+    "vlmrun.processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
     "vlmrun.sampling_params": 1, "vlmrun.default_model": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
 }
 
@@ -51,12 +54,12 @@ class Edge:
 # ------------------------------------------------------------------------------------ the import graph
 
 
-def module_files(root: Path, packages: tuple[str, ...]) -> dict[str, Path]:
-    """Dotted module name -> source file, for every .py file of `packages` under `root`."""
+def module_files(root: Path, packages: dict[str, str]) -> dict[str, Path]:
+    """Dotted module name -> source file, for every .py file of `packages` (name -> folder) under `root`."""
     files: dict[str, Path] = {}
-    for package in packages:
-        for path in sorted((root / package).rglob("*.py")):
-            parts = list(path.relative_to(root).with_suffix("").parts)
+    for package, folder in packages.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = [package, *path.relative_to(root / folder).with_suffix("").parts]
             if parts[-1] == "__init__":
                 parts.pop()
             files[".".join(parts)] = path
@@ -88,7 +91,7 @@ def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, m
     return found
 
 
-def import_graph(root: Path, packages: tuple[str, ...]) -> list[Edge]:
+def import_graph(root: Path, packages: dict[str, str]) -> list[Edge]:
     """Every (importer, imported) pair of modules of `packages`, with where it first happens."""
     modules = module_files(root, packages)
     edges: dict[tuple[str, str], Edge] = {}
@@ -194,7 +197,7 @@ def import_cycles(edges: list[Edge], floors: dict[str, int]) -> list[str]:
     return found
 
 
-def violations(root: Path, packages: tuple[str, ...], floors: dict[str, int]) -> list[str]:
+def violations(root: Path, packages: dict[str, str], floors: dict[str, int]) -> list[str]:
     edges = import_graph(root, packages)
     return upward_imports(edges, floors) + import_cycles(edges, floors)
 
@@ -227,7 +230,7 @@ def test_the_walk_catches_upward_imports_and_cycles(tmp_path: Path) -> None:
         "pkg/side.py": "from pkg.mid import b as s\n",
     })
     floors = {"pkg": 3, "pkg.mid": 2, "pkg.side": 2, "pkg.low": 1}
-    found = violations(tmp_path, ("pkg",), floors)
+    found = violations(tmp_path, {"pkg": "pkg"}, floors)
     assert found == [
         "upward import: pkg.low.base (pkg.low, floor 1) imports pkg.top (pkg, floor 3) at pkg/low/base.py:4",
         "module cycle: pkg.low.base -> pkg.top -> pkg.low.base "
@@ -240,7 +243,7 @@ def test_the_walk_catches_upward_imports_and_cycles(tmp_path: Path) -> None:
         "(pkg.mid.a -> pkg.side at pkg/mid/a.py:2; pkg.side -> pkg.mid.b at pkg/side.py:1)",
     ]
     _write(tmp_path, {"pkg/low/base.py": "import os\n", "pkg/mid/b.py": "x = 1\n", "pkg/side.py": "y = 2\n"})
-    assert violations(tmp_path, ("pkg",), floors) == []
+    assert violations(tmp_path, {"pkg": "pkg"}, floors) == []
 
 
 def test_model_files_never_import_each_other() -> None:

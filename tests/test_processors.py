@@ -29,7 +29,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from processors import (
+from vlmrun.processors import (
     IMAGE_BACKENDS,
     ImageProcessor,
     ImageProcessorConfig,
@@ -41,7 +41,7 @@ from processors import (
     load_image,
     smart_resize,
 )
-from processors.pixel_backends import torchvision_available
+from vlmrun.processors.pixel_backends import torchvision_available
 from vlmrun.synthetic import scene_from_file
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"

@@ -95,7 +95,7 @@ def test_a_client_that_leaves_stops_its_preparation(slow_server):
 def test_images_a_prompt_cannot_hold_are_refused_before_any_is_decoded(qwen3_vl_dir, monkeypatch):
     """Each image's token count comes from its header and options; a request whose images alone need
     more tokens than the context allows fails before one pixel is decoded (no 70 s of work for a 400)."""
-    from processors.image_io import OpenedImage
+    from vlmrun.processors.image_io import OpenedImage
     from tests.test_server import picture
     from vlmrun import LLM, SamplingParams
 

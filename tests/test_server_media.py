@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from processors import InputError
+from vlmrun.processors import InputError
 from tests.test_server import data_uri, image_part, picture, png_bytes, tiny_engine
 from vlmrun.server import media
 from vlmrun.server.launch import serve_in_thread

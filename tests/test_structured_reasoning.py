@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from processors import ProcessedPrompt
+from vlmrun.processors import ProcessedPrompt
 from vlmrun.api import LLM
 from vlmrun.sampling_params import SamplingParamError, SamplingParams
 from vlmrun.structured import StructuredOutputsParams

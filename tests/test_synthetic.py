@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from processors import smart_resize
+from vlmrun.processors import smart_resize
 from vlmrun.synthetic import (
     COUNT_WORDS, EVAL_SEED, MAX_PIXELS, MAX_SIDE, MIN_SIDE, SLOTS, TRAIN_SEED, eval_question, make_scene,
     scene_file_name, scene_from_file,

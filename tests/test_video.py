@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from processors import InputError, Processor, ProcessorLimits
-from processors.video_io import video_decoder
+from vlmrun.processors import InputError, Processor, ProcessorLimits
+from vlmrun.processors.video_io import video_decoder
 from tests.hf_reference import HFReference
 from tests.test_engine_parity import MAX_NEW, assert_matches, make_image, params
 from tests.videos import moving_shapes, write_video
@@ -244,7 +244,7 @@ def test_sizes_a_request_asks_for_are_refused_before_any_frame_is_decoded(reques
                                                                           options):
     """A 9-frame 48x64 clip asked to be upscaled past the video token limit: refused from the container's
     metadata, naming the item and the limit, before a single frame is decoded or a pixel allocated."""
-    from processors import video_io
+    from vlmrun.processors import video_io
 
     decoded = []
     monkeypatch.setattr(video_io._TorchcodecVideo, "frames_at", lambda self, indices: decoded.append(indices))
@@ -257,8 +257,8 @@ def test_sizes_a_request_asks_for_are_refused_before_any_frame_is_decoded(reques
 
 def test_frames_are_decoded_a_few_at_a_time_and_the_second_video_gets_what_is_left(qwen2_5_vl_dir, video_files,
                                                                                      monkeypatch):
-    from processors import video_io
-    from processors.video_processor import DECODE_BATCH
+    from vlmrun.processors import video_io
+    from vlmrun.processors.video_processor import DECODE_BATCH
 
     batches = []
     real = video_io._TorchcodecVideo.frames_at
@@ -339,7 +339,7 @@ def test_generate_videos_argument(qwen2_5_vl_dir, video_files):
 
 def test_pyav_fallback_reads_the_same_frames(video_files, monkeypatch):
     pytest.importorskip("av")
-    from processors import video_io
+    from vlmrun.processors import video_io
 
     limits = ProcessorLimits()
     by_torchcodec = video_io.open_video(str(video_files["b"]), limits)
@@ -353,7 +353,7 @@ def test_pyav_fallback_reads_the_same_frames(video_files, monkeypatch):
 
 
 def test_no_decoder_is_a_clear_error(video_files, monkeypatch):
-    from processors import video_io
+    from vlmrun.processors import video_io
 
     monkeypatch.setattr(video_io, "video_decoder", lambda: None)
     with pytest.raises(InputError, match="no video decoder is available: install torchcodec"):

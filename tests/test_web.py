@@ -50,8 +50,8 @@ def backend(qwen3_vl_dir) -> Iterator[tuple[Any, Any]]:
 
 @pytest.fixture(scope="module")
 def demo_url(backend) -> Iterator[tuple[str, list]]:
-    from web.app import build_demo, theme
-    from web.client import ChatClient
+    from vlmrun.web.app import build_demo, theme
+    from vlmrun.web.client import ChatClient
 
     sent: list = []
 
@@ -160,7 +160,7 @@ def test_upload_ask_stream_multiturn_and_stop(page, demo_url, backend):
 def test_upload_a_video_clip(page, demo_url, backend, tmp_path):
     """A generated clip goes up as a video_url data URI; the answer streams back."""
     pytest.importorskip("torchcodec")
-    from processors.video_io import video_decoder
+    from vlmrun.processors.video_io import video_decoder
     from tests.videos import write_video
 
     if video_decoder() != "torchcodec":

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from processors.image_io import describe_source
-from web.conversation import Turn, explain_error, media_part, without_files
+from vlmrun.processors.image_io import describe_source
+from vlmrun.web.conversation import Turn, explain_error, media_part, without_files
 
 
 def test_the_error_names_the_uploaded_file_and_only_it_leaves_the_box(tmp_path):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from processors import Processor
+from vlmrun.processors import Processor
 from training.aux_targets import cell_labels, subject_labels
 from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene, scene_json
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from processors import Processor
+from vlmrun.processors import Processor
 from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, Scene, eval_question, scene_json
 
 MAX_NEW_TOKENS = 160  # a three-shape JSON answer is about 140 tokens of this tokenizer (a caption about 20)

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from processors import Processor  # noqa: E402
+from vlmrun.processors import Processor  # noqa: E402
 from training.aux_targets import HEADS, AuxProbe, cell_labels  # noqa: E402
 from training.checkpoint_files import ModelSize, build_config  # noqa: E402
 from training.train_default_model import RESUME_FILE  # noqa: E402

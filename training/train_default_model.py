@@ -35,7 +35,7 @@ sys.modules["fla"] = None  # type: ignore[assignment]
 
 import torch  # noqa: E402
 
-from processors import Processor  # noqa: E402
+from vlmrun.processors import Processor  # noqa: E402
 from training.checkpoint_files import (  # noqa: E402
     ModelSize, build_config, generation_config, write_preprocessor_config, write_tokenizer,
 )

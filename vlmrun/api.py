@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
-from processors import InputError, ProcessedPrompt
+from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.config import EngineConfig
 from vlmrun.engine.engine import Engine
 from vlmrun.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ import sys
 
 from vlmrun.jobs import cli as jobs_cli
 from vlmrun.server import cli as server_cli
-from web import cli as web_cli
+from vlmrun.web import cli as web_cli
 
 
 def build_parser() -> argparse.ArgumentParser:

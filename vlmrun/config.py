@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from processors.pixel_backends import IMAGE_BACKENDS
+from vlmrun.processors.pixel_backends import IMAGE_BACKENDS
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,

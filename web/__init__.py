@@ -1,5 +1,5 @@
-"""The Gradio web demo: `build_demo(ChatClient(url))` (`web.app`), run by `vlmrun web` (`web.cli`).
+"""The Gradio web demo: `build_demo(ChatClient(url))` (`vlmrun.web.app`), run by `vlmrun web` (`vlmrun.web.cli`).
 
-`web.client` streams answers from any OpenAI-compatible server; `web.conversation` keeps the
+`vlmrun.web.client` streams answers from any OpenAI-compatible server; `vlmrun.web.conversation` keeps the
 turns and renders them for the Chatbot and for the server.
 """

@@ -17,8 +17,8 @@ import gradio as gr
 
 from vlmrun.default_model import MODEL_DIR_NAME
 from vlmrun.synthetic import DESCRIBE_PROMPT, QA_KINDS, Scene, scene_from_file
-from web.client import ChatClient, ServerError, Speed
-from web.conversation import Turn, explain_error, is_video_file, to_chatbot, to_openai, user_turn, without_files
+from vlmrun.web.client import ChatClient, ServerError, Speed
+from vlmrun.web.conversation import Turn, explain_error, is_video_file, to_chatbot, to_openai, user_turn, without_files
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")

@@ -21,8 +21,8 @@ def web(args: argparse.Namespace) -> int:
         except FileNotFoundError as exc:
             print(f"vlmrun web: {exc}", file=sys.stderr)
             return 2
-    from web.app import ASSETS, build_demo, theme
-    from web.client import ChatClient
+    from vlmrun.web.app import ASSETS, build_demo, theme
+    from vlmrun.web.client import ChatClient
 
     engine = server = None
     try:

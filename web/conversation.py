@@ -81,7 +81,7 @@ def user_turn(message: Any) -> Turn:
     return Turn(text=(message.get("text") or "").strip(), images=files)
 
 
-# how the server's processors name a data-URI upload in an error (`processors.image_io.describe_source`)
+# how the server's processors name a data-URI upload in an error (`vlmrun.processors.image_io.describe_source`)
 _MEDIA_REF = re.compile(r"\b(image|video) (\d+) \(data URI \(\d+ chars\)\)")
 
 

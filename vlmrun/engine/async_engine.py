@@ -30,7 +30,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
-from processors import ProcessedPrompt
+from vlmrun.processors import ProcessedPrompt
 from vlmrun.engine.engine import Engine, EngineStats, RequestUpdate
 from vlmrun.engine.request_group import (
     FINISH_ABORT,

@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
+from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
 from vlmrun.cache.encoder_cache import EncoderCache
 from vlmrun.cache.plan import build_caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys

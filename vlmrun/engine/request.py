@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import torch
 
-from processors import ProcessedPrompt
+from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@
 - The item iterator is consumed lazily by the feeder thread; `tasks` holds at most 2 items per
   worker and `ready` at most `prefetch` preprocessed prompts, so memory is bounded by
   (prefetch + workers + max_in_flight) images whatever the length of the job.
-- Workers load the image (`processors.load_image`: read, validate, decode) and run
+- Workers load the image (`vlmrun.processors.load_image`: read, validate, decode) and run
   `engine.process` (resize, patchify, tokenize): only the processor, which holds no engine state. Only the caller's thread calls `add_request`, `step`, `release`
   and `abort`.
 - Before every step the engine is topped up from `ready` to `max_in_flight` requests (default
@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from processors import InputError, ProcessedPrompt, load_image
+from vlmrun.processors import InputError, ProcessedPrompt, load_image
 from vlmrun.jobs.inputs import JobItem, is_video
 from vlmrun.jobs.records import CaptionRecord, image_seed, parse_structured
 from vlmrun.sampling_params import SamplingParams

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from fastapi.responses import JSONResponse
 
-from processors.limits import quote
+from vlmrun.processors.limits import quote
 
 
 @dataclass

@@ -23,8 +23,8 @@ from typing import Any, AsyncIterator, Callable, Union
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from processors import InputError, ProcessedPrompt
-from processors.chat import check_unicode
+from vlmrun.processors import InputError, ProcessedPrompt
+from vlmrun.processors.chat import check_unicode
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server.chat_output import ChatOutputParser

@@ -33,9 +33,9 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from processors import InputError
-from processors.chat import IMAGE_SOURCE_KEYS, VIDEO_SOURCE_KEYS, item_source
-from processors.video_processor import VIDEO_OPTION_KEYS
+from vlmrun.processors import InputError
+from vlmrun.processors.chat import IMAGE_SOURCE_KEYS, VIDEO_SOURCE_KEYS, item_source
+from vlmrun.processors.video_processor import VIDEO_OPTION_KEYS
 
 _REDIRECTS = (301, 302, 303, 307, 308)
 _CHUNK = 1 << 16

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from processors.limits import quote
+from vlmrun.processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.tool_calls import check_tools, forced_tools

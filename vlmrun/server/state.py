@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
-from processors import Processor
+from vlmrun.processors import Processor
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.sampling_params import StopLimits
 from vlmrun.server.errors import bad_request, model_not_found, queue_full
