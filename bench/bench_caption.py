@@ -56,7 +56,7 @@ class HFLoop:
     def __init__(self, model_dir: Path):
         from transformers import AutoModelForImageTextToText
 
-        from tests.hf_reference import HFReference
+        from testing.hf_reference import HFReference
 
         self.ref = HFReference(model_dir)
         self.ref.model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32,

@@ -71,7 +71,7 @@ def build_checkpoint(out_dir: Path) -> Path:
     from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers import Qwen2VLImageProcessor  # the default (torchvision) class
 
-    from tests.tiny_models import build_tiny_tokenizer, reinit_weights, special_ids
+    from testing.tiny_models import build_tiny_tokenizer, reinit_weights, special_ids
 
     build_tiny_tokenizer(out_dir)
     tok = AutoTokenizer.from_pretrained(out_dir)
@@ -150,7 +150,7 @@ class VlmrunSide:
 
 class HFSide:
     def __init__(self, model_dir: Path, dtype: str):
-        from tests.hf_reference import HFReference
+        from testing.hf_reference import HFReference
 
         self.ref = HFReference(model_dir, dtype=getattr(torch, dtype), attn_implementation="sdpa")
         assert self.ref.processor is not None, "HF's default processor needs torchvision"

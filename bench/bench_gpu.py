@@ -63,7 +63,7 @@ def build_checkpoint(name: str, out_dir: Path, config_dir: Path, layers: int | N
     """A random-weight bf16 checkpoint in the published config's shapes, with the tiny tokenizer."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer, GenerationConfig
 
-    from tests.tiny_models import build_tiny_tokenizer, special_ids
+    from testing.tiny_models import build_tiny_tokenizer, special_ids
 
     file, kept = MODELS[name]
     layers = layers or kept

@@ -48,7 +48,7 @@ def main() -> None:
     if len(sys.argv) == 4:  # a child: small clip, clip, options
         print(json.dumps(measure(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))
         return
-    from tests.videos import write_video
+    from testing.videos import write_video
 
     with tempfile.TemporaryDirectory() as tmp:
         clips = {"small": str(write_video(Path(tmp) / "small.mp4", 9, 48, 64, 3.0, seed=0)),

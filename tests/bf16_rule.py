@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from tests.hf_reference import HFReference, HFResult
+from testing.hf_reference import HFReference, HFResult
 from tests.test_engine_parity import HYBRID, MAX_NEW, TOPK, cases_for
 from vlmrun import LLM, SamplingParams
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
+from testing.tiny_models import build_tiny_checkpoint, build_tiny_tokenizer
 from tests.hf_kernels import route_hf_gdn_kernels_by_device
-from tests.tiny_models import build_tiny_checkpoint, build_tiny_tokenizer
 
 # transformers runs its GDN layers on flash-linear-attention whenever `fla` imports, CPU tensors
 # included, where FLA's Triton kernels cannot run: HF references on the CPU must take HF's torch path.

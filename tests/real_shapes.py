@@ -6,7 +6,7 @@ the vision tower's width, heads and patch size — and cuts what only repeats: t
 layers (one or two, with at least one full-attention and one GDN layer for hybrid models), vision
 blocks and experts. The vocabulary is the tests' tiny tokenizer (special token ids remapped), the
 images are kept small by the preprocessor config (4 to 64 merged tokens). Weights are re-initialised
-as the tiny checkpoints are (`tests.tiny_models.reinit_weights`) and saved as float32 safetensors.
+as the tiny checkpoints are (`testing.tiny_models.reinit_weights`) and saved as float32 safetensors.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tests.tiny_models import (
+from testing.tiny_models import (
     _image_processor,
     _padded_vocab,
     _write_generation_config,

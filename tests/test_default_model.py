@@ -127,7 +127,7 @@ def test_schema_constrained_objects_describe_the_scenes(llm, heldout):
 
 
 def test_hf_greedy_is_token_identical(heldout):
-    from tests.hf_reference import HFReference
+    from testing.hf_reference import HFReference
 
     requests, images, outs = heldout
     hf = HFReference(MODEL)

@@ -33,7 +33,7 @@ def tokenizer(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     try:
         path = Path(request.getfixturevalue("tiny_tokenizer_dir"))
     except pytest.FixtureLookupError:
-        from tests.tiny_models import build_tiny_tokenizer
+        from testing.tiny_models import build_tiny_tokenizer
 
         path = tmp_path_factory.mktemp("tiny_tokenizer")
         build_tiny_tokenizer(path)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tests.hf_reference import HFReference
+from testing.hf_reference import HFReference
 from vlmrun import LLM, SamplingParams
 
 MAX_NEW = 10

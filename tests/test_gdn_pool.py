@@ -103,7 +103,7 @@ def test_gdn_state_dtype_is_configurable():
 
 def test_model_attributes_agree_with_the_config():
     """The cache shape a hybrid model declares is the one its built layers need, and the config's."""
-    from tests.tiny_models import _CONFIG_BUILDERS, SpecialIds
+    from testing.tiny_models import _CONFIG_BUILDERS, SpecialIds
     from vlmrun.models.registry import get_model_class
 
     tiny = dict(hidden_size=64, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

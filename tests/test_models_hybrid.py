@@ -30,7 +30,7 @@ from vlmrun.loader import iter_weights
 from vlmrun.models.weights import load_checkpoint
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
-from tests.tiny_models import build_hf_inputs
+from testing.tiny_models import build_hf_inputs
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]

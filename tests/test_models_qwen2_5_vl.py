@@ -64,7 +64,7 @@ def _prefill(model, seqs, positions, mm_mask=None, mm_embeds=None) -> torch.Tens
 
 
 def _image_prompt(ckpt, images):
-    from tests.tiny_models import build_hf_inputs
+    from testing.tiny_models import build_hf_inputs
 
     parts = ["<|im_start|>user\n"]
     for i, _ in enumerate(images):

@@ -39,7 +39,7 @@ def models(ckpt):
 
 
 def _inputs(ckpt, text: str, images: list[Image.Image]) -> dict:
-    from tests.tiny_models import build_hf_inputs
+    from testing.tiny_models import build_hf_inputs
 
     return build_hf_inputs(ckpt, text, images)
 

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.hf_reference import HFReference
+from testing.hf_reference import HFReference
 from tests.test_engine_parity import LONG_TEXT, assert_matches, make_image, params, user
 from vlmrun import LLM
 from vlmrun.cache.kv_pool import PageAllocator, token_slots

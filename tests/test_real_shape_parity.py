@@ -13,7 +13,7 @@ import gc
 
 import pytest
 
-from tests.hf_reference import HFReference
+from testing.hf_reference import HFReference
 from tests.real_shapes import REAL_SHAPES, build_real_shape_checkpoint
 from tests.test_engine_parity import assert_matches, make_image, user
 from vlmrun import LLM, SamplingParams

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from vlmrun.server.chat_output import ChatOutputParser
 from vlmrun.server.launch import ServerThread, serve_in_thread
 from vlmrun.server.settings import ServerSettings
+from testing.tiny_models import CHAT_TEMPLATE
 from tests.test_server import tiny_engine
 from tests.test_server_structured import NOTE, SHAPES, TIME, WEATHER, assemble
-from tests.tiny_models import CHAT_TEMPLATE
 
 MODEL = "tiny-thinking"
 GENERATION_PROMPT = "{{- '<|im_start|>assistant\\n' -}}"

@@ -20,8 +20,8 @@ import time
 import pytest
 import torch
 
+from testing.tiny_models import ARCHS
 from tests.conftest import make_sample_images
-from tests.tiny_models import ARCHS
 from vlmrun.api import LLM, SamplingParams
 from vlmrun.structured import StructuredOutputsParams
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token

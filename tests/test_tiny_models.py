@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoImageProcessor, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-from tests.tiny_models import (
+from testing.tiny_models import (
     IMAGE_PAD,
     SPECIAL_TOKENS,
     build_hf_inputs,
@@ -80,7 +80,7 @@ def test_multibyte_characters_split_across_tokens(tiny_tokenizer_dir: Path) -> N
 
 
 def test_tokenizer_is_deterministic(tmp_path: Path, tiny_tokenizer_dir: Path) -> None:
-    from tests.tiny_models import build_tiny_tokenizer
+    from testing.tiny_models import build_tiny_tokenizer
 
     build_tiny_tokenizer(tmp_path)
     first = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())

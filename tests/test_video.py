@@ -21,9 +21,9 @@ import torch
 
 from vlmrun.processors import InputError, Processor, ProcessorLimits
 from vlmrun.processors.video_io import video_decoder
-from tests.hf_reference import HFReference
+from testing.hf_reference import HFReference
+from testing.videos import moving_shapes, write_video
 from tests.test_engine_parity import MAX_NEW, assert_matches, make_image, params
-from tests.videos import moving_shapes, write_video
 from vlmrun import LLM, SamplingParams
 
 pytestmark = pytest.mark.skipif(video_decoder() != "torchcodec",

@@ -161,7 +161,7 @@ def test_upload_a_video_clip(page, demo_url, backend, tmp_path):
     """A generated clip goes up as a video_url data URI; the answer streams back."""
     pytest.importorskip("torchcodec")
     from vlmrun.processors.video_io import video_decoder
-    from tests.videos import write_video
+    from testing.videos import write_video
 
     if video_decoder() != "torchcodec":
         pytest.skip("needs torchcodec with the system FFmpeg libraries")

@@ -18,7 +18,7 @@ from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
-from tests.tiny_models import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS  # the test tokenizer's Qwen conventions
+from testing.tiny_models import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS  # the test tokenizer's Qwen conventions
 from vlmrun.synthetic import PROMPTS, TRAIN_SEED, iter_scenes
 
 # Qwen's pre-tokeniser split: contractions, letter runs, single digits, punctuation runs, spaces.

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints and a tiny tokenizer, built on the fly for tests.
+"""Tiny random checkpoints and a tiny tokenizer, built on the fly for tests, benchmarks and training.
 
 Nothing here is downloaded. `build_tiny_tokenizer` trains a small byte-level BPE tokenizer with
 the Qwen special tokens and a ChatML chat template; `build_tiny_checkpoint` builds a tiny random
@@ -669,7 +669,7 @@ def greedy_margins(model: Any, inputs: dict[str, Any], steps: int = 20) -> tuple
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m tests.tiny_models ARCH OUT_DIR`: build one tiny random checkpoint (for trying the engine without downloads)."""
+    """`python -m testing.tiny_models ARCH OUT_DIR`: build one tiny random checkpoint (for trying the engine without downloads)."""
     import argparse
 
     parser = argparse.ArgumentParser(description="Build a tiny random-weight checkpoint.")
