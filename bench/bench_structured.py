@@ -118,7 +118,8 @@ class _EveryOther:
 
 
 def mask(args: argparse.Namespace) -> None:
-    from vlmrun.layers.sampler import Sampler, SamplingBatch, SamplingRow
+    from vlmrun.layers.sampler import Sampler
+    from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
 
     logits = torch.randn(args.batch, args.vocab)
     params = SamplingParams(temperature=0)

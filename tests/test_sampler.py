@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
-from vlmrun.layers.sampler import Sampler, SamplingBatch, SamplingRow, apply_penalties
+from vlmrun.layers.logit_transforms import apply_penalties
+from vlmrun.layers.sampler import Sampler
+from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
 from vlmrun.sampling_params import SamplingParams
 
 VOCAB = 32

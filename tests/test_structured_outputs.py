@@ -18,7 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from vlmrun.api import LLM
-from vlmrun.layers.sampler import Sampler, SamplingBatch, SamplingRow, apply_token_bitmask
+from vlmrun.layers.logit_transforms import apply_token_bitmask
+from vlmrun.layers.sampler import Sampler
+from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
 from vlmrun.sampling_params import SamplingParamError, SamplingParams
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 from tests.test_engine_parity import llm_kv_bytes_per_token

@@ -32,7 +32,7 @@ from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.layers.sampler import SamplingRow
+from vlmrun.layers.sampling_batch import SamplingRow
 
 
 @dataclass

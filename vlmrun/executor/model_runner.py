@@ -24,7 +24,8 @@ from vlmrun.executor.padded_decode import PaddedDecodeRunner
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
-from vlmrun.layers.sampler import Sampler, SamplingBatch
+from vlmrun.layers.sampler import Sampler
+from vlmrun.layers.sampling_batch import SamplingBatch
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 
 

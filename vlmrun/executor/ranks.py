@@ -13,7 +13,7 @@ import torch
 from vlmrun.cache.plan import CachePlan, plan_for_budget
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.layers.sampler import SamplingRow
+from vlmrun.layers.sampling_batch import SamplingRow
 
 
 class RankFailure(RuntimeError):

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from vlmrun.layers.sampler import SamplingRow
+from vlmrun.layers.sampling_batch import SamplingRow
 
 
 @dataclass

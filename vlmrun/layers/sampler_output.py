@@ -1,0 +1,86 @@
+"""What the sampler returns: sampled token ids and raw logprobs, on the device until `to_host()`.
+
+`gather_logprobs` picks, for the rows that asked, the top-`logprobs` raw logprobs and the chosen
+token's (tensors, no sync). `SamplerOutput.to_host()` is the step's single device→host sync: token
+ids and all logprobs travel in one transfer; the caller (model runner) does it once per step.
+`SamplerOutput.logprobs` calls it (cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from vlmrun.layers.sampling_batch import SamplingBatch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class HostSamplerOutput:
+    """Sampler results on the host, after the one device→host sync."""
+
+    token_ids: list[int]
+    logprobs: list[Optional[dict[int, float]]]
+
+
+@dataclass
+class SamplerOutput:
+    """Sampled tokens (still on the device) and the tensors the logprob dicts are made from."""
+
+    token_ids: Tensor  # [batch] int64
+    num_logprobs: list[Optional[int]]
+    chosen_logprobs: Optional[Tensor] = None  # [batch] float32, raw logprob of the chosen token
+    top_logprobs: Optional[Tensor] = None  # [batch, max_k] float32, descending
+    top_token_ids: Optional[Tensor] = None  # [batch, max_k] int64
+    _host: Optional[HostSamplerOutput] = field(default=None, repr=False)
+
+    def to_host(self) -> HostSamplerOutput:
+        """The one device→host sync: token ids and logprobs travel in a single transfer."""
+        if self._host is None:
+            self._host = self._transfer()
+        return self._host
+
+    @property
+    def logprobs(self) -> list[Optional[dict[int, float]]]:
+        """Per row: {token id: raw logprob} for the top-k tokens and the chosen one, or None."""
+        return self.to_host().logprobs
+
+    def _transfer(self) -> HostSamplerOutput:
+        if self.chosen_logprobs is None:
+            ids = self.token_ids.tolist()
+            return HostSamplerOutput(ids, [None] * len(ids))
+        parts = [self.token_ids.view(-1, 1), self.chosen_logprobs.view(-1, 1)]
+        if self.top_logprobs is not None:
+            parts += [self.top_token_ids, self.top_logprobs]
+        # float64 holds every token id and float32 logprob exactly.
+        packed = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()  # [batch, 2 + 2k]
+        k_max = 0 if self.top_logprobs is None else self.top_logprobs.shape[1]
+        ids = [int(row[0]) for row in packed]
+        dicts = [_logprob_dict(row, k, k_max) for row, k in zip(packed, self.num_logprobs)]
+        return HostSamplerOutput(ids, dicts)
+
+
+def _logprob_dict(row: list[float], k: Optional[int], k_max: int) -> Optional[dict[int, float]]:
+    """Row layout: [chosen id, chosen logprob, top ids (k_max), top logprobs (k_max)]."""
+    if k is None:
+        return None
+    top_ids = row[2:2 + k_max][:k]
+    top_vals = row[2 + k_max:2 + 2 * k_max][:k]
+    out = {int(t): v for t, v in zip(top_ids, top_vals)}
+    out[int(row[0])] = row[1]
+    return out
+
+
+def gather_logprobs(token_ids: Tensor, raw_logprobs: Optional[Tensor], batch: SamplingBatch) -> SamplerOutput:
+    """Top-k and chosen-token raw logprobs for the rows that asked (tensors, no sync)."""
+    out = SamplerOutput(token_ids=token_ids, num_logprobs=batch.num_logprobs)
+    if raw_logprobs is None:
+        return out
+    out.chosen_logprobs = raw_logprobs.gather(-1, token_ids.view(-1, 1)).view(-1)  # [batch]
+    k = min(batch.max_num_logprobs or 0, raw_logprobs.shape[-1])
+    if k > 0:
+        out.top_logprobs, out.top_token_ids = raw_logprobs.topk(k, dim=-1)  # [batch, k] each
+    return out

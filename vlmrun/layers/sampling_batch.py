@@ -1,0 +1,180 @@
+"""A step's sampling settings as device tensors: one `SamplingRow` per request in, one `SamplingBatch` out.
+
+`SamplingBatch.build` gathers every row's settings (temperature, top-k / top-p / min-p, penalties,
+min_tokens, logprobs, per-request generators) into `[batch, ...]` tensors on the logits' device; a
+field no row needs stays None, so the sampler skips that step. It only copies host→device (pinned,
+non-blocking on CUDA), never waits on the device. Grammar rows (structured outputs) fill their row
+of the token bitmask here, on the host (the sampler's docstring says when and why).
+
+Cost note: penalties and the min_tokens mask are rebuilt from the token lists every step
+(O(tokens) host work for rows that use them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional, Sequence, Union
+
+import torch
+
+from vlmrun.sampling_params import SamplingParams
+
+Tensor = torch.Tensor
+
+
+class SamplingRow(NamedTuple):
+    """What the sampler needs to know about one request this step (a plain tuple of these six works too).
+
+    `grammar` (structured outputs) is anything with `fill_bitmask(bitmask [n, words] int32 CPU, row)`
+    that writes the tokens allowed next into `bitmask[row]`, e.g. `vlmrun.structured.GrammarState`."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: Optional[torch.Generator] = None
+    eos_token_ids: Sequence[int] = ()
+    grammar: Optional[Any] = None
+
+
+RowLike = Union[SamplingRow, tuple]
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step. A None field means "no row needs it"."""
+
+    batch_size: int
+    vocab_size: int
+    all_greedy: bool
+    greedy_mask: Optional[Tensor] = None  # [batch] bool; None unless greedy and sampled rows mix
+    temperatures: Optional[Tensor] = None  # [batch, 1] float32, greedy rows 1.0; None if all greedy
+    top_k: Optional[Tensor] = None  # [batch, 1] int64, off rows hold vocab_size
+    top_k_max: int = 0  # largest top_k among rows that use it (host int: no sync to read it)
+    top_p: Optional[Tensor] = None  # [batch, 1] float32, off rows hold +inf
+    min_p: Optional[Tensor] = None  # [batch, 1] float32, off rows hold 0
+    repetition_penalties: Optional[Tensor] = None  # [batch, 1] float32
+    seen_mask: Optional[Tensor] = None  # [batch, vocab] bool: token occurs in prompt or output
+    frequency_penalties: Optional[Tensor] = None  # [batch, 1] float32
+    presence_penalties: Optional[Tensor] = None  # [batch, 1] float32
+    output_counts: Optional[Tensor] = None  # [batch, vocab] float32: occurrences in the output
+    blocked_rows: Optional[Tensor] = None  # [n] int64 } (row, token) pairs set to -inf
+    blocked_tokens: Optional[Tensor] = None  # [n] int64 } by min_tokens
+    grammar_rows: list[int] = field(default_factory=list)  # rows whose request has a grammar
+    token_bitmask: Optional[Tensor] = None  # [batch, ceil(vocab / 32)] int32; read for grammar_rows only
+    generators: list[Optional[torch.Generator]] = field(default_factory=list)  # per row
+    seeded_rows: list[int] = field(default_factory=list)  # sampled rows with their own generator
+    num_logprobs: list[Optional[int]] = field(default_factory=list)  # per row
+    max_num_logprobs: Optional[int] = None  # None: no row asked for logprobs
+
+    @classmethod
+    def build(cls, rows: Sequence[RowLike], vocab_size: int,
+              device: Union[torch.device, str] = "cpu") -> "SamplingBatch":
+        """Gather the rows' settings into tensors on `device` (the logits' device)."""
+        device = torch.device(device)
+        rows = [r if isinstance(r, SamplingRow) else SamplingRow(*r) for r in rows]
+        params = [r.params for r in rows]
+        greedy = [p.is_greedy for p in params]
+        asked = [p.logprobs for p in params]
+        batch = cls(
+            batch_size=len(rows),
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            generators=[r.generator for r in rows],
+            num_logprobs=asked,
+            max_num_logprobs=max((k for k in asked if k is not None), default=None),
+        )
+        if not batch.all_greedy:
+            _fill_sampling_settings(batch, params, greedy, device)
+            batch.seeded_rows = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is not None]
+        _fill_penalties(batch, rows, device)
+        _fill_min_tokens_block(batch, rows, device)
+        _fill_grammar_bitmask(batch, rows, device)
+        return batch
+
+
+def _fill_sampling_settings(batch: SamplingBatch, params: list[SamplingParams], greedy: list[bool],
+                            device: torch.device) -> None:
+    """Temperatures, greedy mask and truncation settings; greedy rows get neutral values."""
+    vocab = batch.vocab_size
+    temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+    top_k = [vocab if g or p.top_k <= 0 else min(p.top_k, vocab) for p, g in zip(params, greedy)]
+    top_p = [float("inf") if g or p.top_p >= 1.0 else p.top_p for p, g in zip(params, greedy)]
+    min_p = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+    batch.temperatures = _to_device(temps, torch.float32, device).view(-1, 1)
+    if any(greedy):
+        batch.greedy_mask = _to_device(greedy, torch.bool, device)
+    if any(k < vocab for k in top_k):
+        batch.top_k = _to_device(top_k, torch.int64, device).view(-1, 1)
+        batch.top_k_max = max(k for k in top_k if k < vocab)
+    if any(p < 1.0 for p in top_p):
+        batch.top_p = _to_device(top_p, torch.float32, device).view(-1, 1)
+    if any(p > 0.0 for p in min_p):
+        batch.min_p = _to_device(min_p, torch.float32, device).view(-1, 1)
+
+
+def _fill_penalties(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """Repetition mask over prompt + output; output token counts for frequency/presence."""
+    rep = [r.params.repetition_penalty for r in rows]
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    shape = (batch.batch_size, batch.vocab_size)
+    if any(x != 1.0 for x in rep):
+        batch.repetition_penalties = _to_device(rep, torch.float32, device).view(-1, 1)
+        lists = [(list(r.prompt_token_ids) + list(r.output_token_ids)) if x != 1.0 else []
+                 for r, x in zip(rows, rep)]
+        row_idx, tok_idx = _flat_indices(lists, batch.vocab_size, device)
+        seen = torch.zeros(shape, dtype=torch.bool, device=device)  # [batch, vocab]
+        seen[row_idx, tok_idx] = True
+        batch.seen_mask = seen
+    if any(f != 0.0 or p != 0.0 for f, p in zip(freq, pres)):
+        batch.frequency_penalties = _to_device(freq, torch.float32, device).view(-1, 1)
+        batch.presence_penalties = _to_device(pres, torch.float32, device).view(-1, 1)
+        lists = [list(r.output_token_ids) if (f != 0.0 or p != 0.0) else []
+                 for r, f, p in zip(rows, freq, pres)]
+        row_idx, tok_idx = _flat_indices(lists, batch.vocab_size, device)
+        counts = torch.zeros(shape, dtype=torch.float32, device=device)  # [batch, vocab]
+        ones = torch.ones(row_idx.shape[0], dtype=torch.float32, device=device)
+        counts.index_put_((row_idx, tok_idx), ones, accumulate=True)
+        batch.output_counts = counts
+
+
+def _fill_min_tokens_block(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """(row, token) pairs of EOS / stop_token_ids that rows below min_tokens may not sample."""
+    lists = [r.params.stop_ids_for(list(r.eos_token_ids))
+             if len(r.output_token_ids) < r.params.min_tokens and r.grammar is None else []
+             for r in rows]
+    if any(lists):
+        batch.blocked_rows, batch.blocked_tokens = _flat_indices(lists, batch.vocab_size, device)
+
+
+def _fill_grammar_bitmask(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """Each grammar row's allowed-next-token bitmask, filled on the host, moved to `device`."""
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if not constrained:
+        return
+    bitmask = torch.full((batch.batch_size, (batch.vocab_size + 31) // 32), -1, dtype=torch.int32)  # [batch, words]
+    for i in constrained:
+        rows[i].grammar.fill_bitmask(bitmask, i)
+    batch.grammar_rows = constrained
+    batch.token_bitmask = _move(bitmask, device)
+
+
+def _flat_indices(lists: list[list[int]], vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row and token index vectors for the (row, token) pairs in `lists`, ids >= vocab dropped."""
+    rows = [i for i, ids in enumerate(lists) for _ in ids]
+    toks = [t for ids in lists for t in ids]
+    row_idx = torch.tensor(rows, dtype=torch.int64)  # [n]
+    tok_idx = torch.tensor(toks, dtype=torch.int64)  # [n]
+    keep = (tok_idx >= 0) & (tok_idx < vocab_size)
+    return _move(row_idx[keep], device), _move(tok_idx[keep], device)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return _move(torch.tensor(values, dtype=dtype), device)
+
+
+def _move(cpu: Tensor, device: torch.device) -> Tensor:
+    """Host→device copy that does not make the host wait for queued device work."""
+    if device.type == "cuda":
+        return cpu.pin_memory().to(device, non_blocking=True)
+    return cpu.to(device)
