@@ -16,7 +16,7 @@ from vlmrun.config import CacheShape
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token, plan_cache_memory
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import LinearAttention
-from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
+from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.gdn_ops import causal_conv1d, chunk_gated_delta_rule
 
 GIB = 1 << 30

@@ -22,7 +22,7 @@ from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention import Attention, LinearAttention
-from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
+from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 from vlmrun.layers.moe import SparseMoeBlock

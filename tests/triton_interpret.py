@@ -5,8 +5,6 @@ Import this module before anything imports triton or fla, in a process of its ow
   - the autotuner benchmarks its configs through a GPU driver: here it takes the first config;
   - `chunk_delta_h`'s kernels call `.to()` on their `range` loop index, which the interpreter
     yields as a Python int: there `range` yields Triton scalars.
-Known limit: `fused_recurrent_gated_delta_rule` reads uninitialised memory under the interpreter
-(NaN or wrong values from run to run, even for one token of one sequence); it is checked on a GPU.
 """
 
 from __future__ import annotations

@@ -22,10 +22,13 @@ prompt can be fed in any number of pieces (chunked prefill) with the same result
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from vlmrun.layers.attention.base import LinearAttention
 
 CHUNK_SIZE = 64
 L2_EPS = 1e-6
@@ -34,6 +37,15 @@ L2_EPS = 1e-6
 def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def split_gdn_heads(y: torch.Tensor, layer: LinearAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Conv output [n, conv_dim] (q | k | v) -> q, k [n, Hk, Dk] and v [n, Hv, Dv]."""
+    key_dim = layer.num_k_heads * layer.head_k_dim
+    q, k, v = torch.split(y, [key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
+    n = y.shape[0]
+    return (q.reshape(n, layer.num_k_heads, layer.head_k_dim), k.reshape(n, layer.num_k_heads, layer.head_k_dim),
+            v.reshape(n, layer.num_v_heads, layer.head_v_dim))
 
 
 # ---------------------------------------------------------------------------------------------

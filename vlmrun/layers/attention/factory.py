@@ -19,7 +19,7 @@ import torch
 from vlmrun.cache.plan import Caches
 from vlmrun.layers.attention.base import AttentionBackend, LinearAttentionBackend
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
-from vlmrun.layers.attention.gdn_backend import TorchGDNBackend
+from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 

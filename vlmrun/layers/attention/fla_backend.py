@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
-from vlmrun.layers.attention.gdn_backend import split_gdn_heads
+from vlmrun.layers.gdn_ops import split_gdn_heads
 
 
 @dataclass
@@ -57,18 +57,20 @@ class FLAGDNBackend(LinearAttentionBackend):
         conv_in = F.pad(conv_state[slots], (1, 0)).to(mixed_qkv.dtype)  # [batch, conv_dim, K]
         state_in = rec_state[slots].to(torch.float32)  # [batch, Hv, Dv, Dk]
         if md.decode:
-            y, _ = self._conv_update(mixed_qkv, conv_in, weight=conv_weight, activation="silu")  # conv_in updated in place
+            y, _ = self._conv_update(mixed_qkv, cache=conv_in, weight=conv_weight,
+                                     activation="silu")  # conv_in updated in place
             q, k, v = (t.unsqueeze(1) for t in split_gdn_heads(y, layer))  # [batch, 1, H, D]
-            out, state_out = self._recurrent(q, k, v, g.unsqueeze(1), beta.unsqueeze(1), initial_state=state_in,
-                                             output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                             state_v_first=True)
+            # every optional argument by keyword: after g, FLA's next positional parameter is gk (a per-key decay)
+            out, state_out = self._recurrent(q, k, v, g=g.unsqueeze(1), beta=beta.unsqueeze(1),
+                                             initial_state=state_in, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True, state_v_first=True)
             conv_out = conv_in
         else:
-            y, conv_out = self._conv(mixed_qkv.unsqueeze(0), conv_weight, initial_state=conv_in,
+            y, conv_out = self._conv(mixed_qkv.unsqueeze(0), weight=conv_weight, initial_state=conv_in,
                                      output_final_state=True, activation="silu", cu_seqlens=md.cu_seqlens,
                                      cu_seqlens_cpu=md.cu_seqlens_cpu)
             q, k, v = (t.unsqueeze(0) for t in split_gdn_heads(y[0], layer))  # [1, T, H, D]
-            out, state_out = self._chunk(q, k, v, g.unsqueeze(0), beta.unsqueeze(0), initial_state=state_in,
+            out, state_out = self._chunk(q, k, v, g=g.unsqueeze(0), beta=beta.unsqueeze(0), initial_state=state_in,
                                          output_final_state=True, use_qk_l2norm_in_kernel=True,
                                          state_v_first=True, cu_seqlens=md.cu_seqlens,
                                          cu_seqlens_cpu=md.cu_seqlens_cpu)

@@ -29,6 +29,7 @@ from vlmrun.layers.gdn_ops import (
     causal_conv1d_step,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    split_gdn_heads,
 )
 
 @dataclass
@@ -124,11 +125,3 @@ class TorchGDNBackend(LinearAttentionBackend):
         rec_state[slots] = new_rec.to(rec_state.dtype)
         return o[:, 0]
 
-
-def split_gdn_heads(y: torch.Tensor, layer: LinearAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Conv output [n, conv_dim] (q | k | v) -> q, k [n, Hk, Dk] and v [n, Hv, Dv]."""
-    key_dim = layer.num_k_heads * layer.head_k_dim
-    q, k, v = torch.split(y, [key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)
-    n = y.shape[0]
-    return (q.reshape(n, layer.num_k_heads, layer.head_k_dim), k.reshape(n, layer.num_k_heads, layer.head_k_dim),
-            v.reshape(n, layer.num_v_heads, layer.head_v_dim))
