@@ -39,7 +39,7 @@ from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.build import build_model_runner
-from vlmrun.executor.distributed import create_parallel_executor
+from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.model_runner import ModelRunner, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
@@ -93,14 +93,14 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = config.resolve_device()
+        self.device = executor_device(config)
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
                                                    device=self._preprocess_device())
         self.tokenizer = self.processor.tokenizer
         if config.tensor_parallel_size > 1:  # the model runs in one process per rank; the caches here are stand-ins
-            self.runner = create_parallel_executor(config, self.model_config)
+            self.runner = create_parallel_executor(config, self.model_config, self.device)
             self.caches = self.runner.caches
         else:
             self.runner = self._local_runner()
@@ -179,8 +179,9 @@ class Engine:
     def _preprocess_device(self) -> torch.device:
         if self.config.preprocess_device == "cpu":
             return torch.device("cpu")
-        if self.device.type != "cuda":
-            raise ValueError(f"preprocess_device='cuda' needs the engine on CUDA; it runs on {self.device}")
+        if self.device.type != "cuda" or not torch.cuda.is_available():
+            raise ValueError(f"preprocess_device='cuda' needs the engine on CUDA, in this process too; it runs on "
+                             f"{self.device}{'' if torch.cuda.is_available() else ' and this process has no GPU'}")
         return self.device
 
     def _limits(self) -> ProcessorLimits:
@@ -224,10 +225,7 @@ class Engine:
         positions, delta = compute_mrope_positions(prompt.token_ids, [it.grid_thw for it in prompt.mm_items],
                                                    self.model_config.hf_config,
                                                    [it.second_per_grid_t for it in prompt.mm_items])
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed)
+        generator = None if params.seed is None else self.runner.make_generator(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
                       grammar=grammar)

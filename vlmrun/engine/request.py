@@ -27,7 +27,7 @@ class Request:
     mrope_positions: torch.Tensor  # [3, num_prompt_tokens] int64, CPU
     mrope_delta: int
     eos_token_ids: list[int]
-    generator: Optional[torch.Generator] = None
+    generator: Optional[Any] = None  # a seeded request's `runner.make_generator(seed)`: torch.Generator, or RankGenerator (TP)
     grammar: Optional[Any] = None  # GrammarState of a structured-output request, or a ReasoningGate in front of one
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING

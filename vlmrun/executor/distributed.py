@@ -23,12 +23,13 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Optional
 
+import torch
 import torch.multiprocessing as mp
 
 from vlmrun.cache.shadow import build_shadow_caches
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.model_runner import SampledToken
-from vlmrun.executor.ranks import RankFailure, StepMessage, free_port, plan_for_ranks
+from vlmrun.executor.ranks import RankFailure, RankGenerator, StepMessage, free_port, plan_for_ranks
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import run_worker
 
@@ -77,6 +78,9 @@ class TensorParallelExecutor:
         _, results, states = self._receive(0, "result")
         step.advance_generators(states)
         return results
+
+    def make_generator(self, seed: int) -> RankGenerator:
+        return RankGenerator(seed)
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -154,10 +158,19 @@ def stop_processes(processes: list[Any], conns: list[Connection], grace_seconds:
         conn.close()
 
 
-def create_parallel_executor(config: EngineConfig, model_config: ModelConfig) -> Any:
+def executor_device(config: EngineConfig) -> torch.device:
+    """The device the model runs on: this process's, or with Ray ranks the cluster's (`cluster_device`)."""
+    if config.tensor_parallel_size > 1 and config.distributed_executor_backend == "ray":
+        from vlmrun.executor.ray_executor import cluster_device
+
+        return cluster_device(config)
+    return config.resolve_device()
+
+
+def create_parallel_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> Any:
     """The executor `config.distributed_executor_backend` names: "mp" (processes here) or "ray"."""
     if config.distributed_executor_backend == "ray":
         from vlmrun.executor.ray_executor import RayExecutor
 
-        return RayExecutor(config, model_config)
+        return RayExecutor(config, model_config, device)
     return TensorParallelExecutor(config, model_config)

@@ -47,6 +47,10 @@ class ModelRunner:
         self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
         self.sampler = Sampler()
 
+    def make_generator(self, seed: int) -> torch.Generator:
+        """A seeded request's own generator, on the device its noise is drawn on."""
+        return torch.Generator(device=self.device).manual_seed(seed)
+
     @torch.inference_mode()
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         """Runs the chunks; returns, per chunk, its sampled token or None for a mid-prompt chunk."""

@@ -5,7 +5,7 @@ for the ranks, a free TCP port for the process group's rendezvous."""
 from __future__ import annotations
 
 import socket
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -20,28 +20,63 @@ class RankFailure(RuntimeError):
     """A tensor-parallel rank raised or died; the engine cannot go on."""
 
 
-class StepMessage:
-    """One step as the ranks get it: ("step", cache ops, chunks without their generators, generator states).
+@dataclass
+class RankGenerator:
+    """A seeded request's generator as a tensor-parallel driver keeps it: plain CPU data.
 
-    A seeded request's generator stays in the driver; rank 0 samples with a copy made from its state
-    and sends the advanced state back (`advance_generators`). A grammar's matcher stays in the driver
-    too (the engine advances it): the ranks get the bitmask it allows next (`GrammarState.filled`)."""
+    The driver never builds a device generator (on CUDA that would open a context on GPU 0 after rank 0
+    planned its memory): the first step that samples sends the seed, rank 0 seeds a generator on its own
+    device, samples with it and sends its state back; later steps send that state."""
+
+    seed: int
+    state: Optional[torch.Tensor] = None  # rank 0's generator state after the last step that sampled
+
+    def as_wire(self) -> tuple[int, Optional[torch.Tensor]]:
+        return self.seed, self.state
+
+
+GeneratorWire = Optional[tuple[int, Optional[torch.Tensor]]]  # (seed, state or None), or None: unseeded
+
+
+class StepMessage:
+    """One step as the ranks get it: ("step", cache ops, chunks as the ranks need them, generators).
+
+    What travels is what a rank reads, in storages of its own size (a tensor that views a larger one
+    pickles the whole storage): positions and KV slots as compact copies, pixels on the CPU (each
+    rank moves them to its own device), and of a request's token history only what the sampler
+    reads this step (`_wire_sampling`). A seeded request's generator travels as `RankGenerator` data;
+    rank 0 sends the advanced state back (`advance_generators`). A grammar's matcher stays in the
+    driver too (the engine advances it): the ranks get the bitmask it allows next (`GrammarState.filled`)."""
 
     def __init__(self, chunks: list[ChunkInput], cache_ops: list):
-        self.generators = [c.sampling.generator if c.sampling is not None else None for c in chunks]
-        wire = [c if c.sampling is None else replace(c, sampling=_wire_sampling(c.sampling)) for c in chunks]
-        states = [None if g is None else g.get_state() for g in self.generators]
-        self.message = ("step", cache_ops, wire, states)
+        self.generators: list[Optional[RankGenerator]] = [
+            c.sampling.generator if c.sampling is not None else None for c in chunks]
+        wire = [_wire_chunk(c) for c in chunks]
+        self.message = ("step", cache_ops, wire, [None if g is None else g.as_wire() for g in self.generators])
 
     def advance_generators(self, states: list[Optional[torch.Tensor]]) -> None:
         for generator, state in zip(self.generators, states):
             if generator is not None:
-                generator.set_state(state)
+                generator.state = state
+
+
+def _wire_chunk(chunk: ChunkInput) -> ChunkInput:
+    items = [replace(it, pixel_values=it.pixel_values.cpu()) for it in chunk.mm_items]
+    sampling = None if chunk.sampling is None else _wire_sampling(chunk.sampling)
+    return replace(chunk, positions=chunk.positions.clone(), kv_slots=chunk.kv_slots.clone(), mm_items=items,
+                   sampling=sampling)
 
 
 def _wire_sampling(row: SamplingRow) -> SamplingRow:
-    """A sampling row the ranks can take: no generator object, a filled bitmask for a grammar."""
-    return row._replace(generator=None, grammar=None if row.grammar is None else row.grammar.filled())
+    """A sampling row the ranks can take: no generator object, a filled bitmask for a grammar, and of
+    the prompt and output ids only what the sampler reads: all of them for penalties, else the first
+    `min_tokens` outputs (enough to tell whether min_tokens still holds)."""
+    params = row.params
+    prompt = row.prompt_token_ids if params.repetition_penalty != 1.0 else ()
+    penalized = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    output = row.output_token_ids if penalized else row.output_token_ids[:params.min_tokens]
+    return row._replace(prompt_token_ids=list(prompt), output_token_ids=list(output), generator=None,
+                        grammar=None if row.grammar is None else row.grammar.filled())
 
 
 def plan_for_ranks(ready: list[tuple], config: EngineConfig, model_config: ModelConfig) -> tuple[CacheShape, CachePlan]:

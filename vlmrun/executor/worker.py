@@ -6,13 +6,14 @@ It joins the process group (gloo on CPU, NCCL on CUDA), builds the model with th
 budget it can afford and the cache shape of its shard, builds its pools from the plan the driver
 sends back, and then serves steps until told to stop:
 
-    driver -> rank   ("plan", CachePlan) | ("step", cache ops, [ChunkInput], generator states) | ("stop",)
+    driver -> rank   ("plan", CachePlan) | ("step", cache ops, [ChunkInput], generators) | ("stop",)
     rank -> driver   ("ready", budget bytes, CacheShape) | ("built",) | ("result", ...) (rank 0) | ("error", text)
 
 Every rank replays the step's cache ops on its pools (`vlmrun.cache.shadow`), encodes the step's
 images itself (the vision tower is replicated) and runs the model; the layers' collectives keep
 the ranks in step. Rank 0's samples are the step's result. Seeded requests' generators travel as
-their state: rank 0 samples with them and sends the advanced states back.
+their seed, then their state (`ranks.RankGenerator`): rank 0 samples with them and sends the
+advanced states back.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from vlmrun.cache.shadow import replay_cache_ops
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.build import build_model_runner
 from vlmrun.executor.model_runner import ModelRunner
+from vlmrun.executor.ranks import GeneratorWire
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.models import load_model
 from vlmrun.multimodal.vision_stage import VisionStage
@@ -39,7 +41,7 @@ from vlmrun.parallel import TensorParallel
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 
-GeneratorStates = list[Optional[torch.Tensor]]  # per chunk: the state of its request's generator, or None
+GeneratorStates = list[Optional[torch.Tensor]]  # per chunk: its request's generator state after the step, or None
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -49,10 +51,17 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 
 
 def init_process_group(rank: int, size: int, device: torch.device, init_method: str) -> None:
-    if device.type == "cuda":
+    """Join the group and run one all_reduce at once, so that NCCL builds its communicator (and its
+    buffers) now, before this rank measures the memory left for its caches, not in the first request."""
+    cuda = device.type == "cuda"
+    if cuda:
         torch.cuda.set_device(device)
-    torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=size, timeout=PROCESS_GROUP_TIMEOUT)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                                         world_size=size, timeout=PROCESS_GROUP_TIMEOUT,
+                                         device_id=device if cuda else None)
+    torch.distributed.all_reduce(torch.zeros(1, device=device))
+    if cuda:
+        torch.cuda.synchronize(device)
 
 
 class Worker:
@@ -77,20 +86,27 @@ class Worker:
                               split_over) if self.model.supports_images else None)
         self.runner = build_model_runner(self.model, caches, vision, self.config, self.device)
 
-    def execute(self, ops: list, chunks: list[ChunkInput], states: GeneratorStates) -> tuple[list, GeneratorStates]:
+    def execute(self, ops: list, chunks: list[ChunkInput],
+                generators_in: list[GeneratorWire]) -> tuple[list, GeneratorStates]:
         replay_cache_ops(self.runner.caches, ops)
-        generators = [self._generator(s) for s in states]
+        generators = [self._generator(g) for g in generators_in]
         for chunk, generator in zip(chunks, generators):
             if generator is not None:
                 chunk.sampling = chunk.sampling._replace(generator=generator)
         results = self.runner.execute(chunks)
         return results, [None if g is None else g.get_state() for g in generators]
 
-    def _generator(self, state: Optional[torch.Tensor]) -> Optional[torch.Generator]:
-        if state is None:
+    def _generator(self, wire: GeneratorWire) -> Optional[torch.Generator]:
+        """A seeded request's generator on this rank's device: seeded at its first sampling step, else
+        set to the state the last step left."""
+        if wire is None:
             return None
+        seed, state = wire
         generator = torch.Generator(device=self.device)
-        generator.set_state(state)
+        if state is None:
+            generator.manual_seed(seed)
+        else:
+            generator.set_state(state)
         return generator
 
 
