@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.test_server import data_uri, picture, png_bytes, tiny_engine, wait_until_idle
 from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server import handlers
+from vlmrun.server import chat_handler
 from vlmrun.server.launch import ServerThread, serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
@@ -104,7 +104,7 @@ def test_a_stream_that_fails_half_way_ends_cleanly(server, engine, http, monkeyp
     def broken(batch):
         raise RuntimeError("broken stream")
 
-    monkeypatch.setattr(handlers, "merge_batch", broken)
+    monkeypatch.setattr(chat_handler, "merge_batch", broken)
     r = http.post("/v1/chat/completions", json=chat_body(stream=True))
     assert r.status_code == 200
     events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]

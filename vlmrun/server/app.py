@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server import handlers
+from vlmrun.server import chat_handler, completions_handler
 from vlmrun.server.errors import APIError, error_response, internal, unauthorized
 from vlmrun.server.metrics import CONTENT_TYPE
 from vlmrun.server.settings import ServerSettings
@@ -68,11 +68,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
-        return await handlers.chat_completions(state, request)
+        return await chat_handler.chat_completions(state, request)
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
-        return await handlers.completions(state, request)
+        return await completions_handler.completions(state, request)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:

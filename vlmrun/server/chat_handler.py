@@ -1,0 +1,141 @@
+"""`/v1/chat/completions`: chat messages (with images and videos) in, a chat completion or its SSE stream out.
+
+The steps it shares with `/v1/completions` (parse, admission, preparation off the event loop,
+submission, collect or stream) are `vlmrun.server.submission`'s. Here: the chat template and media
+preparation, the sampling params a forced tool choice or a reasoning parser constrains, and the
+chat deltas, split into reasoning, content and tool calls when a parser is active.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from vlmrun.processors import ProcessedPrompt
+from vlmrun.sampling_params import SamplingParams
+from vlmrun.server import responses as R
+from vlmrun.server.chat_output import ChatOutputParser
+from vlmrun.server.protocol import ChatRequest, parse_chat_request, split_choices
+from vlmrun.server.state import ServerState
+from vlmrun.server.submission import merge_batch, parse_body, respond_collected, stream_response, submit
+from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
+from vlmrun.structured import StructuredOutputsParams
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    """Answer one `/v1/chat/completions` request (collected or streamed)."""
+    arrival = time.monotonic()
+    req: ChatRequest = await parse_body(state, request, parse_chat_request)
+    state.check_model(req.model)
+    ticket = state.admission.admit(req.params.n)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+
+    prompt_text = ""
+
+    def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
+        nonlocal prompt_text
+        messages = state.media.resolve_messages(req.messages)
+        prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs,
+                                              cancel=cancel)
+        prompt_text = prompt.text
+        return [(prompt, p) for p in split_choices(_chat_params(state, req))]
+
+    sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
+                       "messages", heavy=has_media(req.messages))
+    model = state.model_name
+    token_text = R.TokenText(state.engine.tokenizer)
+    parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
+                                req.tools if req.parses_tool_calls else (), prompt_text)
+               for _ in sub.choices]
+
+    if not req.stream:
+        def build() -> dict[str, Any]:
+            for c, parser in zip(sub.choices, parsers):
+                if parser.active:
+                    c.parsed = parser.parse_all(c.text)
+            return R.chat_completion(rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs,
+                                     token_text, sub.prompt_tokens)
+
+        return await respond_collected(request, sub, build)
+
+    async def events() -> AsyncIterator[bytes]:
+        def chunk(choices: list[dict[str, Any]]) -> bytes:
+            return R.sse(R.chat_chunk(rid, sub.created, model, choices, req.include_usage))
+
+        for c in sub.choices:
+            yield chunk([R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})])
+        completion_tokens = 0
+        async for batch in sub.group:
+            sub.tracker.on_batch(batch)
+            for d in merge_batch(batch):
+                completion_tokens += len(d.token_ids)
+                lp = (R.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs, token_text)
+                      if req.logprobs and d.token_ids else None)
+                if not d.text and lp is None and not d.finished:
+                    continue
+                parser = parsers[d.index]
+                reason = d.finish_reason if d.finished else None
+                deltas = [{"content": d.text} if d.text else {}]
+                if parser.active:
+                    deltas = _stream_deltas(parser, d.text, d.finished)
+                    reason = R.with_tool_calls(reason, parser.num_calls)
+                for i, delta in enumerate(deltas):
+                    last = i == len(deltas) - 1
+                    lp_i, reason_i = (lp if i == 0 else None), (reason if last else None)
+                    if delta or lp_i is not None or reason_i is not None:
+                        yield chunk([R.chat_chunk_choice(d.index, delta, lp_i, reason_i)])
+        if req.include_usage:
+            yield R.sse(R.usage_chunk(rid, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
+                                      completion_tokens))
+        yield R.SSE_DONE
+
+    return stream_response(sub, events)
+
+
+def _chat_params(state: ServerState, req: ChatRequest) -> SamplingParams:
+    """The request's params: constrained to calls of its forced tools when tool_choice asks for that,
+    and, with a reasoning parser on, any constraint holding only after the reasoning."""
+    params = req.params
+    if req.forced_tools:
+        grammar = tool_call_grammar(req.forced_tools, req.parallel_tool_calls,
+                                    xml=uses_xml_calls(state.processor.chat_template))
+        params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
+    spec = params.structured_outputs
+    if spec is not None and state.settings.reasoning_parser is not None and not spec.after_reasoning:
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(spec, after_reasoning=True))
+    return params
+
+
+def _stream_deltas(parser: ChatOutputParser, text: str, finished: bool) -> list[dict[str, Any]]:
+    """The chat deltas of a parsed choice for new text: reasoning, content, the start of each new tool
+    call (id, name, arguments "") and pieces of arguments; the arguments a new call already has
+    follow in a second delta, so that every call starts with empty arguments, as OpenAI's do."""
+    out = parser.feed(text)
+    if finished:
+        out += parser.finish()
+    started = {c.index for c in out.calls if c.starts_call}
+    first: dict[str, Any] = {}
+    if out.reasoning:
+        first["reasoning_content"] = out.reasoning
+    if out.content:
+        first["content"] = out.content
+    now = [c.to_openai() for c in out.calls if c.starts_call or c.index not in started]
+    if now:
+        first["tool_calls"] = now
+    later = [c.to_openai() for c in out.calls if not c.starts_call and c.index in started]
+    return [first, {"tool_calls": later}] if later else [first]
+
+
+def has_media(messages: Any) -> bool:
+    """Whether chat `messages` hold any content part other than text (images and videos to fetch and decode)."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(not (isinstance(part, dict) and part.get("type") == "text") for part in m["content"])
+        for m in messages)

@@ -1,0 +1,227 @@
+"""The steps both generation endpoints share, from the body read to the answer sent.
+
+One request goes: body read on the event loop (JSON only: 415; capped: 413) → JSON parse +
+validation in a thread pool (400) → model check (404) → admission (429) → image fetch +
+preprocessing + chat template in a thread pool (400; stopped at the next image when the client
+leaves) → `AsyncEngine.submit` (400 for what the engine refuses, e.g. a prompt longer than the
+context; 503 if the engine is gone) → a streamed (SSE) or a collected answer. From submission on,
+every exit path aborts what is unfinished and releases the admission. Two pools: large bodies and
+requests with images or videos run in the media pool, everything else in the light pool, so a small
+request never waits behind another client's image decoding.
+
+What differs per route (preparing the prompts, the response bodies and stream chunks) is in
+`chat_handler.py` and `completions_handler.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from vlmrun.processors import InputError, ProcessedPrompt
+from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
+from vlmrun.sampling_params import SamplingParams
+from vlmrun.structured import StructuredOutputError
+from vlmrun.server import responses as R
+from vlmrun.server.errors import APIError, bad_request, internal, unavailable
+from vlmrun.server.metrics import ServerMetrics
+from vlmrun.server.protocol import parse_json
+from vlmrun.server.state import LIGHT_BODY_BYTES, ServerState, Ticket
+from vlmrun.server.transport import SSEResponse, read_json_body, until_done_or_disconnected
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------- per-request metrics
+
+
+class RequestTracker:
+    """Feeds one request's timings and token counts into the server metrics."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float):
+        self.metrics = metrics
+        self.arrival = arrival
+        self._first_token: dict[int, float] = {}
+        self._seen_first = False
+        self._closed = False
+
+    def on_batch(self, batch: list[ChoiceDelta]) -> None:
+        now = time.monotonic()
+        for d in batch:
+            if d.token_ids:
+                self.metrics.generation_tokens.inc(len(d.token_ids))
+                self._first_token.setdefault(d.index, now)
+                if not self._seen_first:
+                    self._seen_first = True
+                    self.metrics.ttft.observe(now - self.arrival)
+            if d.finished:
+                self.metrics.finished.labels(d.finish_reason or "unknown").inc()
+                first = self._first_token.get(d.index)
+                if first is not None and d.num_output_tokens > 1:
+                    self.metrics.tpot.observe((now - first) / (d.num_output_tokens - 1))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._seen_first:
+                self.metrics.e2e.observe(time.monotonic() - self.arrival)
+
+
+def merge_batch(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
+    """One delta per choice: consecutive deltas of a choice (a slow reader) are joined."""
+    merged: dict[int, ChoiceDelta] = {}
+    for d in batch:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = ChoiceDelta(d.index, list(d.token_ids), list(d.logprobs), d.text, d.finished,
+                                          d.finish_reason, d.num_prompt_tokens, d.num_output_tokens,
+                                          d.first_token_time)
+            continue
+        m.token_ids += d.token_ids
+        m.logprobs += d.logprobs
+        m.text += d.text
+        if d.finished:
+            m.finished, m.finish_reason = True, d.finish_reason
+            m.num_prompt_tokens, m.num_output_tokens = d.num_prompt_tokens, d.num_output_tokens
+    return sorted(merged.values(), key=lambda d: d.index)
+
+
+# ---------------------------------------------------------------------------- shared steps
+
+
+@dataclass
+class Submitted:
+    """A request accepted by the engine, with what its responses need."""
+
+    rid: str
+    created: int
+    group: RequestGroup
+    ticket: Ticket
+    tracker: RequestTracker
+    prompt_tokens: int
+    choices: list[R.ChoiceState] = field(default_factory=list)
+
+    def finish(self) -> None:
+        self.group.abort()
+        self.ticket.release()
+        self.tracker.close()
+
+
+async def parse_body(state: ServerState, request: Request, parse: Callable[[dict[str, Any], int], Any]) -> Any:
+    """The request body read (capped, JSON only) and parsed by `parse` in a pool (400 if invalid)."""
+    raw = await read_json_body(request, state.settings.max_request_bytes)
+    return await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=len(raw) > LIGHT_BODY_BYTES)
+
+
+Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams]]]
+
+
+async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
+                 prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
+                 param: str, heavy: bool) -> Submitted:
+    """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine. A
+    client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image."""
+    cancel = threading.Event()
+    try:
+        work = state.in_pool(lambda: _input_errors_as_400(lambda: _compile_grammars(state, prepare(cancel))), heavy)
+        try:
+            items = await until_done_or_disconnected(request, work)
+        finally:
+            cancel.set()  # done, or nobody is waiting for it any more
+        _check_context(items, state.engine.engine.max_model_len)
+        group = await state.engine.submit(rid, items)
+    except StructuredOutputError as exc:
+        ticket.release()
+        raise bad_request(str(exc), param=exc.field) from None
+    except InputError as exc:
+        ticket.release()
+        raise bad_request(str(exc), param=param) from None
+    except EngineDeadError as exc:
+        ticket.release()
+        raise unavailable(str(exc)) from None
+    except BaseException:
+        ticket.release()
+        raise
+    n_prompt = prompt_tokens(items)
+    state.metrics.prompt_tokens.inc(n_prompt)
+    choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids)) for i, (p, _) in enumerate(items)]
+    return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
+
+
+def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_model_len: int) -> None:
+    """400, as vLLM answers, for a prompt whose requested completion cannot fit the context."""
+    for prompt, params in items:
+        n = len(prompt.token_ids)
+        if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+            raise bad_request(f"this model's maximum context length is {max_model_len:,} tokens; the request asks "
+                              f"for {n + params.max_tokens:,} ({n:,} in the prompt, {params.max_tokens:,} to "
+                              "generate): shorten the prompt or lower max_tokens", param="max_tokens",
+                              code="context_length_exceeded")
+
+
+def _compile_grammars(state: ServerState, items: list[tuple[ProcessedPrompt, SamplingParams]]) -> list[
+        tuple[ProcessedPrompt, SamplingParams]]:
+    """Compile the requests' grammars here, off the engine thread (StructuredOutputError if bad)."""
+    for _, params in items[:1]:  # the choices of one request share their constraint
+        state.engine.compile_structured(params)
+    return items
+
+
+def _input_errors_as_400(prepare: Callable[[], Any]) -> Any:
+    try:
+        return prepare()
+    except (InputError, APIError, StructuredOutputError):
+        raise
+    except ValueError as exc:  # e.g. a checkpoint without a chat template
+        raise bad_request(str(exc)) from None
+
+
+async def _collect(sub: Submitted) -> None:
+    """Every choice's text, tokens, logprobs and finish reason, gathered into `sub.choices`."""
+    async for batch in sub.group:
+        sub.tracker.on_batch(batch)
+        for d in batch:
+            c = sub.choices[d.index]
+            c.text += d.text
+            c.token_ids += d.token_ids
+            c.logprobs += d.logprobs
+            if d.finished:
+                c.finish_reason = d.finish_reason
+
+
+async def respond_collected(request: Request, sub: Submitted,
+                             build: Callable[[], dict[str, Any]]) -> Response:
+    """Collect every choice to the end (or until the client leaves), then answer `build()` as JSON."""
+    try:
+        await until_done_or_disconnected(request, _collect(sub))
+    except (EngineStepError, EngineDeadError) as exc:
+        raise internal(str(exc)) from None
+    finally:
+        sub.finish()
+    return JSONResponse(build())
+
+
+def stream_response(sub: Submitted, events: Callable[[], AsyncIterator[bytes]]) -> Response:
+    """An SSE response of `events()`; an error half-way ends the stream with an error event and [DONE]."""
+
+    async def guarded() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in events():
+                yield chunk
+        except (EngineStepError, EngineDeadError) as exc:
+            yield R.sse(R.error_event(str(exc)))
+            yield R.SSE_DONE
+        except Exception as exc:  # a bug: the status line is out, so the stream says it and ends cleanly
+            logger.exception("unexpected error while streaming %s", sub.rid)
+            yield R.sse(R.error_event(f"internal server error: {type(exc).__name__}: {exc}", code="internal_error"))
+            yield R.SSE_DONE
+        finally:
+            sub.finish()
+
+    return SSEResponse(guarded(), on_close=sub.finish)
