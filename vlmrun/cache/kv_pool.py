@@ -4,25 +4,29 @@ A KV *slot* holds one token's keys and values for every full-attention layer. Sl
 in pages of `page_size` consecutive slots; a request owns whole pages. `ReqToTokenPool` maps
 (request row, token position) to the slot that holds that token. Page 0 is a dummy: padding rows
 write there and nothing reads it.
+
+`PageTable` is the map as its one writer, the scheduler, sees it: rows handed out and freed, and
+`write`. `ReqToTokenPool` keeps the map on the device; under tensor parallelism the driver's
+`ShadowReqToTokenPool` (cache/shadow.py) records the writes for the ranks instead.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
 
 
-class ReqToTokenPool:
-    """Row per running request: req_to_token[row, pos] is the KV slot of token `pos`.
+class PageTable(ABC):
+    """A row per running request, mapping its token positions to KV slots: the rows and the writes.
 
-    One more row, `dummy_row` (= max_reqs), is never handed out nor written: it stays all zeros, so
-    it maps every position to slot 0 of the dummy page. Padded rows of a decode batch use it.
+    One more row, `dummy_row` (= max_reqs), is never handed out nor written: it maps every position
+    to slot 0 of the dummy page. Padded rows of a decode batch use it.
     """
 
-    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device):
-        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
+    def __init__(self, max_reqs: int):
         self.free_rows: list[int] = list(range(max_reqs))
         self.max_reqs = max_reqs
         self.dummy_row = max_reqs
@@ -36,8 +40,23 @@ class ReqToTokenPool:
     def num_free(self) -> int:
         return len(self.free_rows)
 
+    @abstractmethod
     def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], positions[i]] = slots[i]; host tensors [n] int64, moved in one copy each."""
+        """Map position positions[i] of row rows[i] to KV slot slots[i]; host tensors [n] int64."""
+
+
+class ReqToTokenPool(PageTable):
+    """The page table on the device: req_to_token[row, pos] is the KV slot of token `pos` of `row`.
+
+    The dummy row stays all zeros.
+    """
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: torch.device):
+        super().__init__(max_reqs)
+        self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """req_to_token[rows[i], positions[i]] = slots[i], moved to the device in one copy each."""
         device = self.req_to_token.device
         self.req_to_token[rows.to(device), positions.to(device)] = slots.to(device)
 

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from vlmrun.cache.gdn_pool import GDNSnapshotPool
+from vlmrun.cache.gdn_pool import GDNSnapshots
 from vlmrun.cache.kv_pool import PageAllocator
 
 
@@ -82,7 +82,7 @@ class PrefixMatch:
 class PrefixCache:
     """key -> page index over a refcounting `PageAllocator`, plus GDN snapshots for hybrid models."""
 
-    def __init__(self, allocator: PageAllocator, snapshots: Optional[GDNSnapshotPool] = None,
+    def __init__(self, allocator: PageAllocator, snapshots: Optional[GDNSnapshots] = None,
                  needs_snapshots: bool = False):
         self.allocator = allocator
         self.page_size = allocator.page_size
