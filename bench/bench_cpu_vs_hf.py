@@ -339,14 +339,15 @@ def report(runs: dict[str, list[tuple[float, int]]], n: int, unit: str) -> dict[
 
 def bench_default_model(dtype: str, n: int, repeats: int, max_tokens: int) -> None:
     """The bundled default model captioning synthetic scenes (greedy, to EOS): images/s."""
-    from vlmrun import synthetic
+    from testing.scene_drawing import render_scene
     from vlmrun.default_model import default_model_path
+    from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
 
     sides = {"vlmrun": VlmrunSide(None, dtype), "HF": HFSide(default_model_path(), dtype)}
 
     def make(seed: int):
-        scenes = [synthetic.make_scene(seed, i) for i in range(n)]
-        return [s.render() for s in scenes], [synthetic.DESCRIBE_PROMPT] * n, [max_tokens] * n
+        scenes = [make_scene(seed, i) for i in range(n)]
+        return [render_scene(s) for s in scenes], [DESCRIBE_PROMPT] * n, [max_tokens] * n
 
     print(f"default model ({dtype}): {n} synthetic scenes, captions to EOS (at most {max_tokens} tokens), "
           f"median of {repeats}", flush=True)

@@ -10,7 +10,7 @@ Only the sampler's grammar work (host bitmask fill, mask, matcher advance) diffe
 
 accuracy: the held-out scenes captioned three ways, greedy: plain (the caption must equal the
 scene's canonical caption), asked for JSON (`DESCRIBE_JSON_PROMPT`) and constrained to
-`vlmrun.synthetic.SCENE_SCHEMA` (the object must equal the scene's), and constrained to the model's
+`vlmrun.shape_scenes.SCENE_SCHEMA` (the object must equal the scene's), and constrained to the model's
 own caption language (`caption_grammar`), then parsed into the same objects (`caption_objects`).
 
     python bench/bench_structured.py throughput --requests 32 --max-tokens 64 --repeats 3
@@ -36,15 +36,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from testing.scene_drawing import render_scene  # noqa: E402
+from testing.scene_splits import eval_scenes  # noqa: E402
 from vlmrun import LLM, SamplingParams  # noqa: E402
-from vlmrun.synthetic import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, caption_grammar,  # noqa: E402
-                              caption_objects, eval_scenes, scene_objects)
+from vlmrun.shape_scenes import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, caption_grammar,  # noqa: E402
+                                 caption_objects, scene_objects)
 
 ENDLESS_SCHEMA = {"type": "array", "minItems": 100, "items": SCENE_SCHEMA["properties"]["shapes"]["items"]}
 
 
 def requests(count: int, prompt: str = DESCRIBE_PROMPT) -> list[dict]:
-    return [{"prompt": prompt, "images": [s.render()]} for s in eval_scenes(count)]
+    return [{"prompt": prompt, "images": [render_scene(s)]} for s in eval_scenes(count)]
 
 
 def throughput(args: argparse.Namespace) -> None:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from testing.image_folders import write_bad_files, write_images
 from vlmrun.cli import main
-from vlmrun.jobs.samples import write_bad_files, write_images
 from vlmrun.jobs.sink import JOURNAL_SUFFIX
 
 REPO = Path(__file__).resolve().parents[1]

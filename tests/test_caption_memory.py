@@ -12,8 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testing.image_folders import write_images
 from tests.test_caption_cli import subprocess_env
-from vlmrun.jobs.samples import write_images
 
 _SCRIPT = """
 import json, resource, sys

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from testing.image_folders import write_bad_files, write_images
 from tests.test_caption_cli import subprocess_env
 from vlmrun.cli import main
 from vlmrun.jobs.records import RECORD_FIELDS
-from vlmrun.jobs.samples import write_bad_files, write_images
 
 
 def _results(path: Path) -> dict[str, tuple]:

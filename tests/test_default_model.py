@@ -28,13 +28,14 @@ import pytest
 from PIL import Image
 
 import vlmrun
-from vlmrun.processors import Processor
+from testing.scene_drawing import render_scene
+from testing.scene_splits import EVAL_SEED, eval_scenes
 from training.evaluate import MAX_NEW_TOKENS, eval_requests, hf_greedy, score
 from vlmrun import LLM, SamplingParams
 from vlmrun.cli import main
 from vlmrun.default_model import MODEL_DIR_NAME, default_model_path
-from vlmrun.synthetic import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, EVAL_SEED, SCENE_SCHEMA, eval_scenes,
-                              scene_from_file, scene_objects)
+from vlmrun.processors import Processor
+from vlmrun.shape_scenes import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, scene_from_file, scene_objects
 
 MODEL = default_model_path()
 ASSET_IMAGES = Path(__file__).resolve().parents[1] / "assets" / "images"
@@ -71,7 +72,7 @@ def heldout(llm):
     images = {}
     for r in requests:
         if r.scene.index not in images:
-            images[r.scene.index] = r.scene.render()
+            images[r.scene.index] = render_scene(r.scene)
     prompts = [{"prompt": r.prompt, "images": [images[r.scene.index]]} for r in requests]
     outs = llm.generate(prompts, _params(), use_tqdm=False)
     return requests, images, outs

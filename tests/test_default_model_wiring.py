@@ -12,7 +12,7 @@ import pytest
 from vlmrun.cli import build_parser, main
 from vlmrun.config import EngineConfig
 from vlmrun.default_model import MODEL_DIR_NAME, resolve_model, served_name
-from vlmrun.synthetic import scene_from_file
+from vlmrun.shape_scenes import scene_from_file
 
 
 @pytest.fixture

@@ -28,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vlmrun.api
+from testing.image_folders import write_images
 from vlmrun.processors import InputError, ProcessorLimits, load_image
 from vlmrun.api import LLM
 from vlmrun.config import EngineConfig
@@ -35,7 +36,6 @@ from vlmrun.engine.detokenizer import OutputTextStream, StopStringMatcher
 from vlmrun.engine.engine import Engine
 from vlmrun.jobs.progress import JobSummary
 from vlmrun.jobs.records import CaptionRecord, key_hash, record_key
-from vlmrun.jobs.samples import write_images
 from vlmrun.jobs.sink import open_output
 from vlmrun.sampling_params import SamplingParamError, SamplingParams, StopLimits
 

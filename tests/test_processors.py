@@ -42,7 +42,7 @@ from vlmrun.processors import (
     smart_resize,
 )
 from vlmrun.processors.pixel_backends import torchvision_available
-from vlmrun.synthetic import scene_from_file
+from vlmrun.shape_scenes import scene_from_file
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets" / "images"
 

@@ -16,9 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from testing.scene_splits import TRAIN_SEED
 from training.data import pick_task
 from vlmrun.default_model import default_model_path
-from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, TRAIN_SEED, make_scene, scene_json
+from vlmrun.shape_scenes import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, make_scene, scene_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SCENES = [make_scene(TRAIN_SEED, i) for i in range(300)]

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vlmrun.synthetic import COLOURS, SHAPES, SIZES, SLOTS, Scene
+from vlmrun.shape_scenes import COLOURS, SHAPES, SIZES, SLOTS, Scene
 
 # label sets: index 0 is "no shape" for kind / colour / size
 HEADS: dict[str, int] = {"kind": 1 + len(SHAPES), "colour": 1 + len(COLOURS), "size": 1 + len(SIZES), "slot": len(SLOTS)}

@@ -19,7 +19,8 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 from testing.tiny_models import CHAT_TEMPLATE, ENDOFTEXT, IM_END, SPECIAL_TOKENS  # the test tokenizer's Qwen conventions
-from vlmrun.synthetic import PROMPTS, TRAIN_SEED, iter_scenes
+from testing.scene_splits import TRAIN_SEED, iter_scenes
+from vlmrun.shape_scenes import PROMPTS
 
 # Qwen's pre-tokeniser split: contractions, letter runs, single digits, punctuation runs, spaces.
 SPLIT_PATTERN = (

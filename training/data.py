@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vlmrun.processors import Processor
+from testing.scene_drawing import render_scene_with_masks
 from training.aux_targets import cell_labels, subject_labels
-from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene, scene_json
+from vlmrun.processors import Processor
+from vlmrun.shape_scenes import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene, scene_json
 
 IGNORE = -100
 # Counting and colours are learned early; telling circles, squares and triangles apart takes longest.
@@ -52,7 +53,7 @@ def pick_task(scene: Scene, seed: int, caption_fraction: float, json_fraction: f
 
 
 def encode(processor: Processor, scene: Scene, qa: QA) -> Example:
-    image, masks = scene.render_with_masks()
+    image, masks = render_scene_with_masks(scene)
     prompt = processor.process_prompt(qa.question, [image])
     answer = processor.tokenizer.encode(qa.answer, add_special_tokens=False)
     end = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")

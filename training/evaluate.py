@@ -1,7 +1,7 @@
 """Accuracy of a checkpoint on held-out scenes, decoding greedily with HF transformers.
 
 `eval_requests` lists what is asked: for each scene its caption prompt, its JSON prompt (the
-reference is `vlmrun.synthetic.scene_json`) and one question (`vlmrun.synthetic.eval_question`). `hf_greedy` batches prompts (left-padded) through HF's
+reference is `vlmrun.shape_scenes.scene_json`) and one question (`testing.scene_splits.eval_question`). `hf_greedy` batches prompts (left-padded) through HF's
 `generate`; `score` compares the answers with the references (exact string match after strip).
 The test `tests/test_default_model.py` asks the same through vlmrun.
 """
@@ -12,8 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from testing.scene_drawing import render_scene
+from testing.scene_splits import eval_question
 from vlmrun.processors import Processor
-from vlmrun.synthetic import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, Scene, eval_question, scene_json
+from vlmrun.shape_scenes import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, Scene, scene_json
 
 MAX_NEW_TOKENS = 160  # a three-shape JSON answer is about 140 tokens of this tokenizer (a caption about 20)
 
@@ -50,7 +52,7 @@ def hf_greedy(model, processor: Processor, requests: list[EvalRequest], batch_si
     results: list[list[int]] = [[] for _ in requests]
     for start in range(0, len(order), batch_size):
         rows = order[start : start + batch_size]
-        prompts = [processor.process_prompt(requests[i].prompt, [requests[i].scene.render()]) for i in rows]
+        prompts = [processor.process_prompt(requests[i].prompt, [render_scene(requests[i].scene)]) for i in rows]
         length = max(len(p.token_ids) for p in prompts)
         ids = torch.full((len(rows), length), pad, dtype=torch.long)
         mask = torch.zeros_like(ids)

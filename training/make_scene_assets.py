@@ -1,7 +1,7 @@
 """Write a few generator scenes to assets/images (`python training/make_scene_assets.py`).
 
 Files are named `scene_s{split}_i{index}.png` so anyone can rebuild the scene (and its caption)
-with `vlmrun.synthetic.scene_from_file(path)`. They come from split ASSET_SEED, which neither
+with `vlmrun.shape_scenes.scene_from_file(path)`. They come from split ASSET_SEED, which neither
 training nor the held-out evaluation uses.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vlmrun.synthetic import make_scene, scene_file_name  # noqa: E402
+from vlmrun.shape_scenes import make_scene, scene_file_name  # noqa: E402
 
 ASSET_SEED = 2
 ASSET_INDICES = (0, 1, 2, 3, 8, 10)
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     for index in ASSET_INDICES:
         scene = make_scene(ASSET_SEED, index)
         path = args.out / scene_file_name(scene)
-        scene.render().save(path, optimize=True)
+        render_scene(scene).save(path, optimize=True)
         print(f"{path.name}  {scene.width}x{scene.height}  {scene.caption}")
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from training.data import KIND_WEIGHTS
 from vlmrun.default_model import MODEL_DIR_NAME
-from vlmrun.synthetic import (COLOURS, DESCRIBE_JSON_PROMPT, LARGE_EXTENT, QUESTION_TEMPLATES, SCENE_SCHEMA, SHAPES,
-                              SMALL_EXTENT)
+from vlmrun.shape_scenes import (COLOURS, DESCRIBE_JSON_PROMPT, LARGE_EXTENT, QUESTION_TEMPLATES, SCENE_SCHEMA, SHAPES,
+                                 SMALL_EXTENT)
 
 
 def _pct(x: float) -> str:
@@ -34,7 +34,7 @@ answers with shapes, because that is all it has ever seen.
 
 ## What it was trained on
 
-Scenes from `vlmrun/synthetic.py`: 1-3 shapes ({', '.join(SHAPES)}) in {len(COLOURS)} colours
+Scenes from `vlmrun/shape_scenes.py` (drawn by `testing/scene_drawing.py`): 1-3 shapes ({', '.join(SHAPES)}) in {len(COLOURS)} colours
 ({', '.join(COLOURS)}) and two sizes (small: {SMALL_EXTENT[0]}-{SMALL_EXTENT[1]} px, large: {LARGE_EXTENT[0]}-{LARGE_EXTENT[1]} px across), each in its own third of the
 picture (left, middle, right), on plain or lightly textured backgrounds (white, light grey, cream,
 pale blue, dark grey; flat, noise, gradient or faint stripes), images of 64-256 px per side with
@@ -43,7 +43,7 @@ shapes left to right:
 
     a small red circle on the left, a large blue square in the middle and a small green triangle on the right
 
-its JSON object (`vlmrun.synthetic.SCENE_SCHEMA`: a list `shapes` of 1-3 objects, left to right, {fields}):
+its JSON object (`vlmrun.shape_scenes.SCENE_SCHEMA`: a list `shapes` of 1-3 objects, left to right, {fields}):
 
     {{"shapes": [{{"colour": "red", "shape": "circle", "position": "left"}}, {{"colour": "blue", "shape": "square", "position": "middle"}}]}}
 

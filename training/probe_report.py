@@ -22,7 +22,9 @@ from vlmrun.processors import Processor  # noqa: E402
 from training.aux_targets import HEADS, AuxProbe, cell_labels  # noqa: E402
 from training.checkpoint_files import ModelSize, build_config  # noqa: E402
 from training.train_default_model import RESUME_FILE  # noqa: E402
-from vlmrun.synthetic import DESCRIBE_PROMPT, EVAL_SEED, SHAPES, eval_scenes  # noqa: E402
+from testing.scene_drawing import render_scene_with_masks  # noqa: E402
+from testing.scene_splits import EVAL_SEED, eval_scenes  # noqa: E402
+from vlmrun.shape_scenes import DESCRIBE_PROMPT, SHAPES  # noqa: E402
 
 
 @torch.no_grad()
@@ -40,7 +42,7 @@ def probe_accuracy(out: Path, scenes: int) -> tuple[int, dict[str, float], torch
     correct, total = torch.zeros(len(HEADS)), 0
     confusion = torch.zeros(HEADS["kind"], HEADS["kind"], dtype=torch.long)
     for scene in eval_scenes(scenes, EVAL_SEED):
-        image, masks = scene.render_with_masks()
+        image, masks = render_scene_with_masks(scene)
         (item,) = processor.process_prompt(DESCRIBE_PROMPT, [image]).mm_items
         _, grid_h, grid_w = item.grid_thw
         tokens = model.model.visual(item.pixel_values, grid_thw=torch.tensor([item.grid_thw])).pooler_output

@@ -1,7 +1,7 @@
 """Train the bundled default model from scratch: `python training/train_default_model.py --out DIR`.
 
 Two stages, one command, fixed seeds, a deterministic data order. Stage one (`Recipe`): scene k of the
-training split (seed `vlmrun.synthetic.TRAIN_SEED`) is example k, so step s sees scenes s*B .. s*B+B-1,
+training split (seed `testing.scene_splits.TRAIN_SEED`) is example k, so step s sees scenes s*B .. s*B+B-1,
 each with one task (its caption, or one question) picked by a fixed seed. Stage two (`JSON_STAGE`)
 teaches the stage-one model a third prompt, `DESCRIBE_JSON_PROMPT`, answered with the scene's
 `SCENE_SCHEMA` object (`scene_json`), on the training scenes after stage one's, with captions and
@@ -44,7 +44,7 @@ from training.data import IGNORE, collate, training_batch  # noqa: E402
 from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
 from training.fast_ops import linear_patch_embed, restore_patch_embed, short_gdn_chunks  # noqa: E402
 from training.model_card import write_model_card  # noqa: E402
-from vlmrun.synthetic import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
+from testing.scene_splits import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
 
 
 RESUME_FILE = "resume_state.pt"  # written every SNAPSHOT_EVERY steps, deleted when training ends

@@ -2,7 +2,7 @@
 
 `assets/model/vlmrun-shapes-qwen3_5/` holds a tiny Qwen3.5-architecture checkpoint
 (`Qwen3_5ForConditionalGeneration`, HF format, float32) trained from scratch on the synthetic
-scenes of `vlmrun.synthetic` (which also holds the prompts it was trained on): it captions and
+scenes of `vlmrun.shape_scenes` (which also holds the prompts it was trained on): it captions and
 answers questions about coloured shapes, nothing else. `training/train_default_model.py` rebuilds
 it from one command. This module only resolves paths, so the engine can import it cheaply.
 """

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Optional
 import gradio as gr
 
 from vlmrun.default_model import MODEL_DIR_NAME
-from vlmrun.synthetic import DESCRIBE_PROMPT, QA_KINDS, Scene, scene_from_file
+from vlmrun.shape_scenes import DESCRIBE_PROMPT, QA_KINDS, Scene, scene_from_file
 from vlmrun.web.client import ChatClient, ServerError, Speed
 from vlmrun.web.conversation import Turn, explain_error, is_video_file, to_chatbot, to_openai, user_turn, without_files
 

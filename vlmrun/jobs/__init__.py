@@ -10,5 +10,4 @@
 - `progress`: counters, the live bar, the final `JobSummary`.
 - `runner`: `run_caption_job`, which ties them together (and hands off to `ray_data` with --ray).
 - `ray_data`: `VlmrunCaptioner` for `Dataset.map_batches` and `run_ray_job` (public as `vlmrun.ray`).
-- `samples`: synthetic image folders (good and broken files) for tests and benchmarks.
 """

@@ -1,17 +1,21 @@
-"""Deterministic synthetic scenes: coloured shapes on plain or lightly textured backgrounds.
+"""The shape scenes the bundled default model knows: their words, its prompts, and their descriptions.
 
 A scene holds 1-3 shapes (circle, square, triangle) in five colours and two sizes, each in its
 own horizontal third of the picture (left, middle, right). Everything about a scene (image size
 and aspect ratio, background, texture, shapes, their exact pixel positions and tints) follows from
-one `(split_seed, index)` pair, so the same pair always gives the same picture and text.
+one `(split_seed, index)` pair (`make_scene`), so the same pair always gives the same picture and text.
 
 Each scene has one canonical caption, listing the shapes from left to right:
 
     "a small red circle on the left, a large blue square in the middle and a small green triangle on the right"
 
-and question-answer pairs of four kinds: the number of shapes, the colour and the kind of the shape
-in a third, and the position of a shape named by colour and kind (`Scene.qa_pairs`). The bundled
-default model (`vlmrun.default_model`) is trained on these scenes; `training/` holds the recipe.
+question-answer pairs of four kinds: the number of shapes, the colour and the kind of the shape
+in a third, and the position of a shape named by colour and kind (`Scene.qa_pairs`), and a JSON
+object (`SCENE_SCHEMA`, `scene_json`). The bundled default model (`vlmrun.default_model`) answers
+the prompts here in these words; the web demo reads a saved scene's questions from its file name
+(`scene_from_file`). Drawing scenes and the training and evaluation splits are not runtime code:
+they live in the checkout's `testing/` (`scene_drawing.py`, `scene_splits.py`), `training/` holds
+the recipe.
 
 Sizes are absolute in pixels (small shapes span 30-36 px, large ones 54-64 px), and image sides stay
 within 64-256 px with at most 36 864 pixels, so the model's preprocessing (multiples of 32 px, at
@@ -26,10 +30,6 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
-
-import numpy as np
-from PIL import Image, ImageDraw
 
 SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -61,7 +61,6 @@ MAX_SIDE = 256
 MAX_PIXELS = 36 * 32 * 32  # 36 merged vision tokens of 32x32 px: the default model's preprocessing limit
 COUNT_WEIGHTS = (0.25, 0.35, 0.40)  # scenes with 1, 2, 3 shapes
 COLOUR_JITTER = 14  # per-channel uniform jitter of a shape's colour
-SUPERSAMPLE = 4  # shapes are drawn at 4x and box-filtered down (anti-aliased edges)
 
 DESCRIBE_PROMPT = "Describe the image."
 # The prompt the default model answers with the scene's `SCENE_SCHEMA` object (`scene_json`). Taught in a
@@ -89,10 +88,6 @@ PROMPTS: tuple[str, ...] = (
     "Where is the red square?",
     "Where is the blue circle?",
 )
-
-# Splits: training draws scenes from TRAIN_SEED; evaluation uses seeds never used in training.
-TRAIN_SEED = 0
-EVAL_SEED = 1
 
 SCENE_FILE = re.compile(r"scene_s(\d+)_i(\d+)\.png")  # a saved scene's file name: split seed, index
 
@@ -129,7 +124,7 @@ class QA:
 
 @dataclass(frozen=True)
 class Scene:
-    """A full scene description; `render()` draws it, `caption` and `qa_pairs()` describe it."""
+    """A full scene description; `caption` and `qa_pairs()` describe it (testing/scene_drawing.py draws it)."""
 
     split_seed: int
     index: int
@@ -157,22 +152,6 @@ class Scene:
             if named.count((shape.colour, shape.kind)) == 1:
                 pairs.append(QA(f"Where is the {shape.colour} {shape.kind}?", SLOT_PHRASES[shape.slot], "position", k))
         return pairs
-
-    def render(self) -> Image.Image:
-        """The scene as an RGB image of width x height pixels (deterministic)."""
-        return self.render_with_masks()[0]
-
-    def render_with_masks(self) -> tuple[Image.Image, list[np.ndarray]]:
-        """The image and, per shape (left to right), its coverage in [0, 1] as a [height, width] array."""
-        rng = np.random.default_rng([self.split_seed, self.index, 7])
-        canvas = _background(self.width, self.height, self.background, self.texture, rng)
-        masks = []
-        for shape in self.shapes:
-            alpha = _shape_mask(shape, self.width, self.height)
-            masks.append(alpha)
-            canvas = canvas * (1.0 - alpha[..., None]) + np.asarray(shape.rgb, dtype=np.float32) * alpha[..., None]
-        image = Image.fromarray(np.clip(np.rint(canvas), 0, 255).astype(np.uint8), "RGB")
-        return image, masks
 
 
 def make_scene(split_seed: int, index: int) -> Scene:
@@ -207,34 +186,11 @@ def make_scene(split_seed: int, index: int) -> Scene:
     return Scene(split_seed, index, width, height, background, texture, tuple(shapes))
 
 
-def iter_scenes(split_seed: int, start: int = 0, count: int | None = None) -> Iterator[Scene]:
-    """Scenes `start, start+1, ...` of a split (endless when count is None)."""
-    index = start
-    while count is None or index < start + count:
-        yield make_scene(split_seed, index)
-        index += 1
-
-
-def eval_scenes(count: int = 300, split_seed: int = EVAL_SEED) -> list[Scene]:
-    """The held-out evaluation scenes (a split seed never used in training)."""
-    return list(iter_scenes(split_seed, 0, count))
-
-
-def eval_question(scene: Scene) -> QA:
-    """The one question asked about an evaluation scene: kinds cycle with the index, then a fixed pick."""
-    pairs = scene.qa_pairs()
-    kinds = sorted({p.kind for p in pairs}, key=QA_KINDS.index)
-    kind = kinds[scene.index % len(kinds)]
-    candidates = [p for p in pairs if p.kind == kind]
-    return candidates[random.Random(f"eval-question/{scene.split_seed}/{scene.index}").randrange(len(candidates))]
-
-
-
 # --------------------------------------------------------------------------------------------
 # Structured descriptions
 # --------------------------------------------------------------------------------------------
 
-# A JSON Schema of a scene as objects: what `Scene.objects` returns and `caption_objects` parses.
+# A JSON Schema of a scene as objects: what `scene_objects` returns and `caption_objects` parses.
 SCENE_SCHEMA: dict = {
     "type": "object",
     "properties": {"shapes": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
@@ -279,48 +235,6 @@ def scene_json(scene: Scene) -> str:
     """`scene_objects` as the JSON text the default model answers `DESCRIBE_JSON_PROMPT` with: one line,
     `", "` and `": "` separators, keys in the schema's order (what schema-constrained decoding emits)."""
     return json.dumps(scene_objects(scene))
-
-
-# --------------------------------------------------------------------------------------------
-# Drawing
-# --------------------------------------------------------------------------------------------
-
-
-def _background(width: int, height: int, name: str, texture: str, rng: np.random.Generator) -> np.ndarray:
-    base = np.asarray(BACKGROUNDS[name], dtype=np.float32)
-    canvas = np.broadcast_to(base, (height, width, 3)).copy()
-    if texture == "noise":
-        canvas += rng.normal(0.0, 6.0, size=(height, width, 1)).astype(np.float32)
-    elif texture == "gradient":
-        angle = rng.uniform(0, 2 * np.pi)
-        ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-        ramp = (np.cos(angle) * xs / width + np.sin(angle) * ys / height) * 24.0
-        canvas += (ramp - ramp.mean())[..., None]
-    elif texture == "stripes":
-        period = rng.uniform(6, 14)
-        phase = rng.uniform(0, period)
-        ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-        canvas += (6.0 * np.sin(2 * np.pi * (xs + ys + phase) / period))[..., None]
-    return canvas
-
-
-def _shape_mask(shape: Shape, width: int, height: int) -> np.ndarray:
-    """Coverage in [0, 1] of one shape, drawn at SUPERSAMPLE x and box-filtered down."""
-    s = SUPERSAMPLE
-    mask = Image.new("L", (width * s, height * s), 0)
-    draw = ImageDraw.Draw(mask)
-    cx, cy, half = shape.cx * s, shape.cy * s, shape.extent * s / 2
-    if shape.kind == "circle":
-        draw.ellipse((cx - half, cy - half, cx + half, cy + half), fill=255)
-    elif shape.kind == "square":
-        side = half * 0.9  # a square looks larger than a circle of the same box; even them out
-        draw.rectangle((cx - side, cy - side, cx + side, cy + side), fill=255)
-    elif shape.kind == "triangle":
-        draw.polygon([(cx, cy - half), (cx + half, cy + half * 0.85), (cx - half, cy + half * 0.85)], fill=255)
-    else:
-        raise ValueError(f"unknown shape kind {shape.kind!r}")
-    small = mask.resize((width, height), Image.Resampling.BOX)
-    return np.asarray(small, dtype=np.float32) / 255.0
 
 
 def scene_file_name(scene: Scene) -> str:

@@ -1,14 +1,15 @@
-"""The synthetic scene generator the default model is trained and evaluated on (vlmrun/synthetic.py)."""
+"""The shape scenes the default model is trained and evaluated on: their layout and words
+(vlmrun/shape_scenes.py), their pictures (testing/scene_drawing.py) and splits (testing/scene_splits.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from testing.scene_drawing import render_scene, render_scene_with_masks
+from testing.scene_splits import EVAL_SEED, TRAIN_SEED, eval_question
 from vlmrun.processors import smart_resize
-from vlmrun.synthetic import (
-    COUNT_WORDS, EVAL_SEED, MAX_PIXELS, MAX_SIDE, MIN_SIDE, SLOTS, TRAIN_SEED, eval_question, make_scene,
-    scene_file_name, scene_from_file,
-)
+from vlmrun.shape_scenes import (COUNT_WORDS, MAX_PIXELS, MAX_SIDE, MIN_SIDE, SLOTS, make_scene, scene_file_name,
+                                 scene_from_file)
 
 N = 300
 
@@ -16,7 +17,7 @@ N = 300
 def test_a_scene_is_a_pure_function_of_its_seed_and_index():
     a, b = make_scene(TRAIN_SEED, 7), make_scene(TRAIN_SEED, 7)
     assert a == b
-    assert np.array_equal(np.asarray(a.render()), np.asarray(b.render()))
+    assert np.array_equal(np.asarray(render_scene(a)), np.asarray(render_scene(b)))
     assert make_scene(EVAL_SEED, 7) != a  # the held-out split draws other scenes
 
 
@@ -54,7 +55,7 @@ def test_caption_and_answers_follow_the_shapes():
 
 def test_rendered_shapes_have_their_colour():
     scene = make_scene(TRAIN_SEED, 3)
-    image, masks = scene.render_with_masks()
+    image, masks = render_scene_with_masks(scene)
     pixels = np.asarray(image).astype(int)
     for shape, mask in zip(scene.shapes, masks):
         inside = pixels[mask >= 0.999]  # fully covered pixels
