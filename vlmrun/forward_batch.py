@@ -4,13 +4,17 @@ This module sits on the bottom floor: it imports nothing from vlmrun, so every l
 A `ForwardBatch` describes one forward pass over a ragged batch: each sequence feeds
 `extend_seq_lens[i]` new tokens on top of `extend_prefix_lens[i]` tokens already in the KV cache.
 A decode is an extend of one token. Chunked-prefill chunks and decodes can share one batch.
+
+It carries the step's attention backend, typed by what the attention layers call on it
+(`AttentionForward`, `LinearAttentionForward`); `AttentionBackend` and `LinearAttentionBackend`
+in `vlmrun/layers/attention/base.py`, a floor above, are the full interfaces and implement these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -18,6 +22,28 @@ import torch
 class ForwardMode(Enum):
     EXTEND = auto()  # at least one sequence feeds more than one token (prefill or a prefill chunk)
     DECODE = auto()  # every sequence feeds exactly one token
+
+
+class LinearAttentionForward(Protocol):
+    """The call a `LinearAttention` (GDN) layer makes on the linear-attention backend of the step.
+
+    `layer` is the calling layer (`vlmrun.layers.attention.LinearAttention`, a floor above this one).
+    """
+
+    def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                layer: Any, fb: ForwardBatch) -> torch.Tensor: ...
+
+
+class AttentionForward(Protocol):
+    """What the attention layers reach through `ForwardBatch.attn_backend`: `forward`, called by a
+    full-attention layer (`vlmrun.layers.attention.Attention`, passed as `layer`), and `linear`, the
+    backend of the GDN layers (None for a model without them)."""
+
+    @property
+    def linear(self) -> Optional[LinearAttentionForward]: ...
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                fb: ForwardBatch) -> torch.Tensor: ...
 
 
 @dataclass
@@ -36,11 +62,12 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     # Rows of the token stream whose logits are wanted (the last fed token of sequences that sample).
     logits_indices: torch.Tensor  # [num_sampled] int64
-    # The attention backend of this step (a HybridAttnBackend for hybrid models) and the metadata its
-    # `prepare` built: full attention's, and the linear-attention (GDN) layers' for hybrid models.
-    attn_backend: Any = None
-    attn_metadata: Any = None
-    linear_attn_metadata: Any = None
+    # The attention backend of this step (a HybridAttnBackend for hybrid models, whose `linear` serves the
+    # GDN layers) and the metadata its `prepare` built: full attention's, and the GDN layers' for hybrid
+    # models. The metadata is opaque here: only the backend that built it reads it (as its own type).
+    attn_backend: Optional[AttentionForward] = None
+    attn_metadata: object = None
+    linear_attn_metadata: object = None
     # Multimodal splice: embeddings for the rows of input_ids where mm_mask is True, in row order.
     mm_mask: Optional[torch.Tensor] = None  # [num_tokens] bool
     mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]

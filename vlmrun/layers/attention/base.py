@@ -2,7 +2,8 @@
 
 Model code builds q, k, v and calls `self.attn(q, k, v, fb)` (full attention), or builds the
 Gated DeltaNet inputs and calls `self.linear_attn(...)` (linear attention, hybrid models). The
-layers hold no weights: they hand the call to the step's backend, `fb.attn_backend`.
+layers hold no weights: they hand the call to the step's backend, `fb.attn_backend`, or for GDN
+layers to its linear-attention backend, `fb.attn_backend.linear`.
 
 - `AttentionBackend`: full attention over the paged KV pool. `prepare(fb)` builds the step's
   metadata once, before the model runs, onto `fb.attn_metadata`; `forward` writes the layer's
@@ -11,7 +12,12 @@ layers hold no weights: they hand the call to the step's backend, `fb.attn_backe
   onto `fb.linear_attn_metadata`; `forward` runs the causal conv and the gated delta rule from
   each sequence's slot (`fb.state_slots`) and writes the states back. Its decode metadata only
   refers to `fb.state_slots`, so a padded decode batch with static slots is graph-capturable.
-- `HybridAttnBackend` (hybrid_backend.py) composes one of each for hybrid models.
+- `HybridAttnBackend` (hybrid_backend.py) composes one of each for hybrid models: it is an
+  `AttentionBackend` whose `linear` is set (None on every other one). A model with GDN layers
+  needs one (`check_backend_serves`, run when a runner is built).
+
+The two interfaces implement the protocols `ForwardBatch` is typed with (`AttentionForward`,
+`LinearAttentionForward` in vlmrun/forward_batch.py, the bottom floor): what the layers call.
 
 Backends are made by `create_attention_backend` (factory.py), keyed by name. The torch backends
 are the reference every fast backend is tested against.
@@ -20,15 +26,33 @@ are the reference every fast backend is tested against.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from vlmrun.forward_batch import ForwardBatch
+from vlmrun.forward_batch import AttentionForward, ForwardBatch, LinearAttentionForward
+
+HYBRID_HINT = ("a model with GDN layers runs on a HybridAttnBackend (create_attention_backend over caches that "
+               "hold a GDN pool)")
+
+class LinearAttentionBackend(LinearAttentionForward, ABC):
+    """Gated DeltaNet layers over the GDN state pool; one implementation per kernel family."""
+
+    @abstractmethod
+    def prepare(self, fb: ForwardBatch) -> None:
+        """Build the step's metadata once, before the model runs, and store it on `fb.linear_attn_metadata`."""
+
+    @abstractmethod
+    def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                layer: "LinearAttention", fb: ForwardBatch) -> torch.Tensor:
+        """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv].
+
+        Reads and writes the conv and recurrent state of each sequence's slot (`fb.state_slots`).
+        """
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(AttentionForward, ABC):
     """Full (softmax) attention over the paged KV pool; one implementation per kernel family.
 
     A backend whose decode can be captured in a CUDA graph sets `supports_cuda_graph` and gives
@@ -38,6 +62,7 @@ class AttentionBackend(ABC):
     """
 
     supports_cuda_graph: bool = False
+    linear: Optional[LinearAttentionBackend] = None  # the GDN layers' backend (HybridAttnBackend only)
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
@@ -57,22 +82,6 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
 
 
-class LinearAttentionBackend(ABC):
-    """Gated DeltaNet layers over the GDN state pool; one implementation per kernel family."""
-
-    @abstractmethod
-    def prepare(self, fb: ForwardBatch) -> None:
-        """Build the step's metadata once, before the model runs, and store it on `fb.linear_attn_metadata`."""
-
-    @abstractmethod
-    def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                layer: "LinearAttention", fb: ForwardBatch) -> torch.Tensor:
-        """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv].
-
-        Reads and writes the conv and recurrent state of each sequence's slot (`fb.state_slots`).
-        """
-
-
 class Attention(nn.Module):
     """Full (softmax) attention over the paged KV cache. Holds no weights."""
 
@@ -85,7 +94,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id  # index into the KV pool (full-attention layers only)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        return fb.attn_backend.forward(q, k, v, self, fb)
+        return step_backend(fb).forward(q, k, v, self, fb)
 
 
 class LinearAttention(nn.Module):
@@ -112,4 +121,22 @@ class LinearAttention(nn.Module):
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        return fb.attn_backend.forward_linear(mixed_qkv, g, beta, conv_weight, self, fb)  # a HybridAttnBackend
+        linear = step_backend(fb).linear
+        if linear is None:
+            raise ValueError(f"GDN layer {self.layer_id} runs on a step whose attention backend "
+                             f"({type(fb.attn_backend).__name__}) has no linear-attention backend; {HYBRID_HINT}")
+        return linear.forward(mixed_qkv, g, beta, conv_weight, self, fb)
+
+
+def step_backend(fb: ForwardBatch) -> AttentionForward:
+    """The attention backend `fb` carries; a ValueError when whoever built `fb` set none."""
+    if fb.attn_backend is None:
+        raise ValueError("the ForwardBatch carries no attention backend: set fb.attn_backend before the model runs")
+    return fb.attn_backend
+
+
+def check_backend_serves(model: nn.Module, backend: AttentionBackend) -> None:
+    """A ValueError unless `backend` has a linear-attention backend for every GDN layer `model` has."""
+    if backend.linear is None and any(isinstance(m, LinearAttention) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has Gated DeltaNet layers and the attention backend "
+                         f"{type(backend).__name__} has no linear-attention backend for them; {HYBRID_HINT}")

@@ -20,7 +20,7 @@ It reads and writes the same KV pool as the reference and is tested against it (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -98,7 +98,7 @@ class CpuAttnBackend(AttentionBackend):
         return PrefillChunk(start, length, seq_len, page_ids, k_pos[None, :] <= q_pos[:, None])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        md: CpuAttnMetadata = fb.attn_metadata
+        md = cast(CpuAttnMetadata, fb.attn_metadata)
         num_tokens = q.shape[0]
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)

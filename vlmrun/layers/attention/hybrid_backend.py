@@ -1,9 +1,9 @@
 """The backend of hybrid models: full-attention layers to one backend, GDN layers to another.
 
 `Attention` layers call `forward` and go to the full-attention backend (paged KV pool);
-`LinearAttention` layers call `forward_linear` and go to the linear-attention backend (GDN state
-pool). `prepare` prepares both once per step: the full backend's metadata on `fb.attn_metadata`,
-the linear one's on `fb.linear_attn_metadata`.
+`LinearAttention` layers call `linear.forward`: the linear-attention backend (GDN state pool), the
+one `AttentionBackend` whose `linear` is set. `prepare` prepares both once per step: the full
+backend's metadata on `fb.attn_metadata`, the linear one's on `fb.linear_attn_metadata`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 import torch
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttention, LinearAttentionBackend
+from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttentionBackend
 
 
 class HybridAttnBackend(AttentionBackend):
     def __init__(self, full: AttentionBackend, linear: LinearAttentionBackend):
         self.full = full
-        self.linear = linear
+        self.linear: LinearAttentionBackend = linear
         self.supports_cuda_graph = full.supports_cuda_graph
 
     def prepare(self, fb: ForwardBatch) -> None:
@@ -36,7 +36,3 @@ class HybridAttnBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 fb: ForwardBatch) -> torch.Tensor:
         return self.full.forward(q, k, v, layer, fb)
-
-    def forward_linear(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       conv_weight: torch.Tensor, layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
-        return self.linear.forward(mixed_qkv, g, beta, conv_weight, layer, fb)

@@ -10,6 +10,7 @@ Every fast backend is tested against this one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ class TorchAttnBackend(AttentionBackend):
         fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
-        md: TorchAttnMetadata = fb.attn_metadata
+        md = cast(TorchAttnMetadata, fb.attn_metadata)
         num_tokens = q.shape[0]
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
