@@ -15,7 +15,8 @@ from vlmrun.processors.image_processor import (
 )
 from vlmrun.processors.limits import InputError, ProcessorLimits
 from vlmrun.processors.pixel_backends import IMAGE_BACKENDS, resolve_image_backend
-from vlmrun.processors.processor import MMItem, ProcessedPrompt, Processor
+from vlmrun.processors.placeholders import MMItem, ProcessedPrompt
+from vlmrun.processors.processor import Processor
 from vlmrun.processors.video_config import VideoProcessorConfig
 from vlmrun.processors.video_io import video_decoder
 from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor

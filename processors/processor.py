@@ -13,15 +13,14 @@ Qwen3.5) first have their one `<|video_pad|>` replaced in the text by
 writes it; each group is then its own MMItem of grid (1, h, w) (the vision towers attend within a
 temporal group only, so encoding the groups apart gives the same rows). The prompt style follows the
 processor class and the frames follow the video processor class, each found as transformers'
-`AutoProcessor` / `AutoVideoProcessor` find them (`video_prompt_style`, `VideoProcessorConfig`).
+`AutoProcessor` / `AutoVideoProcessor` find them (`processor_files.video_prompt_style`,
+`VideoProcessorConfig`). The pad tokens and their expansion are `placeholders.py`'s.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -31,67 +30,12 @@ from vlmrun.processors.chat import ImageRef, VideoRef, check_unicode, parse_mess
 from vlmrun.processors.image_io import OpenedImage, describe_source, open_image
 from vlmrun.processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
 from vlmrun.processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
-from vlmrun.processors.video_config import VideoProcessorConfig, read_json, video_style
+from vlmrun.processors.placeholders import (IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaPiece,
+                                            ProcessedPrompt, expand_placeholders, find_token_id,
+                                            find_vision_token_ids)
+from vlmrun.processors.processor_files import model_type, read_chat_template, video_prompt_style
+from vlmrun.processors.video_config import VideoProcessorConfig, video_style
 from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
-
-IMAGE_PAD = "<|image_pad|>"
-VIDEO_PAD = "<|video_pad|>"
-VISION_START = "<|vision_start|>"
-VISION_END = "<|vision_end|>"
-
-
-@dataclass
-class MMItem:
-    """One image (or video, or temporal group of a video) of a prompt: one run of pad tokens.
-
-    hash: content hash of the preprocessed pixels (encoder-cache / prefix-cache key).
-    offset: index in token_ids of the item's first pad token.
-    length: number of pad tokens (= grid t*h*w // merge**2 = rows of its embedding).
-    pixel_values: [t*h*w, 3*T*P*P] float32.
-    grid_thw: (t, h, w) in patches.
-    kind: "image" or "video".
-    second_per_grid_t: seconds per temporal group of a "qwen2"-style video (its temporal M-RoPE
-        step is this times the model's tokens_per_second); None for images and "qwen3" videos.
-    """
-
-    hash: str
-    offset: int
-    length: int
-    pixel_values: torch.Tensor
-    grid_thw: tuple[int, int, int]
-    kind: str = "image"
-    second_per_grid_t: float | None = None
-
-
-@dataclass
-class _Piece:
-    """What one pad token of the rendered text stands for, before expansion."""
-
-    pixel_values: torch.Tensor
-    grid_thw: tuple[int, int, int]
-    hash: str
-    kind: str
-    second_per_grid_t: float | None = None
-
-
-@dataclass
-class ProcessedPrompt:
-    """token_ids: the full prompt, image placeholders expanded; mm_items in prompt order.
-
-    text: the rendered chat template (one `<|image_pad|>` per image), for logging / debugging.
-    """
-
-    token_ids: list[int]
-    mm_items: list[MMItem] = field(default_factory=list)
-    text: str = ""
-
-
-@dataclass(frozen=True)
-class VisionTokenIds:
-    image_pad: int
-    vision_start: int
-    vision_end: int
-    video_pad: int | None = None
 
 
 class Processor:
@@ -109,8 +53,8 @@ class Processor:
         self.limits = limits or ProcessorLimits()
         self.device = torch.device(device)
         self.source = source
-        self.vision_token_ids = _vision_token_ids(tokenizer, required=image_processor is not None)
-        self._forbidden_text = tuple(t for t in (IMAGE_PAD, VIDEO_PAD) if _token_id(tokenizer, t) is not None)
+        self.vision_token_ids = find_vision_token_ids(tokenizer, required=image_processor is not None)
+        self._forbidden_text = tuple(t for t in (IMAGE_PAD, VIDEO_PAD) if find_token_id(tokenizer, t) is not None)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, limits: ProcessorLimits | None = None, *,
@@ -127,11 +71,11 @@ class Processor:
             raise FileNotFoundError(f"processor: {path!r} is not a checkpoint directory")
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = ImageProcessorConfig.from_pretrained(path)
-        model_style = video_style(_model_type(path))
+        model_style = video_style(model_type(path))
         video_config = VideoProcessorConfig.from_pretrained(path, model_style) if config else None
         return cls(
             tokenizer,
-            _read_chat_template(path, tokenizer),
+            read_chat_template(path, tokenizer),
             ImageProcessor(config, image_backend) if config is not None else None,
             limits,
             device=device,
@@ -203,9 +147,9 @@ class Processor:
         check_unicode(text, "the prompt")  # what no message check saw: tools, template variables
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         target = device or self.device
-        pieces = {"image": [_Piece(im.pixel_values, im.grid_thw, im.hash, "image") for im in images],
+        pieces = {"image": [MediaPiece(im.pixel_values, im.grid_thw, im.hash, "image") for im in images],
                   "video": [p for v in videos for p in self._video_pieces(v, target)]}
-        return self._expand(ids, pieces, text)
+        return expand_placeholders(ids, pieces, text, self.vision_token_ids, self._merge_size())
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                tools: list[dict[str, Any]] | None = None,
@@ -297,43 +241,19 @@ class Processor:
             out.append(rest)
         return "".join(out)
 
-    def _video_pieces(self, video: ProcessedVideo, device: str | torch.device) -> list[_Piece]:
+    def _video_pieces(self, video: ProcessedVideo, device: str | torch.device) -> list[MediaPiece]:
         """qwen2 prompt: the whole video is one piece; qwen3 prompt: one piece per temporal group."""
         pixels = video.pixel_values.to(device)
         if self.video_prompt != "qwen3":
-            return [_Piece(pixels, video.grid_thw, video.hash, "video", video.second_per_grid_t)]
+            return [MediaPiece(pixels, video.grid_thw, video.hash, "video", video.second_per_grid_t)]
         t, h, w = video.grid_thw
-        return [_Piece(pixels[k * h * w:(k + 1) * h * w], (1, h, w), f"{video.hash}:{k}", "video")
+        return [MediaPiece(pixels[k * h * w:(k + 1) * h * w], (1, h, w), f"{video.hash}:{k}", "video")
                 for k in range(t)]
 
-    def _expand(self, ids: list[int], pieces: dict[str, list[_Piece]], text: str) -> ProcessedPrompt:
-        """Replace the k-th image (video) pad id by the k-th image (video) piece's tokens; record MMItems."""
-        if not pieces["image"] and not pieces["video"]:
-            return ProcessedPrompt(token_ids=list(ids), mm_items=[], text=text)
-        assert self.vision_token_ids is not None
-        pads = {self.vision_token_ids.image_pad: "image", self.vision_token_ids.video_pad: "video"}
-        merge = (self.image_processor or self.video_processor).config.merge_size  # type: ignore[union-attr]
-        out: list[int] = []
-        items: list[MMItem] = []
-        used = {"image": 0, "video": 0}
-        for tok in ids:
-            kind = pads.get(tok)
-            if kind is None:
-                out.append(tok)
-                continue
-            if used[kind] >= len(pieces[kind]):
-                raise InputError(f"more {kind} placeholder tokens than {kind}s in the prompt")
-            piece = pieces[kind][used[kind]]
-            t, h, w = piece.grid_thw
-            length = t * h * w // merge**2
-            items.append(MMItem(hash=piece.hash, offset=len(out), length=length, pixel_values=piece.pixel_values,
-                                grid_thw=piece.grid_thw, kind=kind, second_per_grid_t=piece.second_per_grid_t))
-            out.extend([tok] * length)
-            used[kind] += 1
-        for kind, n in used.items():
-            if n != len(pieces[kind]):
-                raise InputError(f"the tokenized prompt has {n} {kind} placeholders for {len(pieces[kind])} {kind}s")
-        return ProcessedPrompt(token_ids=out, mm_items=items, text=text)
+    def _merge_size(self) -> int:
+        """Patches merged per token along each side (the vision config's merge_size); 1 without vision."""
+        vision = self.image_processor or self.video_processor
+        return vision.config.merge_size if vision is not None else 1
 
 
 def _image_error(exc: InputError, ref: ImageRef, index: int) -> InputError:
@@ -352,74 +272,3 @@ def _media_items(kind: str, sources: Any) -> list[dict[str, Any]]:
     if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
         sources = [sources]  # one item passed bare (a path, bytes, an array, a PIL image)
     return [{"type": kind, **s} if isinstance(s, Mapping) else {"type": kind, kind: s} for s in sources]
-
-
-def _model_type(path: str) -> str | None:
-    return _json_field(path, "config.json", "model_type")
-
-
-def video_prompt_style(path: str, model_style: str) -> str:
-    """How the checkpoint's processor class writes videos into the prompt: "qwen3" (`Qwen3VLProcessor`:
-    timestamped groups) or "qwen2" (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`: one run of pads).
-
-    The class is found where `AutoProcessor` looks: `processor_config.json`, `preprocessor_config.json`
-    (`video_preprocessor_config.json` only without it), `tokenizer_config.json`, `config.json`; else the
-    model type decides (`model_style`)."""
-    has_image_config = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
-    files = ("processor_config.json", "preprocessor_config.json" if has_image_config else
-             "video_preprocessor_config.json", "tokenizer_config.json", "config.json")
-    for name in files:
-        named = _json_field(path, name, "processor_class")
-        if named is not None:
-            if str(named).startswith("Qwen3VL"):
-                return "qwen3"
-            if str(named).startswith(("Qwen2VL", "Qwen2_5_VL")):
-                return "qwen2"
-            break
-    return model_style
-
-
-def _json_field(path: str, name: str, key: str) -> Any:
-    """`key` of the JSON object in file `name` of the checkpoint, None when either is missing."""
-    data = read_json(os.path.join(path, name))
-    return data.get(key) if isinstance(data, dict) else None
-
-
-def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
-    """Id of `token` if the tokenizer has it as a single token, else None."""
-    tid = tokenizer.convert_tokens_to_ids(token)
-    if tid is None or (isinstance(tid, int) and tid < 0):
-        return None
-    if tokenizer.unk_token_id is not None and tid == tokenizer.unk_token_id and token != tokenizer.unk_token:
-        return None
-    return int(tid)
-
-
-def _vision_token_ids(tokenizer: PreTrainedTokenizerBase, required: bool) -> VisionTokenIds | None:
-    ids = {name: _token_id(tokenizer, tok) for name, tok in
-           (("image_pad", IMAGE_PAD), ("vision_start", VISION_START), ("vision_end", VISION_END))}
-    missing = [name for name, tid in ids.items() if tid is None]
-    if missing:
-        if required:
-            raise ValueError(f"the tokenizer of this vision-language checkpoint lacks the tokens {missing}")
-        return None
-    return VisionTokenIds(video_pad=_token_id(tokenizer, VIDEO_PAD), **ids)  # type: ignore[arg-type]
-
-
-def _read_chat_template(path: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
-    jinja = os.path.join(path, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as fh:
-            return fh.read()
-    js = os.path.join(path, "chat_template.json")
-    if os.path.isfile(js):
-        with open(js, encoding="utf-8") as fh:
-            template = json.load(fh).get("chat_template")
-        if isinstance(template, str) and template:
-            return template
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates: use the default one
-        template = template.get("default")
-    elif isinstance(template, list):  # the serialized list-of-{name, template} form
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return template if isinstance(template, str) and template else None

@@ -22,7 +22,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from vlmrun.processors.image_io import fetch_url, file_uri_to_path, decode_data_uri, read_local_file
+from vlmrun.processors.media_sources import decode_data_uri, fetch_url, file_uri_to_path, read_local_file
 from vlmrun.processors.limits import InputError, ProcessorLimits, quote
 
 VIDEO_DECODERS = ("torchcodec", "pyav")

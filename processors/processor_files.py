@@ -1,0 +1,66 @@
+"""What `Processor.from_pretrained` reads from a checkpoint directory besides the tokenizer and the
+image / video processor configs: the chat template, the model type, and the processor class that
+decides how videos are written into the prompt (`video_prompt_style`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from vlmrun.processors.video_config import read_json
+
+
+def model_type(path: str) -> str | None:
+    """`model_type` of the checkpoint's config.json (None when absent)."""
+    return _json_field(path, "config.json", "model_type")
+
+
+def video_prompt_style(path: str, model_style: str) -> str:
+    """How the checkpoint's processor class writes videos into the prompt: "qwen3" (`Qwen3VLProcessor`:
+    timestamped groups) or "qwen2" (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`: one run of pads).
+
+    The class is found where `AutoProcessor` looks: `processor_config.json`, `preprocessor_config.json`
+    (`video_preprocessor_config.json` only without it), `tokenizer_config.json`, `config.json`; else the
+    model type decides (`model_style`)."""
+    has_image_config = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
+    files = ("processor_config.json", "preprocessor_config.json" if has_image_config else
+             "video_preprocessor_config.json", "tokenizer_config.json", "config.json")
+    for name in files:
+        named = _json_field(path, name, "processor_class")
+        if named is not None:
+            if str(named).startswith("Qwen3VL"):
+                return "qwen3"
+            if str(named).startswith(("Qwen2VL", "Qwen2_5_VL")):
+                return "qwen2"
+            break
+    return model_style
+
+
+def _json_field(path: str, name: str, key: str) -> Any:
+    """`key` of the JSON object in file `name` of the checkpoint, None when either is missing."""
+    data = read_json(os.path.join(path, name))
+    return data.get(key) if isinstance(data, dict) else None
+
+
+def read_chat_template(path: str, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """`chat_template.jinja`, else `chat_template.json`, else the tokenizer config's (its default if named)."""
+    jinja = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as fh:
+            return fh.read()
+    js = os.path.join(path, "chat_template.json")
+    if os.path.isfile(js):
+        with open(js, encoding="utf-8") as fh:
+            template = json.load(fh).get("chat_template")
+        if isinstance(template, str) and template:
+            return template
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # named templates: use the default one
+        template = template.get("default")
+    elif isinstance(template, list):  # the serialized list-of-{name, template} form
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) and template else None
