@@ -50,11 +50,20 @@ REAL_SHAPES: dict[str, RealShape] = {
     "qwen3_next_80b_a3b": RealShape("Qwen3-Next-80B-A3B-Thinking.json",
                                     {"num_hidden_layers": 2, "layer_types": HYBRID_LAYERS, **FEW_EXPERTS}),
 }
+# Too large for the CPU parity suite (2.8 GB in float32: a 17,408-wide MLP on a 5,120-wide model), used
+# on the GPU: the one dense hybrid model, whose decode CUDA graphs can be captured (MoE routing syncs).
+LARGE_REAL_SHAPES: dict[str, RealShape] = {
+    "qwen3_5_27b": RealShape("Qwen3.5-27B.json", {"num_hidden_layers": 2, "layer_types": HYBRID_LAYERS},
+                             {"depth": 2}),
+}
+# The tiny test architecture (tests/test_engine_parity.py's ARCHS) each real shape is a wider copy of.
+FAMILY: dict[str, str] = {"qwen2_5_vl_3b": "qwen2_5_vl", "qwen3_vl_2b": "qwen3_vl", "qwen3_5_35b_a3b": "qwen3_5_moe",
+                          "qwen3_next_80b_a3b": "qwen3_next", "qwen3_5_27b": "qwen3_5"}
 
 
 def real_shape_config(name: str, vocab_size: int, ids: Any) -> dict[str, Any]:
     """The published config of `name` with the cuts above and the tiny tokenizer's ids."""
-    spec = REAL_SHAPES[name]
+    spec = {**REAL_SHAPES, **LARGE_REAL_SHAPES}[name]
     config = json.loads((CONFIG_DIR / spec.config_file).read_text())
     text = config.get("text_config", config)  # Qwen2.5-VL and Qwen3-Next keep the text fields at the top
     text.update(spec.text, vocab_size=vocab_size, bos_token_id=ids.endoftext, eos_token_id=ids.im_end)
@@ -71,7 +80,8 @@ def real_shape_config(name: str, vocab_size: int, ids: Any) -> dict[str, Any]:
 
 
 def build_real_shape_checkpoint(name: str, out_dir: Path, seed: int = 0) -> Path:
-    """Build the cut-down random checkpoint `name` (a key of REAL_SHAPES) in out_dir; returns out_dir."""
+    """Build the cut-down random checkpoint `name` (a key of REAL_SHAPES or LARGE_REAL_SHAPES) in out_dir;
+    returns out_dir."""
     import transformers
     from transformers import AutoConfig, AutoTokenizer
 

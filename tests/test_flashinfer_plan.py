@@ -4,7 +4,9 @@
 prefix and decodes (pages scattered over the pool, a padding row on the dummy row), attention
 computed from the CSR index with FlashInfer's documented semantics (NHD pages, the last page cut
 at `kv_last_page_len`, causal masks aligned bottom-right) must equal the torch backend's output.
-The kernels themselves run only on CUDA (tests/test_gpu_kernels.py).
+The kernels themselves run only on CUDA (tests/test_gpu_kernels.py). Also on the CPU: what the
+backend refuses (`flashinfer_refusal`: float32, head dims FlashInfer 0.6's kernels lack on a device),
+and that the cache plan's reserve holds the decode graphs' shared index buffers.
 """
 
 from __future__ import annotations
@@ -14,10 +16,22 @@ import random
 import pytest
 import torch
 
-from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, token_slots
+from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, pages_needed, token_slots
+from vlmrun.cache.plan import (
+    FLASHINFER_FLOAT_WORKSPACE_BYTES,
+    FLASHINFER_INT_WORKSPACE_BYTES,
+    LONGEST_CONTEXT,
+    flashinfer_reserve_bytes,
+)
+from vlmrun.config import EngineConfig
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import Attention
-from vlmrun.layers.attention.flashinfer_backend import PagedKVIndex, build_paged_kv_index
+from vlmrun.layers.attention.flashinfer_backend import (
+    GraphIndexBuffers,
+    PagedKVIndex,
+    build_paged_kv_index,
+    flashinfer_refusal,
+)
 from vlmrun.layers.attention.kernels import BackendUnavailable, import_fla, import_flashinfer
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
@@ -132,3 +146,52 @@ def test_missing_package_names_the_extra():
 
     with pytest.raises(BackendUnavailable, match=r"needs the flashinfer-python package.*pip install 'vlmrun\[gpu\]'"):
         kernels._import("vlmrun_no_such_module", "attention_backend='flashinfer'", "flashinfer-python")
+
+
+HOPPER, AMPERE, ADA = (9, 0), (8, 0), (8, 9)
+
+
+@pytest.mark.parametrize("head_dim,dtype,capability,cuda,refused", [
+    (128, torch.bfloat16, HOPPER, "13.0", None),
+    (256, torch.float16, HOPPER, "12.4", None),
+    (64, torch.bfloat16, HOPPER, "12.3", None),
+    (16, torch.bfloat16, HOPPER, "13.0", "Hopper"),  # the tiny test models' head dims
+    (32, torch.bfloat16, HOPPER, "13.0", "Hopper"),
+    (96, torch.bfloat16, HOPPER, "13.0", "Hopper"),  # FA3 has no 96; FA2 would
+    (96, torch.bfloat16, HOPPER, "12.2", None),  # CUDA before 12.3: FlashInfer takes FA2 on Hopper too
+    (96, torch.bfloat16, AMPERE, "12.8", None),
+    (32, torch.bfloat16, ADA, "12.8", "FA2"),  # under 64: fewer than 4 MMA tiles
+    (72, torch.bfloat16, AMPERE, "12.8", "FA2"),  # not a multiple of 16
+    (128, torch.float32, HOPPER, "13.0", "float16 and bfloat16 only"),  # no float32 entry in its JIT
+])
+def test_flashinfer_refusal(head_dim, dtype, capability, cuda, refused):
+    reason = flashinfer_refusal(head_dim, dtype, capability, cuda)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason and (str(head_dim) in reason or dtype == torch.float32)
+
+
+@pytest.mark.parametrize("max_num_seqs,max_model_len,page_size", [(256, None, 16), (8, 4096, 1), (64, 300_000, 16)])
+def test_reserve_holds_the_graph_index_buffers(max_num_seqs, max_model_len, page_size):
+    """The budget reserve covers the workspaces and the index buffers the backend allocates for a page
+    table of max_num_seqs rows (+ the dummy) of max_model_len tokens, the longest context when unset."""
+    config = EngineConfig(attention_backend="flashinfer", max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                          page_size=page_size)
+    rows = ReqToTokenPool(max_num_seqs, max_model_len or LONGEST_CONTEXT, torch.device("meta"))
+    buffers = GraphIndexBuffers.allocate(rows.req_to_token.shape[0],
+                                         pages_needed(rows.req_to_token.shape[1], page_size), torch.device("meta"))
+    index_bytes = sum(t.numel() * t.element_size() for t in vars(buffers).values())
+    workspaces = FLASHINFER_FLOAT_WORKSPACE_BYTES + FLASHINFER_INT_WORKSPACE_BYTES
+    assert workspaces + index_bytes <= flashinfer_reserve_bytes(config)
+    assert flashinfer_reserve_bytes(EngineConfig(attention_backend="torch")) == 0
+
+
+def test_a_missing_dependency_is_named(tmp_path, monkeypatch):
+    """A package that is installed but whose own import fails names the missing module, not itself."""
+    from vlmrun.layers.attention import kernels
+
+    (tmp_path / "vlmrun_fake_kernels.py").write_text("import vlmrun_missing_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(BackendUnavailable, match="needs the module 'vlmrun_missing_dependency'"):
+        kernels._import("vlmrun_fake_kernels", "attention_backend='flashinfer'", "flashinfer-python")

@@ -6,7 +6,7 @@
   every case of the CPU parity suite, batched, and again with 7-token prefill chunks that cut
   image spans.
 - bfloat16 on CUDA against HF transformers bfloat16 on CUDA (HF's default SDPA attention), with
-  the torch backends and with the fast path (FlashInfer + FLA + decode CUDA graphs), one
+  the torch backends (the fast path: tests/test_gpu_kernels.py, on the real-shape checkpoints), one
   request at a time, with vLLM's rule for low precision: greedy tokens equal up to the first
   divergence, and there each side's token is among the other side's top-`TOPK`; and vlmrun's bf16
   logprobs no farther from the float32 reference than HF's bf16 ones.
@@ -15,8 +15,6 @@ Every test carries `@pytest.mark.gpu`: without CUDA they are skipped (tests/conf
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -68,15 +66,8 @@ def test_float32_cuda_equals_cpu_engine(request, arch):
             assert gap < CUDA_FP32_ATOL, f"{label}: logprobs differ by {gap}"
 
 
-KERNELS = {
-    "torch": {"attention_backend": "torch", "gdn_backend": "torch"},
-    "fast": {"attention_backend": "flashinfer", "gdn_backend": "fla"},  # the CUDA fast path, decode graphs
-}
-
-
-@pytest.mark.parametrize("kernels", list(KERNELS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_bfloat16_cuda_follows_hf(request, arch, kernels):
+def test_bfloat16_cuda_follows_hf(request, arch):
     """vLLM's rule against HF bf16 on CUDA, per case; and the bf16 error budget, per architecture:
     on the steps where vlmrun, HF bf16 and the float32 reference (HF on CPU) have the same history,
     vlmrun's logprobs are on average no farther from float32 than HF's own bf16 ones (x1.5 + 0.02).
@@ -84,12 +75,11 @@ def test_bfloat16_cuda_follows_hf(request, arch, kernels):
     The tiny random models' logits spread wide, so bf16 moves logprobs by 0.1-1.5 on either side
     (more where an MoE router flips an expert); one case alone is too noisy to compare, the mean
     over an architecture's cases is not (measured on an H100: vlmrun/HF 0.8-1.07 on every
-    architecture). A part of the model computed in too low a precision shows as a multiple."""
-    if kernels == "fast" and not all(importlib.util.find_spec(m) for m in ("flashinfer", "fla")):
-        pytest.skip("the gpu extra (flashinfer-python, flash-linear-attention) is not installed")
+    architecture). A part of the model computed in too low a precision shows as a multiple. The torch
+    backends here; the fast path on the real-shape checkpoints (tests/test_gpu_kernels.py)."""
     model_dir = request.getfixturevalue(f"{arch}_dir")
-    check_bf16_follows_hf(model_dir, arch, lambda: cuda_llm(model_dir, "bfloat16", **KERNELS[kernels]), "cuda",
-                          label=kernels)
+    check_bf16_follows_hf(model_dir, arch, lambda: cuda_llm(model_dir, "bfloat16", attention_backend="torch",
+                                                            gdn_backend="torch"), "cuda", label="torch")
 
 
 def test_auto_device_and_dtype_pick_cuda_bfloat16(qwen3_vl_dir):

@@ -3,7 +3,8 @@
 `plan_cache_memory` splits one byte budget between the paged KV cache (full-attention layers) and
 the GDN state pool (hybrid models' linear-attention layers), with optional GDN snapshots for the
 prefix cache. `build_caches` sizes the budget (explicit, the CPU default, or a share of free GPU
-memory) and builds every pool into one `Caches` bundle. The engine hands that bundle to the
+memory less what a step and the attention kernels' fixed buffers need: `flashinfer_reserve_bytes`)
+and builds every pool into one `Caches` bundle. The engine hands that bundle to the
 scheduler, the only writer of page tables and GDN slot state, and to the model runner, which
 only reads them.
 """
@@ -16,11 +17,17 @@ from typing import Optional
 import torch
 
 from vlmrun.cache.gdn_pool import GDNPool, GDNSnapshotPool
-from vlmrun.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool
+from vlmrun.cache.kv_pool import KVPool, PageAllocator, ReqToTokenPool, pages_needed
 from vlmrun.config import CacheShape, EngineConfig
 
 CPU_KV_BUDGET_BYTES = 2 << 30
 GDN_MAX_BUDGET_SHARE = 0.5  # when max_num_seqs GDN slots do not fit, they get at most this share
+ACTIVATION_RESERVE_BYTES = 1 << 30  # CUDA: logits and vision activations of one step
+# The FlashInfer backend's fixed device buffers (layers/attention/flashinfer_backend.py), one of each
+# whatever the number of wrappers: a step plans and runs one wrapper, one decode graph replays at a time.
+FLASHINFER_FLOAT_WORKSPACE_BYTES = 256 << 20  # split-kv partial results
+FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # the wrappers' plans (FlashInfer's own default size)
+LONGEST_CONTEXT = 262_144  # the longest max_model_len of the supported families: bounds the graphs' index buffers
 
 
 @dataclass
@@ -118,15 +125,33 @@ class Caches:
 
 
 def cache_budget_bytes(config: EngineConfig, device: torch.device) -> int:
-    """Bytes for KV + GDN state: as configured, 2 GiB on CPU, else a share of the GPU left after the weights."""
+    """Bytes for KV + GDN state: as configured, 2 GiB on CPU, else a share of the GPU left after the weights,
+    a step's activations and the attention kernels' fixed buffers."""
     if config.kv_cache_memory_bytes is not None:
         return config.kv_cache_memory_bytes
     if device.type != "cuda":
         return CPU_KV_BUDGET_BYTES
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
-    activation_reserve = 1 << 30  # logits, vision activations and workspace of one step
-    return max(int(total * config.gpu_memory_utilization) - used - activation_reserve, 0)
+    reserve = ACTIVATION_RESERVE_BYTES + flashinfer_reserve_bytes(config)
+    return max(int(total * config.gpu_memory_utilization) - used - reserve, 0)
+
+
+def flashinfer_reserve_bytes(config: EngineConfig) -> int:
+    """Device memory the FlashInfer backend holds beside the pools, or 0 when it cannot be the backend.
+
+    The float and int workspaces (one each), the 8 MiB int workspace each new wrapper allocates before
+    it is handed the shared one (freed, kept by torch's allocator for the next), and the decode graphs'
+    static index buffers: one set for every page-table row (max_num_seqs + the dummy), each row's pages
+    at the longest context. "auto" counts: on CUDA it names FlashInfer once the GPU checks pass
+    (`layers/attention/factory.py`), and the budget is planned before the backend is built.
+    """
+    if config.attention_backend not in ("auto", "flashinfer"):
+        return 0
+    rows = config.max_num_seqs + 1
+    pages_per_row = pages_needed(config.max_model_len or LONGEST_CONTEXT, config.page_size)
+    index_bytes = 4 * (rows + 1 + rows * pages_per_row + rows)  # int32 indptr, page ids, last-page lengths
+    return FLASHINFER_FLOAT_WORKSPACE_BYTES + 2 * FLASHINFER_INT_WORKSPACE_BYTES + index_bytes
 
 
 def build_caches(shape: CacheShape, config: EngineConfig, *, dtype: torch.dtype, max_model_len: int,

@@ -9,24 +9,33 @@ Each step is planned once (`prepare`) and run per layer (`forward`):
 `build_paged_kv_index` turns a batch into FlashInfer's CSR view of the cache (indptrs, page ids,
 last-page lengths) from host lengths plus one gather on the device: no device->host sync. It is
 plain torch, unit-tested on the CPU against the torch backend's view of the same batch.
-Decode CUDA graphs get a wrapper per batch size with static index buffers (`graph_metadata`),
-re-planned before each replay (`prepare_graph`).
+Decode CUDA graphs get a wrapper per batch size (`graph_metadata`), re-planned before each replay
+(`prepare_graph`). Every wrapper shares one float workspace (zeroed, as FlashInfer requires) and one
+int workspace, and the graphs' wrappers share one set of static index buffers sized for the largest
+batch: a step plans and runs one wrapper, and only one graph replays at a time. The cache plan
+reserves these bytes (`vlmrun.cache.plan.flashinfer_reserve_bytes`).
+`flashinfer_refusal` names what FlashInfer cannot run (float32; head dims its kernels lack on the
+device): the backend refuses those with `BackendUnavailable` before any kernel is compiled.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, pages_needed
+from vlmrun.cache.plan import FLASHINFER_FLOAT_WORKSPACE_BYTES, FLASHINFER_INT_WORKSPACE_BYTES
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import Attention, AttentionBackend
-from vlmrun.layers.attention.kernels import import_flashinfer
+from vlmrun.layers.attention.kernels import BackendUnavailable, import_flashinfer
 
-WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-k partial results), shared by the wrappers
 TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this many query heads per KV head
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's JIT maps no other activation dtype to a kernel
+FA3_HEAD_DIMS = (64, 128, 256)  # Hopper's prefill (FA3) is instantiated for these only (prefill_sm90.cuh)
+FA2_MIN_HEAD_DIM = 64  # FA2's prefill needs head_dim / 16 >= 4 MMA tiles (prefill.cuh, KernelTraits::IsInvalid)
+FA2_HEAD_DIM_STEP = 16  # ... and a whole number of 16-wide tiles
 
 
 @dataclass
@@ -68,12 +77,52 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
     return out
 
 
+def uses_fa3(capability: tuple[int, int], cuda_version: Optional[str]) -> bool:
+    """Whether FlashInfer's prefill picks its Hopper kernels (FA3): sm90 and CUDA >= 12.3, as its own rule."""
+    if capability[0] != 9 or not cuda_version:
+        return False
+    major, minor = (int(part) for part in cuda_version.split(".")[:2])
+    return (major, minor) >= (12, 3)
+
+
+def flashinfer_refusal(head_dim: int, dtype: torch.dtype, capability: tuple[int, int],
+                       cuda_version: Optional[str]) -> Optional[str]:
+    """Why FlashInfer cannot run attention of `head_dim` in `dtype` on a GPU of compute `capability`
+    (with torch built for `cuda_version`), or None when it can."""
+    if dtype not in HALF_DTYPES:
+        return f"FlashInfer runs float16 and bfloat16 only, not {dtype} (its JIT has no entry for it)"
+    if uses_fa3(capability, cuda_version):
+        if head_dim not in FA3_HEAD_DIMS:
+            return (f"FlashInfer's Hopper (sm{capability[0]}{capability[1]}) prefill runs head_dim "
+                    f"{', '.join(map(str, FA3_HEAD_DIMS))} only, not {head_dim}")
+    elif head_dim < FA2_MIN_HEAD_DIM or head_dim % FA2_HEAD_DIM_STEP:
+        return (f"FlashInfer's prefill (FA2) runs head_dim a multiple of {FA2_HEAD_DIM_STEP} from "
+                f"{FA2_MIN_HEAD_DIM}, not {head_dim}")
+    return None
+
+
 @dataclass
 class DecodeGraphState:
-    """A decode wrapper bound to static index buffers, for one captured batch size."""
+    """A decode wrapper bound to the shared static index buffers, for one captured batch size."""
 
     wrapper: Any  # flashinfer.BatchDecodeWithPagedKVCacheWrapper(use_cuda_graph=True)
     batch_size: int
+
+
+@dataclass
+class GraphIndexBuffers:
+    """The static CSR buffers every decode graph reads, sized for the largest batch; a graph of
+    batch b reads their first b (+ 1) entries."""
+
+    kv_indptr: torch.Tensor  # [max_batch + 1] int32
+    kv_indices: torch.Tensor  # [max_batch * max_pages_per_seq] int32
+    kv_last_page_len: torch.Tensor  # [max_batch] int32
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_pages_per_seq: int, device: torch.device) -> "GraphIndexBuffers":
+        ints = dict(dtype=torch.int32, device=device)
+        return cls(torch.zeros(max_batch + 1, **ints), torch.zeros(max_batch * max_pages_per_seq, **ints),
+                   torch.zeros(max_batch, **ints))
 
 
 class FlashInferAttnBackend(AttentionBackend):
@@ -82,6 +131,10 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, num_q_heads: int, scaling: float,
                  device: torch.device):
         self.flashinfer = import_flashinfer(device)
+        refusal = flashinfer_refusal(kv_pool.head_dim, kv_pool.dtype, torch.cuda.get_device_capability(device),
+                                     torch.version.cuda)
+        if refusal:
+            raise BackendUnavailable(f"attention_backend='flashinfer': {refusal} (use 'auto' or 'torch')")
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.max_pages_per_seq = pages_needed(self.req_to_token.shape[1], kv_pool.page_size)
@@ -89,10 +142,14 @@ class FlashInferAttnBackend(AttentionBackend):
         self.scaling = scaling
         self.device = device
         self.use_tensor_cores = num_q_heads // kv_pool.num_kv_heads >= TENSOR_CORE_MIN_GROUP
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self.prefill = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                         use_tensor_cores=self.use_tensor_cores)
+        # zeroed: FlashInfer's float workspace "must be initialized to 0 for its first use" (its wrappers' docs)
+        self.workspace = torch.zeros(FLASHINFER_FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.int_workspace = torch.zeros(FLASHINFER_INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.graph_buffers: Optional[GraphIndexBuffers] = None  # allocated at the first graph_metadata
+        self.prefill = self._shared(self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace,
+                                                                                         kv_layout="NHD"))
+        self.decode = self._shared(self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores))
 
     def prepare(self, fb: ForwardBatch) -> None:
         index = self._index(fb)
@@ -102,8 +159,9 @@ class FlashInferAttnBackend(AttentionBackend):
             return
         pool = self.kv_pool
         self.prefill.plan(index.qo_indptr, index.kv_indptr, index.kv_indices, index.kv_last_page_len,
-                          self.num_q_heads, pool.num_kv_heads, pool.head_dim, pool.page_size, causal=True,
-                          sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
+                          num_qo_heads=self.num_q_heads, num_kv_heads=pool.num_kv_heads, head_dim_qk=pool.head_dim,
+                          page_size=pool.page_size, causal=True, sm_scale=self.scaling, q_data_type=pool.dtype,
+                          kv_data_type=pool.dtype)
         fb.attn_metadata = self.prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -121,14 +179,20 @@ class FlashInferAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ decode CUDA graphs
 
     def graph_metadata(self, batch_size: int) -> DecodeGraphState:
-        """A decode wrapper whose index buffers keep their addresses across replays of one graph."""
+        """A decode wrapper over the first `batch_size` rows of the shared static index buffers, which
+        keep their addresses across replays."""
+        if self.graph_buffers is None:
+            max_batch = self.req_to_token.shape[0]  # every page-table row, the dummy row included
+            self.graph_buffers = GraphIndexBuffers.allocate(max_batch, self.max_pages_per_seq, self.device)
+        buffers = self.graph_buffers
+        if batch_size > buffers.kv_last_page_len.shape[0]:
+            raise ValueError(f"a decode graph of {batch_size} rows; the page table has {buffers.kv_last_page_len.shape[0]}")
         wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-            paged_kv_indices_buffer=torch.zeros(batch_size * self.max_pages_per_seq, dtype=torch.int32,
-                                                device=self.device),
-            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=self.device))
-        return DecodeGraphState(wrapper, batch_size)
+            self.workspace, kv_layout="NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=buffers.kv_indptr[:batch_size + 1],
+            paged_kv_indices_buffer=buffers.kv_indices[:batch_size * self.max_pages_per_seq],
+            paged_kv_last_page_len_buffer=buffers.kv_last_page_len[:batch_size])
+        return DecodeGraphState(self._shared(wrapper), batch_size)
 
     def prepare_graph(self, state: DecodeGraphState, fb: ForwardBatch) -> None:
         """Plan `fb` (a padded decode batch of `state.batch_size`) into the state's static buffers."""
@@ -141,8 +205,14 @@ class FlashInferAttnBackend(AttentionBackend):
         return build_paged_kv_index(self.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu,
                                     fb.extend_seq_lens_cpu, self.kv_pool.page_size)
 
+    def _shared(self, wrapper: Any) -> Any:
+        """`wrapper` on the backend's one float and one int workspace (FlashInfer gives each wrapper its own
+        8 MiB int workspace otherwise; that one is freed here, its pinned host copy stays per wrapper)."""
+        wrapper.reset_workspace_buffer(self.workspace, self.int_workspace)
+        return wrapper
+
     def _plan_decode(self, wrapper: Any, index: PagedKVIndex) -> None:
         pool = self.kv_pool
-        wrapper.plan(index.kv_indptr, index.kv_indices, index.kv_last_page_len, self.num_q_heads,
-                     pool.num_kv_heads, pool.head_dim, pool.page_size, sm_scale=self.scaling,
-                     q_data_type=pool.dtype, kv_data_type=pool.dtype)
+        wrapper.plan(index.kv_indptr, index.kv_indices, index.kv_last_page_len, num_qo_heads=self.num_q_heads,
+                     num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim, page_size=pool.page_size,
+                     sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)

@@ -2,7 +2,8 @@
 
 `import_flashinfer(device)` and `import_fla(device)` return the module or raise
 `BackendUnavailable` (a ValueError) that names the option, the device it needs and the extra to
-install. Nothing of them is imported on the CPU path.
+install, or the missing module when the package is there but one of its own imports fails (FlashInfer
+0.6 imports `requests` at import time, for instance). Nothing of them is imported on the CPU path.
 """
 
 from __future__ import annotations
@@ -39,5 +40,10 @@ def _import(module: str, option: str, package: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as exc:
-        raise BackendUnavailable(f"{option} needs the {package} package, which is not installed: "
-                                 f"{GPU_EXTRA}") from exc
+        missing = exc.name or "?"
+        if missing.split(".")[0] == module:
+            raise BackendUnavailable(f"{option} needs the {package} package, which is not installed: "
+                                     f"{GPU_EXTRA}") from exc
+        raise BackendUnavailable(f"{option}: {package} is installed but its import needs the module "
+                                 f"{missing!r}, which is not ({exc}); {GPU_EXTRA} installs the extra's "
+                                 f"dependencies") from exc
