@@ -244,6 +244,16 @@ def profile_decode(side, seeds: Seeds, tokens: int = 32) -> dict:
     return {"profile_" + k: v for k, v in counts.items()}
 
 
+# section -> its measurement of one side (the side, its image seeds, the command line)
+SECTIONS: dict[str, Callable[[Any, Seeds, argparse.Namespace], dict]] = {
+    "ttft": lambda side, seeds, args: measure_ttft(side, seeds, args.repeats),
+    "decode": lambda side, seeds, args: measure_decode(side, seeds, args.decode_tokens, args.repeats),
+    "caption": lambda side, seeds, args: measure_caption(side, seeds, args.caption_requests, args.caption_px,
+                                                         args.caption_tokens),
+    "profile": lambda side, seeds, args: profile_decode(side, seeds),
+}
+
+
 def bench_model(name: str, args, bandwidth: float, log) -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         model_dir = build_checkpoint(name, Path(tmp), args.configs, args.layers, args.device)
@@ -256,15 +266,11 @@ def bench_model(name: str, args, bandwidth: float, log) -> None:
                 side = (VlmrunSide(model_dir, args.cache_gib << 30, args.device, kernel_options(args))
                         if side_name == "vlmrun"
                         else HFSide(model_dir, args.device))
-                for what, fn in (("ttft", lambda: measure_ttft(side, seeds, args.repeats)),
-                                 ("decode", lambda: measure_decode(side, seeds, args.decode_tokens, args.repeats)),
-                                 ("caption", lambda: measure_caption(side, seeds, args.caption_requests,
-                                                                     args.caption_px, args.caption_tokens)),
-                                 ("profile", lambda: profile_decode(side, seeds))):
+                for what, measure in SECTIONS.items():
                     if what not in args.sections:
                         continue
                     try:
-                        row.update(fn())
+                        row.update(measure(side, seeds, args))
                     except Exception:  # one failed section must not lose the others
                         row[f"{what}_error"] = traceback.format_exc(limit=6)
                         print(row[f"{what}_error"], flush=True)
@@ -289,7 +295,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sides", nargs="+", default=["vlmrun", "HF"], choices=["vlmrun", "HF"])
     parser.add_argument("--sections", nargs="+", default=["ttft", "decode", "caption"],
-                        choices=["ttft", "decode", "caption", "profile"])
+                        choices=list(SECTIONS))
     parser.add_argument("--configs", type=Path, default=CONFIGS)
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--caption-requests", type=int, default=256)
