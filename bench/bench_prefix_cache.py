@@ -1,6 +1,6 @@
 """Prefix caching on CPU: time to first token of a multi-turn image chat, cache on vs off.
 
-Builds the random-weight Qwen3-VL checkpoint of bench_cpu_vs_hf.py, then runs C conversations of
+Builds the CPU bench's random-weight Qwen3-VL checkpoint (bench/common.py), then runs C conversations of
 T turns each, one round at a time (all conversations' turn k together, as a chat server sees
 them): turn 1 has an image and a question, every later turn sends the whole history (the image,
 earlier questions and the engine's own answers) plus a new question. Each request's time to first
@@ -15,20 +15,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: vlmrun, bench
-
-from bench.bench_cpu_vs_hf import build_checkpoint  # noqa: E402
+from bench.common import add_threads_option, apply_threads, build_checkpoint, describe_cpu
 
 SYSTEM = ("You are a meticulous visual assistant. Describe what you see precisely, name colours and shapes, "
           "and keep each answer short. ") * 3
@@ -62,10 +57,10 @@ def run_chats(llm, conversations: int, turns: int, max_tokens: int, seed: int, s
         replies: dict[str, str] = {}
         while engine.has_unfinished():
             for update in engine.step():
-                if update.finished:
-                    replies[update.request_id] = engine.output_text(update.request_id)
-                    req = engine.release(update.request_id)
-                    times[update.request_id] = req.first_token_time - req.arrival_time
+                result = update.result
+                if result is not None:
+                    replies[update.request_id] = result.text
+                    times[update.request_id] = result.first_token_time - result.arrival_time
         ttft.append([times[r] for r in ids])
         for c, (hist, rid) in enumerate(zip(histories, ids)):
             hist.append({"role": "assistant", "content": replies[rid]})
@@ -80,17 +75,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--image-side", type=int, default=448)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    add_threads_option(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
 
     from vlmrun import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
-        print(f"device: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-              f"torch {torch.__version__}")
+        print(f"device: {describe_cpu()}")
         rows = {}
         for enabled in (False, True):
             llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_prefix_caching=enabled)

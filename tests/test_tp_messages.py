@@ -120,3 +120,17 @@ def test_a_ray_cluster_too_small_for_the_ranks_is_an_error_not_a_wait() -> None:
             cluster_device(EngineConfig(tensor_parallel_size=2, device="cuda"))
     finally:
         ray.shutdown()
+
+
+def test_every_executor_has_the_executor_interface() -> None:
+    """The engine drives `Engine.runner` through `vlmrun.executor.base.Executor` alone."""
+    from vlmrun.executor.base import Executor
+    from vlmrun.executor.distributed import TensorParallelExecutor
+    from vlmrun.executor.model_runner import ModelRunner
+    from vlmrun.executor.ray_executor import RayExecutor
+
+    methods = [name for name in dir(Executor) if not name.startswith("_")]
+    assert set(methods) >= {"execute", "make_generator", "shutdown"}
+    for cls in (ModelRunner, TensorParallelExecutor, RayExecutor):
+        missing = [name for name in methods if not callable(getattr(cls, name, None))]
+        assert not missing, (cls.__name__, missing)

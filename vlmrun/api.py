@@ -128,8 +128,8 @@ class LLM:
         try:
             prompt = (process or self.engine.process)(item)
             out.prompt_token_ids = list(prompt.token_ids)
-            for i in range(params.n):
-                self.engine.add_request(f"{rid}-{i}", prompt, params.for_choice(i))
+            for i, choice in enumerate(params.choices()):
+                self.engine.add_request(f"{rid}-{i}", prompt, choice)
                 pending[f"{rid}-{i}"] = (out, i)
         except Exception as e:  # noqa: BLE001 - whatever one input raises is that request's error
             for cid, (o, _) in list(pending.items()):
@@ -143,14 +143,12 @@ class LLM:
         bar = _progress_bar(len(pending)) if show_progress else None
         while self.engine.has_unfinished():
             for update in self.engine.step():
-                if not update.finished or update.request_id not in pending:
+                result = update.result
+                if result is None or update.request_id not in pending:
                     continue
                 out, index = pending.pop(update.request_id)
-                text = self.engine.output_text(update.request_id)
-                req = self.engine.release(update.request_id)
-                logprobs = req.output_logprobs if req.sampling_params.logprobs is not None else None
-                out.outputs.append(CompletionOutput(index, text, list(req.output_token_ids), logprobs,
-                                                    req.finish_reason))
+                out.outputs.append(CompletionOutput(index, result.text, result.token_ids, result.logprobs,
+                                                    result.finish_reason))
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

@@ -27,7 +27,7 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   The think must start in the prompt, or be opened by the model with a single `<think>` token.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
-  request draws with `seed + i`, wrapped into that range (`for_choice`).
+  request draws with `seed + i`, wrapped into that range (`choices`).
 
 `__post_init__` normalises `stop` (a string becomes a one-item list), `stop_token_ids` (None
 becomes an empty list), numbers (floats as float, integers as int, numpy scalars included) and
@@ -140,13 +140,14 @@ class SamplingParams:
         ids = [] if self.ignore_eos else list(eos_token_ids)
         return ids + [t for t in self.stop_token_ids if t not in ids]
 
-    def for_choice(self, index: int) -> "SamplingParams":
-        """The params of choice `index` of an n-choice request: n=1 and, when seeded, the seed
-        `seed + index` wrapped into the 64-bit range, so the n samples differ but repeat."""
+    def choices(self) -> list["SamplingParams"]:
+        """The `n` single-choice params of an n-choice request, one engine request each: n=1 and, when
+        seeded, choice i draws with `seed + i` wrapped into the 64-bit range, so the n samples differ
+        but repeat. The one place a request fans out into choices (`LLM`, the server)."""
         if self.n == 1:
-            return self
-        seed = None if self.seed is None else (self.seed + index - SEED_MIN) % 2**64 + SEED_MIN
-        return dataclasses.replace(self, n=1, seed=seed)
+            return [self]
+        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else
+                                    (self.seed + i - SEED_MIN) % 2**64 + SEED_MIN) for i in range(self.n)]
 
 
 @dataclass(frozen=True)

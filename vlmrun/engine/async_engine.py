@@ -31,7 +31,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence
 
 from vlmrun.processors import ProcessedPrompt
-from vlmrun.engine.engine import Engine, EngineStats, RequestUpdate
+from vlmrun.engine.engine import Engine, EngineStats
+from vlmrun.engine.outputs import RequestUpdate
 from vlmrun.engine.request_group import (
     FINISH_ABORT,
     ChoiceDelta,
@@ -264,16 +265,16 @@ class AsyncEngine:
         if live is None:
             return
         delta = ChoiceDelta(live.index, list(update.new_token_ids), list(update.new_logprobs), update.text_delta)
-        if update.finished:
-            req = self.engine.release(update.request_id)
+        result = update.result
+        if result is not None:
             self._live.pop(update.request_id, None)
             rids = self._groups.get(live.group.group_id)
             if rids is not None and all(r not in self._live for r in rids):
                 del self._groups[live.group.group_id]
-            delta.finished, delta.finish_reason = True, update.finish_reason
-            delta.num_prompt_tokens = req.num_prompt_tokens
-            delta.num_output_tokens = len(req.output_token_ids)
-            delta.first_token_time = req.first_token_time
+            delta.finished, delta.finish_reason = True, result.finish_reason
+            delta.num_prompt_tokens = result.num_prompt_tokens
+            delta.num_output_tokens = result.num_output_tokens
+            delta.first_token_time = result.first_token_time
         self._emit(live.group, delta)
 
     def _fail_all(self, exc: BaseException) -> None:

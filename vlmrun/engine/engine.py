@@ -1,7 +1,9 @@
 """The engine: takes requests, runs scheduler steps on the model runner, turns tokens into text.
 
 `add_request` validates and queues a processed prompt; `step` runs one scheduler step and returns
-what each touched request produced; `abort` drops a request and frees its memory. The engine is
+what each touched request produced (`engine/outputs.py`: new tokens and text, and for a request that
+finished its whole result; the engine forgets a finished request in the step that finished it);
+`abort` drops a request and frees its memory. The engine is
 synchronous and single-threaded; the async wrapper for the server drives it from one loop, `LLM`
 under a lock. A step is all or nothing: one that raises aborts its requests (`_drop_interrupted`).
 
@@ -24,43 +26,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
 
 from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
-from vlmrun.cache.encoder_cache import EncoderCache
 from vlmrun.cache.plan import build_caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
+from vlmrun.engine.outputs import RequestResult, RequestUpdate
 from vlmrun.engine.request import Request
 from vlmrun.engine.scheduler import Scheduler
 from vlmrun.executor.build import build_model_runner
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
-from vlmrun.executor.model_runner import ModelRunner, SampledToken
+from vlmrun.executor.base import Executor
+from vlmrun.executor.model_runner import SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
-from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
 from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestUpdate:
-    """What one step produced for one request."""
-    request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
-    text_delta: str = ""
-    finished: bool = False
-    finish_reason: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -99,11 +90,8 @@ class Engine:
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
                                                    device=self._preprocess_device())
         self.tokenizer = self.processor.tokenizer
-        if config.tensor_parallel_size > 1:  # the model runs in one process per rank; the caches here are stand-ins
-            self.runner = create_parallel_executor(config, self.model_config, self.device)
-            self.caches = self.runner.caches
-        else:
-            self.runner = self._local_runner()
+        self.runner: Executor = self._build_executor()
+        self.caches = self.runner.caches  # under tensor parallel, stand-ins that record the scheduler's writes
         self.max_model_len = self.caches.plan.max_model_len
         self._log_cache_plan()
         self.prefix_cache = self._make_prefix_cache()
@@ -116,21 +104,21 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
 
-    def _local_runner(self) -> ModelRunner:
-        """The model, its caches (`self.caches`) and the runner, on this process's device."""
+    def _build_executor(self) -> Executor:
+        """One device: the model, its caches and the runner here. Tensor parallel: rank processes (or
+        Ray actors), each with its shard."""
+        config = self.config
+        if config.tensor_parallel_size > 1:
+            return create_parallel_executor(config, self.model_config, self.device)
         model = load_model(self.model_config, self.device)
         dtype = self.model_config.dtype
-        self.caches = build_caches(model.cache_shape(), self.config, dtype=dtype,
-                                   max_model_len=self.model_config.max_model_len, device=self.device)
-        vision = (VisionStage(model, EncoderCache(self.config.encoder_cache_tokens), self.device, dtype)
-                  if model.supports_images else None)
-        return build_model_runner(model, self.caches, vision, self.config, self.device)
+        caches = build_caches(model.cache_shape(), config, dtype=dtype, max_model_len=self.model_config.max_model_len,
+                              device=self.device)
+        return build_model_runner(model, caches, config, self.device, dtype)
 
     def shutdown(self) -> None:
         """End the tensor-parallel rank processes (nothing to do on one device)."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()
 
     def _make_prefix_cache(self) -> Optional[PrefixCache]:
         if not self.config.enable_prefix_caching:
@@ -307,8 +295,7 @@ class Engine:
                                text_delta=token.delta)
         finish_reason = token.finish_reason or grammar_finish
         if finish_reason is not None:
-            self._finish(req, finish_reason)
-            update.finished, update.finish_reason = True, finish_reason
+            update.result = self._finish(req, finish_reason).result
         return update
 
     def _advance_grammar(self, req: Request, token_id: int) -> Optional[str]:
@@ -321,20 +308,19 @@ class Engine:
         return "stop" if req.grammar.is_terminated else None
 
     def _finish(self, req: Request, reason: str) -> RequestUpdate:
+        """Free the request's memory, forget it, and return its last update (with its result)."""
         self.scheduler.finish(req)
         req.finish_reason = reason
-        return RequestUpdate(req.request_id, finished=True, finish_reason=reason)
-
-    # ------------------------------------------------------------------ results
-
-    def output_text(self, request_id: str) -> str:
-        """Full output text of a request (cut at a stop string), valid until `release` is called."""
-        return self._streams[request_id].text
-
-    def release(self, request_id: str) -> Request:
-        """Forget a finished request and return its final state."""
-        self._streams.pop(request_id, None)
-        return self.requests.pop(request_id)
+        text = self._streams.pop(req.request_id).text
+        del self.requests[req.request_id]
+        asked_logprobs = req.sampling_params.logprobs is not None
+        grammar = req.grammar
+        result = RequestResult(text=text, token_ids=list(req.output_token_ids),
+                               logprobs=list(req.output_logprobs) if asked_logprobs else None, finish_reason=reason,
+                               num_prompt_tokens=req.num_prompt_tokens, arrival_time=req.arrival_time,
+                               first_token_time=req.first_token_time,
+                               grammar_ended=grammar is not None and grammar.is_terminated)
+        return RequestUpdate(req.request_id, result=result)
 
 
 def image_list(images: Any) -> list[Any]:

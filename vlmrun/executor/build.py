@@ -4,8 +4,8 @@
 (`EngineConfig.linear_backend`, `layers/cpu_kernels.py`) and has glibc's malloc keep freed memory there
 (`keep_freed_memory`), picks the attention backends (`EngineConfig.attention_backend` /
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
-FlashInfer path, and sets up decode padding and CUDA graphs (`enforce_eager`). The engine (one
-device) and each tensor-parallel rank build their runner with it.
+FlashInfer path, builds the vision stage, and sets up decode padding and CUDA graphs (`enforce_eager`).
+The engine (one device) and each tensor-parallel rank build their runner with it, and only with it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from vlmrun.cache.encoder_cache import EncoderCache
 from vlmrun.cache.plan import Caches
 from vlmrun.config import EngineConfig
 from vlmrun.executor.cpu_malloc import keep_freed_memory
@@ -29,12 +30,19 @@ from vlmrun.layers.cpu_kernels import cpu_features, pack_threshold
 from vlmrun.layers.packed_linear import pack_linear_weights
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
+from vlmrun.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
 
-def build_model_runner(model: nn.Module, caches: Caches, vision: Optional[VisionStage], config: EngineConfig,
-                       device: torch.device) -> ModelRunner:
+def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, device: torch.device,
+                       dtype: torch.dtype, tp: Optional[TensorParallel] = None) -> ModelRunner:
+    """The runner of one device: the engine's own (`tp` None) or one tensor-parallel rank's. Its vision
+    stage has an encoder cache of its own; under TP with `mm_encoder_tp_mode="data"` each rank encodes
+    a share of the step's images and the ranks gather the embeddings."""
+    split_over = tp if tp is not None and config.mm_encoder_tp_mode == "data" else None
+    vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), device, dtype, split_over)
+              if model.supports_images else None)
     if device.type == "cpu":
         logger.info("CPU: %s", cpu_features().describe())
     threshold = pack_threshold(config.linear_backend, device, next(model.parameters()).dtype)

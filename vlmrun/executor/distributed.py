@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from vlmrun.cache.shadow import build_shadow_caches
 from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.executor.base import Executor
 from vlmrun.executor.model_runner import SampledToken
 from vlmrun.executor.ranks import RankFailure, RankGenerator, StepMessage, free_port, plan_for_ranks
 from vlmrun.executor.step_input import ChunkInput
@@ -167,7 +168,7 @@ def executor_device(config: EngineConfig) -> torch.device:
     return config.resolve_device()
 
 
-def create_parallel_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> Any:
+def create_parallel_executor(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> Executor:
     """The executor `config.distributed_executor_backend` names: "mp" (processes here) or "ray"."""
     if config.distributed_executor_backend == "ray":
         from vlmrun.executor.ray_executor import RayExecutor

@@ -51,6 +51,9 @@ class ModelRunner:
         """A seeded request's own generator, on the device its noise is drawn on."""
         return torch.Generator(device=self.device).manual_seed(seed)
 
+    def shutdown(self) -> None:
+        """Nothing to end: the model runs in this process."""
+
     @torch.inference_mode()
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         """Runs the chunks; returns, per chunk, its sampled token or None for a mid-prompt chunk."""

@@ -27,7 +27,6 @@ from typing import Optional
 import torch
 import torch.distributed
 
-from vlmrun.cache.encoder_cache import EncoderCache
 from vlmrun.cache.plan import CachePlan, build_pools, cache_budget_bytes
 from vlmrun.cache.shadow import replay_cache_ops
 from vlmrun.config import EngineConfig, ModelConfig
@@ -36,7 +35,6 @@ from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.ranks import GeneratorWire
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.models import load_model
-from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.parallel import TensorParallel
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
@@ -81,10 +79,7 @@ class Worker:
     def build(self, plan: CachePlan) -> None:
         dtype = self.model_config.dtype
         caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
-        split_over = self.tp if self.config.mm_encoder_tp_mode == "data" else None
-        vision = (VisionStage(self.model, EncoderCache(self.config.encoder_cache_tokens), self.device, dtype,
-                              split_over) if self.model.supports_images else None)
-        self.runner = build_model_runner(self.model, caches, vision, self.config, self.device)
+        self.runner = build_model_runner(self.model, caches, self.config, self.device, dtype, tp=self.tp)
 
     def execute(self, ops: list, chunks: list[ChunkInput],
                 generators_in: list[GeneratorWire]) -> tuple[list, GeneratorStates]:

@@ -7,8 +7,9 @@
   worker and `ready` at most `prefetch` preprocessed prompts, so memory is bounded by
   (prefetch + workers + max_in_flight) images whatever the length of the job.
 - Workers load the image (`vlmrun.processors.load_image`: read, validate, decode) and run
-  `engine.process` (resize, patchify, tokenize): only the processor, which holds no engine state. Only the caller's thread calls `add_request`, `step`, `release`
-  and `abort`.
+  `engine.process` (resize, patchify, tokenize): only the processor, which holds no engine state.
+  Only the caller's thread calls `add_request`, `step` and `abort`; a record is made from the
+  finished request's `RequestResult` that `step` hands out (`vlmrun/engine/outputs.py`).
 - Before every step the engine is topped up from `ready` to `max_in_flight` requests (default
   the engine's `max_num_seqs`), so finished requests are replaced at once (continuous batching).
   While the engine has work the loop never blocks on `ready`; it waits on it only when the engine
@@ -173,26 +174,25 @@ class CaptionPipeline:
                                                    prep.preprocess_s))
 
     def _step(self, in_flight: dict[str, _InFlight], on_record: OnRecord) -> None:
-        finished = [u.request_id for u in self.engine.step() if u.finished and u.request_id in in_flight]
+        finished = {u.request_id: u.result for u in self.engine.step() if u.finished and u.request_id in in_flight}
         if not self.engine.has_unfinished():  # every request must end with a finished update
-            finished += [rid for rid in in_flight if rid not in finished]
+            finished.update({rid: None for rid in in_flight if rid not in finished})
         now = time.monotonic()
-        for rid in finished:
+        opts = self.options
+        for rid, result in finished.items():
             entry = in_flight.pop(rid)
             prep = entry.prepared
-            if rid not in self.engine.requests:
-                record = CaptionRecord.failure(prep.item.key, self.options.model_name, self.options.prompt,
+            if result is None:
+                record = CaptionRecord.failure(prep.item.key, opts.model_name, opts.prompt,
                                                "the engine dropped the request", prep.preprocess_s)
             else:
-                text = self.engine.output_text(rid)
-                req = self.engine.release(rid)
                 parsed, error = None, None
-                spec = req.sampling_params.structured_outputs
+                spec = opts.sampling.structured_outputs
                 if spec is not None:
-                    parsed, error = parse_structured(spec, text, req.grammar.is_terminated, req.finish_reason)
-                record = CaptionRecord(image=prep.item.key, caption=text, num_tokens=len(req.output_token_ids),
-                                       model=self.options.model_name, prompt=self.options.prompt, error=error,
-                                       finish_reason=req.finish_reason, preprocess_s=round(prep.preprocess_s, 6),
+                    parsed, error = parse_structured(spec, result.text, result.grammar_ended, result.finish_reason)
+                record = CaptionRecord(image=prep.item.key, caption=result.text, num_tokens=result.num_output_tokens,
+                                       model=opts.model_name, prompt=opts.prompt, error=error,
+                                       finish_reason=result.finish_reason, preprocess_s=round(prep.preprocess_s, 6),
                                        generate_s=round(now - entry.added, 6), parsed=parsed)
             on_record(prep.item, record)
 

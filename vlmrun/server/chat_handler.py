@@ -21,7 +21,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
-from vlmrun.server.protocol import ChatRequest, parse_chat_request, split_choices
+from vlmrun.server.protocol import ChatRequest, parse_chat_request
 from vlmrun.server.state import ServerState
 from vlmrun.server.submission import merge_batch, parse_body, respond_collected, stream_response, submit
 from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
@@ -45,7 +45,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                                               tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs,
                                               cancel=cancel)
         prompt_text = prompt.text
-        return [(prompt, p) for p in split_choices(_chat_params(state, req))]
+        return [(prompt, p) for p in _chat_params(state, req).choices()]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
                        "messages", heavy=has_media(req.messages))

@@ -19,7 +19,7 @@ from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.processors.chat import check_unicode
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
-from vlmrun.server.protocol import CompletionRequest, parse_completion_request, split_choices
+from vlmrun.server.protocol import CompletionRequest, parse_completion_request
 from vlmrun.server.state import ServerState
 from vlmrun.server.submission import merge_batch, parse_body, respond_collected, stream_response, submit
 
@@ -38,7 +38,7 @@ async def completions(state: ServerState, request: Request) -> Response:
 
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         prompts.extend(_raw_prompt(state, p, i, len(req.prompts)) for i, p in enumerate(req.prompts))
-        children = split_choices(req.params)
+        children = req.params.choices()
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,

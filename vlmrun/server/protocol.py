@@ -161,11 +161,6 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
                              logprobs=logprobs, echo=echo)
 
 
-def split_choices(params: SamplingParams) -> list[SamplingParams]:
-    """The `n` single-choice params of a request (`SamplingParams.for_choice`)."""
-    return [params.for_choice(i) for i in range(params.n)]
-
-
 # ---------------------------------------------------------------------------- pieces
 
 
@@ -395,4 +390,4 @@ def _check_range(name: str, value: Any, lo: Any, hi: Any) -> None:
 
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "RequestLimits", "parse_json", "parse_chat_request",
-           "parse_completion_request", "split_choices"]
+           "parse_completion_request"]

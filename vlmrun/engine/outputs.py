@@ -1,0 +1,50 @@
+"""What `Engine.step()` hands out: one `RequestUpdate` per request the step touched.
+
+This is the engine's one output shape. `LLM` (`vlmrun/api.py`), the async engine for the server
+(`vlmrun/engine/async_engine.py`) and the caption pipeline (`vlmrun/jobs/pipeline.py`) all read
+it, and none of them reads the engine's requests: a finished request's update carries its whole
+result (`RequestResult`) and the engine forgets the request in the same step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """A finished request as its consumer needs it; handed out once, by the step that finished it."""
+
+    text: str  # the whole output text, cut at a stop string
+    token_ids: list[int]
+    logprobs: Optional[list[dict[int, float]]]  # per output token; None unless the request asked for logprobs
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    arrival_time: float  # time.monotonic() when the engine took the request
+    first_token_time: Optional[float]  # time.monotonic() of the first output token; None without one
+    grammar_ended: bool = False  # structured outputs: the grammar reached an accepting end
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step produced for one request: its new tokens and text (streaming), and on its last
+    update (`finished`) the request's `result`."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text_delta: str = ""
+    result: Optional[RequestResult] = None  # set exactly when the request finished in this step
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        return None if self.result is None else self.result.finish_reason

@@ -1,0 +1,31 @@
+"""The executor interface: what the engine drives, whatever runs the model.
+
+Three executors implement it: `ModelRunner` (the model on this process's device),
+`TensorParallelExecutor` (one process per rank, `distributed.py`) and `RayExecutor` (one Ray actor
+per rank, `ray_executor.py`). The engine holds one as `Engine.runner` and never asks which.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+from vlmrun.cache.plan import Caches
+from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.step_input import ChunkInput
+
+
+@runtime_checkable
+class Executor(Protocol):
+    caches: Caches  # the pools the scheduler writes its bookkeeping into (stand-ins under tensor parallel)
+
+    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+        """Run one step: per chunk, its sampled token, or None for a chunk that does not sample."""
+        ...
+
+    def make_generator(self, seed: int) -> Any:
+        """A seeded request's generator, in the form this executor samples with."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release what the executor started (rank processes, actors); safe to call twice."""
+        ...
