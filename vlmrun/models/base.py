@@ -11,6 +11,9 @@ A model is built from its HF config (`transformers.AutoConfig`) and gives the en
 - `cache_shape() -> CacheShape`: what the KV pool and the GDN state pool hold for it.
 - `supports_images` and `encode_images(pixel_values, grid_thw) -> VisionEmbeddings` for VL models.
 
+One hook for the families' text stacks: `make_mlp(text_config, layer) -> nn.Module`, the MLP of a
+decoder layer (the dense SwiGLU here; a family with sparse MoE layers overrides it).
+
 The LM head is tied to the input embeddings when the config's top-level `tie_word_embeddings`
 says so: the rule transformers 5 applies.
 
@@ -30,6 +33,7 @@ from torch import nn
 from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.linear import ParallelLMHead, VocabParallelEmbedding
+from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
 from vlmrun.models.weights import load_checkpoint
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -66,6 +70,11 @@ class Model(nn.Module, ABC):
         if self.ties_word_embeddings:
             head.weight = embed.weight
         return head
+
+    def make_mlp(self, text_config: Any, layer: int) -> nn.Module:
+        """The MLP of text decoder layer `layer`: the dense SwiGLU (families with MoE layers override this)."""
+        return SwiGLUMLP(text_config.hidden_size, text_config.intermediate_size,
+                         getattr(text_config, "hidden_act", "silu"), tp=self.tp)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [n, vocab]

@@ -7,7 +7,7 @@ each run of `merge**2` consecutive patches is one block that becomes one LLM tok
     `window_size`-pixel window, full per-frame attention in `fullatt_block_indexes`) ->
     patch merger (RMSNorm, concat each merge block, MLP) -> undo the window reorder
 
-Text side: `Qwen3TextModel` configured as Qwen2 (q/k/v bias, no q/k norm) with sectioned M-RoPE.
+Text side: `DenseTextModel` configured as Qwen2 (q/k/v bias, no q/k norm) with sectioned M-RoPE.
 The model code knows nothing of batching; the attention backend behind the `ForwardBatch` handles
 the KV cache. Vision attention goes through `vision_common.varlen_attention`, the seam a fused
 varlen kernel replaces.
@@ -26,7 +26,7 @@ from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
 from vlmrun.models.base import Model, vl_checkpoint_name
-from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
+from vlmrun.models.blocks.text_decoder import DenseTextModel, text_head_dim
 from vlmrun.models.blocks.vision_common import (
     GridTHW,
     Segments,
@@ -194,7 +194,8 @@ class Qwen2_5_VLForConditionalGeneration(Model):
         if any(t != "full_attention" for t in (getattr(text, "layer_types", None) or [])):
             raise NotImplementedError("Qwen2.5-VL sliding-window text layers are not supported")
         self.visual = Qwen2_5_VisionTower(vision)
-        self.language_model = Qwen3TextModel(text, _mrope_rotary(text), qkv_bias=True, qk_norm=False, tp=tp)
+        self.language_model = DenseTextModel(text, _mrope_rotary(text), lambda i: self.make_mlp(text, i), qkv_bias=True,
+                                             qk_norm=False, tp=tp)
         self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

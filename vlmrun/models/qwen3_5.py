@@ -24,7 +24,6 @@ from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.linear import ColumnParallelLinear
-from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.moe import moe_block
 from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
 from vlmrun.models.base import Model, vl_checkpoint_name
@@ -73,10 +72,6 @@ class Qwen3_5ForConditionalGeneration(Model):
                                               tp)
         self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
 
-    def make_mlp(self, text: Any, layer_idx: int) -> nn.Module:
-        """The MLP of decoder layer `layer_idx` (dense SwiGLU; the MoE variant overrides this)."""
-        return SwiGLUMLP(text.hidden_size, text.intermediate_size, getattr(text, "hidden_act", "silu"), tp=self.tp)
-
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, _ = self.visual(pixel_values, grid_thw)
         return VisionEmbeddings(embeds, None)
@@ -89,5 +84,5 @@ class Qwen3_5ForConditionalGeneration(Model):
 
 
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
-    def make_mlp(self, text: Any, layer_idx: int) -> nn.Module:
-        return moe_block(text, shared=True, norm_topk_prob=True, tp=self.tp)
+    def make_mlp(self, text_config: Any, layer: int) -> nn.Module:
+        return moe_block(text_config, shared=True, norm_topk_prob=True, tp=self.tp)

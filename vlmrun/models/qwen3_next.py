@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.moe import is_moe_layer, moe_block
 from vlmrun.layers.rotary import RotaryEmbedding, default_rope_parameters
 from vlmrun.models.base import Model
@@ -53,16 +52,14 @@ class Qwen3NextForCausalLM(Model):
     def __init__(self, config: Any, tp: TensorParallel = SINGLE):
         super().__init__(config, tp)
         rotary = RotaryEmbedding(rotary_dim(config), float(default_rope_parameters(config)["rope_theta"]))
-        norm_topk = bool(getattr(config, "norm_topk_prob", True))
-
-        def make_mlp(i: int) -> nn.Module:
-            if is_moe_layer(config, i):
-                return moe_block(config, shared=True, norm_topk_prob=norm_topk, tp=tp)
-            return SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                             tp=tp)
-
-        self.model = HybridTextModel(config, rotary, make_mlp, GatedDeltaNet, tp)
+        self.model = HybridTextModel(config, rotary, lambda i: self.make_mlp(config, i), GatedDeltaNet, tp)
         self.lm_head = self.make_lm_head(self.model.embed_tokens)
+
+    def make_mlp(self, text_config: Any, layer: int) -> nn.Module:
+        if is_moe_layer(text_config, layer):
+            norm_topk = bool(getattr(text_config, "norm_topk_prob", True))
+            return moe_block(text_config, shared=True, norm_topk_prob=norm_topk, tp=self.tp)
+        return super().make_mlp(text_config, layer)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.model(input_ids, positions, fb)

@@ -1,6 +1,6 @@
 """Qwen3-VL and Qwen3-VL-MoE: the Qwen3-VL vision tower (DeepStack) on a Qwen3 text model with interleaved M-RoPE.
 
-Vision tower: `blocks/qwen3_vl_vision.py`. Text model: `Qwen3TextModel`; in Qwen3-VL-MoE a decoder
+Vision tower: `blocks/qwen3_vl_vision.py`. Text model: `DenseTextModel`; in Qwen3-VL-MoE a decoder
 layer's MLP is a sparse MoE block (softmax routing, top-k renormalised, no shared expert) unless
 the layer is listed in `mlp_only_layers` or falls between `decoder_sparse_step`s.
 
@@ -21,7 +21,7 @@ from vlmrun.layers.moe import is_moe_layer, moe_block
 from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
 from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
-from vlmrun.models.blocks.text_decoder import Qwen3TextModel, text_head_dim
+from vlmrun.models.blocks.text_decoder import DenseTextModel, text_head_dim
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
 from vlmrun.parallel import SINGLE, TensorParallel
 
@@ -37,13 +37,9 @@ class Qwen3VLForConditionalGeneration(Model):
         rotary = MRotaryEmbedding(text_head_dim(text), float(params["rope_theta"]), list(section), interleaved=True)
         self.visual = Qwen3VLVisionModel(config.vision_config)
         bias = bool(getattr(text, "attention_bias", False))
-        self.language_model = Qwen3TextModel(text, rotary, qkv_bias=bias, o_bias=bias,
-                                             make_mlp=lambda i: self.make_text_mlp(text, i), tp=tp)
+        self.language_model = DenseTextModel(text, rotary, lambda i: self.make_mlp(text, i), qkv_bias=bias,
+                                             o_bias=bias, tp=tp)
         self.lm_head = self.make_lm_head(self.language_model.embed_tokens)
-
-    def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
-        """The MLP of text layer `layer`: None for the dense SwiGLU MLP (the MoE variant overrides this)."""
-        return None
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, deepstack = self.visual(pixel_values, grid_thw)
@@ -59,7 +55,7 @@ class Qwen3VLForConditionalGeneration(Model):
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     """Qwen3-VL with sparse MoE MLPs in the text layers; everything else is Qwen3-VL's."""
 
-    def make_text_mlp(self, text_config: Any, layer: int) -> Optional[nn.Module]:
+    def make_mlp(self, text_config: Any, layer: int) -> nn.Module:
         if is_moe_layer(text_config, layer):
             return moe_block(text_config, shared=False, norm_topk_prob=True, tp=self.tp)
-        return None
+        return super().make_mlp(text_config, layer)

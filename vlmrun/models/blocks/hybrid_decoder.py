@@ -18,7 +18,7 @@ pool's channels on this rank), dt_bias, A_log and b | a rows; out_proj sums over
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +29,7 @@ from vlmrun.layers.attention import Attention, LinearAttention
 from vlmrun.layers.linear import (ColumnParallelLinear, RowParallelLinear, ShardedRows, VocabParallelEmbedding,
                                   check_shape, copy_rows)
 from vlmrun.layers.rotary import apply_rotary, rope_parameters
-from vlmrun.models.blocks.text_decoder import qkv_parallel_linear, text_head_dim
+from vlmrun.models.blocks.text_decoder import MakeMLP, qkv_parallel_linear, text_head_dim
 from vlmrun.parallel import SINGLE, TensorParallel
 
 FULL_ATTENTION = "full_attention"
@@ -214,7 +214,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridTextModel(nn.Module):
     """Embeddings (+ image splice), hybrid decoder layers, final norm -> hidden [num_tokens, hidden]."""
 
-    def __init__(self, config: Any, rotary_emb: nn.Module, make_mlp: Callable[[int], nn.Module],
+    def __init__(self, config: Any, rotary_emb: nn.Module, make_mlp: MakeMLP,
                  gdn_cls: type[GatedDeltaNet], tp: TensorParallel = SINGLE):
         super().__init__()
         layer_types = list(config.layer_types)[: config.num_hidden_layers]

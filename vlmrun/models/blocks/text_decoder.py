@@ -1,9 +1,10 @@
-"""The dense Qwen text stack shared by Qwen3 and the VL families: `Qwen3TextModel`.
+"""The dense Qwen text stack (every layer full attention) of Qwen3, Qwen2.5-VL and Qwen3-VL: `DenseTextModel`.
 
 embed -> (multimodal splice) -> decoder layers (with DeepStack adds after the first layers when
 the batch carries them) -> final norm. It knows nothing of batching: attention goes through
 `Attention(q, k, v, forward_batch)`. Qwen3 uses per-head q/k RMSNorm and no qkv bias; Qwen2-style
-text (Qwen2.5-VL) uses qkv bias and no q/k norm.
+text (Qwen2.5-VL) uses qkv bias and no q/k norm. Each layer's MLP is the model's (`make_mlp`): the
+dense SwiGLU, or a sparse MoE block in Qwen3-VL-MoE. (The hybrid stack is `hybrid_decoder.py`.)
 
 Parameter names mirror the HF text model (`embed_tokens`, `layers.{i}.self_attn.o_proj`, ...), so
 loading a checkpoint is a prefix mapping; q/k/v load into the fused `qkv_proj` and gate/up into
@@ -13,7 +14,7 @@ attention heads (KV heads replicated when there are fewer than ranks) and MLP un
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -21,7 +22,6 @@ from torch import nn
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention
 from vlmrun.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import apply_rotary
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -41,7 +41,9 @@ def qkv_parallel_linear(hidden: int, num_heads: int, num_kv_heads: int, q_head_r
     return ColumnParallelLinear(hidden, shards, bias, part_names=("q_proj", "k_proj", "v_proj"))
 
 
-class Qwen3Attention(nn.Module):
+class DenseAttention(nn.Module):
+    """Full attention with fused qkv, optional per-head q/k RMSNorm, rotary (1-D or M-RoPE cos/sin)."""
+
     def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
                  tp: TensorParallel = SINGLE):
         super().__init__()
@@ -73,16 +75,15 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(out)
 
 
-MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE)
+MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE): `Model.make_mlp`
 
 
-class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Any, layer_id: int, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
-                 mlp: Optional[nn.Module] = None, tp: TensorParallel = SINGLE):
+class DenseDecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_id: int, mlp: nn.Module, *, qkv_bias: bool, qk_norm: bool, o_bias: bool,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias, tp=tp)
-        self.mlp = mlp or SwiGLUMLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"),
-                                    tp=tp)
+        self.self_attn = DenseAttention(config, layer_id, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias, tp=tp)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -92,20 +93,19 @@ class Qwen3DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Qwen3TextModel(nn.Module):
+class DenseTextModel(nn.Module):
     """Embeddings, decoder layers and final norm. Returns hidden states [num_tokens, hidden].
 
     Qwen3 / Qwen3-VL text: qkv_bias = o_bias = config.attention_bias (False in released models), qk_norm.
     Qwen2-style text (Qwen2.5-VL): qkv_bias=True, qk_norm=False, o_bias=False.
     """
 
-    def __init__(self, config: Any, rotary_emb: nn.Module, *, qkv_bias: bool = False, qk_norm: bool = True,
-                 o_bias: bool = False, make_mlp: Optional[MakeMLP] = None, tp: TensorParallel = SINGLE):
+    def __init__(self, config: Any, rotary_emb: nn.Module, make_mlp: MakeMLP, *, qkv_bias: bool = False,
+                 qk_norm: bool = True, o_bias: bool = False, tp: TensorParallel = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, i, qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias,
-                              mlp=make_mlp(i) if make_mlp else None, tp=tp)
+            DenseDecoderLayer(config, i, make_mlp(i), qkv_bias=qkv_bias, qk_norm=qk_norm, o_bias=o_bias, tp=tp)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
