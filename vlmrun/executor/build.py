@@ -23,6 +23,7 @@ from vlmrun.executor.cpu_malloc import keep_freed_memory
 from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
 from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
+from vlmrun.layers.attention.base import check_backend_serves
 from vlmrun.layers.attention.factory import BackendSetup, backend_names
 from vlmrun.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
@@ -58,10 +59,12 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
 
 def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfig,
                            device: torch.device) -> AttentionBackend:
-    """The step's backend, planned with the query heads and scale of the model's own attention layers."""
+    """The step's backend, planned with the query heads and scale of the model's own attention layers
+    (and, for a model with GDN layers, one with a linear-attention backend for them)."""
     layer = next(m for m in model.modules() if isinstance(m, Attention))
     setup = BackendSetup(caches, num_q_heads=layer.num_heads, scaling=layer.scaling, device=device)
     backend = create_attention_backend(setup, config.attention_backend, config.gdn_backend)
+    check_backend_serves(model, backend)
     logger.info("attention backend: %s", backend_names(backend))
     return backend
 
