@@ -166,7 +166,7 @@ def gdn_batch(backend: TorchGDNBackend, lens: list[int], prefix: list[int], slot
         extend_prefix_lens=torch.tensor(prefix), extend_seq_lens=torch.tensor(lens),
         out_cache_loc=torch.zeros(num_tokens, dtype=torch.int64), seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=prefix, extend_seq_lens_cpu=lens, logits_indices=torch.zeros(0, dtype=torch.int64),
-        attn_backend=backend, state_slots=torch.tensor(slots),
+        state_slots=torch.tensor(slots),
     )
     backend.prepare(fb)
     return fb
