@@ -1,8 +1,9 @@
 """The flash-linear-attention GDN backend on the CPU, through Triton's interpreter, against the torch
-GDN reference: mixed extend/decode steps, varlen conv and chunked delta rule, state gather and
-write-back by slot, a padding row on the dummy slot (tests/fla_interpret_check.py, in a process of
-its own because the interpreter must be on before triton is imported). Skipped when fla or triton
-is not installed (the `gpu` extra)."""
+GDN reference: mixed extend/decode steps, FLA's own kernels (varlen conv and chunked delta rule for
+extends, conv update and fused recurrent delta rule for decodes), state gather and write-back by
+slot, a padding row on the dummy slot (tests/fla_interpret_check.py, in a process of its own because
+the interpreter must be on before triton is imported). Skipped when fla or triton is not installed
+(the `gpu` extra)."""
 
 from __future__ import annotations
 
