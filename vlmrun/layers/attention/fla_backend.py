@@ -10,6 +10,11 @@ Same seam and same results as `TorchGDNBackend` (the reference it is tested agai
 FLA keeps the last K conv inputs where the pool keeps K-1: the oldest column is padded with zeros
 on the way in (the kernel shifts it out) and dropped on the way out. The recurrent state is
 float32 in the pool's [Hv, Dv, Dk] layout (FLA's `state_v_first`).
+FLA 0.6's kernels take no slot indices: they read their initial states from, and write their final
+states to, tensors with one state per sequence. So a step moves each sequence's recurrent state three
+times per layer — gathered from the pool, through the kernel, written back — where a kernel that
+reads and writes the pool by slot would move it once (vLLM and SGLang carry such a fork of this
+kernel). Nothing else is copied: the dtype casts are no-ops for the float32 pool.
 """
 
 from __future__ import annotations
