@@ -1,27 +1,25 @@
 """`vlmrun caption` vs a plain HF transformers loop: images/s captioning a folder of JPEGs on CPU.
 
 Both sides caption the same N JPEG files (photo-like sizes 96..448 px a side, any aspect ratio)
-from disk with the same random-weight Qwen3-VL checkpoint (bench_cpu_vs_hf.build_checkpoint) and
+from disk with the same random-weight Qwen3-VL checkpoint (bench.common.build_checkpoint) and
 generate exactly --max-tokens tokens per image (EOS ignored), greedy:
 
 - vlmrun: the caption job as the CLI runs it (`run_caption_job`: input walk, worker threads that
   decode and preprocess, the engine with continuous batching, JSONL records written and fsynced);
   timed from the first input to the last record (the engine load is not timed).
 - HF: for each batch of --hf-batch files in order: open + decode with PIL, HF's processor, one
-  left-padded batched `generate` (bench_cpu_vs_hf.run_hf); timed over all batches (the model load
+  left-padded batched `generate` (bench.common.run_hf); timed over all batches (the model load
   is not timed). A warm-up batch runs first.
 
 The median of --repeats alternating runs is reported.
 
-    python bench/bench_caption.py --images 128 --max-tokens 32 --repeats 3
+    python -m bench.bench_caption --images 128 --max-tokens 32 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,13 +27,9 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))  # run from a checkout: vlmrun, tests
-sys.path.insert(0, str(HERE))
-
-from bench_cpu_vs_hf import MAX_SIDE, build_checkpoint, run_hf  # noqa: E402
-
-PROMPT = "Describe the image in one sentence."
+from bench.common import (BENCH_MODEL, MAX_SIDE, PROMPT, add_threads_option, apply_threads, build_checkpoint,
+                          describe_cpu, run_hf)
+from testing.image_folders import write_images
 
 
 def run_vlmrun(model_dir: Path, folder: Path, out: Path, max_tokens: int, max_num_seqs: int) -> tuple[float, int]:
@@ -77,14 +71,10 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=32, help="images per HF generate call")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="vlmrun's concurrent requests")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None)
+    add_threads_option(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from testing.image_folders import write_images
-
-    print(f"device: CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"torch {torch.__version__}; Qwen3-VL random weights (text hidden 512, 6 layers; vision 256 x 4)")
+    apply_threads(args)
+    print(f"device: {describe_cpu()}; {BENCH_MODEL}")
     print(f"{args.images} JPEGs, 96..{MAX_SIDE} px sides, {args.max_tokens} tokens each; HF batch {args.hf_batch}, "
           f"vlmrun max_num_seqs {args.max_num_seqs}; median of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
 """torch.compile of the text decoder layers on the CPU, against the eager engine: is it worth it?
 
-Two engines on bench_cpu_vs_hf.py's checkpoint in one process; in one, every decoder layer's forward
+Two engines on the CPU bench checkpoint (bench/common.py) in one process; in one, every decoder layer's forward
 is `torch.compile(..., dynamic=True)` (inductor's C++ backend) with the attention call left eager
 (`torch.compiler.disable` on `Attention.forward`, so the paged-KV metadata never enters a graph).
 Both engines run unpacked linear weights (`linear_backend="torch"`): dynamo cannot trace oneDNN's
@@ -13,37 +13,33 @@ alternate on the same fresh requests. Prints requests/s (best and median) and wh
 tokens agree. An experiment, not an engine option: vlmrun does not compile its layers
 (BENCHMARKS.md says why).
 
-    python bench/bench_compile_layers.py --dtype bfloat16 --workload text --repeats 5
-    python bench/bench_compile_layers.py --dtype bfloat16 --workload text --repeats 5 --freezing
+    python -m bench.bench_compile_layers --dtype bfloat16 --workload text --repeats 5
+    python -m bench.bench_compile_layers --dtype bfloat16 --workload text --repeats 5 --freezing
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only, as in bench_cpu_vs_hf
-
-from bench.bench_cpu_vs_hf import build_checkpoint, make_requests  # noqa: E402
+from bench.common import WORKLOADS, build_checkpoint, generate_timed, hide_flash_linear_attention, make_requests
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--workload", default="text", choices=["uniform", "mixed", "text"])
+    parser.add_argument("--workload", default="text", choices=WORKLOADS)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--freezing", action="store_true",
                         help="inductor's freezing pass on the compiled side; the eager side packed (the default)")
     args = parser.parse_args()
-    from vlmrun import LLM, SamplingParams
+    hide_flash_linear_attention()
+    from vlmrun import LLM
     from vlmrun.layers.attention.base import Attention
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,12 +58,8 @@ def main() -> None:
             layer.forward = torch.compile(layer.forward, dynamic=True)
 
         def run(llm, seed: int) -> tuple[float, list[list[int]]]:
-            images, prompts, lengths = make_requests(args.requests, args.workload, seed, 32)
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-            requests = [{"prompt": p, "images": [i]} if i is not None else p for i, p in zip(images, prompts)]
-            start = time.perf_counter()
-            outs = llm.generate(requests, params, use_tqdm=False)
-            return time.perf_counter() - start, [o.token_ids for o in outs]
+            seconds, outs = generate_timed(llm, *make_requests(args.requests, args.workload, seed, 32))
+            return seconds, [o.token_ids for o in outs]
 
         for name, llm in llms.items():
             print(f"first run ({name}, compiling when compiled: {len(layers)} layers): {run(llm, 1000)[0]:.1f} s")

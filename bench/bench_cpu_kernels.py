@@ -1,7 +1,7 @@
 """The CPU fast path's kernels against what they replace, at the bench model's shapes, one process.
 
-bench_cpu_vs_hf.py's checkpoint (text hidden 512, 8 query / 4 KV heads of 64, page 16; vision
-hidden 256, 16x16x2 patches); milliseconds per call (mean of 30 after 3 warm-ups):
+The shapes of the CPU bench checkpoint (bench/common.py; text hidden 512, 8 query / 4 KV heads of 64,
+page 16; vision hidden 256, 16x16x2 patches); milliseconds per call (mean of 30 after 3 warm-ups):
 - linears: `F.linear` vs oneDNN-packed weights (`vlmrun.layers.linear.linear`), qkv / gate_up / down
   at decode (M = 32) and prefill (M = 2,496) sizes, with the largest relative difference;
 - page gather of a decode step's KV (32 sequences): advanced indexing (the torch backend's) vs
@@ -16,24 +16,20 @@ Packed linears are left out for a dtype this CPU's oneDNN cannot run (bf16 witho
 model's up to Qwen3-VL-2B's) at M = 1, 8, 32 and 256 rows, in microseconds (mean of 200 after 10
 warm-ups): where `cpu_kernels.PACK_THRESHOLD` comes from.
 
-    python bench/bench_cpu_kernels.py [--shapes]
+    python -m bench.bench_cpu_kernels [--shapes]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlmrun.layers.cpu_kernels import cpu_features  # noqa: E402
-from vlmrun.layers.linear import linear  # noqa: E402
-from vlmrun.layers.rotary import apply_rotary  # noqa: E402
+from vlmrun.layers.cpu_kernels import cpu_features
+from vlmrun.layers.linear import linear
+from vlmrun.layers.rotary import apply_rotary
 
 LINEARS = {"qkv": (1024, 512), "gate_up": (3072, 512), "down": (512, 1536)}  # (out, in)
 HEADS, KV_HEADS, HEAD_DIM, PAGE, SEQS = 8, 4, 64, 16, 32

@@ -1,13 +1,13 @@
 """vlmrun on the CPU with and without `keep_freed_memory` (glibc's malloc keeping freed blocks).
 
 The setting is process-wide, so each side runs in a process of its own, the two alternating
-(`--rounds` times each): bench_cpu_vs_hf.py's checkpoint and workloads, a warm-up run then
+(`--rounds` times each): the CPU bench checkpoint and workloads (bench/common.py), a warm-up run then
 `--repeats` timed runs per workload and dtype. Per side it prints requests/s (median of its
 processes' medians) and, per timed run, the minor page faults, the system CPU time (the kernel's:
 faulting memory in is counted there) and the process's whole CPU time (user + system, both
 threads; steadier than wall time on a shared machine) beside the wall time.
 
-    python bench/bench_cpu_malloc.py --dtypes float32 bfloat16 --workloads uniform mixed text
+    python -m bench.bench_cpu_malloc --dtypes float32 bfloat16 --workloads uniform mixed text
 """
 
 from __future__ import annotations
@@ -16,19 +16,16 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only, as in bench_cpu_vs_hf
+from bench.common import (DTYPES, WORKLOADS, VlmrunSide, build_checkpoint, hide_flash_linear_attention, make_requests,
+                          run_child)
 
 
 def run_side(keep: bool, dtypes: list[str], workloads: list[str], repeats: int) -> dict:
     """In this process: {"dtype workload": [rate, faults, sys s, user + sys s, wall s]} (the last four per run)."""
-    from bench.bench_cpu_vs_hf import VlmrunSide, build_checkpoint, make_requests
-
+    hide_flash_linear_attention()
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
@@ -50,9 +47,8 @@ def run_side(keep: bool, dtypes: list[str], workloads: list[str], repeats: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--workloads", nargs="+", default=["uniform", "mixed", "text"],
-                        choices=["uniform", "mixed", "text"])
+    parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2, help="processes per side, the sides alternating")
     parser.add_argument("--side", choices=["keep", "off"], help=argparse.SUPPRESS)  # one side, in a subprocess
@@ -63,10 +59,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"off": [], "keep": []}
     for _ in range(args.rounds):
         for side in runs:
-            out = subprocess.run([sys.executable, __file__, "--side", side, "--repeats", str(args.repeats),
-                                  "--dtypes", *args.dtypes, "--workloads", *args.workloads],
-                                 check=True, capture_output=True, text=True).stdout
-            runs[side].append(json.loads(out.strip().splitlines()[-1]))
+            runs[side].append(run_child(__spec__.name, ["--side", side, "--repeats", str(args.repeats),
+                                                        "--dtypes", *args.dtypes, "--workloads", *args.workloads]))
             print(f"{side}: " + "; ".join(f"{k} {v[0]:.2f} req/s" for k, v in runs[side][-1].items()), flush=True)
     print(f"vlmrun, keep_freed_memory=False (glibc's defaults) vs True, {args.rounds} processes each, "
           f"{args.repeats} timed runs per process:")

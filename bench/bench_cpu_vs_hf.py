@@ -32,120 +32,30 @@ adds vlmrun with that engine option as another side (an A/B of one option in the
 requests/s the model's linears allow at their best measured rates, everything else free), each
 side's share of it, and the issue's aims (2x HF, 1.5x vLLM) as shares of it.
 
-    python bench/bench_cpu_vs_hf.py --requests 32 --max-tokens 32 --repeats 3 --dtypes float32 bfloat16
-    python bench/bench_cpu_vs_hf.py --dtypes float32 bfloat16 --vllm-python /work/vllm-venv/bin/python --ceiling
-    python bench/bench_cpu_vs_hf.py --workloads uniform text --dtypes float32 bfloat16 --variant linear_backend=torch
+    python -m bench.bench_cpu_vs_hf --requests 32 --max-tokens 32 --repeats 3 --dtypes float32 bfloat16
+    python -m bench.bench_cpu_vs_hf --dtypes float32 bfloat16 --vllm-python /work/vllm-venv/bin/python --ceiling
+    python -m bench.bench_cpu_vs_hf --workloads uniform text --dtypes float32 bfloat16 --variant linear_backend=torch
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import os
-import platform
 import select
 import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout: vlmrun, tests
-# transformers binds its GDN layers to flash-linear-attention whenever `fla` imports, CPU tensors
-# included, where FLA's Triton kernels cannot run: on CPU both sides take their torch paths.
-sys.modules["fla"] = None  # type: ignore[assignment]
-
-
-MAX_SIDE = 448  # the image processor's max_pixels is MAX_SIDE**2
-
-
-def build_checkpoint(out_dir: Path) -> Path:
-    from transformers import AutoTokenizer, GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers import Qwen2VLImageProcessor  # the default (torchvision) class
-
-    from testing.tiny_models import build_tiny_tokenizer, reinit_weights, special_ids
-
-    build_tiny_tokenizer(out_dir)
-    tok = AutoTokenizer.from_pretrained(out_dir)
-    ids = special_ids(tok)
-    vocab = (len(tok) + 7) // 8 * 8
-    config = Qwen3VLConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=8192,
-                         rms_norm_eps=1e-6, pad_token_id=ids.endoftext,
-                         rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
-                                          "mrope_section": [12, 10, 10], "mrope_interleaved": True}),
-        vision_config=dict(depth=4, hidden_size=256, intermediate_size=1024, num_heads=4, out_hidden_size=512,
-                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=256,
-                           deepstack_visual_indexes=[1, 2]),
-        image_token_id=ids.image_pad, video_token_id=ids.video_pad, vision_start_token_id=ids.vision_start,
-        vision_end_token_id=ids.vision_end, tie_word_embeddings=False,
-        architectures=["Qwen3VLForConditionalGeneration"], dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = Qwen3VLForConditionalGeneration(config).eval()
-    reinit_weights(model, 0)
-    model.generation_config = GenerationConfig(eos_token_id=[ids.im_end, ids.endoftext], pad_token_id=ids.endoftext)
-    model.save_pretrained(out_dir)
-    factor = 32
-    Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=4 * factor**2,
-                             max_pixels=MAX_SIDE**2, image_mean=[0.5] * 3,
-                             image_std=[0.5] * 3).save_pretrained(out_dir)
-    return out_dir
-
-
-WORDS = ("the a red blue small large circle square left right middle picture of shape colour "
-         "describe what where how many there is are one two three near far above below").split()
-
-
-def make_requests(n: int, workload: str, seed: int, max_tokens: int) -> tuple[list, list[str], list[int]]:
-    """Per request: an image (None for text), a prompt, an output length (max/4..max for mixed)."""
-    rng = np.random.default_rng(seed + 7)
-    if workload == "mixed":
-        lengths = [int(x) for x in rng.integers(max_tokens // 4, max_tokens + 1, size=n)]
-    else:
-        lengths = [max_tokens] * n
-    if workload == "text":
-        prompts = [" ".join(rng.choice(WORDS, size=int(rng.integers(8, 97)))) for _ in range(n)]
-        return [None] * n, prompts, lengths
-    return make_images(n, workload, seed), [PROMPT] * n, lengths
-
-
-PROMPT = "Describe the image in one sentence."
-
-
-def make_images(n: int, workload: str, seed: int) -> list[Image.Image]:
-    rng = np.random.default_rng(seed)
-    sizes = []
-    for _ in range(n):
-        if workload == "uniform":
-            sizes.append((224, 224))
-        else:  # mixed: photo-like sizes, 96..448 px a side, landscape and portrait
-            sizes.append((int(rng.integers(96, MAX_SIDE + 1)), int(rng.integers(96, MAX_SIDE + 1))))
-    return [Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
-
-
-class VlmrunSide:
-    def __init__(self, model_dir, dtype: str, **engine_kwargs):
-        from vlmrun import LLM, SamplingParams
-
-        self.llm = LLM(str(model_dir) if model_dir else None, dtype=dtype, device="cpu", **engine_kwargs)
-        self.params_cls = SamplingParams
-
-    def run(self, images, prompts: list[str], lengths: list[int], ignore_eos: bool = True) -> tuple[float, int]:
-        params = [self.params_cls(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lengths]
-        requests = [{"prompt": p, "images": [img]} if img is not None else p for img, p in zip(images, prompts)]
-        start = time.perf_counter()
-        outs = self.llm.generate(requests, params, use_tqdm=False)
-        return time.perf_counter() - start, sum(len(o.token_ids) for o in outs)
+from bench.common import (BENCH_MODEL, DTYPES, WORKLOADS, VlmrunSide, add_threads_option, apply_threads,
+                          build_checkpoint, describe_cpu, engine_option, hide_flash_linear_attention, make_requests,
+                          run_hf)
 
 
 class HFSide:
@@ -278,38 +188,6 @@ def start_vllm(python: str, model_dir: Path, dtype: str, max_num_seqs: int) -> V
     return side
 
 
-def run_hf(ref, images, lengths: list[int], prompts, ignore_eos: bool = True) -> tuple[float, int]:
-    """HF as its users batch: the default processor once over the whole batch (chat template, left
-    padding), then one `generate`. The batch runs every row to the longest requested length (it
-    cannot retire rows early); only the tokens each request asked for are counted (all generated
-    tokens up to EOS with `ignore_eos=False`). `prompts` is one string or one per request."""
-    if isinstance(prompts, str):
-        prompts = [prompts] * len(images)
-    max_tokens = max(lengths)
-    msgs = [[{"role": "user", "content": ([{"type": "image", "image": img}] if img is not None else [])
-              + [{"type": "text", "text": p}]}] for img, p in zip(images, prompts)]
-    processor = ref.processor
-    start = time.perf_counter()  # HF's preprocessing is timed too, as vlmrun's is
-    texts = [processor.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in msgs]
-    pil = [img for img in images if img is not None]
-    inputs = processor(text=texts, images=pil or None, padding=True, padding_side="left", return_tensors="pt")
-    if pil:
-        inputs["pixel_values"] = inputs["pixel_values"].to(ref.model.dtype)
-    lengths_kw = {} if not ignore_eos else {"min_new_tokens": max_tokens}
-    with torch.no_grad():
-        out = ref.model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False, **lengths_kw)
-    elapsed = time.perf_counter() - start
-    width = inputs["input_ids"].shape[1]
-    if ignore_eos:
-        assert out.shape[1] - width == max_tokens
-        return elapsed, sum(lengths)
-    eos = set(ref.model.generation_config.eos_token_id or [])
-    produced = 0
-    for row in out[:, width:].tolist():
-        produced += next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-    return elapsed, produced
-
-
 def measure_alternating(sides: dict, make, repeats: int, **run_kwargs) -> dict[str, list[tuple[float, int]]]:
     """Warm each side up on inputs of seed 1000, then `repeats` rounds, the sides alternating, each
     round on fresh inputs (the same inputs for every side in a round)."""
@@ -376,7 +254,7 @@ def report_ceiling(ref, rates: dict[str, float], dtype: str, workload: str, args
     """The workload's GEMM ceiling on this machine (bench/roofline_cpu.py; the median over the timed
     runs' requests), each side's measured rate as a share of it, and the aims as shares of it.
     `gemm_timings` caches each GEMM shape's best time across the workloads of a run."""
-    from bench.roofline_cpu import ceiling
+    from bench.gemm_ceiling import ceiling
 
     results = [ceiling(ref.model, ref.processor, workload, getattr(torch, dtype), args.requests, args.max_tokens,
                        1001 + r, cache=gemm_timings) for r in range(args.repeats)]
@@ -391,25 +269,13 @@ def report_ceiling(ref, rates: dict[str, float], dtype: str, workload: str, args
             print(f"  aim {multiple:g}x {side} = {aim:.2f} req/s = {100 * aim / bound:.0f} % of the ceiling", flush=True)
 
 
-def engine_option(variant: str) -> dict[str, object]:
-    """"OPTION=VALUE" -> {OPTION: VALUE}, the value read as a Python literal when it is one (True, 4)."""
-    key, sep, value = variant.partition("=")
-    if not sep:
-        raise SystemExit(f"--variant {variant!r}: expected OPTION=VALUE")
-    try:
-        return {key: ast.literal_eval(value)}
-    except (ValueError, SyntaxError):
-        return {key: value}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workloads", nargs="*", default=["uniform", "mixed", "text"],
-                        choices=["uniform", "mixed", "text"])
-    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], choices=DTYPES)
     parser.add_argument("--default-model", action="store_true", help="also the bundled model's captioning rate")
     parser.add_argument("--variant", action="append", default=[], metavar="OPTION=VALUE",
                         help="also run vlmrun with this engine option as another side, e.g. "
@@ -418,15 +284,14 @@ def main() -> None:
     parser.add_argument("--ceiling", action="store_true",
                         help="also each workload's GEMM ceiling on this machine (bench/roofline_cpu.py) and "
                              "every side's share of it")
-    parser.add_argument("--threads", type=int, default=None)
+    add_threads_option(parser)
     parser.add_argument("--vllm-python", default=os.environ.get("VLMRUN_BENCH_VLLM_PYTHON") or None,
                         help="python of a virtual environment with vLLM's CPU build: adds vLLM as a side "
                              "(default: $VLMRUN_BENCH_VLLM_PYTHON, else no vLLM side)")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"device: CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
-          f"torch {torch.__version__}; Qwen3-VL random weights (text hidden 512, 6 layers; vision 256 x 4)")
+    apply_threads(args)
+    hide_flash_linear_attention()
+    print(f"device: {describe_cpu()}; {BENCH_MODEL}")
     gemm_timings: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))

@@ -24,7 +24,6 @@ import argparse
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 import traceback
@@ -36,9 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from vlmrun.cli_options import add_kernel_args, kernel_options  # noqa: E402
+from vlmrun.cli_options import add_kernel_args, kernel_options
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 PROMPT = "Describe the image."

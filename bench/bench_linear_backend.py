@@ -2,31 +2,28 @@
 (`vlmrun/layers/cpu_kernels.py`, `PACK_THRESHOLD`) gives against packing none or all.
 
 For each dtype, one engine per backend ("torch", "auto", and "onednn" where this CPU runs it) in one
-process (the bundled default model, or bench_cpu_vs_hf.py's random-weight Qwen3-VL with
+process (the bundled default model, or the CPU bench's random-weight Qwen3-VL, bench/common.py, with
 `--bench-model`), alternating rounds:
 a decode step's time at batch B = (time of B text requests generating N + 1 tokens - time of the
 same requests generating 1 token) / N, median over the rounds. Prints the CPU's model name and
 torch's view of it (ATen capability, oneDNN bf16) first.
 
-    python bench/bench_linear_backend.py [--batches 1 32] [--tokens 64] [--rounds 5] [--bench-model]
+    python -m bench.bench_linear_backend [--batches 1 32] [--tokens 64] [--rounds 5] [--bench-model]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only, as in bench_cpu_vs_hf
-
-from vlmrun import LLM, SamplingParams  # noqa: E402
-from vlmrun.layers.cpu_kernels import cpu_features  # noqa: E402
+from bench.common import build_checkpoint, hide_flash_linear_attention
+from vlmrun import LLM, SamplingParams
+from vlmrun.layers.cpu_kernels import cpu_features
 
 PROMPT = "Describe the picture of the red circle and the blue square."
 
@@ -55,15 +52,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bench-model", action="store_true",
-                        help="bench_cpu_vs_hf.py's random-weight Qwen3-VL (hidden 512) instead of the bundled model")
+                        help="the CPU bench's random-weight Qwen3-VL (hidden 512) instead of the bundled model")
     args = parser.parse_args()
+    hide_flash_linear_attention()
 
     features = cpu_features()
     print(f"CPU: {features.describe()}; {torch.get_num_threads()} threads, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = None
         if args.bench_model:
-            from bench.bench_cpu_vs_hf import build_checkpoint
             model = str(build_checkpoint(Path(tmp)))
         for dtype in (torch.float32, torch.bfloat16):
             name = str(dtype).removeprefix("torch.")

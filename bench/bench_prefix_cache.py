@@ -8,7 +8,7 @@ token (arrival to first sampled token) is measured inside the engine. The same w
 with `enable_prefix_caching=True` and `False` on fresh engines, each warmed up on other images
 first; the median of --repeats runs is reported (hit counts are those of the timed runs).
 
-    python bench/bench_prefix_cache.py --conversations 4 --turns 4 --max-tokens 16
+    python -m bench.bench_prefix_cache --conversations 4 --turns 4 --max-tokens 16
 """
 
 from __future__ import annotations

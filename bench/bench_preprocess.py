@@ -6,27 +6,19 @@ pictures) with `processors.ImageProcessor` under Qwen3-VL's published preprocess
 each backend (resize + rescale/normalise + patchify + hash), best of --repeats alternating passes,
 with the command, date and machine.
 
-    python bench/bench_preprocess.py --images 32 --threads 2
+    python -m bench.bench_preprocess --images 32 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from vlmrun.processors import ImageProcessor  # noqa: E402
+from bench.common import add_threads_option, apply_threads, describe_run
+from vlmrun.processors import ImageProcessor
 
 QWEN3_VL_CONFIG = {"size": {"shortest_edge": 65536, "longest_edge": 16777216}, "patch_size": 16,
                    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
@@ -66,19 +58,16 @@ def images_per_second(processors: dict[str, ImageProcessor], images: list[Image.
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--images", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=2)
+    add_threads_option(parser, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_threads(args)
     images = make_images(args.images)
     processors = {b: ImageProcessor.from_dict(QWEN3_VL_CONFIG, b) for b in ("torchvision", "pil")}
     rates = images_per_second(processors, images, args.repeats)
     import torchvision
 
-    command = "python bench/bench_preprocess.py " + " ".join(sys.argv[1:])
-    print(f"`{command}` | {datetime.date.today()} | {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}, "
-          f"torchvision {torchvision.__version__} | {args.images} photos 333x500..1279x719, Qwen3-VL config: "
+    print(f"{describe_run(__spec__.name)}, torchvision {torchvision.__version__} | {args.images} photos 333x500..1279x719, Qwen3-VL config: "
           f"torchvision {rates['torchvision']:.1f} images/s, PIL {rates['pil']:.1f} images/s "
           f"({rates['torchvision'] / rates['pil']:.2f}x)")
 

@@ -6,7 +6,7 @@ threads each send, back to back, a chat request with `--images` JPEGs of `--mega
 URIs (decoded and resized on the server); while they run, the small request is timed again. Prints
 median and worst latencies, idle and beside the heavy load, and their ratio; and the CPU's name.
 
-    python bench/bench_server_fairness.py [--heavy-clients 4] [--images 4] [--megapixels 12] [--small 20]
+    python -m bench.bench_server_fairness [--heavy-clients 4] [--images 4] [--megapixels 12] [--small 20]
 """
 
 from __future__ import annotations
@@ -15,24 +15,20 @@ import argparse
 import base64
 import io
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only
-
-from vlmrun.config import EngineConfig  # noqa: E402
-from vlmrun.engine.async_engine import AsyncEngine  # noqa: E402
-from vlmrun.engine.engine import Engine  # noqa: E402
-from vlmrun.layers.cpu_kernels import cpu_features  # noqa: E402
-from vlmrun.server.launch import serve_in_thread  # noqa: E402
-from vlmrun.server.settings import ServerSettings  # noqa: E402
+from bench.common import hide_flash_linear_attention
+from vlmrun.config import EngineConfig
+from vlmrun.engine.async_engine import AsyncEngine
+from vlmrun.engine.engine import Engine
+from vlmrun.layers.cpu_kernels import cpu_features
+from vlmrun.server.launch import serve_in_thread
+from vlmrun.server.settings import ServerSettings
 
 SMALL = {"model": "m", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": "Say hi."}]}
 
@@ -64,6 +60,7 @@ def main() -> None:
     parser.add_argument("--megapixels", type=float, default=12.0)
     parser.add_argument("--small", type=int, default=20, help="small requests timed, idle and under load")
     args = parser.parse_args()
+    hide_flash_linear_attention()
 
     print(f"CPU: {cpu_features().describe()}", flush=True)
     engine = AsyncEngine(Engine(EngineConfig(dtype="float32", device="cpu"))).start()

@@ -13,9 +13,9 @@ scene's canonical caption), asked for JSON (`DESCRIBE_JSON_PROMPT`) and constrai
 `vlmrun.shape_scenes.SCENE_SCHEMA` (the object must equal the scene's), and constrained to the model's
 own caption language (`caption_grammar`), then parsed into the same objects (`caption_objects`).
 
-    python bench/bench_structured.py throughput --requests 32 --max-tokens 64 --repeats 3
-    python bench/bench_structured.py accuracy --scenes 300
-    python bench/bench_structured.py mask --vocab 151936 --batch 32
+    python -m bench.bench_structured throughput --requests 32 --max-tokens 64 --repeats 3
+    python -m bench.bench_structured accuracy --scenes 300
+    python -m bench.bench_structured mask --vocab 151936 --batch 32
 
 mask: the sampler alone at a real Qwen vocabulary: one greedy step of --batch rows with 0 / 50 /
 100 % grammar rows (a stand-in grammar that allows every other token; xgrammar's own bitmask fill
@@ -28,19 +28,15 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from testing.scene_drawing import render_scene  # noqa: E402
-from testing.scene_splits import eval_scenes  # noqa: E402
-from vlmrun import LLM, SamplingParams  # noqa: E402
-from vlmrun.shape_scenes import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, caption_grammar,  # noqa: E402
-                                 caption_objects, scene_objects)
+from testing.scene_drawing import render_scene
+from testing.scene_splits import eval_scenes
+from vlmrun import LLM, SamplingParams
+from vlmrun.shape_scenes import (DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, SCENE_SCHEMA, caption_grammar, caption_objects,
+                                 scene_objects)
 
 ENDLESS_SCHEMA = {"type": "array", "minItems": 100, "items": SCENE_SCHEMA["properties"]["shapes"]["items"]}
 

@@ -7,30 +7,25 @@ pixel bounds over all frames) and Qwen2.5-VL (asked for 2 frames/s, as qwen-vl-u
 default; per-frame bounds) and prints one line: sampled frames/s and clip seconds per second of
 each, best of --repeats passes, with the command, date and machine.
 
-    python bench/bench_video.py --threads 2
+    python -m bench.bench_video --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
-
-from vlmrun.processors import ProcessorLimits  # noqa: E402
-from vlmrun.processors.video_io import video_decoder  # noqa: E402
-from vlmrun.processors.video_config import VideoProcessorConfig  # noqa: E402
-from vlmrun.processors.video_processor import VideoOptions, VideoProcessor  # noqa: E402
+from bench.common import add_threads_option, apply_threads, describe_run
+from vlmrun.processors import ProcessorLimits
+from vlmrun.processors.video_config import VideoProcessorConfig
+from vlmrun.processors.video_io import video_decoder
+from vlmrun.processors.video_processor import VideoOptions, VideoProcessor
 
 CONFIGS = {
     "Qwen3-VL": ({"size": {"shortest_edge": 4096, "longest_edge": 25165824}, "patch_size": 16, "fps": 2,
@@ -53,9 +48,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    add_threads_option(parser, default=torch.get_num_threads())
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_threads(args)
     if video_decoder() is None:
         raise SystemExit("no video decoder (install FFmpeg + torchcodec, or PyAV)")
     with tempfile.TemporaryDirectory() as tmp:
@@ -73,10 +68,7 @@ def main() -> None:
             height, width = video.size
             results.append(f"{name}: {frames} frames resized to {width}x{height} in {best:.2f} s = "
                            f"{frames / best:.1f} frames/s ({args.seconds / best:.1f} clip s/s)")
-    command = "python bench/bench_video.py " + " ".join(sys.argv[1:])
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} torch threads, torch {torch.__version__}, "
-               f"decoder {video_decoder()}")
-    print(f"`{command.strip()}` | {datetime.date.today()} | {machine} | {args.seconds} s 1280x720 30 frames/s H.264: "
+    print(f"{describe_run(__spec__.name)}, decoder {video_decoder()} | {args.seconds} s 1280x720 30 frames/s H.264: "
           + "; ".join(results))
 
 

@@ -6,20 +6,19 @@ request's outcome (its token count, or the error that refused it). Cases: a 32-f
 with `nframes` 32; a 9-frame 64x48 clip asked for `min_pixels` 13,000,000 (about 63,500 video tokens,
 under the 65,536 limit) and 20,000,000 (over it).
 
-    python bench/bench_video_memory.py
+    python -m bench.bench_video_memory
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import run_child
+from testing.videos import write_video
 
 CASES = [("big", {"nframes": 32}), ("small", {"min_pixels": 13_000_000}), ("small", {"min_pixels": 20_000_000})]
 
@@ -45,18 +44,18 @@ def measure(small: str, clip: str, options: dict) -> dict:
 
 
 def main() -> None:
-    if len(sys.argv) == 4:  # a child: small clip, clip, options
-        print(json.dumps(measure(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # one case, in a subprocess: small clip, clip, options
+    args = parser.parse_args()
+    if args.child:
+        small, clip, options = args.child
+        print(json.dumps(measure(small, clip, json.loads(options))))
         return
-    from testing.videos import write_video
-
     with tempfile.TemporaryDirectory() as tmp:
         clips = {"small": str(write_video(Path(tmp) / "small.mp4", 9, 48, 64, 3.0, seed=0)),
                  "big": str(write_video(Path(tmp) / "big.mp4", 32, 2048, 2048, 8.0, seed=1))}
         for name, options in CASES:
-            run = subprocess.run([sys.executable, __file__, clips["small"], clips[name], json.dumps(options)],
-                                 capture_output=True, text=True, cwd=ROOT, check=True)
-            result = json.loads(run.stdout.strip().splitlines()[-1])
+            result = run_child(__spec__.name, ["--child", clips["small"], clips[name], json.dumps(options)])
             print(f"{name} clip {options}: peak growth {result['peak_growth_mb']:7.1f} MB; {result['outcome']}",
                   flush=True)
 

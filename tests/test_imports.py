@@ -1,12 +1,20 @@
-"""Imports run downward and never in a circle: a walk over the source of `vlmrun/`, `processors/`, `web/`.
+"""What may import what: a walk over the source of the package and of the checkout's other folders.
 
-`processors/` and `web/` install as `vlmrun.processors` and `vlmrun.web` (pyproject's package-dir), so
-their modules are named that way here.
+Inside the installed package (`vlmrun/`, `processors/`, `web/`), imports run downward and never in a
+circle. `processors/` and `web/` install as `vlmrun.processors` and `vlmrun.web` (pyproject's
+package-dir), so their modules are named that way here. The floors, top to bottom
+(docs/architecture.md): api / cli / server / web / jobs / ray -> engine -> executor -> models,
+multimodal -> layers, cache -> processors, loader, config, forward_batch. A module may import modules
+of its own floor and of any floor below, never of a floor above. Neither modules nor the parts of the
+table (`FLOORS`' keys: a package or a module) may import each other in a circle.
 
-The floors, top to bottom (docs/architecture.md): api / cli / server / web / jobs / ray -> engine ->
-executor -> models, multimodal -> layers, cache -> processors, loader, config, forward_batch. A module
-may import modules of its own floor and of any floor below, never of a floor above. Neither modules
-nor the parts of the table (`FLOORS`' keys: a package or a module) may import each other in a circle.
+Beside it, the checkout holds folders that are never installed (`MAY_IMPORT`): the package imports
+none of them; `testing/` (what tests, benchmarks and training share) imports only the package;
+`bench/` and `training/` import the package and `testing/`, never `tests/` and never each other;
+`tests/` imports anything. A script is a module of `bench/` or `training/` with an
+`if __name__ == "__main__":` block (run as `python -m bench.NAME`): no module of those folders imports
+one, so scripts share code only through modules that are not scripts (`bench.common`); a test may
+import a script to check its functions. No module edits `sys.path`.
 
 The source is parsed with `ast`, nothing is imported, and every import statement counts: at module
 level, inside functions (lazy imports) and under `if TYPE_CHECKING`. Imports by string
@@ -22,6 +30,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = {"vlmrun": "vlmrun", "vlmrun.processors": "processors", "vlmrun.web": "web"}  # name -> folder, as pyproject ships them
+CHECKOUT = {"testing": "testing", "bench": "bench", "training": "training", "tests": "tests"}  # never installed
+
+# Top-level name -> the top-level names its modules may import (vlmrun: the installed package, all of it).
+MAY_IMPORT: dict[str, set[str]] = {
+    "vlmrun": {"vlmrun"},
+    "testing": {"vlmrun", "testing"},
+    "bench": {"vlmrun", "testing", "bench"},
+    "training": {"vlmrun", "testing", "training"},
+    "tests": {"vlmrun", "testing", "bench", "training", "tests"},
+}
+SCRIPT_FOLDERS = ("bench", "training")  # where a module with a __main__ block is a script, imported by no module there
 
 # Module prefix -> floor (higher floors import lower ones). A key covers that module and everything
 # under it; the longest key wins. A module under no other key falls under "vlmrun": the top floor,
@@ -202,6 +221,47 @@ def violations(root: Path, packages: dict[str, str], floors: dict[str, int]) -> 
     return upward_imports(edges, floors) + import_cycles(edges, floors)
 
 
+def is_script(tree: ast.Module) -> bool:
+    """Whether a module has a top-level `if __name__ == "__main__":` block."""
+    for node in tree.body:
+        test = node.test if isinstance(node, ast.If) else None
+        if (isinstance(test, ast.Compare) and isinstance(test.left, ast.Name) and test.left.id == "__name__"
+                and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)):
+            return True
+    return False
+
+
+def edits_sys_path(tree: ast.Module) -> int | None:
+    """The line of the first `sys.path` attribute in a module (an insert, an append, an assignment), or None."""
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr == "path" and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"):
+            return node.lineno
+    return None
+
+
+def checkout_violations(root: Path, packages: dict[str, str], may_import: dict[str, set[str]],
+                        script_folders: tuple[str, ...]) -> list[str]:
+    """Imports across the checkout's top-level folders that `may_import` forbids, imports of a script
+    by a module of `script_folders`, and `sys.path` edits."""
+    modules = module_files(root, packages)
+    trees = {name: ast.parse(path.read_text(encoding="utf-8"), filename=str(path)) for name, path in modules.items()}
+    scripts = {name for name, tree in trees.items() if name.split(".")[0] in script_folders and is_script(tree)}
+    found = []
+    for e in import_graph(root, packages):
+        source, target = e.source.split(".")[0], e.target.split(".")[0]
+        if target not in may_import[source]:
+            found.append(f"{e.source} imports {e.target} at {e.where()}: {source} may import only "
+                         f"{', '.join(sorted(may_import[source]))}")
+        elif e.target in scripts and source in script_folders:
+            found.append(f"{e.source} imports the script {e.target} at {e.where()}: share code through a module "
+                         "that is no script")
+    for name, tree in trees.items():
+        if (line := edits_sys_path(tree)) is not None:
+            found.append(f"{name} edits sys.path at {modules[name].relative_to(root)}:{line}")
+    return found
+
+
 # ------------------------------------------------------------------------------------ the tests
 
 
@@ -244,6 +304,53 @@ def test_the_walk_catches_upward_imports_and_cycles(tmp_path: Path) -> None:
     ]
     _write(tmp_path, {"pkg/low/base.py": "import os\n", "pkg/mid/b.py": "x = 1\n", "pkg/side.py": "y = 2\n"})
     assert violations(tmp_path, {"pkg": "pkg"}, floors) == []
+
+
+def test_the_checkout_folders_import_only_what_they_may() -> None:
+    found = checkout_violations(REPO, {**PACKAGES, **CHECKOUT}, MAY_IMPORT, SCRIPT_FOLDERS)
+    assert not found, f"{len(found)} import rule violation(s):\n" + "\n".join(found)
+
+
+def test_the_walk_catches_imports_across_folders_script_imports_and_path_edits(tmp_path: Path) -> None:
+    """A fake checkout: the package importing testing lazily, testing importing bench, a script importing
+    another script and training, training importing a script and tests, a sys.path edit; and the imports
+    that are allowed (bench.common from a script and from a test, training and a script from a test)."""
+    _write(tmp_path, {
+        "vlmrun/__init__.py": "",
+        "vlmrun/core.py": "def f():\n    from testing.fixtures import x\n",
+        "testing/__init__.py": "",
+        "testing/fixtures.py": "import vlmrun.core\nfrom bench.common import timer\n",
+        "bench/__init__.py": "",
+        "bench/common.py": "from vlmrun import core\nfrom testing import fixtures\n",
+        "bench/one.py": "from bench.common import timer\nfrom bench.two import main\nimport training.recipe\n"
+                        "if __name__ == '__main__':\n    main()\n",
+        "bench/two.py": "import sys\nsys.path.insert(0, '.')\n\ndef main():\n    pass\n\n"
+                        "if __name__ == '__main__':\n    main()\n",
+        "training/__init__.py": "",
+        "training/recipe.py": "from tests.helpers import h\nfrom training import run\n",
+        "training/run.py": "if __name__ == '__main__':\n    pass\n",
+        "tests/__init__.py": "",
+        "tests/helpers.py": "h = 1\n",
+        "tests/test_it.py": "from bench.common import timer\nfrom training import recipe\nfrom bench import one\n",
+    })
+    folders = {name: name for name in MAY_IMPORT}
+    found = checkout_violations(tmp_path, folders, MAY_IMPORT, SCRIPT_FOLDERS)
+    assert found == [
+        "vlmrun.core imports testing.fixtures at vlmrun/core.py:2: vlmrun may import only vlmrun",
+        "testing.fixtures imports bench.common at testing/fixtures.py:2: testing may import only testing, vlmrun",
+        "bench.one imports the script bench.two at bench/one.py:2: share code through a module that is no script",
+        "bench.one imports training.recipe at bench/one.py:3: bench may import only bench, testing, vlmrun",
+        "training.recipe imports tests.helpers at training/recipe.py:1: training may import only testing, training, "
+        "vlmrun",
+        "training.recipe imports the script training.run at training/recipe.py:2: share code through a module that "
+        "is no script",
+        "bench.two edits sys.path at bench/two.py:2",
+    ]
+    _write(tmp_path, {"vlmrun/core.py": "x = 1\n", "testing/fixtures.py": "import vlmrun.core\n",
+                      "bench/one.py": "from bench.common import timer\nif __name__ == '__main__':\n    pass\n",
+                      "bench/two.py": "if __name__ == '__main__':\n    pass\n", "training/recipe.py": "y = 2\n",
+                      "tests/test_it.py": "from bench.common import timer\nfrom training import recipe\nfrom bench import one\n"})
+    assert checkout_violations(tmp_path, folders, MAY_IMPORT, SCRIPT_FOLDERS) == []
 
 
 def test_model_files_never_import_each_other() -> None:

@@ -40,7 +40,7 @@ def test_no_json_share_draws_stage_one_tasks_and_a_share_replaces_questions_only
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "training" / "train_default_model.py"), *args],
+    return subprocess.run([sys.executable, "-m", "training.train_default_model", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -27,6 +27,7 @@ SPLIT_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+RESUME_FILE = "resume_state.pt"  # a training run's snapshot in its output folder, deleted when training ends
 TOKENIZER_SCENES = 2000  # scenes whose text trains the BPE (more add no new words)
 BPE_MAX_VOCAB = 1024  # an upper bound: merging stops once every word is a single token
 

@@ -1,4 +1,4 @@
-"""Write a few generator scenes to assets/images (`python training/make_scene_assets.py`).
+"""Write a few generator scenes to assets/images (`python -m training.make_scene_assets`).
 
 Files are named `scene_s{split}_i{index}.png` so anyone can rebuild the scene (and its caption)
 with `vlmrun.shape_scenes.scene_from_file(path)`. They come from split ASSET_SEED, which neither
@@ -8,12 +8,10 @@ training nor the held-out evaluation uses.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from vlmrun.shape_scenes import make_scene, scene_file_name  # noqa: E402
+from testing.scene_drawing import render_scene
+from vlmrun.shape_scenes import make_scene, scene_file_name
 
 ASSET_SEED = 2
 ASSET_INDICES = (0, 1, 2, 3, 8, 10)

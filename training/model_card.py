@@ -88,7 +88,7 @@ of stage one, {json_pct} % JSON answers, {json_caption_pct} % captions and {100 
 ## Training
 
 ```bash
-python training/train_default_model.py --out assets/model/{MODEL_DIR_NAME}
+python -m training.train_default_model --out assets/model/{MODEL_DIR_NAME}
 ```
 
 Stage one:

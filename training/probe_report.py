@@ -1,4 +1,4 @@
-"""What the vision tower has learned so far: `python training/probe_report.py DIR [--scenes N]`.
+"""What the vision tower has learned so far: `python -m training.probe_report DIR [--scenes N]`.
 
 DIR is a training output directory holding a snapshot (`resume_state.pt`, written every 250 steps
 while training runs; copy it aside to keep one from a given step). The snapshot's vision probe
@@ -11,20 +11,16 @@ read either.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from vlmrun.processors import Processor  # noqa: E402
-from training.aux_targets import HEADS, AuxProbe, cell_labels  # noqa: E402
-from training.checkpoint_files import ModelSize, build_config  # noqa: E402
-from training.train_default_model import RESUME_FILE  # noqa: E402
-from testing.scene_drawing import render_scene_with_masks  # noqa: E402
-from testing.scene_splits import EVAL_SEED, eval_scenes  # noqa: E402
-from vlmrun.shape_scenes import DESCRIBE_PROMPT, SHAPES  # noqa: E402
+from testing.scene_drawing import render_scene_with_masks
+from testing.scene_splits import EVAL_SEED, eval_scenes
+from training.aux_targets import HEADS, AuxProbe, cell_labels
+from training.checkpoint_files import RESUME_FILE, ModelSize, build_config
+from vlmrun.processors import Processor
+from vlmrun.shape_scenes import DESCRIBE_PROMPT, SHAPES
 
 
 @torch.no_grad()

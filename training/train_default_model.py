@@ -1,4 +1,4 @@
-"""Train the bundled default model from scratch: `python training/train_default_model.py --out DIR`.
+"""Train the bundled default model from scratch: `python -m training.train_default_model --out DIR`.
 
 Two stages, one command, fixed seeds, a deterministic data order. Stage one (`Recipe`): scene k of the
 training split (seed `testing.scene_splits.TRAIN_SEED`) is example k, so step s sees scenes s*B .. s*B+B-1,
@@ -28,27 +28,24 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # HF runs its GDN layers on flash-linear-attention whenever `fla` imports (the CUDA extra), even on CPU
 # tensors where its Triton kernels cannot run: training is HF's torch path.
 sys.modules["fla"] = None  # type: ignore[assignment]
 
 import torch  # noqa: E402
 
-from vlmrun.processors import Processor  # noqa: E402
-from training.checkpoint_files import (  # noqa: E402
-    ModelSize, build_config, generation_config, write_preprocessor_config, write_tokenizer,
-)
+from testing.scene_splits import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
 from training.aux_targets import AuxProbe  # noqa: E402
+from training.checkpoint_files import (  # noqa: E402
+    RESUME_FILE, ModelSize, build_config, generation_config, write_preprocessor_config, write_tokenizer,
+)
 from training.data import IGNORE, collate, training_batch  # noqa: E402
 from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
 from training.fast_ops import linear_patch_embed, restore_patch_embed, short_gdn_chunks  # noqa: E402
 from training.model_card import write_model_card  # noqa: E402
-from testing.scene_splits import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
+from vlmrun.processors import Processor  # noqa: E402
 
-
-RESUME_FILE = "resume_state.pt"  # written every SNAPSHOT_EVERY steps, deleted when training ends
-SNAPSHOT_EVERY = 250
+SNAPSHOT_EVERY = 250  # steps between snapshots (RESUME_FILE)
 
 
 @dataclass(frozen=True)
