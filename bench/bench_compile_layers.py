@@ -26,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from bench.common import WORKLOADS, build_checkpoint, generate_timed, hide_flash_linear_attention, make_requests
+from bench.common import DTYPES, WORKLOADS, build_checkpoint, generate_timed, hide_flash_linear_attention, make_requests
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)
     parser.add_argument("--workload", default="text", choices=WORKLOADS)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)

@@ -45,7 +45,8 @@ def measure(small: str, clip: str, options: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # one case, in a subprocess: small clip, clip, options
+    # one case, in a subprocess: the small clip, the clip, the options as JSON
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         small, clip, options = args.child

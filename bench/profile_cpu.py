@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import (WORKLOADS, build_checkpoint, engine_option, generate_timed, hide_flash_linear_attention,
-                          make_requests)
+from bench.common import (DTYPES, WORKLOADS, build_checkpoint, engine_option, generate_timed,
+                          hide_flash_linear_attention, make_requests)
 
 
 class PhaseTimer:
@@ -48,7 +48,7 @@ class PhaseTimer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--enforce-eager", action="store_true")

@@ -349,7 +349,8 @@ def test_the_walk_catches_imports_across_folders_script_imports_and_path_edits(t
     _write(tmp_path, {"vlmrun/core.py": "x = 1\n", "testing/fixtures.py": "import vlmrun.core\n",
                       "bench/one.py": "from bench.common import timer\nif __name__ == '__main__':\n    pass\n",
                       "bench/two.py": "if __name__ == '__main__':\n    pass\n", "training/recipe.py": "y = 2\n",
-                      "tests/test_it.py": "from bench.common import timer\nfrom training import recipe\nfrom bench import one\n"})
+                      "tests/test_it.py": "from bench.common import timer\nfrom training import recipe\n"
+                                          "from bench import one\n"})
     assert checkout_violations(tmp_path, folders, MAY_IMPORT, SCRIPT_FOLDERS) == []
 
 
