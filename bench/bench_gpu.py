@@ -13,9 +13,11 @@ Three figures per model, both sides measured in the same run, bf16:
 HF is driven as its users run it: `AutoProcessor` with the checkpoint's default image processor
 (the torchvision `Qwen2VLImageProcessor`), `apply_chat_template(..., tokenize=True)` on the whole
 batch (left padding), one `generate` call, SDPA attention; flash-linear-attention is used by HF's
-Qwen3.5 layers when it is installed. vlmrun runs `LLM.generate` with its defaults on CUDA.
+Qwen3.5 layers when it is installed. vlmrun runs `LLM.generate` with its defaults on CUDA (or the
+kernels the command line names), and as the side `vlmrun-fast` with the CUDA fast path (FlashInfer,
+flash-linear-attention, decode CUDA graphs) over them.
 
-    python bench/bench_gpu.py --models qwen3_vl_2b qwen3_5_27b_4l --out bench_gpu.jsonl
+    python -m bench.bench_gpu --models qwen3_vl_2b qwen3_5_27b_4l --out bench_gpu.jsonl
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from vlmrun.cli_options import add_kernel_args, kernel_options
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 PROMPT = "Describe the image."
+SIDES = ("vlmrun", "vlmrun-fast", "HF")
+FAST_KERNELS = {"attention_backend": "flashinfer", "gdn_backend": "fla"}  # the vlmrun-fast side's, over the command line's
 # name: (published config file, text layers kept or None for all)
 MODELS: dict[str, tuple[str, int | None]] = {
     "qwen3_vl_2b": ("Qwen3-VL-2B-Instruct.json", None),
@@ -251,17 +255,24 @@ SECTIONS: dict[str, Callable[[Any, Seeds, argparse.Namespace], dict]] = {
 }
 
 
+def side_kernels(side_name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """A vlmrun side's engine options: the command line's kernels, with the fast path's over them for vlmrun-fast."""
+    options = kernel_options(args)
+    return {**options, **FAST_KERNELS} if side_name == "vlmrun-fast" else options
+
+
 def bench_model(name: str, args, bandwidth: float, log) -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         model_dir = build_checkpoint(name, Path(tmp), args.configs, args.layers, args.device)
         for side_name in args.sides:
             seeds = Seeds()
             row: dict[str, Any] = {"model": name, "side": side_name}
-            if side_name == "vlmrun":
-                row.update(kernel_options(args))
+            is_vlmrun = side_name != "HF"
+            if is_vlmrun:
+                row.update(side_kernels(side_name, args))
             try:
-                side = (VlmrunSide(model_dir, args.cache_gib << 30, args.device, kernel_options(args))
-                        if side_name == "vlmrun"
+                side = (VlmrunSide(model_dir, args.cache_gib << 30, args.device, side_kernels(side_name, args))
+                        if is_vlmrun
                         else HFSide(model_dir, args.device))
                 for what, measure in SECTIONS.items():
                     if what not in args.sections:
@@ -271,7 +282,7 @@ def bench_model(name: str, args, bandwidth: float, log) -> None:
                     except Exception:  # one failed section must not lose the others
                         row[f"{what}_error"] = traceback.format_exc(limit=6)
                         print(row[f"{what}_error"], flush=True)
-                if side_name == "vlmrun" and "decode_step_ms" in row:
+                if is_vlmrun and "decode_step_ms" in row:
                     context = 230 + args.decode_tokens // 2  # ~ prompt (448^2 image) + half the outputs
                     step_bytes = side.decode_bytes_per_step(context)
                     floor_s = step_bytes / bandwidth
@@ -290,7 +301,7 @@ def bench_model(name: str, args, bandwidth: float, log) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--sides", nargs="+", default=["vlmrun", "HF"], choices=["vlmrun", "HF"])
+    parser.add_argument("--sides", nargs="+", default=["vlmrun", "HF"], choices=list(SIDES))
     parser.add_argument("--sections", nargs="+", default=["ttft", "decode", "caption"],
                         choices=list(SECTIONS))
     parser.add_argument("--configs", type=Path, default=CONFIGS)
