@@ -7,6 +7,9 @@ layers (one or two, with at least one full-attention and one GDN layer for hybri
 blocks and experts. The vocabulary is the tests' tiny tokenizer (special token ids remapped), the
 images are kept small by the preprocessor config (4 to 64 merged tokens). Weights are re-initialised
 as the tiny checkpoints are (`testing.tiny_models.reinit_weights`) and saved as float32 safetensors.
+`REAL_SHAPES` are small enough for the CPU parity suite; `LARGE_REAL_SHAPES` (the dense hybrid
+Qwen3.5-27B) serve the GPU tests only. `FAMILY` names the tiny architecture each one widens, for
+helpers keyed by architecture (the parity cases, the hybrid-only ones).
 """
 
 from __future__ import annotations
