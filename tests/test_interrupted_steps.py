@@ -25,10 +25,10 @@ def greedy(max_tokens: int = 6) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
 
 
-def make_llm(model_dir) -> LLM:
+def make_llm(model_dir, async_scheduling: bool = False) -> LLM:
     # 16-token chunks and pages, a snapshot every 32 tokens: the prompt runs in several prefill chunks
     return LLM(str(model_dir), dtype="float32", device="cpu", max_num_batched_tokens=16, page_size=16,
-               prefix_snapshot_interval=32, gdn_prefix_snapshots=8, max_num_seqs=4)
+               prefix_snapshot_interval=32, gdn_prefix_snapshots=8, max_num_seqs=4, async_scheduling=async_scheduling)
 
 
 class InterruptAt:
@@ -65,11 +65,14 @@ def same_output(a, b) -> None:
         assert x.keys() == y.keys() and max(abs(x[t] - y[t]) for t in x) < 1e-5
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("boom")], ids=["ctrl-c", "exception"])
 @pytest.mark.parametrize("call", [1, 2, 3, 7])  # first chunk, later prefill chunks, a decode step
-def test_an_interrupted_step_poisons_nothing(qwen3_5_dir, error, call):
+def test_an_interrupted_step_poisons_nothing(qwen3_5_dir, error, call, async_scheduling):
+    """Under async scheduling the step that raises runs on the engine's worker thread while the next
+    one may already be launched: both are waited for and their requests aborted."""
     reference = make_llm(qwen3_5_dir).generate([PROMPT], greedy(), use_tqdm=False)[0]
-    llm = make_llm(qwen3_5_dir)
+    llm = make_llm(qwen3_5_dir, async_scheduling)
     InterruptAt(first_gdn_layer(llm), call, error)
     with pytest.raises(type(error)):
         llm.generate([PROMPT, PROMPT + " Twice."], greedy(), use_tqdm=False)
@@ -79,12 +82,13 @@ def test_an_interrupted_step_poisons_nothing(qwen3_5_dir, error, call):
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("call", [2, 3])
-def test_an_engine_step_that_raises_aborts_its_requests(qwen3_5_dir, call):
+def test_an_engine_step_that_raises_aborts_its_requests(qwen3_5_dir, call, async_scheduling):
     """The engine alone (no LLM call around it to clean up): the interrupted request is gone, the
     engine goes on, and a later identical prompt computes (or hits the cache) exactly."""
     reference = make_llm(qwen3_5_dir).generate([PROMPT], greedy(), use_tqdm=False)[0]
-    llm = make_llm(qwen3_5_dir)
+    llm = make_llm(qwen3_5_dir, async_scheduling)
     engine = llm.engine
     engine.add_request("victim", engine.process(PROMPT), greedy())
     InterruptAt(first_gdn_layer(llm), call, KeyboardInterrupt())

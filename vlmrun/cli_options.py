@@ -1,5 +1,5 @@
-"""Command-line options every engine-running command shares (`serve`, `web`, `caption`): kernels
-and the image backend.
+"""Command-line options every engine-running command shares (`serve`, `web`, `caption`): kernels,
+async scheduling and the image backend.
 
 Kept free of torch so that parsing a command line stays fast.
 """
@@ -18,6 +18,9 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="no decode padding to batch-size buckets and no CUDA graphs (default: eager on the "
                         "CPU only; --no-enforce-eager pads on the CPU too)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="plan and launch each step while the one before runs; its tokens reach the host one "
+                        "step later (same tokens as without; off by default)")
     p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
                    help="dense linears' GEMMs: onednn packs the weights once (auto: on the CPU)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
@@ -30,5 +33,5 @@ def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields `add_kernel_args` set."""
     return {"attention_backend": args.attention_backend, "gdn_backend": args.gdn_backend,
             "linear_backend": args.linear_backend, "enforce_eager": args.enforce_eager,
-            "image_backend": args.image_backend,
+            "async_scheduling": args.async_scheduling, "image_backend": args.image_backend,
             "preprocess_device": args.preprocess_device}

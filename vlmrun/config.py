@@ -41,6 +41,10 @@ class EngineConfig:
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
     # add work; bench/bench_decode_padding.py). `eager_decode(device)` resolves it.
     enforce_eager: Optional[bool] = None
+    # Async scheduling (vLLM's name): the engine plans and launches step N+1 while step N runs; step N's
+    # sampled ids stay on the device and reach the host one step later (executor/overlap.py). Tokens
+    # equal the synchronous engine's. Off by default until measured to pay on a device.
+    async_scheduling: bool = False
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
     # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device
     # ("cuda"): decoded on the host and uploaded as uint8; the pixels equal the CPU path's.

@@ -129,6 +129,12 @@ class SamplingParams:
         return self.stop
 
     @property
+    def penalizes(self) -> bool:
+        """True when sampling reads the request's token history (a repetition, presence or frequency
+        penalty other than the neutral one)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def gates_reasoning(self) -> bool:
         """True when the engine tracks `<think>…</think>` for this request: its constraint holds only
         after the reasoning, or its reasoning has a token budget."""

@@ -38,12 +38,13 @@ from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.outputs import RequestResult, RequestUpdate
-from vlmrun.engine.request import Request
-from vlmrun.engine.scheduler import Scheduler
+from vlmrun.engine.request import Request, RequestStatus
+from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
 from vlmrun.executor.build import build_model_runner
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
 from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.overlap import OverlappedRunner
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
@@ -52,6 +53,14 @@ from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LaunchedChunks:
+    """A launched step: its chunks, and the executor's handle to collect it by."""
+
+    chunks: list[ScheduledChunk]
+    handle: Any
 
 
 @dataclass(frozen=True)
@@ -103,18 +112,23 @@ class Engine:
         self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
+        self._in_flight: Optional[LaunchedChunks] = None  # async scheduling: launched, not yet collected
 
     def _build_executor(self) -> Executor:
         """One device: the model, its caches and the runner here. Tensor parallel: rank processes (or
         Ray actors), each with its shard."""
         config = self.config
         if config.tensor_parallel_size > 1:
+            if config.async_scheduling:
+                raise ValueError("async_scheduling is not built for tensor_parallel_size > 1 yet (the ranks would "
+                                 "need rank 0's sampled ids and seeded generators between steps); leave it off")
             return create_parallel_executor(config, self.model_config, self.device)
         model = load_model(self.model_config, self.device)
         dtype = self.model_config.dtype
         caches = build_caches(model.cache_shape(), config, dtype=dtype, max_model_len=self.model_config.max_model_len,
                               device=self.device)
-        return build_model_runner(model, caches, config, self.device, dtype)
+        runner = build_model_runner(model, caches, config, self.device, dtype)
+        return OverlappedRunner(runner) if config.async_scheduling else runner
 
     def shutdown(self) -> None:
         """End the tensor-parallel rank processes (nothing to do on one device)."""
@@ -253,37 +267,78 @@ class Engine:
             self._streams.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestUpdate]:
-        chunks, too_long = self.scheduler.schedule()
-        updates = [self._finish(req, "length") for req in too_long]
-        if not chunks:
-            return updates
+        """Plan and launch one step, then read the tokens of a launched one: that step itself, or with
+        `async_scheduling` the step the previous call launched, which ran while this call planned
+        (so the device does not wait for the host's planning and bookkeeping)."""
+        updates: list[RequestUpdate] = []
+        uncollected = [] if self._in_flight is None else [self._in_flight]
+        self._in_flight = None
         try:
-            results = self.runner.execute([c.to_input() for c in chunks])
-            now = time.monotonic()
-            for chunk, sampled in zip(chunks, results):
-                req = chunk.request
-                req.num_computed_tokens = chunk.end
-                self.scheduler.commit(req)  # index new full pages (and snapshot GDN state) before a finish frees them
-                if sampled is not None:
-                    if req.first_token_time is None:
-                        req.first_token_time = now
-                    updates.append(self._append_token(req, sampled))
+            launched = self._launch(updates)
+            if launched is not None:
+                uncollected.append(launched)
+            if self.config.async_scheduling and launched is not None:
+                self._in_flight = uncollected.pop()
+            if uncollected:
+                updates += self._collect(uncollected[0])
         except BaseException:
-            self._drop_interrupted(chunks)
+            self._drop_interrupted(uncollected + ([self._in_flight] if self._in_flight is not None else []))
             raise
         return updates
 
-    def _drop_interrupted(self, chunks: list[Any]) -> None:
+    def _launch(self, updates: list[RequestUpdate]) -> Optional[LaunchedChunks]:
+        chunks, too_long = self.scheduler.schedule()
+        updates += [self._finish(req, "length") for req in too_long]
+        if not chunks:
+            return None
+        try:
+            handle = self.runner.launch([c.to_input() for c in chunks])
+        except BaseException:
+            self._drop_interrupted([LaunchedChunks(chunks, None)])
+            raise
+        for c in chunks:
+            c.request.num_computed_tokens = c.end
+            c.request.num_launched_steps += 1
+            c.request.num_pending_tokens += c.samples
+        return LaunchedChunks(chunks, handle)
+
+    def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
+        results = self.runner.collect(step.handle)
+        now = time.monotonic()
+        updates = []
+        for chunk, sampled in zip(step.chunks, results):
+            req = chunk.request
+            req.num_launched_steps -= 1
+            req.num_pending_tokens -= sampled is not None
+            if req.status is RequestStatus.FINISHED:  # finished or aborted while this step ran: its token goes
+                continue
+            if req.status is RequestStatus.RUNNING:  # (not when preempted meanwhile: its pages are gone)
+                self.scheduler.commit(req, chunk.end)  # index new full pages (and snapshot GDN state) first
+            if sampled is not None:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                updates.append(self._append_token(req, sampled))
+        return updates
+
+    def _drop_interrupted(self, steps: list[LaunchedChunks]) -> None:
         """A step that raised (an error, a KeyboardInterrupt) mid-way may have advanced some layers' GDN
-        state in place, or committed some requests and not others: its requests are aborted, so nothing
-        later reads their KV pages, GDN slots or grammar state, and no snapshot is taken of them."""
-        for chunk in chunks:
-            self.abort(chunk.request.request_id)
+        state in place, or committed some requests and not others: the requests of every launched,
+        uncollected step are aborted, so nothing later reads their KV pages, GDN slots or grammar
+        state, and no snapshot is taken of them. A step still running is waited for first."""
+        self._in_flight = None
+        for step in steps:
+            if step.handle is not None:
+                try:
+                    self.runner.collect(step.handle)
+                except BaseException:  # noqa: BLE001 - its requests are dropped either way
+                    pass
+            for chunk in step.chunks:
+                self.abort(chunk.request.request_id)
 
     def _append_token(self, req: Request, sampled: SampledToken) -> RequestUpdate:
         req.output_token_ids.append(sampled.token_id)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import torch
 
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 
@@ -33,7 +34,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Async scheduling: launched steps of this request not collected yet (0 when synchronous, between
+    # steps), and the tokens they sample that the host does not have yet (0 or 1)
+    num_launched_steps: int = 0
+    num_pending_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache, or is being computed by a launched step
     req_pool_idx: Optional[int] = None  # row in ReqToTokenPool while running
     pages: list[int] = field(default_factory=list)  # KV pages held (owned or shared via the prefix cache), in token order
     # Prefix cache: chained keys of the prompt's full pages (empty when caching is off), how many of
@@ -55,14 +60,28 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + len(self.output_token_ids)
+        """Prompt + output tokens, counting those still on the device (async scheduling)."""
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end); a token still on the device is PLACEHOLDER_TOKEN (the runner reads it there)."""
         prompt = self.prompt.token_ids
         if end <= len(prompt):
             return prompt[start:end]
         out_start = max(start - len(prompt), 0)
-        return prompt[start:] + self.output_token_ids[out_start:end - len(prompt)]
+        known = prompt[start:] + self.output_token_ids[out_start:end - len(prompt)]
+        return known + [PLACEHOLDER_TOKEN] * (end - start - len(known))
+
+    def sampling_outputs(self) -> list[int]:
+        """The output ids as the sampler sees them: a placeholder for each still on the device, so that
+        `min_tokens` counts it (rows that read the ids themselves wait for them: `Scheduler.must_wait`)."""
+        if not self.num_pending_tokens:
+            return self.output_token_ids
+        return self.output_token_ids + [PLACEHOLDER_TOKEN] * self.num_pending_tokens
 
     def positions_slice(self, start: int, end: int) -> torch.Tensor:
         """M-RoPE positions [3, end - start]: precomputed for the prompt, `i + delta` after it."""

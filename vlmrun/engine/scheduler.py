@@ -56,7 +56,7 @@ class ScheduledChunk:
         """What the model runner needs of this chunk."""
         req = self.request
         overlaps_prompt = req.prompt.mm_items and self.start < req.num_prompt_tokens
-        sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator,
+        sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.sampling_outputs(), req.generator,
                                 req.eos_token_ids, req.sampling_grammar) if self.samples else None)
         return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=req.token_ids_slice(self.start, self.end),
                           positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
@@ -71,6 +71,7 @@ class Scheduler:
         self.gdn_pool = caches.gdn_pool
         self.page_size = caches.allocator.page_size
         self.max_num_seqs = caches.plan.max_num_seqs
+        self.max_model_len = caches.plan.max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -108,8 +109,13 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if self.must_wait(req):
+                i += 1
+                continue
             n = self._chunk_len(req, budget)
             if not self._grow_or_preempt(req, req.num_computed_tokens + n):
+                if len(self.running) == 1 and req.num_launched_steps:  # too long? decided with all its tokens known
+                    break
                 if len(self.running) == 1:  # alone and still no room: the pool is too small for it
                     self.running.remove(req)
                     too_long.append(req)
@@ -125,6 +131,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.num_launched_steps:  # preempted while a launched step runs it: recompute once that is collected
+                break
             row = self.req_pool.alloc()
             if row is None:
                 break
@@ -144,6 +152,23 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, admitted=True))
             budget -= n
         return chunks, too_long
+
+    def must_wait(self, req: Request) -> bool:
+        """Async scheduling: a request whose last token is still on the device (a launched step is
+        sampling it) runs on with a placeholder for it, unless its next step needs that token on the
+        host first: its grammar must accept it before the next mask; its penalties count it; it ends
+        the request by length; or its chunk ended at a GDN snapshot point (the snapshot is taken when
+        the step is collected, so its slot must not move on before)."""
+        if not req.num_launched_steps:  # nothing of it is running (always so when synchronous)
+            return False
+        if self.cut_at_snapshots and self.is_snapshot_point(req, req.num_computed_tokens):
+            return True
+        if not req.num_pending_tokens:  # a prompt chunk is running: the next one follows it
+            return False
+        params = req.sampling_params
+        return (req.grammar is not None or params.penalizes
+                or (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
+                or req.num_tokens >= self.max_model_len)
 
     # ------------------------------------------------------------------ cache bookkeeping
 
@@ -229,17 +254,17 @@ class Scheduler:
             return False
         return boundary == len(req.page_keys) * self.page_size or boundary % self.snapshot_interval == 0
 
-    def commit(self, req: Request) -> None:
-        """After a step computed `req` up to `num_computed_tokens`: index its new full prompt pages,
-        and snapshot its GDN state when the step ended at a snapshot point (hybrid models)."""
+    def commit(self, req: Request, end: int) -> None:
+        """After a step computed `req` up to `end`: index its new full prompt pages, and snapshot its
+        GDN state when the step ended at a snapshot point (hybrid models). (Under async scheduling a
+        later step of `req` may already be launched; `must_wait` kept it from moving the GDN slot.)"""
         cache = self.prefix_cache
         if cache is None or not req.page_keys:
             return
-        done = min(req.num_computed_tokens // self.page_size, len(req.page_keys))
+        done = min(end // self.page_size, len(req.page_keys))
         for j in range(req.num_indexed_pages, done):
             cache.insert(req.page_keys[j], req.pages[j])
         req.num_indexed_pages = max(req.num_indexed_pages, done)
-        end = req.num_computed_tokens
         if cache.snapshots is not None and self.is_snapshot_point(req, end):
             cache.save_snapshot(req.pages[end // self.page_size - 1], gdn_slot_for_row(req.req_pool_idx))
 

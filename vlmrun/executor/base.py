@@ -1,8 +1,10 @@
 """The executor interface: what the engine drives, whatever runs the model.
 
-Three executors implement it: `ModelRunner` (the model on this process's device),
-`TensorParallelExecutor` (one process per rank, `distributed.py`) and `RayExecutor` (one Ray actor
-per rank, `ray_executor.py`). The engine holds one as `Engine.runner` and never asks which.
+Four executors implement it: `ModelRunner` (the model on this process's device), `OverlappedRunner`
+(the same under async scheduling, `overlap.py`), `TensorParallelExecutor` (one process per rank,
+`distributed.py`) and `RayExecutor` (one Ray actor per rank, `ray_executor.py`). The engine holds
+one as `Engine.runner` and never asks which. `execute(chunks)` is `collect(launch(chunks))`; the
+engine launches a step and, under async scheduling, collects the one before it afterwards.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ class Executor(Protocol):
 
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         """Run one step: per chunk, its sampled token, or None for a chunk that does not sample."""
+        ...
+
+    def launch(self, chunks: list[ChunkInput]) -> Any:
+        """Start one step (the cache writes the scheduler made for it go first); a handle for `collect`."""
+        ...
+
+    def collect(self, handle: Any) -> list[Optional[SampledToken]]:
+        """Wait for a launched step: what `execute` returns. Steps are collected in launch order."""
         ...
 
     def make_generator(self, seed: int) -> Any:

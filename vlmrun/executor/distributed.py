@@ -7,9 +7,9 @@ smallest budget (every rank holds the same pages and slots, each with its share 
 logs that per-rank plan, and sends it to the ranks. The driver's own `caches` are stand-ins
 (`vlmrun.cache.shadow`) that keep the scheduler's bookkeeping and record its writes.
 
-`execute(chunks)` is the `ModelRunner.execute` of a single device: it pickles the step once (the
-recorded cache ops, the chunks, the seeded requests' generator states), sends those bytes to every
-rank and waits for rank 0's samples. While it waits it watches every rank: a rank that raised (its
+`execute(chunks)` is the `ModelRunner.execute` of a single device: `launch` pickles the step once
+(the recorded cache ops, the chunks, the seeded requests' generators), sends those bytes to every
+rank, and `collect` waits for rank 0's samples. While it waits it watches every rank: a rank that raised (its
 traceback comes back) or died (its exit code) stops the engine at once with `RankFailure`, and
 every rank process is ended. `shutdown()` (also run when the executor is garbage-collected)
 stops the ranks and waits for them to exit.
@@ -74,8 +74,16 @@ class TensorParallelExecutor:
 
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         """Runs the chunks on every rank; returns rank 0's samples (as `ModelRunner.execute`)."""
+        return self.collect(self.launch(chunks))
+
+    def launch(self, chunks: list[ChunkInput]) -> StepMessage:
+        """Send the step (with the cache writes recorded since the last one) to every rank."""
         step = StepMessage(chunks, self._cache_ops.drain())
         self._send(step.message)
+        return step
+
+    def collect(self, step: StepMessage) -> list[Optional[SampledToken]]:
+        """Rank 0's samples of `step`; the seeded requests' generators advance."""
         _, results, states = self._receive(0, "result")
         step.advance_generators(states)
         return results

@@ -4,9 +4,11 @@ The runner owns the model, the attention backend and the vision stage. It reads 
 engine built (`vlmrun.cache.plan.Caches`) and writes none of their bookkeeping: the scheduler has
 written the page table and zeroed fresh GDN slots before the step, and the attention backends
 write K/V and GDN state as the model runs. It returns the sampled token (and logprobs) of every
-chunk that reaches its request's last known token. The one device→host sync of a step is the
-`.tolist()` of the sampled ids. On CUDA the step's inputs go up from pinned host memory with
-non-blocking copies. Decode steps go through `PaddedDecodeRunner` (padded to a batch-size bucket,
+chunk that reaches its request's last known token. A step is `launch` (all the work; on CUDA it
+returns once the work is queued) then `collect` (the sampled ids on the host: the step's one
+device→host sync); `execute` is both. Sampled ids also stay on the device, per page-table row
+(`last_tokens`), where a later step reads a token the host does not have yet (`PLACEHOLDER_TOKEN`,
+async scheduling). On CUDA the step's inputs go up from pinned host memory with non-blocking copies. Decode steps go through `PaddedDecodeRunner` (padded to a batch-size bucket,
 from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
 """
 
@@ -21,10 +23,11 @@ from torch import nn
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.plan import Caches
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
-from vlmrun.executor.step_input import ChunkInput
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
+from vlmrun.layers.sampler_output import SamplerOutput
 from vlmrun.layers.sampling_batch import SamplingBatch
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 
@@ -33,6 +36,14 @@ from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 class SampledToken:
     token_id: int
     logprobs: Optional[dict[int, float]]
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose work is queued (on CUDA) or done (on the CPU); `ModelRunner.collect` reads it."""
+
+    samples: list[bool]  # per chunk: it samples a token
+    output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
 
 
 class ModelRunner:
@@ -46,6 +57,9 @@ class ModelRunner:
         self.device = device
         self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
         self.sampler = Sampler()
+        # the last token sampled for each page-table row (the dummy row included): a step's
+        # PLACEHOLDER_TOKEN inputs are read from here, on the device
+        self.last_tokens = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64, device=device)
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A seeded request's own generator, on the device its noise is drawn on."""
@@ -54,20 +68,36 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to end: the model runs in this process."""
 
-    @torch.inference_mode()
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         """Runs the chunks; returns, per chunk, its sampled token or None for a mid-prompt chunk."""
+        return self.collect(self.launch(chunks))
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[ChunkInput]) -> LaunchedStep:
+        """Everything of a step but reading its tokens: on CUDA it returns once the work is queued
+        (sampled ids stay on the device, in `last_tokens`, and start their copy to the host)."""
         fb = self.build_forward_batch(chunks)
         self.embed_images(fb, chunks)
         hidden = self.forward(fb)  # [num_tokens, hidden]
+        samples = [c.sampling is not None for c in chunks]
         rows = [c.sampling for c in chunks if c.sampling is not None]
         if not rows:
-            return [None] * len(chunks)
+            return LaunchedStep(samples, None)
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled, vocab] float32
         batch = SamplingBatch.build(rows, logits.shape[-1], device=self.device)
-        host = self.sampler.sample(logits, batch).to_host()  # the step's one device→host sync
+        output = self.sampler.sample(logits, batch)
+        sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None], dtype=torch.int64))
+        self.last_tokens[sampled_rows] = output.token_ids
+        output.start_transfer()
+        return LaunchedStep(samples, output)
+
+    def collect(self, step: LaunchedStep) -> list[Optional[SampledToken]]:
+        """The step's sampled tokens on the host: the step's one device→host sync."""
+        if step.output is None:
+            return [None] * len(step.samples)
+        host = step.output.to_host()
         sampled = iter(zip(host.token_ids, host.logprobs))
-        return [SampledToken(*next(sampled)) if c.sampling is not None else None for c in chunks]
+        return [SampledToken(*next(sampled)) if s else None for s in step.samples]
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model over the step's tokens -> hidden states [num_tokens, hidden]."""
@@ -90,7 +120,7 @@ class ModelRunner:
         up = self.upload
         fb = ForwardBatch(
             mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
-            input_ids=up(torch.tensor(input_ids, dtype=torch.int64)),
+            input_ids=self.fill_placeholders(up(torch.tensor(input_ids, dtype=torch.int64)), chunks),
             positions=up(torch.cat([c.positions for c in chunks], dim=1)),
             req_pool_indices=up(torch.tensor([c.row for c in chunks], dtype=torch.int64)),
             seq_lens=up(torch.tensor(seq_lens, dtype=torch.int64)),
@@ -107,6 +137,20 @@ class ModelRunner:
             slots = [gdn_slot_for_row(c.row) for c in chunks]
             fb.state_slots = up(torch.tensor(slots, dtype=torch.int64))  # [batch]
         return fb
+
+    def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput]) -> torch.Tensor:
+        """`input_ids` [num_tokens] with each PLACEHOLDER_TOKEN replaced, on the device, by the last token
+        sampled for its chunk's row (async scheduling: a chunk's last token may not have reached the host)."""
+        where, rows, offset = [], [], 0
+        for c in chunks:
+            if c.token_ids[-1] == PLACEHOLDER_TOKEN:
+                where.append(offset + c.num_tokens - 1)
+                rows.append(c.row)
+            offset += c.num_tokens
+        if where:
+            up = self.upload
+            input_ids[up(torch.tensor(where, dtype=torch.int64))] = self.last_tokens[up(torch.tensor(rows, dtype=torch.int64))]
+        return input_ids
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device: from pinned memory without blocking on CUDA (the caching host

@@ -73,8 +73,7 @@ def _wire_sampling(row: SamplingRow) -> SamplingRow:
     `min_tokens` outputs (enough to tell whether min_tokens still holds)."""
     params = row.params
     prompt = row.prompt_token_ids if params.repetition_penalty != 1.0 else ()
-    penalized = params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-    output = row.output_token_ids if penalized else row.output_token_ids[:params.min_tokens]
+    output = row.output_token_ids if params.penalizes else row.output_token_ids[:params.min_tokens]
     return row._replace(prompt_token_ids=list(prompt), output_token_ids=list(output), generator=None,
                         grammar=None if row.grammar is None else row.grammar.filled())
 

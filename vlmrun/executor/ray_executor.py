@@ -98,13 +98,21 @@ class RayExecutor:
                     "rank's", self.size, self.placement_group.id.hex())
 
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+        return self.collect(self.launch(chunks))
+
+    def launch(self, chunks: list[ChunkInput]) -> tuple[StepMessage, list]:
+        """Put the step in Ray's object store once and start every rank's `execute` on it."""
         import ray
 
         if not self._finalizer.alive:
             raise RankFailure("the tensor-parallel executor is shut down")
         step = StepMessage(chunks, self._cache_ops.drain())
         payload = ray.put(pickle.dumps(step.message, protocol=pickle.HIGHEST_PROTOCOL))  # once for every rank
-        _, results, states = self._get([a.execute.remote(payload) for a in self.actors])[0]
+        return step, [a.execute.remote(payload) for a in self.actors]
+
+    def collect(self, launched: tuple[StepMessage, list]) -> list[Optional[SampledToken]]:
+        step, refs = launched
+        _, results, states = self._get(refs)[0]
         step.advance_generators(states)
         return results
 

@@ -16,11 +16,14 @@ import torch
 from vlmrun.layers.sampling_batch import SamplingRow
 
 
+PLACEHOLDER_TOKEN = -1  # in `ChunkInput.token_ids`: the token a launched step samples for this row (async scheduling)
+
+
 @dataclass
 class ChunkInput:
     row: int  # the request's ReqToTokenPool row (its GDN slot is gdn_slot_for_row(row))
     start: int  # tokens of the request already in the cache
-    token_ids: list[int]  # tokens fed this step
+    token_ids: list[int]  # tokens fed this step; the last may be PLACEHOLDER_TOKEN, read on the device
     positions: torch.Tensor  # [3, num_tokens] int64 M-RoPE positions of the fed tokens (CPU)
     kv_slots: torch.Tensor  # [num_tokens] int64 KV slots the fed tokens write (CPU)
     mm_items: Sequence  # processors.MMItem of the request's prompt when the chunk overlaps it, else ()

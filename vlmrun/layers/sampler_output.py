@@ -3,7 +3,8 @@
 `gather_logprobs` picks, for the rows that asked, the top-`logprobs` raw logprobs and the chosen
 token's (tensors, no sync). `SamplerOutput.to_host()` is the step's single device→host sync: token
 ids and all logprobs travel in one transfer; the caller (model runner) does it once per step.
-`SamplerOutput.logprobs` calls it (cached).
+`start_transfer()` starts that copy without waiting (async scheduling: the host reads it one step
+later). `SamplerOutput.logprobs` calls `to_host` (cached).
 """
 
 from __future__ import annotations
@@ -35,12 +36,32 @@ class SamplerOutput:
     chosen_logprobs: Optional[Tensor] = None  # [batch] float32, raw logprob of the chosen token
     top_logprobs: Optional[Tensor] = None  # [batch, max_k] float32, descending
     top_token_ids: Optional[Tensor] = None  # [batch, max_k] int64
+    _in_transit: Optional[tuple[Tensor, Optional[torch.cuda.Event]]] = field(default=None, repr=False)
     _host: Optional[HostSamplerOutput] = field(default=None, repr=False)
+
+    def start_transfer(self) -> None:
+        """Start the copy of everything to the host, without waiting for it (on CUDA: into pinned
+        memory, behind the step's kernels, with an event to wait on). Idempotent."""
+        if self._in_transit is not None or self._host is not None:
+            return
+        packed = self._pack()
+        if packed.device.type != "cuda":
+            self._in_transit = (packed, None)
+            return
+        host = packed.to("cpu", non_blocking=True)  # pinned: the copy runs after the step's kernels
+        done = torch.cuda.Event()
+        done.record()
+        self._in_transit = (host, done)
 
     def to_host(self) -> HostSamplerOutput:
         """The one device→host sync: token ids and logprobs travel in a single transfer."""
         if self._host is None:
-            self._host = self._transfer()
+            self.start_transfer()
+            packed, done = self._in_transit
+            if done is not None:
+                done.synchronize()
+            self._host = self._unpack(packed.tolist())
+            self._in_transit = None
         return self._host
 
     @property
@@ -48,15 +69,19 @@ class SamplerOutput:
         """Per row: {token id: raw logprob} for the top-k tokens and the chosen one, or None."""
         return self.to_host().logprobs
 
-    def _transfer(self) -> HostSamplerOutput:
+    def _pack(self) -> Tensor:
+        """[batch] token ids, or with logprobs [batch, 2 + 2k] float64 rows (float64 holds every token id
+        and float32 logprob exactly): chosen id, chosen logprob, top ids, top logprobs."""
         if self.chosen_logprobs is None:
-            ids = self.token_ids.tolist()
-            return HostSamplerOutput(ids, [None] * len(ids))
+            return self.token_ids
         parts = [self.token_ids.view(-1, 1), self.chosen_logprobs.view(-1, 1)]
         if self.top_logprobs is not None:
             parts += [self.top_token_ids, self.top_logprobs]
-        # float64 holds every token id and float32 logprob exactly.
-        packed = torch.cat([p.to(torch.float64) for p in parts], dim=1).tolist()  # [batch, 2 + 2k]
+        return torch.cat([p.to(torch.float64) for p in parts], dim=1)
+
+    def _unpack(self, packed: list) -> HostSamplerOutput:
+        if self.chosen_logprobs is None:
+            return HostSamplerOutput(packed, [None] * len(packed))
         k_max = 0 if self.top_logprobs is None else self.top_logprobs.shape[1]
         ids = [int(row[0]) for row in packed]
         dicts = [_logprob_dict(row, k, k_max) for row, k in zip(packed, self.num_logprobs)]

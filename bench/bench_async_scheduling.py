@@ -1,0 +1,120 @@
+"""Async scheduling off and on, on the CPU: the host's gap between forwards, decode tokens/s, captions/s.
+
+Two engines over the bundled default model (`vlmrun-shapes-qwen3_5`, float32), `async_scheduling`
+False and True, in one process, run alternately (--rounds times each, the median reported):
+
+- **gap**: from the end of one step's model forward to the start of the next step's, the host work
+  on the critical path (reading the sampled tokens, detokenizing, stop checks, scheduling, building
+  the next batch), as a median over the decode steps and as a share of the median step (forward
+  start to forward start). Timestamps are taken around `ModelRunner.forward`.
+- **decode tokens/s** at batch 1 and 64: short text prompts, --max-tokens tokens each (EOS ignored),
+  greedy; output tokens over the wall time of the `LLM.generate` call.
+- **captions/s**: the caption pipeline (`vlmrun.jobs.pipeline`, as `vlmrun caption` runs it) over
+  --scenes generated shape scenes, the model's own caption prompt, greedy.
+
+    python -m bench.bench_async_scheduling --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable
+
+from bench.common import describe_run
+from testing.scene_drawing import render_scene
+from vlmrun import LLM, SamplingParams
+from vlmrun.jobs.inputs import JobItem
+from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
+from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
+
+PROMPTS = ["Describe the picture.", "What shape is on the left?", "Count the shapes.", "Name the colours."]
+
+
+class ForwardClock:
+    """Start and end times of every forward of a runner (patched on the instance)."""
+
+    def __init__(self, runner) -> None:
+        self.spans: list[tuple[float, float]] = []
+        self._forward: Callable = runner.forward
+        runner.forward = self.forward
+
+    def forward(self, fb):
+        start = time.perf_counter()
+        out = self._forward(fb)
+        self.spans.append((start, time.perf_counter()))
+        return out
+
+    def gap_and_step(self) -> tuple[float, float]:
+        """Medians of (next start - end) and (next start - start) over consecutive forwards."""
+        pairs = list(zip(self.spans, self.spans[1:]))
+        return (statistics.median(b[0] - a[1] for a, b in pairs), statistics.median(b[0] - a[0] for a, b in pairs))
+
+
+def model_runner(llm: LLM):
+    runner = llm.engine.runner
+    return getattr(runner, "runner", runner)  # OverlappedRunner wraps the ModelRunner
+
+
+def decode(llm: LLM, batch: int, max_tokens: int) -> dict[str, float]:
+    """tokens/s and the forward gap for `batch` requests decoding `max_tokens` tokens each."""
+    clock = ForwardClock(model_runner(llm))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    clock.spans = clock.spans[2:]  # the prompt's step(s) out: decode steps only
+    gap, step = clock.gap_and_step()
+    del model_runner(llm).forward  # the class's forward again
+    return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "gap_ms": gap * 1e3, "step_ms": step * 1e3}
+
+
+def caption(llm: LLM, images: list) -> float:
+    """Captions/s of the caption pipeline over `images` (PIL images, given as job items)."""
+    items = [JobItem(key=f"scene-{i}", source=image) for i, image in enumerate(images)]
+    options = PipelineOptions(DESCRIBE_PROMPT, SamplingParams(temperature=0.0, max_tokens=48), "bench")
+    done = []
+    start = time.perf_counter()
+    CaptionPipeline(llm.engine, options).run(iter(items), lambda item, record: done.append(record.error))
+    seconds = time.perf_counter() - start
+    assert len(done) == len(images) and not any(done), done[:3]
+    return len(images) / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--scenes", type=int, default=256)
+    args = parser.parse_args()
+    engines = {mode: LLM(dtype="float32", device="cpu", async_scheduling=mode) for mode in (False, True)}
+    images = [render_scene(make_scene(7, i)) for i in range(args.scenes)]
+    results: dict[tuple[bool, str], list[dict[str, float]]] = {}
+    for mode in engines:  # warm-up: first calls pack weights and fault memory in
+        decode(engines[mode], 4, 8)
+    for r in range(args.rounds):
+        for mode in ((False, True) if r % 2 == 0 else (True, False)):
+            for batch in args.batches:
+                results.setdefault((mode, f"batch {batch}"), []).append(decode(engines[mode], batch, args.max_tokens))
+            results.setdefault((mode, "caption"), []).append({"img_s": caption(engines[mode], images)})
+    print(describe_run("bench.bench_async_scheduling"))
+    for key in sorted({k for _, k in results}, key=lambda k: (k == "caption", k)):
+        cells = []
+        for mode in (False, True):
+            runs = results[(mode, key)]
+            med = {m: statistics.median(run[m] for run in runs) for m in runs[0]}
+            if "img_s" in med:
+                cells.append(f"{'on' if mode else 'off'} {med['img_s']:.2f} captions/s")
+            else:
+                cells.append(f"{'on' if mode else 'off'} {med['tok_s']:.1f} tok/s, gap {med['gap_ms']:.2f} ms of "
+                             f"{med['step_ms']:.2f} ms ({med['gap_ms'] / med['step_ms']:.0%})")
+        print(f"{key}: " + "; ".join(cells), flush=True)
+    for llm in engines.values():
+        llm.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
