@@ -6,7 +6,8 @@ architecture runs one scenario both ways: a batch whose prompts are cut into chu
 included), preempted (a KV pool too small for the batch), prefix hits (GDN snapshots for the hybrid
 models), greedy, seeded and n > 1 requests, stop strings that finish requests mid-batch. One model
 runs the rows that must wait for their token (structured outputs, penalties, min_tokens), aborts of
-running requests and the padded decode path. After each run the pools are empty: nothing leaks.
+running requests, the padded decode path and tensor parallel (TP=2). After each run the pools are
+empty: nothing leaks.
 
 Why 2e-5 and not 1e-6: async scheduling changes the schedule (a finished request frees its slot one
 step later; a prompt's pages are indexed for prefix hits once their step is collected), and the
@@ -169,10 +170,12 @@ def test_aborts_while_a_step_runs(qwen3_5_dir):
         assert len(tokens[rid]) < len(ref.token_ids) and tokens[rid] == ref.token_ids[:len(tokens[rid])]
 
 
-def test_tensor_parallel_refuses_async_scheduling(qwen3_dir):
-    with pytest.raises(ValueError, match="async_scheduling is not built for tensor_parallel_size > 1"):
-        Engine(EngineConfig(model=str(qwen3_dir), **engine_options(qwen3_dir, async_scheduling=True,
-                                                                     tensor_parallel_size=2)))
+def test_tensor_parallel(qwen3_5_dir):
+    """TP=2: the driver sends step N+1 before it reads step N's result; every rank reads rank 0's
+    sampled tokens (a broadcast) for its placeholders; seeded generators live in the ranks."""
+    prompts, params = scenario(True)
+    sync, ahead = run_both(qwen3_5_dir, prompts, params, tensor_parallel_size=2)
+    assert_same(sync, ahead)
 
 
 def test_a_caption_job_with_async_scheduling_writes_the_same_captions(qwen3_vl_dir, tmp_path):

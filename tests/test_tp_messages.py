@@ -1,7 +1,8 @@
 """What a tensor-parallel step sends its ranks, and where the ranks run (no rank processes here).
 
 A step message carries compact tensors (a view pickles its whole storage), pixels on the CPU, of a
-request's history only what the sampler reads, and a seeded request's generator as plain CPU data.
+request's history only what the sampler reads, and a seeded request's generator as a key and a seed
+(the generators live in the ranks).
 Ray ranks take the GPU Ray gave them and a cluster that cannot hold them is an error, not a wait.
 """
 
@@ -13,9 +14,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from vlmrun.executor.ranks import RankFailure, RankGenerator, StepMessage
+from vlmrun.cache.plan import CachePlan
+from vlmrun.config import CacheShape
+from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerators
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.executor.worker import Worker
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.processors import MMItem
 from vlmrun.sampling_params import SamplingParams
@@ -33,17 +35,24 @@ def decode_chunk(params: SamplingParams, generator=None, outputs: int = 40) -> C
                       sampling=SamplingRow(params, prompt, output, generator, eos_token_ids=(2,)))
 
 
+def driver() -> DriverState:
+    shape = CacheShape(num_attention_layers=1, num_kv_heads=1, head_dim=8)
+    plan = CachePlan(num_pages=8, page_size=16, max_model_len=128, max_num_seqs=4, kv_bytes_per_token=32,
+                     gdn_bytes_per_request=0, num_gdn_slots=0)
+    return DriverState(shape, plan)
+
+
 def wire(chunk: ChunkInput) -> ChunkInput:
-    return StepMessage([chunk], []).message[2][0]
+    return driver().step_message([chunk])[2][0]
 
 
 def test_a_decode_step_message_is_small() -> None:
     chunk = decode_chunk(SamplingParams(max_tokens=8))
     assert len(pickle.dumps(chunk.positions)) > 700_000  # the view carries the whole [3, 32768] storage
-    message = StepMessage([chunk], [])
-    size = len(pickle.dumps(message.message, protocol=pickle.HIGHEST_PROTOCOL))
+    message = driver().step_message([chunk])
+    size = len(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
     assert size < 4_000, size
-    sent = message.message[2][0]
+    sent = message[2][0]
     assert torch.equal(sent.positions, chunk.positions) and torch.equal(sent.kv_slots, chunk.kv_slots)
     assert sent.sampling.prompt_token_ids == [] and sent.sampling.output_token_ids == []
 
@@ -76,22 +85,27 @@ def test_pixels_travel_on_the_cpu() -> None:
     assert wire(chunk).mm_items[0].pixel_values.device.type == "cpu"
 
 
-def test_a_seeded_generator_is_seed_then_state_and_rank0_continues_it() -> None:
-    """The driver holds RankGenerator data; a rank seeds at the first step, then resumes from the
-    state it sent back, drawing what one generator on one device draws."""
-    driver = RankGenerator(seed=11)
-    worker = Worker.__new__(Worker)  # only its generator helper, on the CPU
-    worker.device = torch.device("cpu")
+def test_seeded_generators_live_in_the_ranks_by_key() -> None:
+    """The driver sends a key and a seed; a rank seeds a generator at the key's first step and goes
+    on with it (drawing what one generator draws), and drops it once the driver dropped its key."""
+    state = driver()
+    kept = state.make_generator(11)
+    rank = RankGenerators(torch.device("cpu"))
     reference = torch.Generator().manual_seed(11)
     for _ in range(3):
-        message = StepMessage([decode_chunk(SamplingParams(temperature=1.0, seed=11), driver)], [])
-        (sent,) = message.message[3]
-        assert sent == (11, driver.state) and message.message[2][0].sampling.generator is None
-        generator = worker._generator(sent)
-        drawn = torch.rand(5, generator=generator)
-        assert torch.equal(drawn, torch.rand(5, generator=reference))
-        message.advance_generators([generator.get_state()])
-        assert driver.state is not None and driver.state.device.type == "cpu"
+        message = state.step_message([decode_chunk(SamplingParams(temperature=1.0, seed=11), kept)])
+        (sent,) = message[3]
+        assert sent == (kept.key, 11) and message[2][0].sampling.generator is None
+        rank.release(message[4])
+        assert torch.equal(torch.rand(5, generator=rank.take(sent)), torch.rand(5, generator=reference))
+    other = state.make_generator(12)
+    assert other.key != kept.key
+    key = kept.key
+    del kept  # the request is gone: its key goes with the next step, and the rank drops the generator
+    message = state.step_message([decode_chunk(SamplingParams(), None)])
+    assert message[4] == [key] and message[3] == [None]
+    rank.release(message[4])
+    assert key not in rank.by_key
 
 
 def test_ray_ranks_take_the_gpu_ray_gave_them() -> None:

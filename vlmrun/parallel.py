@@ -71,6 +71,14 @@ class TensorParallel:
             dist.all_reduce(x)
         return x
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank (in place; `x` itself when there is one rank)."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast(x, src=0)
+        return x
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's `obj` (picklable), in rank order."""
         if self.size == 1:

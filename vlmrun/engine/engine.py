@@ -118,10 +118,7 @@ class Engine:
         """One device: the model, its caches and the runner here. Tensor parallel: rank processes (or
         Ray actors), each with its shard."""
         config = self.config
-        if config.tensor_parallel_size > 1:
-            if config.async_scheduling:
-                raise ValueError("async_scheduling is not built for tensor_parallel_size > 1 yet (the ranks would "
-                                 "need rank 0's sampled ids and seeded generators between steps); leave it off")
+        if config.tensor_parallel_size > 1:  # the ranks run their steps in order: launch/collect are async already
             return create_parallel_executor(config, self.model_config, self.device)
         model = load_model(self.model_config, self.device)
         dtype = self.model_config.dtype

@@ -31,7 +31,7 @@ from vlmrun.layers.cpu_kernels import cpu_features, pack_threshold
 from vlmrun.layers.packed_linear import pack_linear_weights
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
-from vlmrun.parallel import TensorParallel
+from vlmrun.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     backend = make_attention_backend(model, caches, config, device)
     fuse_vision_attention(model, backend, caches)
     return ModelRunner(model, caches, backend, vision, device,
-                       padded_decode=make_padded_decode(model, backend, caches, config, device))
+                       padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE)
 
 
 def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfig,

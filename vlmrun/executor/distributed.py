@@ -26,11 +26,10 @@ from typing import Any, Optional
 import torch
 import torch.multiprocessing as mp
 
-from vlmrun.cache.shadow import build_shadow_caches
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.base import Executor
 from vlmrun.executor.model_runner import SampledToken
-from vlmrun.executor.ranks import RankFailure, RankGenerator, StepMessage, free_port, plan_for_ranks
+from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import run_worker
 
@@ -64,7 +63,8 @@ class TensorParallelExecutor:
         self._send(("plan", plan))
         for rank in range(self.size):
             self._receive(rank, "built")
-        self.caches, self._cache_ops = build_shadow_caches(shape, plan)
+        self.driver = DriverState(shape, plan)
+        self.caches = self.driver.caches
         logger.info("tensor parallel: %d rank processes (pids %s); the cache plan below is each rank's", self.size,
                     self.pids)
 
@@ -76,20 +76,16 @@ class TensorParallelExecutor:
         """Runs the chunks on every rank; returns rank 0's samples (as `ModelRunner.execute`)."""
         return self.collect(self.launch(chunks))
 
-    def launch(self, chunks: list[ChunkInput]) -> StepMessage:
+    def launch(self, chunks: list[ChunkInput]) -> None:
         """Send the step (with the cache writes recorded since the last one) to every rank."""
-        step = StepMessage(chunks, self._cache_ops.drain())
-        self._send(step.message)
-        return step
+        self._send(self.driver.step_message(chunks))
 
-    def collect(self, step: StepMessage) -> list[Optional[SampledToken]]:
-        """Rank 0's samples of `step`; the seeded requests' generators advance."""
-        _, results, states = self._receive(0, "result")
-        step.advance_generators(states)
-        return results
+    def collect(self, handle: None) -> list[Optional[SampledToken]]:
+        """Rank 0's samples of the oldest step not collected yet (the ranks answer in order)."""
+        return self._receive(0, "result")[1]
 
     def make_generator(self, seed: int) -> RankGenerator:
-        return RankGenerator(seed)
+        return self.driver.make_generator(seed)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -30,6 +30,7 @@ from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput
 from vlmrun.layers.sampling_batch import SamplingBatch
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
+from vlmrun.parallel import SINGLE, TensorParallel
 
 
 @dataclass
@@ -49,7 +50,7 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
                  vision: Optional[VisionStage], device: torch.device,
-                 padded_decode: Optional[PaddedDecodeRunner] = None):
+                 padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE):
         self.model = model
         self.caches = caches
         self.attn_backend = attn_backend
@@ -57,6 +58,7 @@ class ModelRunner:
         self.device = device
         self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
         self.sampler = Sampler()
+        self.tp = tp  # under tensor parallel every rank feeds rank 0's sampled tokens to the next step
         # the last token sampled for each page-table row (the dummy row included): a step's
         # PLACEHOLDER_TOKEN inputs are read from here, on the device
         self.last_tokens = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64, device=device)
@@ -86,6 +88,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled, vocab] float32
         batch = SamplingBatch.build(rows, logits.shape[-1], device=self.device)
         output = self.sampler.sample(logits, batch)
+        self.tp.broadcast_from_first(output.token_ids)
         sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None], dtype=torch.int64))
         self.last_tokens[sampled_rows] = output.token_ids
         output.start_transfer()

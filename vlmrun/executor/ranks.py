@@ -4,13 +4,16 @@ for the ranks, a free TCP port for the process group's rendezvous."""
 
 from __future__ import annotations
 
+import itertools
 import socket
+import weakref
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from vlmrun.cache.plan import CachePlan, plan_for_budget
+from vlmrun.cache.shadow import build_shadow_caches
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.layers.sampling_batch import SamplingRow
@@ -20,44 +23,71 @@ class RankFailure(RuntimeError):
     """A tensor-parallel rank raised or died; the engine cannot go on."""
 
 
-@dataclass
 class RankGenerator:
-    """A seeded request's generator as a tensor-parallel driver keeps it: plain CPU data.
+    """A seeded request's generator as a tensor-parallel driver knows it: a key and a seed.
 
-    The driver never builds a device generator (on CUDA that would open a context on GPU 0 after rank 0
-    planned its memory): the first step that samples sends the seed, rank 0 seeds a generator on its own
-    device, samples with it and sends its state back; later steps send that state."""
+    The generator itself lives in the ranks (`RankGenerators`): the first step that samples for the
+    key seeds one on the rank's device, later steps go on with it. So the driver holds no device
+    generator (on CUDA one would open a context on GPU 0 after rank 0 planned its memory), and no
+    state travels back: a step launched before the last one is collected (async scheduling) draws
+    what it would draw synchronously. When the driver drops the object, its key is sent with the next
+    step, and the ranks drop theirs."""
 
-    seed: int
-    state: Optional[torch.Tensor] = None  # rank 0's generator state after the last step that sampled
-
-    def as_wire(self) -> tuple[int, Optional[torch.Tensor]]:
-        return self.seed, self.state
-
-
-GeneratorWire = Optional[tuple[int, Optional[torch.Tensor]]]  # (seed, state or None), or None: unseeded
+    def __init__(self, key: int, seed: int, released: list[int]):
+        self.key = key
+        self.seed = seed
+        weakref.finalize(self, released.append, key)
 
 
-class StepMessage:
-    """One step as the ranks get it: ("step", cache ops, chunks as the ranks need them, generators).
+class RankGenerators:
+    """A rank's seeded generators by key (see `RankGenerator`)."""
 
-    What travels is what a rank reads, in storages of its own size (a tensor that views a larger one
-    pickles the whole storage): positions and KV slots as compact copies, pixels on the CPU (each
-    rank moves them to its own device), and of a request's token history only what the sampler
-    reads this step (`_wire_sampling`). A seeded request's generator travels as `RankGenerator` data;
-    rank 0 sends the advanced state back (`advance_generators`). A grammar's matcher stays in the
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.by_key: dict[int, torch.Generator] = {}
+
+    def take(self, wire: GeneratorWire) -> Optional[torch.Generator]:
+        if wire is None:
+            return None
+        key, seed = wire
+        generator = self.by_key.get(key)
+        if generator is None:
+            generator = self.by_key[key] = torch.Generator(device=self.device).manual_seed(seed)
+        return generator
+
+    def release(self, keys: list[int]) -> None:
+        for key in keys:
+            self.by_key.pop(key, None)
+
+
+GeneratorWire = Optional[tuple[int, int]]  # (key, seed) of a seeded request's generator, or None
+
+
+class DriverState:
+    """What both tensor-parallel executors keep in the driver: the scheduler's stand-in caches, the log
+    of the writes made to them, and the keys of the seeded requests' generators.
+
+    `step_message` is one step as the ranks get it: ("step", cache ops, chunks as the ranks need them,
+    generators, generator keys released since the last step). What travels is what a rank reads, in
+    storages of its own size (a tensor that views a larger one pickles the whole storage): positions
+    and KV slots as compact copies, pixels on the CPU (each rank moves them to its own device), and of
+    a request's token history only what the sampler reads this step (`_wire_sampling`). A seeded
+    request's generator travels as its `RankGenerator` key and seed. A grammar's matcher stays in the
     driver too (the engine advances it): the ranks get the bitmask it allows next (`GrammarState.filled`)."""
 
-    def __init__(self, chunks: list[ChunkInput], cache_ops: list):
-        self.generators: list[Optional[RankGenerator]] = [
-            c.sampling.generator if c.sampling is not None else None for c in chunks]
-        wire = [_wire_chunk(c) for c in chunks]
-        self.message = ("step", cache_ops, wire, [None if g is None else g.as_wire() for g in self.generators])
+    def __init__(self, shape: CacheShape, plan: CachePlan):
+        self.caches, self._cache_ops = build_shadow_caches(shape, plan)
+        self._keys = itertools.count()
+        self._released: list[int] = []  # appended to when a RankGenerator is dropped
 
-    def advance_generators(self, states: list[Optional[torch.Tensor]]) -> None:
-        for generator, state in zip(self.generators, states):
-            if generator is not None:
-                generator.state = state
+    def make_generator(self, seed: int) -> RankGenerator:
+        return RankGenerator(next(self._keys), seed, self._released)
+
+    def step_message(self, chunks: list[ChunkInput]) -> tuple:
+        released, self._released[:] = list(self._released), []
+        generators = [None if c.sampling is None or c.sampling.generator is None else
+                      (c.sampling.generator.key, c.sampling.generator.seed) for c in chunks]
+        return ("step", self._cache_ops.drain(), [_wire_chunk(c) for c in chunks], generators, released)
 
 
 def _wire_chunk(chunk: ChunkInput) -> ChunkInput:

@@ -26,9 +26,8 @@ from typing import Any, Optional
 import torch
 
 from vlmrun.cache.plan import CachePlan
-from vlmrun.cache.shadow import build_shadow_caches
 from vlmrun.config import EngineConfig, ModelConfig
-from vlmrun.executor.ranks import RankFailure, RankGenerator, StepMessage, free_port, plan_for_ranks
+from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
 from vlmrun.executor.model_runner import SampledToken
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import Worker, start_rank
@@ -67,9 +66,8 @@ class RankActor:
         self.worker.build(plan)
 
     def execute(self, payload: bytes) -> Optional[tuple]:
-        _, ops, chunks, states = pickle.loads(payload)
-        results, states = self.worker.execute(ops, chunks, states)
-        return ("result", results, states) if self.rank == 0 else None
+        results = self.worker.execute(*pickle.loads(payload)[1:])
+        return ("result", results) if self.rank == 0 else None
 
 
 class RayExecutor:
@@ -93,31 +91,28 @@ class RayExecutor:
                            for r, a in enumerate(self.actors)])
         shape, plan = plan_for_ranks(ready, config, model_config)
         self._get([a.build.remote(plan) for a in self.actors])
-        self.caches, self._cache_ops = build_shadow_caches(shape, plan)
+        self.driver = DriverState(shape, plan)
+        self.caches = self.driver.caches
         logger.info("tensor parallel on Ray: %d rank actors in placement group %s; the cache plan below is each "
                     "rank's", self.size, self.placement_group.id.hex())
 
     def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
         return self.collect(self.launch(chunks))
 
-    def launch(self, chunks: list[ChunkInput]) -> tuple[StepMessage, list]:
+    def launch(self, chunks: list[ChunkInput]) -> list:
         """Put the step in Ray's object store once and start every rank's `execute` on it."""
         import ray
 
         if not self._finalizer.alive:
             raise RankFailure("the tensor-parallel executor is shut down")
-        step = StepMessage(chunks, self._cache_ops.drain())
-        payload = ray.put(pickle.dumps(step.message, protocol=pickle.HIGHEST_PROTOCOL))  # once for every rank
-        return step, [a.execute.remote(payload) for a in self.actors]
+        payload = ray.put(pickle.dumps(self.driver.step_message(chunks), protocol=pickle.HIGHEST_PROTOCOL))
+        return [a.execute.remote(payload) for a in self.actors]  # an actor runs its calls in order
 
-    def collect(self, launched: tuple[StepMessage, list]) -> list[Optional[SampledToken]]:
-        step, refs = launched
-        _, results, states = self._get(refs)[0]
-        step.advance_generators(states)
-        return results
+    def collect(self, refs: list) -> list[Optional[SampledToken]]:
+        return self._get(refs)[0][1]
 
     def make_generator(self, seed: int) -> RankGenerator:
-        return RankGenerator(seed)
+        return self.driver.make_generator(seed)
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -6,20 +6,20 @@ It joins the process group (gloo on CPU, NCCL on CUDA), builds the model with th
 budget it can afford and the cache shape of its shard, builds its pools from the plan the driver
 sends back, and then serves steps until told to stop:
 
-    driver -> rank   ("plan", CachePlan) | ("step", cache ops, [ChunkInput], generators) | ("stop",)
+    driver -> rank   ("plan", CachePlan) | ("step", cache ops, [ChunkInput], generators, released) | ("stop",)
     rank -> driver   ("ready", budget bytes, CacheShape) | ("built",) | ("result", ...) (rank 0) | ("error", text)
 
 Every rank replays the step's cache ops on its pools (`vlmrun.cache.shadow`), encodes the step's
 images itself (the vision tower is replicated) and runs the model; the layers' collectives keep
-the ranks in step. Rank 0's samples are the step's result. Seeded requests' generators travel as
-their seed, then their state (`ranks.RankGenerator`): rank 0 samples with them and sends the
-advanced states back.
+the ranks in step. Rank 0's samples are the step's result. Seeded requests' generators live in the
+ranks, by the key the driver gives them (`ranks.RankGenerator`).
 """
 
 from __future__ import annotations
 
 import os
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Optional
@@ -32,14 +32,13 @@ from vlmrun.cache.shadow import replay_cache_ops
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.build import build_model_runner
 from vlmrun.executor.model_runner import ModelRunner
-from vlmrun.executor.ranks import GeneratorWire
+from vlmrun.executor.ranks import GeneratorWire, RankGenerators
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.models import load_model
 from vlmrun.parallel import TensorParallel
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 
-GeneratorStates = list[Optional[torch.Tensor]]  # per chunk: its request's generator state after the step, or None
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -72,6 +71,7 @@ class Worker:
         self.device = device
         self.model = load_model(model_config, device, tp)
         self.runner: Optional[ModelRunner] = None
+        self.generators = RankGenerators(device)
 
     def cache_budget(self) -> int:
         return cache_budget_bytes(self.config, self.device)
@@ -81,28 +81,15 @@ class Worker:
         caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
         self.runner = build_model_runner(self.model, caches, self.config, self.device, dtype, tp=self.tp)
 
-    def execute(self, ops: list, chunks: list[ChunkInput],
-                generators_in: list[GeneratorWire]) -> tuple[list, GeneratorStates]:
+    def execute(self, ops: list, chunks: list[ChunkInput], generators: list[GeneratorWire],
+                released: list[int]) -> list:
+        """One step message's parts (`DriverState.step_message`): replay the cache writes, run the chunks."""
         replay_cache_ops(self.runner.caches, ops)
-        generators = [self._generator(g) for g in generators_in]
-        for chunk, generator in zip(chunks, generators):
-            if generator is not None:
-                chunk.sampling = chunk.sampling._replace(generator=generator)
-        results = self.runner.execute(chunks)
-        return results, [None if g is None else g.get_state() for g in generators]
-
-    def _generator(self, wire: GeneratorWire) -> Optional[torch.Generator]:
-        """A seeded request's generator on this rank's device: seeded at its first sampling step, else
-        set to the state the last step left."""
-        if wire is None:
-            return None
-        seed, state = wire
-        generator = torch.Generator(device=self.device)
-        if state is None:
-            generator.manual_seed(seed)
-        else:
-            generator.set_state(state)
-        return generator
+        self.generators.release(released)
+        for chunk, wire in zip(chunks, generators):
+            if wire is not None:
+                chunk.sampling = chunk.sampling._replace(generator=self.generators.take(wire))
+        return self.runner.execute(chunks)
 
 
 def start_rank(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,
@@ -117,7 +104,12 @@ def start_rank(rank: int, size: int, config: EngineConfig, model_config: ModelCo
 
 def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelConfig, init_method: str,
                conn: Connection) -> None:
-    """A rank's process: build, then serve steps until ("stop",) or the driver's end of `conn` closes."""
+    """A rank's process: build, then serve steps until ("stop",) or the driver's end of `conn` closes.
+
+    Messages to the driver go out on a thread of their own, in order: under async scheduling the
+    driver may be sending the next step while this rank sends a result, and neither may wait for the
+    other to read."""
+    outbox = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmrun-rank-send")
     try:
         worker = start_rank(rank, size, config, model_config, init_method, rank_device(config, rank))
         conn.send(("ready", worker.cache_budget(), worker.model.cache_shape()))
@@ -128,14 +120,15 @@ def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelCo
             message = conn.recv()
             if message[0] == "stop":
                 break
-            _, ops, chunks, states = message
-            results, states = worker.execute(ops, chunks, states)
+            results = worker.execute(*message[1:])
             if rank == 0:
-                conn.send(("result", results, states))
+                outbox.submit(conn.send, ("result", results))
+        outbox.shutdown(wait=True)
         torch.distributed.destroy_process_group()
     except EOFError:  # the driver went away
         pass
     except BaseException:
+        outbox.shutdown(wait=True)
         try:
             conn.send(("error", traceback.format_exc()))
         except OSError:
