@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from vlmrun.host_to_device import upload
+
 
 def gdn_slot_for_row(row: int) -> int:
     """The GDN slot of the request in ReqToTokenPool row `row` (slot 0 is the dummy)."""
@@ -67,7 +69,7 @@ class GDNPool(GDNSlots):
 
     def zero(self, slots: torch.Tensor) -> None:
         """Zero both states of `slots` in place (no host sync)."""
-        slots = slots.to(self.conv_state.device)
+        slots = upload(slots, self.conv_state.device)
         self.conv_state.index_fill_(1, slots, 0)
         self.recurrent_state.index_fill_(1, slots, 0)
 

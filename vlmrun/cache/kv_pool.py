@@ -18,6 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
+from vlmrun.host_to_device import upload
+
 
 class PageTable(ABC):
     """A row per running request, mapping its token positions to KV slots: the rows and the writes.
@@ -56,9 +58,9 @@ class ReqToTokenPool(PageTable):
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], positions[i]] = slots[i], moved to the device in one copy each."""
+        """req_to_token[rows[i], positions[i]] = slots[i], moved to the device in one copy each (no host sync)."""
         device = self.req_to_token.device
-        self.req_to_token[rows.to(device), positions.to(device)] = slots.to(device)
+        self.req_to_token[upload(rows, device), upload(positions, device)] = upload(slots, device)
 
 
 class KVPool:

@@ -10,6 +10,7 @@ The engine (one device) and each tensor-parallel rank build their runner with it
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Optional
 
@@ -71,9 +72,14 @@ def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfi
 
 def fuse_vision_attention(model: nn.Module, backend: AttentionBackend, caches: Caches) -> None:
     """On the FlashInfer path in half precision, the vision tower's attention runs as one
-    flash-attention varlen call instead of one SDPA call per image size."""
+    flash-attention varlen call instead of one SDPA call per image size (where this torch has the
+    kernel: `torch.nn.attention.varlen`, torch >= 2.10)."""
     full = backend.full if isinstance(backend, HybridAttnBackend) else backend
     if isinstance(full, FlashInferAttnBackend) and caches.kv_pool.dtype in (torch.float16, torch.bfloat16):
+        if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+            logger.info("vision attention: per-size SDPA (torch %s has no torch.nn.attention.varlen; 2.10 does)",
+                        torch.__version__)
+            return
         layers = use_fused_vision_attention(model)
         if layers:
             logger.info("vision attention: fused varlen kernel in %d layers", layers)

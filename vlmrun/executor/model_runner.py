@@ -30,6 +30,7 @@ from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput
 from vlmrun.layers.sampling_batch import SamplingBatch
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
+from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
 
 
@@ -156,11 +157,8 @@ class ModelRunner:
         return input_ids
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device: from pinned memory without blocking on CUDA (the caching host
-        allocator keeps the pinned block until the copy is done)."""
-        if self.device.type != "cuda":
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """A host tensor on the runner's device, without blocking (`vlmrun.host_to_device.upload`)."""
+        return upload(host, self.device)
 
     def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput]) -> None:
         """The vision stage: encode (or take from the encoder cache) the images the chunks feed and

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from vlmrun.host_to_device import upload
 from vlmrun.sampling_params import SamplingParams
 
 Tensor = torch.Tensor
@@ -156,7 +157,7 @@ def _fill_grammar_bitmask(batch: SamplingBatch, rows: list[SamplingRow], device:
     for i in constrained:
         rows[i].grammar.fill_bitmask(bitmask, i)
     batch.grammar_rows = constrained
-    batch.token_bitmask = _move(bitmask, device)
+    batch.token_bitmask = upload(bitmask, device)
 
 
 def _flat_indices(lists: list[list[int]], vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -166,15 +167,8 @@ def _flat_indices(lists: list[list[int]], vocab_size: int, device: torch.device)
     row_idx = torch.tensor(rows, dtype=torch.int64)  # [n]
     tok_idx = torch.tensor(toks, dtype=torch.int64)  # [n]
     keep = (tok_idx >= 0) & (tok_idx < vocab_size)
-    return _move(row_idx[keep], device), _move(tok_idx[keep], device)
+    return upload(row_idx[keep], device), upload(tok_idx[keep], device)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
-    return _move(torch.tensor(values, dtype=dtype), device)
-
-
-def _move(cpu: Tensor, device: torch.device) -> Tensor:
-    """Host→device copy that does not make the host wait for queued device work."""
-    if device.type == "cuda":
-        return cpu.pin_memory().to(device, non_blocking=True)
-    return cpu.to(device)
+    return upload(torch.tensor(values, dtype=dtype), device)

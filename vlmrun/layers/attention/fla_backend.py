@@ -20,7 +20,7 @@ kernel). Nothing else is copied: the dtype casts are no-ops for the float32 pool
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ class FLAGDNBackend(LinearAttentionBackend):
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv]."""
-        md: FLAMetadata = fb.linear_attn_metadata
+        md = cast(FLAMetadata, fb.linear_attn_metadata)
         slots = fb.state_slots  # [batch]
         conv_state = self.pool.conv_state[layer.layer_id]  # [slots, conv_dim, K-1]
         rec_state = self.pool.recurrent_state[layer.layer_id]  # [slots, Hv, Dv, Dk]

@@ -173,7 +173,8 @@ class FlashInferAttnBackend(AttentionBackend):
                    v.view(num_tokens, pool.num_kv_heads, pool.head_dim))
         paged = (pool.k_buffers[layer.layer_id].view(-1, pool.page_size, pool.num_kv_heads, pool.head_dim),
                  pool.v_buffers[layer.layer_id].view(-1, pool.page_size, pool.num_kv_heads, pool.head_dim))
-        out = fb.attn_metadata.run(q.view(num_tokens, layer.num_heads, layer.head_dim).to(pool.dtype), paged)
+        wrapper: Any = fb.attn_metadata  # the step's prefill or decode wrapper (prepare / graph replay)
+        out = wrapper.run(q.view(num_tokens, layer.num_heads, layer.head_dim).to(pool.dtype), paged)
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim).to(q.dtype)  # [num_tokens, heads * head_dim]
 
     # ------------------------------------------------------------------ decode CUDA graphs

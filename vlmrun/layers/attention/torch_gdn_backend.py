@@ -17,7 +17,7 @@ on `fb.linear_attn_metadata`, so a flash-linear-attention backend can take the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 
@@ -85,7 +85,7 @@ class TorchGDNBackend(LinearAttentionBackend):
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv]."""
-        md: GDNMetadata = fb.linear_attn_metadata
+        md = cast(GDNMetadata, fb.linear_attn_metadata)
         conv_state = self.pool.conv_state[layer.layer_id]  # [slots, conv_dim, K-1]
         rec_state = self.pool.recurrent_state[layer.layer_id]  # [slots, Hv, Dv, Dk]
         if md.decode_is_whole_batch:

@@ -1,0 +1,18 @@
+"""Host tensors to the device without making the host wait for the device.
+
+A plain `.to("cuda")` from pageable memory returns only when the copy is done, so it waits for every
+kernel queued before it: under async scheduling that would make planning step N+1 wait for step N.
+`upload` copies from pinned memory without blocking (the caching host allocator keeps the pinned
+block until the copy has run). Every host-built tensor that goes up in a step uses it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` (a CPU tensor) on `device`: queued behind the device's work on CUDA, a plain move elsewhere."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
