@@ -1,12 +1,15 @@
 """Async scheduling off and on, on the CPU: the host's gap between forwards, decode tokens/s, captions/s.
 
-Two engines over the bundled default model (`vlmrun-shapes-qwen3_5`, float32), `async_scheduling`
+Two engines over the bundled default model (`vlmrun-shapes-qwen3_5`, float32; `--model bench`: the
+CPU bench's random-weight Qwen3-VL, text hidden 512, `bench.common.build_checkpoint`), `async_scheduling`
 False and True, in one process, run alternately (--rounds times each, the median reported):
 
-- **gap**: from the end of one step's model forward to the start of the next step's, the host work
-  on the critical path (reading the sampled tokens, detokenizing, stop checks, scheduling, building
-  the next batch), as a median over the decode steps and as a share of the median step (forward
-  start to forward start). Timestamps are taken around `ModelRunner.forward`.
+- **gap**: from the end of one step's model forward to the start of the next step's (the LM head and
+  sampling, reading the sampled tokens, detokenizing, stop checks, scheduling, building the next
+  batch), as a median over the decode steps and as a share of the median step (forward start to
+  forward start); and **runner idle**: from the end of one `ModelRunner.launch` to the start of the
+  next, the time the runner waits for the engine's thread. Timestamps around `ModelRunner.forward`
+  and `ModelRunner.launch`.
 - **decode tokens/s** at batch 1 and 64: short text prompts, --max-tokens tokens each (EOS ignored),
   greedy; output tokens over the wall time of the `LLM.generate` call.
 - **captions/s**: the caption pipeline (`vlmrun.jobs.pipeline`, as `vlmrun caption` runs it) over
@@ -19,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
-from bench.common import describe_run
+from bench.common import build_checkpoint, describe_run
 from testing.scene_drawing import render_scene
 from vlmrun import LLM, SamplingParams
 from vlmrun.jobs.inputs import JobItem
@@ -32,23 +37,24 @@ from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
 PROMPTS = ["Describe the picture.", "What shape is on the left?", "Count the shapes.", "Name the colours."]
 
 
-class ForwardClock:
-    """Start and end times of every forward of a runner (patched on the instance)."""
+class Clock:
+    """Start and end times of every call of one method of a runner (patched on the instance)."""
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, method: str) -> None:
         self.spans: list[tuple[float, float]] = []
-        self._forward: Callable = runner.forward
-        runner.forward = self.forward
+        self._call: Callable = getattr(runner, method)
+        setattr(runner, method, self.call)
 
-    def forward(self, fb):
+    def call(self, *args):
         start = time.perf_counter()
-        out = self._forward(fb)
+        out = self._call(*args)
         self.spans.append((start, time.perf_counter()))
         return out
 
-    def gap_and_step(self) -> tuple[float, float]:
-        """Medians of (next start - end) and (next start - start) over consecutive forwards."""
-        pairs = list(zip(self.spans, self.spans[1:]))
+    def gap_and_step(self, skip: int) -> tuple[float, float]:
+        """Medians of (next start - end) and (next start - start) over consecutive calls, the first
+        `skip` calls left out (the prompt's steps)."""
+        pairs = list(zip(self.spans[skip:], self.spans[skip + 1:]))
         return (statistics.median(b[0] - a[1] for a, b in pairs), statistics.median(b[0] - a[0] for a, b in pairs))
 
 
@@ -58,17 +64,20 @@ def model_runner(llm: LLM):
 
 
 def decode(llm: LLM, batch: int, max_tokens: int) -> dict[str, float]:
-    """tokens/s and the forward gap for `batch` requests decoding `max_tokens` tokens each."""
-    clock = ForwardClock(model_runner(llm))
+    """tokens/s, the forward-to-forward gap and the runner's idle time between steps (the end of one
+    `launch` to the start of the next) for `batch` requests decoding `max_tokens` tokens each."""
+    runner = model_runner(llm)
+    forwards, launches = Clock(runner, "forward"), Clock(runner, "launch")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    clock.spans = clock.spans[2:]  # the prompt's step(s) out: decode steps only
-    gap, step = clock.gap_and_step()
-    del model_runner(llm).forward  # the class's forward again
-    return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "gap_ms": gap * 1e3, "step_ms": step * 1e3}
+    gap, step = forwards.gap_and_step(skip=2)
+    idle, _ = launches.gap_and_step(skip=2)
+    del runner.forward, runner.launch  # the class's methods again
+    return {"tok_s": sum(len(o.token_ids) for o in outs) / seconds, "gap_ms": gap * 1e3, "step_ms": step * 1e3,
+            "idle_ms": idle * 1e3}
 
 
 def caption(llm: LLM, images: list) -> float:
@@ -83,14 +92,7 @@ def caption(llm: LLM, images: list) -> float:
     return len(images) / seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--scenes", type=int, default=256)
-    args = parser.parse_args()
-    engines = {mode: LLM(dtype="float32", device="cpu", async_scheduling=mode) for mode in (False, True)}
+def measure(engines: dict[bool, LLM], args: argparse.Namespace) -> None:
     images = [render_scene(make_scene(7, i)) for i in range(args.scenes)]
     results: dict[tuple[bool, str], list[dict[str, float]]] = {}
     for mode in engines:  # warm-up: first calls pack weights and fault memory in
@@ -110,10 +112,25 @@ def main() -> None:
                 cells.append(f"{'on' if mode else 'off'} {med['img_s']:.2f} captions/s")
             else:
                 cells.append(f"{'on' if mode else 'off'} {med['tok_s']:.1f} tok/s, gap {med['gap_ms']:.2f} ms of "
-                             f"{med['step_ms']:.2f} ms ({med['gap_ms'] / med['step_ms']:.0%})")
+                             f"{med['step_ms']:.2f} ms ({med['gap_ms'] / med['step_ms']:.0%}), runner idle "
+                             f"{med['idle_ms']:.2f} ms")
         print(f"{key}: " + "; ".join(cells), flush=True)
-    for llm in engines.values():
-        llm.engine.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--scenes", type=int, default=256)
+    parser.add_argument("--model", choices=["default", "bench"], default="default")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = None if args.model == "default" else str(build_checkpoint(Path(tmp)))
+        engines = {mode: LLM(model, dtype="float32", device="cpu", async_scheduling=mode) for mode in (False, True)}
+        measure(engines, args)
+        for llm in engines.values():
+            llm.engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ not checked. `EXTERNAL_NAMES` lists the few names of other tools the docs mentio
 from __future__ import annotations
 
 import builtins
+import sys
 import fnmatch
 import re
 from dataclasses import dataclass
@@ -46,7 +47,8 @@ EXTERNAL_NAMES = {
     "mkldnn_convolution", "layer_norm", "index_put",  # aten ops in profiles
 }
 UNREAD_FILES = ("tests/test_docs.py",)  # its strings plant stale names: they must not count as code
-EXTERNAL_MODULES = ("torch", "transformers", "json", "urllib")  # `torch.x.y`: looked up in the real module
+# `torch.x.y`, `sys.setswitchinterval`: looked up in the real module (the standard library's too)
+EXTERNAL_MODULES = frozenset({"torch", "transformers"}) | frozenset(sys.stdlib_module_names)
 PLACEHOLDER_CALLS = {"cls", "self", "super"}  # `cls(hf_config, tp)`: a call of whatever class is meant
 
 _FENCE = re.compile(r"^\s*(```|~~~)")

@@ -61,6 +61,7 @@ class LaunchedChunks:
 
     chunks: list[ScheduledChunk]
     handle: Any
+    collected: bool = False
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,7 @@ class Engine:
         uncollected = [] if self._in_flight is None else [self._in_flight]
         self._in_flight = None
         try:
-            launched = self._launch(updates)
-            if launched is not None:
-                uncollected.append(launched)
+            launched = self._launch(updates, uncollected)
             if self.config.async_scheduling and launched is not None:
                 self._in_flight = uncollected.pop()
             if uncollected:
@@ -288,24 +287,27 @@ class Engine:
             raise
         return updates
 
-    def _launch(self, updates: list[RequestUpdate]) -> Optional[LaunchedChunks]:
+    def _launch(self, updates: list[RequestUpdate], uncollected: list[LaunchedChunks]) -> Optional[LaunchedChunks]:
+        """Schedule and launch a step (appended to `uncollected` the moment it is launched)."""
         chunks, too_long = self.scheduler.schedule()
         updates += [self._finish(req, "length") for req in too_long]
         if not chunks:
             return None
         try:
-            handle = self.runner.launch([c.to_input() for c in chunks])
+            launched = LaunchedChunks(chunks, self.runner.launch([c.to_input() for c in chunks]))
         except BaseException:
-            self._drop_interrupted([LaunchedChunks(chunks, None)])
+            self._drop_interrupted([LaunchedChunks(chunks, None, collected=True)])
             raise
+        uncollected.append(launched)
         for c in chunks:
             c.request.num_computed_tokens = c.end
             c.request.num_launched_steps += 1
             c.request.num_pending_tokens += c.samples
-        return LaunchedChunks(chunks, handle)
+        return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
         results = self.runner.collect(step.handle)
+        step.collected = True
         now = time.monotonic()
         updates = []
         for chunk, sampled in zip(step.chunks, results):
@@ -329,13 +331,14 @@ class Engine:
         state, and no snapshot is taken of them. A step still running is waited for first."""
         self._in_flight = None
         for step in steps:
-            if step.handle is not None:
+            if not step.collected:
                 try:
                     self.runner.collect(step.handle)
                 except BaseException:  # noqa: BLE001 - its requests are dropped either way
                     pass
             for chunk in step.chunks:
-                self.abort(chunk.request.request_id)
+                if self.requests.get(chunk.request.request_id) is chunk.request:
+                    self.abort(chunk.request.request_id)
 
     def _append_token(self, req: Request, sampled: SampledToken) -> RequestUpdate:
         req.output_token_ids.append(sampled.token_id)

@@ -115,6 +115,7 @@ class Scheduler:
             n = self._chunk_len(req, budget)
             if not self._grow_or_preempt(req, req.num_computed_tokens + n):
                 if len(self.running) == 1 and req.num_launched_steps:  # too long? decided with all its tokens known
+                    preempted_any = True  # (and no admissions this step: it may need every free page)
                     break
                 if len(self.running) == 1:  # alone and still no room: the pool is too small for it
                     self.running.remove(req)

@@ -55,6 +55,7 @@ class TensorParallelExecutor:
             self.processes.append(process)
             self.conns.append(parent)
         self._inbox: list[list[tuple]] = [[] for _ in range(self.size)]
+        self._num_launched = self._num_collected = 0  # steps sent, and steps whose result was read
         self._finalizer = weakref.finalize(self, stop_processes, self.processes, self.conns)
         self._starting = True
         ready = [self._receive(rank, "ready") for rank in range(self.size)]
@@ -76,13 +77,20 @@ class TensorParallelExecutor:
         """Runs the chunks on every rank; returns rank 0's samples (as `ModelRunner.execute`)."""
         return self.collect(self.launch(chunks))
 
-    def launch(self, chunks: list[ChunkInput]) -> None:
-        """Send the step (with the cache writes recorded since the last one) to every rank."""
+    def launch(self, chunks: list[ChunkInput]) -> int:
+        """Send the step (with the cache writes recorded since the last one) to every rank; its number."""
         self._send(self.driver.step_message(chunks))
+        self._num_launched += 1
+        return self._num_launched
 
-    def collect(self, handle: None) -> list[Optional[SampledToken]]:
-        """Rank 0's samples of the oldest step not collected yet (the ranks answer in order)."""
-        return self._receive(0, "result")[1]
+    def collect(self, step: int) -> list[Optional[SampledToken]]:
+        """Rank 0's samples of step number `step`. The ranks answer in order: the results of earlier
+        steps nobody collected (their requests were dropped after an error) are read and dropped."""
+        results: list[Optional[SampledToken]] = []
+        while self._num_collected < step:
+            results = self._receive(0, "result")[1]
+            self._num_collected += 1
+        return results
 
     def make_generator(self, seed: int) -> RankGenerator:
         return self.driver.make_generator(seed)

@@ -84,7 +84,9 @@ class DriverState:
         return RankGenerator(next(self._keys), seed, self._released)
 
     def step_message(self, chunks: list[ChunkInput]) -> tuple:
-        released, self._released[:] = list(self._released), []
+        n = len(self._released)  # a key a finalizer appends meanwhile goes with the next step
+        released = self._released[:n]
+        del self._released[:n]
         generators = [None if c.sampling is None or c.sampling.generator is None else
                       (c.sampling.generator.key, c.sampling.generator.seed) for c in chunks]
         return ("step", self._cache_ops.drain(), [_wire_chunk(c) for c in chunks], generators, released)
