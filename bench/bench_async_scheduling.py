@@ -11,7 +11,9 @@ False and True, in one process, run alternately (--rounds times each, the median
   next, the time the runner waits for the engine's thread. Timestamps around `ModelRunner.forward`
   and `ModelRunner.launch`.
 - **decode tokens/s** at batch 1 and 64: short text prompts, --max-tokens tokens each (EOS ignored),
-  greedy; output tokens over the wall time of the `LLM.generate` call.
+  greedy; output tokens over the wall time of the `LLM.generate` call. And at batch 16 with a
+  repetition penalty: rows that read their output history, which under async scheduling wait for
+  their last token (`Scheduler.must_wait`): the cost of waiting.
 - **captions/s**: the caption pipeline (`vlmrun.jobs.pipeline`, as `vlmrun caption` runs it) over
   --scenes generated shape scenes, the model's own caption prompt, greedy.
 
@@ -63,12 +65,14 @@ def model_runner(llm: LLM):
     return getattr(runner, "runner", runner)  # OverlappedRunner wraps the ModelRunner
 
 
-def decode(llm: LLM, batch: int, max_tokens: int) -> dict[str, float]:
+def decode(llm: LLM, batch: int, max_tokens: int, penalized: bool = False) -> dict[str, float]:
     """tokens/s, the forward-to-forward gap and the runner's idle time between steps (the end of one
-    `launch` to the start of the next) for `batch` requests decoding `max_tokens` tokens each."""
+    `launch` to the start of the next) for `batch` requests decoding `max_tokens` tokens each.
+    `penalized`: with a repetition penalty, a row that waits for its token under async scheduling."""
     runner = model_runner(llm)
     forwards, launches = Clock(runner, "forward"), Clock(runner, "launch")
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            repetition_penalty=1.1 if penalized else 1.0)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -101,6 +105,8 @@ def measure(engines: dict[bool, LLM], args: argparse.Namespace) -> None:
         for mode in ((False, True) if r % 2 == 0 else (True, False)):
             for batch in args.batches:
                 results.setdefault((mode, f"batch {batch}"), []).append(decode(engines[mode], batch, args.max_tokens))
+            results.setdefault((mode, "batch 16, rows that wait (repetition penalty)"), []).append(
+                decode(engines[mode], 16, args.max_tokens, penalized=True))
             results.setdefault((mode, "caption"), []).append({"img_s": caption(engines[mode], images)})
     print(describe_run("bench.bench_async_scheduling"))
     for key in sorted({k for _, k in results}, key=lambda k: (k == "caption", k)):

@@ -68,9 +68,11 @@ CHECKS: list[Check] = [
                  [f"{ENGINE}::test_float32_cuda_equals_cpu_engine"], 45),
     pytest_check("bf16_torch_vs_hf", 2, "torch backends follow HF bf16 on CUDA by vLLM's rule",
                  [f"{ENGINE}::test_bfloat16_cuda_follows_hf"], 55),
-    pytest_check("structured_and_defaults", 2, "structured outputs on CUDA = CPU engine; auto picks CUDA bf16",
+    pytest_check("structured_and_defaults", 2, "structured outputs on CUDA = CPU engine; auto picks CUDA bf16; "
+                 "async scheduling = sync on CUDA",
                  [f"{ENGINE}::test_structured_outputs_on_cuda_equal_the_cpu_engine",
-                  f"{ENGINE}::test_auto_device_and_dtype_pick_cuda_bfloat16"], 25),
+                  f"{ENGINE}::test_auto_device_and_dtype_pick_cuda_bfloat16",
+                  "tests/test_async_scheduling.py::test_async_equals_sync_on_cuda"], 45),
     pytest_check("gpu_preprocessing_and_gdn_ops", 2, "image preprocessing on CUDA; torch GDN ops on CUDA",
                  ["tests/test_processors.py", "tests/test_gdn_ops.py"], 25, ["-m", "gpu"]),
     pytest_check("suite", 2, "the whole suite with CUDA (xdist; the gpu-marked tests ran above; no gradio)",
@@ -79,7 +81,7 @@ CHECKS: list[Check] = [
           "TTFT 1024^2: torch backends, fast path, HF",
           [PYTHON, "-m", "bench.bench_gpu", "--models", *BENCH_MODELS, "--sides", "vlmrun", "vlmrun-fast", "HF",
            "--configs", BENCH_CONFIGS, "--repeats", "3", "--decode-tokens", "128", "--tmp", "/tmp",
-           "--out", "{log_dir}/bench.jsonl"], 240, ("bench/bench_gpu.py",)),
+           "--out", "{log_dir}/bench.jsonl"], 220, ("bench/bench_gpu.py",)),
 ]
 PARTS = sorted({c.part for c in CHECKS})
 

@@ -71,7 +71,7 @@ def assert_pools_empty(engine: Engine) -> None:
     assert stats.gdn_slots_used in (None, 0)
 
 
-def assert_same(sync: list, ahead: list) -> None:
+def assert_same(sync: list, ahead: list, logprob_tol: float = LOGPROB_TOL) -> None:
     assert len(sync) == len(ahead)
     for s, a in zip(sync, ahead):
         assert s.error is None and a.error is None
@@ -81,7 +81,7 @@ def assert_same(sync: list, ahead: list) -> None:
             assert (ca.logprobs is None) == (cs.logprobs is None)
             for step, (lp, ref) in enumerate(zip(ca.logprobs or [], cs.logprobs or [])):
                 assert lp.keys() == ref.keys(), step
-                assert all(abs(lp[t] - ref[t]) <= LOGPROB_TOL for t in lp), step
+                assert all(abs(lp[t] - ref[t]) <= logprob_tol for t in lp), step
 
 
 def scenario(with_images: bool) -> tuple[list, list]:
@@ -193,3 +193,15 @@ def test_a_caption_job_with_async_scheduling_writes_the_same_captions(qwen3_vl_d
         records = [json.loads(line) for line in out.read_text().splitlines()]
         captions.append({r["image"]: (r["caption"], r["num_tokens"], r["finish_reason"]) for r in records})
     assert len(captions[0]) == 5 and captions[1] == captions[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])
+def test_async_equals_sync_on_cuda(arch, request):
+    """On CUDA the stream orders the steps (no worker thread): the same scenario, float32, torch
+    backends; logprobs within the CUDA float32 budget of the GPU engine tests (cuBLAS sums in another
+    order per batch shape, and the schedules differ)."""
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    prompts, params = scenario(arch in VL_ARCHS)
+    sync, ahead = run_both(model_dir, prompts, params, device="cuda")
+    assert_same(sync, ahead, logprob_tol=2e-4)
