@@ -1,4 +1,4 @@
-"""Command line entry point: `vlmrun caption | serve | web | ...`.
+"""Command line entry point: `vlmrun caption | run-batch | serve | web | ...`.
 
 Each subcommand lives with the code it drives and registers its own parser here.
 """
@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from vlmrun.jobs import cli as jobs_cli
+from vlmrun.jobs import run_batch_cli
 from vlmrun.server import cli as server_cli
 from vlmrun.web import cli as web_cli
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vlmrun", description="vlmrun: a vision-language inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
     jobs_cli.register(sub)
+    run_batch_cli.register(sub)
     server_cli.register(sub)
     web_cli.register(sub)
     return parser

@@ -1,4 +1,4 @@
-"""Batch jobs: captioning many images, resumably, on one engine or on Ray Data.
+"""Batch jobs: captioning many images, resumably, on one engine or on Ray Data; OpenAI batch files.
 
 - `cli`: the `vlmrun caption` command (flags -> `CaptionJobConfig`, exit status).
 - `config`: `CaptionJobConfig`, `RayOptions` and the job defaults.
@@ -9,5 +9,8 @@
 - `records`: `CaptionRecord`, the record schema and key hashing.
 - `progress`: counters, the live bar, the final `JobSummary`.
 - `runner`: `run_caption_job`, which ties them together (and hands off to `ray_data` with --ray).
+- `run_batch_cli`, `run_batch`, `run_batch_lines`, `run_batch_server`: `vlmrun run-batch`, vLLM's OpenAI
+  batch format (request lines in, answer lines out) on the same journal, answered by the server's app
+  in process.
 - `ray_data`: `VlmrunCaptioner` for `Dataset.map_batches` and `run_ray_job` (public as `vlmrun.ray`).
 """

@@ -91,7 +91,7 @@ def caption(args: argparse.Namespace) -> int:
         args.ray = True
     try:
         config = build_config(args)
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             summary = run_caption_job(config)
     except (NoInputsError, OutputError, ValueError, OSError, ImportError) as exc:
         print(f"vlmrun caption: {exc}", file=sys.stderr)
@@ -102,7 +102,7 @@ def caption(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM ends the job as Ctrl-C does: records flushed, a Parquet output finalised."""
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -8,9 +8,11 @@ loss can cost the last second of records, which a resume then redoes).
 
 Scanning a journal **repairs** it, and only it: a torn last line of a record (it starts as every
 record line does) is cut off (the file is rewritten through a temporary file and an atomic rename).
-A file with any other line, complete lines that are not caption records (another program's JSONL,
+A file with any other line, complete lines that are not records (another program's JSONL,
 a manifest) or a torn line that is not one, is not a journal: `NotAJournalError`, and the file is
-left as it was. What remains is the set of recorded images (`ResumeState`), which a rerun skips.
+left as it was. What remains is the set of recorded keys (`ResumeState`), which a rerun skips.
+What a record line is and which key it records is a `RecordFormat`: caption records
+(`CAPTION_RECORDS`, the default) or `vlmrun run-batch`'s output lines (`run_batch_lines.py`).
 The outputs built on it are in `sink.py`.
 """
 
@@ -20,7 +22,7 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from vlmrun.jobs.records import RECORD_FIELDS, key_hash, record_key
 
@@ -29,7 +31,7 @@ from vlmrun.jobs.records import RECORD_FIELDS, key_hash, record_key
 class ResumeState:
     """What an existing output already holds."""
 
-    done: set[int] = field(default_factory=set)  # key hashes of recorded images
+    done: set[int] = field(default_factory=set)  # key hashes of recorded images (batch lines)
     ok: int = 0
     failed: int = 0
     dropped_lines: int = 0  # the torn last record line removed by the repair (0 or 1)
@@ -54,26 +56,44 @@ class NotAJournalError(ValueError):
 
 # the fields every record has (later fields, e.g. `parsed`, came with later versions)
 _RECORD_CORE = RECORD_FIELDS[:RECORD_FIELDS.index("finish_reason") + 1]
-_RECORD_START = b'{"image":'  # encode_record writes the fields in RECORD_FIELDS order
 
 
-def _parse_line(line: bytes) -> Optional[dict[str, Any]]:
-    """The caption record on a whole line, or None when the line is anything else."""
+def _is_caption_record(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("image"), str) and all(k in value for k in _RECORD_CORE)
+
+
+@dataclass(frozen=True)
+class RecordFormat:
+    """What the record lines of one kind of journal are.
+
+    start: the bytes every record line begins with (the writer puts its fields in a fixed order), so
+        that a torn last line can be told from a foreign one; is_record: whether a parsed JSON value is
+        a record; key: the key a record was written for; what: the job's name, for messages."""
+
+    start: bytes
+    is_record: Callable[[Any], bool]
+    key: Callable[[dict[str, Any]], str]
+    what: str
+
+
+CAPTION_RECORDS = RecordFormat(start=b'{"image":', is_record=_is_caption_record, key=record_key, what="caption")
+
+
+def _parse_line(line: bytes, fmt: RecordFormat) -> Optional[dict[str, Any]]:
+    """The record on a whole line, or None when the line is anything else."""
     try:
         value = json.loads(line)
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
-    if isinstance(value, dict) and isinstance(value.get("image"), str) and all(k in value for k in _RECORD_CORE):
-        return value
-    return None
+    return value if fmt.is_record(value) else None
 
 
-def iter_journal(path: str) -> Iterator[dict[str, Any]]:
+def iter_journal(path: str, fmt: RecordFormat = CAPTION_RECORDS) -> Iterator[dict[str, Any]]:
     """The whole-line records of a journal (a torn last line and invalid lines are skipped)."""
     with open(path, "rb") as fh:
         for line in fh:
             if line.endswith(b"\n"):
-                record = _parse_line(line)
+                record = _parse_line(line, fmt)
                 if record is not None:
                     yield record
 
@@ -109,7 +129,7 @@ def rewrite_journal(path: str, records: Iterator[dict[str, Any]]) -> None:
 
 
 def scan_records(records: Iterator[dict[str, Any]], retry_errors: bool,
-                  state: Optional[ResumeState] = None) -> ResumeState:
+                  state: Optional[ResumeState] = None, fmt: RecordFormat = CAPTION_RECORDS) -> ResumeState:
     """Count `records` into `state` (error records left out with retry_errors)."""
     state = state if state is not None else ResumeState()
     for record in records:
@@ -117,7 +137,7 @@ def scan_records(records: Iterator[dict[str, Any]], retry_errors: bool,
         if failed and retry_errors:
             state.retried += 1
             continue
-        h = key_hash(record_key(record))
+        h = key_hash(fmt.key(record))
         if h in state.done:  # never written twice by a job; tolerated if edited by hand
             continue
         state.done.add(h)
@@ -130,23 +150,25 @@ def scan_records(records: Iterator[dict[str, Any]], retry_errors: bool,
     return state
 
 
-def scan_journal(path: str, retry_errors: bool = False) -> ResumeState:
+def scan_journal(path: str, retry_errors: bool = False, fmt: RecordFormat = CAPTION_RECORDS) -> ResumeState:
     """Repair the journal at `path` (if it exists) and return what it records.
 
-    retry_errors: drop the error records, so that their images are captioned again."""
+    retry_errors: drop the error records, so that their images are captioned (their lines run) again."""
     state = ResumeState()
     if not os.path.exists(path):
         return state
     with open(path, "rb") as fh:
         for number, line in enumerate(fh, 1):
-            if not line.endswith(b"\n") and line.startswith(_RECORD_START):
+            if not line.endswith(b"\n") and line.startswith(fmt.start):
                 state.dropped_lines += 1  # the torn last line of a record: a crash mid-write
-            elif _parse_line(line) is None:
-                raise NotAJournalError(f"{path!r} is not a caption job's output: line {number} is not a caption "
-                                       "record; it is left untouched (name another --out, or move the file)")
-    scan_records(iter_journal(path), retry_errors, state)
+            elif _parse_line(line, fmt) is None:
+                raise NotAJournalError(f"{path!r} is not a {fmt.what} job's output: line {number} is not a "
+                                       f"{fmt.what} record; it is left untouched (name another output, or move "
+                                       "the file)")
+    scan_records(iter_journal(path, fmt), retry_errors, state, fmt)
     if state.dropped_lines or state.retried:
-        rewrite_journal(path, (r for r in iter_journal(path) if not (retry_errors and r.get("error") is not None)))
+        kept = (r for r in iter_journal(path, fmt) if not (retry_errors and r.get("error") is not None))
+        rewrite_journal(path, kept)
     return state
 
 

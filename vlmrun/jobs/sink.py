@@ -13,6 +13,9 @@ Opening an output scans (and repairs) its journal; `.state` says which images ar
   output), so it alone says what is done.
 - **Print output** (no `--out`): one line per image on stdout, nothing to resume.
 
+`vlmrun run-batch` writes its lines through the same JSONL and print outputs (any object with
+`to_dict()` is a record; the journal's `RecordFormat` says what its lines are).
+
 A lock file `<out>.lock` (flock) stops two jobs from appending to the same output at once.
 """
 
@@ -21,10 +24,12 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any, Iterator, Optional, Protocol
 
 from vlmrun.jobs.journal import (
+    CAPTION_RECORDS,
     Journal,
+    RecordFormat,
     ResumeState,
     encode_record,
     fsync_dir,
@@ -45,6 +50,12 @@ PARQUET_SUFFIXES = (".parquet", ".pq")
 JOURNAL_SUFFIX = ".journal.jsonl"
 STDOUT = "-"  # --out -: JSONL records on standard output
 PARQUET_ROW_GROUP = 10_000
+
+
+class Record(Protocol):
+    """What an output writes: a caption record, a batch output line."""
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 
 class OutputError(Exception):
@@ -97,19 +108,19 @@ class JsonlOutput:
     leaves it as it was."""
 
     def __init__(self, path: str, *, overwrite: bool = False, retry_errors: bool = False,
-                 fsync_interval: float = 1.0):
+                 fsync_interval: float = 1.0, fmt: RecordFormat = CAPTION_RECORDS):
         self.path = path
         self.overwrite = overwrite
         self.fsync_interval = fsync_interval
         self._journal: Optional[Journal] = None
         self._lock = _OutputLock(path)
         try:
-            self.state = ResumeState() if overwrite else scan_journal(path, retry_errors)
+            self.state = ResumeState() if overwrite else scan_journal(path, retry_errors, fmt)
         except BaseException:
             self._lock.release()
             raise
 
-    def write(self, record: CaptionRecord) -> None:
+    def write(self, record: Record) -> None:
         if self._journal is None:
             self._journal = Journal(self.path, self.fsync_interval, truncate=self.overwrite)
         self._journal.append(record.to_dict())
@@ -189,7 +200,7 @@ class PrintOutput:
         self.jsonl = jsonl
         self.state = ResumeState()
 
-    def write(self, record: CaptionRecord) -> None:
+    def write(self, record: Record) -> None:
         if self.jsonl:
             self.stream.write(encode_record(record.to_dict()).decode("utf-8"))
             self.stream.flush()
