@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.test_caption_cli import subprocess_env
+from tests.test_caption_cli import _lines_in, subprocess_env
 from tests.test_server import data_uri, image_part, picture, png_bytes
 from vlmrun.cli import main
 
@@ -141,13 +141,6 @@ def test_lines_get_the_servers_answers_and_bad_lines_get_errors(qwen3_vl_dir: Pa
     assert main(["run-batch", "-i", str(src), "-o", str(out), "--retry-errors", *_flags(qwen3_vl_dir)]) == 1
     again = _outputs(out)
     assert len(again) == 13 and sum(o["error"] is not None for o in again) == 8
-
-
-def _lines_in(path: Path) -> int:
-    try:
-        return path.read_bytes().count(b"\n")
-    except FileNotFoundError:
-        return 0
 
 
 def test_sigkill_mid_job_then_resume_answers_every_custom_id_exactly_once(qwen3_vl_dir: Path, tmp_path: Path,

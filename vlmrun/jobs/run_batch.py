@@ -35,6 +35,7 @@ from vlmrun.jobs.run_batch_lines import (
     read_line,
 )
 from vlmrun.jobs.run_batch_server import InProcessServer
+from vlmrun.jobs.runner import OutputWriteError
 from vlmrun.jobs.sink import STDOUT, JsonlOutput, OutputError, PrintOutput
 from vlmrun.server.errors import bad_request, internal
 from vlmrun.server.settings import ServerSettings
@@ -103,10 +104,6 @@ class BatchSummary:
         elif self.out not in (None, STDOUT):
             out.append(f"answers in {self.out}")
         return out
-
-
-class OutputWriteError(Exception):
-    """A line could not be written (the job stops; its summary says why)."""
 
 
 Item = Union[BatchRequest, Refusal]
