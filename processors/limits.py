@@ -31,7 +31,8 @@ class ProcessorLimits:
         header, before the pixels are decoded, so a decompression bomb costs nothing. 64 MP fits
         every common camera (a 48 MP phone photo, a 61 MP full-frame DSLR) while bounding one
         decoded image to ~192 MB of RGB.
-    max_images_per_request: images in one prompt / chat (checked before any is loaded).
+    max_images_per_request / max_videos_per_request: images / videos in one prompt or chat (checked
+        before any is loaded; 0 refuses the modality). vLLM's `limit_mm_per_prompt` maps onto them.
     max_image_bytes: encoded size of one image (file, download, data URI or raw bytes).
     url_timeout_s: total wall-clock budget for fetching one http(s) image.
     allow_local_paths: accept filesystem paths and file:// URIs. A server facing untrusted
@@ -53,6 +54,7 @@ class ProcessorLimits:
 
     max_image_pixels: int = 64_000_000
     max_images_per_request: int = 32
+    max_videos_per_request: int = 32
     max_image_bytes: int = 50 * 1024 * 1024
     url_timeout_s: float = 10.0
     allow_local_paths: bool = True
@@ -65,10 +67,13 @@ class ProcessorLimits:
     max_prompt_tokens: int | None = None  # the images of a request may need no more (set by the engine)
 
     def __post_init__(self) -> None:
-        for name in ("max_image_pixels", "max_images_per_request", "max_image_bytes", "max_video_bytes",
+        for name in ("max_image_pixels", "max_image_bytes", "max_video_bytes",
                      "max_video_frames_decoded", "max_video_frames", "max_video_tokens"):
             if int(getattr(self, name)) <= 0:
                 raise ValueError(f"ProcessorLimits.{name} must be positive")
+        for name in ("max_images_per_request", "max_videos_per_request"):
+            if int(getattr(self, name)) < 0:
+                raise ValueError(f"ProcessorLimits.{name} must be >= 0")
         if self.url_timeout_s <= 0:
             raise ValueError("ProcessorLimits.url_timeout_s must be positive")
 
@@ -90,9 +95,9 @@ def check_video_tokens(n_tokens: int, limits: ProcessorLimits) -> None:
         )
 
 
-def check_image_count(n_images: int, limits: ProcessorLimits) -> None:
-    """Raise InputError if a request carries more images than `limits` allows."""
-    if n_images > limits.max_images_per_request:
-        raise InputError(
-            f"too many images in one request: {n_images} (the limit is {limits.max_images_per_request})"
-        )
+def check_media_count(n_images: int, n_videos: int, limits: ProcessorLimits) -> None:
+    """Raise InputError if a request carries more images or more videos than `limits` allows."""
+    for what, n, limit in (("images", n_images, limits.max_images_per_request),
+                           ("videos", n_videos, limits.max_videos_per_request)):
+        if n > limit:
+            raise InputError(f"too many {what} in one request: {n} (the limit is {limit})")

@@ -29,11 +29,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from vlmrun.processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
 from vlmrun.processors.image_io import OpenedImage, describe_source, open_image
 from vlmrun.processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
-from vlmrun.processors.limits import InputError, ProcessorLimits, check_image_count, check_video_tokens
+from vlmrun.processors.limits import InputError, ProcessorLimits, check_media_count, check_video_tokens
 from vlmrun.processors.placeholders import (IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaPiece,
                                             ProcessedPrompt, expand_placeholders, find_token_id,
                                             find_vision_token_ids)
-from vlmrun.processors.processor_files import model_type, read_chat_template, video_prompt_style
+from vlmrun.processors.processor_files import load_chat_template, model_type, read_chat_template, video_prompt_style
 from vlmrun.processors.video_config import VideoProcessorConfig, video_style
 from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
 
@@ -58,10 +58,12 @@ class Processor:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, limits: ProcessorLimits | None = None, *,
-                        device: str | torch.device = "cpu", image_backend: str = "auto") -> "Processor":
+                        device: str | torch.device = "cpu", image_backend: str = "auto",
+                        chat_template: str | None = None) -> "Processor":
         """Load from a local checkpoint directory.
 
-        chat template: `chat_template.jinja`, else `chat_template.json`, else the tokenizer config.
+        chat template: `chat_template` when given (a file path or the template itself, `load_chat_template`),
+        else `chat_template.jinja`, else `chat_template.json`, else the tokenizer config.
         image processor: `preprocessor_config.json` (or `processor_config.json`); a checkpoint
         without one is text-only and any image given to it is an InputError.
         image_backend: "auto" | "torchvision" | "pil" (`ImageProcessor`).
@@ -75,7 +77,7 @@ class Processor:
         video_config = VideoProcessorConfig.from_pretrained(path, model_style) if config else None
         return cls(
             tokenizer,
-            read_chat_template(path, tokenizer),
+            load_chat_template(chat_template) if chat_template is not None else read_chat_template(path, tokenizer),
             ImageProcessor(config, image_backend) if config is not None else None,
             limits,
             device=device,
@@ -125,7 +127,7 @@ class Processor:
         template_messages, refs = parse_messages(messages, self._forbidden_text)
         image_refs = [r for r in refs if isinstance(r, ImageRef)]
         video_refs = [r for r in refs if isinstance(r, VideoRef)]
-        check_image_count(len(refs), self.limits)
+        check_media_count(len(image_refs), len(video_refs), self.limits)
         if image_refs and self.image_processor is None:
             raise InputError("this model does not accept images (text-only checkpoint: no preprocessor_config.json)")
         if video_refs and (self.video_processor is None or self.vision_token_ids.video_pad is None):

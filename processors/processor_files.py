@@ -1,6 +1,8 @@
 """What `Processor.from_pretrained` reads from a checkpoint directory besides the tokenizer and the
 image / video processor configs: the chat template, the model type, and the processor class that
-decides how videos are written into the prompt (`video_prompt_style`).
+decides how videos are written into the prompt (`video_prompt_style`); and a chat template given
+instead of the checkpoint's (`load_chat_template`: a file path or the template itself, as vLLM's
+`--chat-template` takes it).
 """
 
 from __future__ import annotations
@@ -44,6 +46,25 @@ def _json_field(path: str, name: str, key: str) -> Any:
     """`key` of the JSON object in file `name` of the checkpoint, None when either is missing."""
     data = read_json(os.path.join(path, name))
     return data.get(key) if isinstance(data, dict) else None
+
+
+_JINJA_CHARS = "{}\n"  # a template string has at least one of these; a file path has none
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given by the user: the text of the file `value` names, else `value` itself when it
+    reads as a Jinja template (escapes such as `\\n` typed on a command line become the characters).
+    FileNotFoundError for a value that reads as a path but names no readable file."""
+    try:
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, ValueError) as exc:  # ValueError: a NUL character, never in a path
+        if not any(c in value for c in _JINJA_CHARS):
+            raise FileNotFoundError(f"the chat template {value!r} reads as a file path, but it cannot be "
+                                    f"opened: {getattr(exc, 'strerror', None) or exc}") from None
+    if "\\" in value and value.isascii():
+        return value.encode("ascii").decode("unicode_escape")
+    return value
 
 
 def read_chat_template(path: str, tokenizer: PreTrainedTokenizerBase) -> str | None:

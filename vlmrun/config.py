@@ -62,13 +62,19 @@ class EngineConfig:
     # budget the KV pool cannot use anyway (often none on a tight budget); an int takes them from the budget.
     gdn_prefix_snapshots: Optional[int] = None
     prefix_snapshot_interval: int = 512  # hybrid models: snapshot every this many prompt tokens (and at the last full page)
-    max_images_per_request: int = 32
+    max_images_per_request: int = 32  # 0: no images (vLLM's limit_mm_per_prompt {"image": N}, `mm_limit_fields`)
+    max_videos_per_request: int = 32  # 0: no videos ({"video": N})
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
     # Video limits per request (None = the processors' defaults, `processors.ProcessorLimits`)
     max_video_frames: Optional[int] = None  # frames sampled from one video
     max_video_frames_decoded: Optional[int] = None  # frames in one video file
     max_video_tokens: Optional[int] = None  # LLM tokens of all videos of a request
+    # vLLM's `seed`: the engine's sampling generator starts from it, so unseeded sampled requests
+    # repeat from a fresh start (a request's own `seed` still decides its own tokens).
     seed: int = 0
+    # A chat template used instead of the checkpoint's: a file path or the template itself (vLLM's
+    # --chat-template; processors.processor_files.load_chat_template). None: the checkpoint's.
+    chat_template: Optional[str] = None
     # Tensor parallelism: one worker process per rank, each holding 1/N of the attention heads, MLP
     # units and experts (vlmrun/executor/distributed.py); "mp" spawns them here, "ray" places them
     # with a Ray placement group.
@@ -109,6 +115,9 @@ class EngineConfig:
             raise ValueError(f"distributed_executor_backend must be mp or ray, got {self.distributed_executor_backend!r}")
         if self.mm_encoder_tp_mode not in ("weights", "data"):
             raise ValueError(f"mm_encoder_tp_mode must be weights or data, got {self.mm_encoder_tp_mode!r}")
+        for name in ("max_images_per_request", "max_videos_per_request"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 
@@ -127,6 +136,27 @@ class EngineConfig:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={self.device!r} was asked for but CUDA is not available")
         return device
+
+
+MM_LIMIT_FIELDS = {"image": "max_images_per_request", "video": "max_videos_per_request"}
+
+
+def mm_limit_fields(limit_mm_per_prompt: Any) -> dict[str, int]:
+    """vLLM's `limit_mm_per_prompt` ({"image": 2, "video": 1}: items of each modality one prompt may
+    carry) as the EngineConfig fields it sets. ValueError naming the key for another modality or a
+    count that is not a non-negative integer."""
+    if not isinstance(limit_mm_per_prompt, dict):
+        raise ValueError(f"limit_mm_per_prompt must be an object such as {{\"image\": 2, \"video\": 1}}, "
+                         f"got {limit_mm_per_prompt!r}")
+    fields = {}
+    for modality, count in limit_mm_per_prompt.items():
+        if modality not in MM_LIMIT_FIELDS:
+            raise ValueError(f"limit_mm_per_prompt: unknown modality {modality!r} (this engine takes "
+                             f"{', '.join(MM_LIMIT_FIELDS)})")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be a non-negative integer, got {count!r}")
+        fields[MM_LIMIT_FIELDS[modality]] = count
+    return fields
 
 
 @dataclass

@@ -98,7 +98,7 @@ class Engine:
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
-                                                   device=self._preprocess_device())
+                                                   device=self._preprocess_device(), chat_template=config.chat_template)
         self.tokenizer = self.processor.tokenizer
         self.runner: Executor = self._build_executor()
         self.caches = self.runner.caches  # under tensor parallel, stand-ins that record the scheduler's writes
@@ -186,6 +186,7 @@ class Engine:
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request,
+                                 max_videos_per_request=self.config.max_videos_per_request,
                                  max_prompt_tokens=self.model_config.max_model_len - 1)
         optional = ("max_image_pixels", "max_video_frames", "max_video_frames_decoded", "max_video_tokens")
         given = {name: getattr(self.config, name) for name in optional if getattr(self.config, name) is not None}

@@ -55,7 +55,8 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     backend = make_attention_backend(model, caches, config, device)
     fuse_vision_attention(model, backend, caches)
     return ModelRunner(model, caches, backend, vision, device,
-                       padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE)
+                       padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE,
+                       seed=config.seed)
 
 
 def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfig,

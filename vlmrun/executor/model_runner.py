@@ -51,14 +51,15 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
                  vision: Optional[VisionStage], device: torch.device,
-                 padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE):
+                 padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0):
         self.model = model
         self.caches = caches
         self.attn_backend = attn_backend
         self.vision = vision
         self.device = device
         self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
-        self.sampler = Sampler()
+        # unseeded sampled rows draw from one generator started at the engine's seed (EngineConfig.seed)
+        self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.tp = tp  # under tensor parallel every rank feeds rank 0's sampled tokens to the next step
         # the last token sampled for each page-table row (the dummy row included): a step's
         # PLACEHOLDER_TOKEN inputs are read from here, on the device
