@@ -1,8 +1,10 @@
 """The FastAPI app: OpenAI-compatible routes in front of one `AsyncEngine`.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-`GET /v1/models/{model}`, `GET /health`, `GET /metrics`. With an API key set, the /v1 routes
-need `Authorization: Bearer <key>` (health and metrics stay open for probes and scrapers).
+`GET /v1/models/{model}`, `POST /tokenize`, `POST /detokenize` (`tokenize_handler.py`), `GET /health`,
+`GET|POST /ping` (the same answer as /health), `GET /version` (`{"version": ...}`), `GET /metrics`.
+With an API key set, the /v1 routes, /tokenize and /detokenize need `Authorization: Bearer <key>`
+(health, ping, version and metrics stay open for probes and scrapers).
 Every error, ours or the framework's (unknown route, wrong method), is answered in OpenAI's
 JSON error shape; an unexpected exception becomes a JSON 500 that leaves the keep-alive connection
 usable and is counted in /metrics like any other status. /v1/models shows the served name, never
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -26,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server import chat_handler, completions_handler
+from vlmrun.server import chat_handler, completions_handler, tokenize_handler
 from vlmrun.server.errors import APIError, error_response, internal, unauthorized
 from vlmrun.server.metrics import CONTENT_TYPE
 from vlmrun.server.settings import ServerSettings
@@ -35,7 +38,8 @@ from vlmrun.server.transport import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 
-_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+                "/ping", "/version", "/metrics")
 
 
 def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
@@ -48,7 +52,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         finally:
             state.shutdown_pools()
 
-    app = FastAPI(title="vlmrun", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="vlmrun", version=vlmrun_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.vlmrun = state
     _install_error_handlers(app)
     app.add_middleware(_AnswerUnexpected)
@@ -83,17 +87,35 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         state.check_model(model)
         return _model_card(state)
 
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> Response:
+        return await tokenize_handler.tokenize(state, request)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> Response:
+        return await tokenize_handler.detokenize(state, request)
+
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": vlmrun_version()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def vlmrun_version() -> str:
+    """The installed vlmrun package's version."""
+    return importlib.metadata.version("vlmrun")
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
+from vlmrun.server.errors import bad_request
 from vlmrun.server.protocol import ChatRequest, parse_chat_request
 from vlmrun.server.state import ServerState
 from vlmrun.server.submission import merge_batch, parse_body, respond_collected, stream_response, submit
@@ -33,6 +34,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
     req: ChatRequest = await parse_body(state, request, parse_chat_request)
     state.check_model(req.model)
+    _check_tool_choice(state, req)
     ticket = state.admission.admit(req.params.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
 
@@ -97,6 +99,15 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         yield R.SSE_DONE
 
     return stream_response(sub, events)
+
+
+def _check_tool_choice(state: ServerState, req: ChatRequest) -> None:
+    """400, as vLLM answers, for tool_choice "auto" (the default with tools) on a server started without
+    --enable-auto-tool-choice: its calls would not be parsed."""
+    if req.tools and req.tool_choice == "auto" and not state.settings.enable_auto_tool_choice:
+        raise bad_request('tool_choice "auto" (the default with tools) needs a server started with '
+                          '--enable-auto-tool-choice and --tool-call-parser; use "required", a named function '
+                          'or "none" here', param="tool_choice")
 
 
 def _chat_params(state: ServerState, req: ChatRequest) -> SamplingParams:

@@ -1,20 +1,29 @@
-"""`vlmrun serve`: the OpenAI-compatible server in the foreground."""
+"""`vlmrun serve`: the OpenAI-compatible server in the foreground.
+
+Its flags follow `vllm serve` where vLLM has one (same name, meaning and default): the model as the
+positional argument (or `--model`), `--revision`, `--seed`, `--enable-prefix-caching` /
+`--no-enable-prefix-caching`, `--chat-template`, `--limit-mm-per-prompt`, `--enable-auto-tool-choice`,
+`--tool-call-parser`. The engine flags are shared with `vlmrun web`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from typing import Any, Optional
 
 from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.default_model import resolve_model, served_name
-from vlmrun.server.settings import MiB
+from vlmrun.server.settings import TOOL_CALL_PARSERS, MiB
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine options shared by `serve` and `web` (in-process model)."""
     p.add_argument("--model", default=None,
                    help="HF checkpoint directory or hub id (default: the bundled shapes model, assets/model/)")
+    p.add_argument("--revision", default=None, help="hub model version: a branch, tag or commit id")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -22,7 +31,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-images-per-request", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the engine's sampling generator: unseeded sampled requests repeat from a fresh start")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of earlier prompts' shared prefixes (--no-enable-prefix-caching: off)")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template file, or the template itself, used instead of the checkpoint's")
+    p.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
+                   help='items of each modality one request may carry, as JSON: \'{"image": 2, "video": 1}\' '
+                        "(default 32 each; 0 refuses the modality)")
+    p.add_argument("--max-images-per-request", type=int, default=None,
+                   help='images one request may carry (default 32; the same as --limit-mm-per-prompt \'{"image": N}\')')
     p.add_argument("--max-image-pixels", type=int, default=None)
     p.add_argument("--max-video-frames", type=int, default=None, help="frames sampled from one video (default 768)")
     p.add_argument("--max-video-tokens", type=int, default=None,
@@ -40,14 +59,48 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="MoE models under tensor parallelism: whole experts per rank instead of every expert sliced")
 
 
+def _json_object(text: str) -> Any:
+    """argparse type of a JSON flag: the parsed value (its shape is checked where it is used)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc.msg} ({text!r})") from None
+
+
+def model_argument(args: argparse.Namespace) -> Optional[str]:
+    """The model the command line names: `serve`'s positional MODEL or `--model` (ValueError for two
+    different ones); None: the bundled default model."""
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"the model is named twice, {positional!r} and --model {args.model!r}: give it once")
+    return positional if positional is not None else args.model
+
+
+def media_limits(args: argparse.Namespace) -> dict[str, int]:
+    """The EngineConfig per-request media counts of `--limit-mm-per-prompt` and `--max-images-per-request`
+    (ValueError for a bad value, or for the two flags giving different image counts)."""
+    from vlmrun.config import mm_limit_fields
+
+    fields = mm_limit_fields(args.limit_mm_per_prompt) if args.limit_mm_per_prompt is not None else {}
+    images = args.max_images_per_request
+    if images is not None:
+        if fields.get("max_images_per_request", images) != images:
+            raise ValueError(f"--max-images-per-request {images} and --limit-mm-per-prompt "
+                             f"{{\"image\": {fields['max_images_per_request']}}} disagree: give one")
+        fields["max_images_per_request"] = images
+    return fields
+
+
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily: torch)
     from vlmrun.config import EngineConfig
 
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+    return EngineConfig(model=model_argument(args), revision=args.revision, seed=args.seed,
+                        enable_prefix_caching=args.enable_prefix_caching, chat_template=args.chat_template,
+                        dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                        gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_images_per_request=args.max_images_per_request, max_image_pixels=args.max_image_pixels,
+                        gpu_memory_utilization=args.gpu_memory_utilization, **media_limits(args),
+                        max_image_pixels=args.max_image_pixels,
                         max_video_frames=args.max_video_frames, max_video_tokens=args.max_video_tokens,
                         max_stop_strings=args.max_stop_strings, max_stop_string_length=args.max_stop_string_length,
                         max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
@@ -60,14 +113,15 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
     from vlmrun.server.settings import ServerSettings
 
     return ServerSettings(
-        served_model_name=args.served_model_name or served_name(args.model),
+        served_model_name=args.served_model_name or served_name(model_argument(args)),
         api_key=args.api_key or os.environ.get("VLMRUN_API_KEY") or None,
         max_request_bytes=args.max_request_mb * MiB, max_queued_requests=args.max_queued_requests,
         max_n=args.max_n, preprocess_workers=args.preprocess_workers,
         allow_remote_urls=not args.no_remote_urls, allow_private_urls=args.allow_private_urls,
         allowed_local_media_path=args.allowed_local_media_path, url_timeout_s=args.url_timeout,
         max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
-        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser)
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -88,12 +142,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preprocess-workers", type=int, default=4, help="threads for parsing and images")
     p.add_argument("--reasoning-parser", choices=("qwen3", "none"), default="qwen3",
                    help="split <think>...</think> into reasoning_content (none: leave it in content)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='parse the tool calls of tool_choice "auto" answers (without it such a request is a 400); '
+                        "needs --tool-call-parser")
+    p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                   help="the tool-call format: Qwen's JSON (hermes) or XML-style calls (qwen3_coder, qwen3_xml); "
+                        "either is read whichever is named")
 
 
 def serve(args: argparse.Namespace) -> int:
+    from vlmrun.processors.processor_files import load_chat_template
+
     try:  # what the command line got wrong, before any model is loaded
         settings = server_settings(args)
-        resolve_model(args.model)
+        config = engine_config(args)
+        resolve_model(config.model)
+        if config.chat_template is not None:
+            load_chat_template(config.chat_template)
     except (FileNotFoundError, ValueError) as exc:
         print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
@@ -102,7 +167,7 @@ def serve(args: argparse.Namespace) -> int:
     from vlmrun.server.app import create_app
     from vlmrun.server.launch import build_engine
 
-    engine = build_engine(engine_config(args))
+    engine = build_engine(config)
     try:
         app = create_app(engine, settings)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
@@ -113,6 +178,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF checkpoint directory or hub id, as `vllm serve MODEL` takes it (or --model)")
     add_engine_args(p)
     add_server_args(p)
     p.add_argument("--host", default="127.0.0.1")

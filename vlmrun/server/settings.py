@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 MiB = 1 << 20
+# vLLM's --tool-call-parser names for the Qwen formats this server reads (`tool_calls.read_call` reads
+# both bodies whichever is named): hermes (Qwen2.5 / Qwen3 JSON calls), qwen3_coder and qwen3_xml
+# (Qwen3-Coder / Qwen3.5 XML-style calls).
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "qwen3_xml")
 
 
 @dataclass
@@ -29,6 +33,10 @@ class ServerSettings:
         chat answer think before its constraint holds (`after_reasoning`); None leaves it in `content`
         and constrains from the first token.
     max_video_bytes: the byte bound of one video (same URL and path policy as images).
+    enable_auto_tool_choice / tool_call_parser: vLLM's flags. A chat request with `tools` whose
+        `tool_choice` is "auto" (the default with tools) is a 400 unless enable_auto_tool_choice is on;
+        then the answer's tool calls are parsed into `tool_calls`. enable_auto_tool_choice needs a
+        tool_call_parser, one of TOOL_CALL_PARSERS. "required", a named function and "none" need neither.
     """
 
     served_model_name: str
@@ -45,6 +53,8 @@ class ServerSettings:
     max_url_redirects: int = 3
     reasoning_parser: Optional[str] = "qwen3"
     max_video_bytes: int = 200 * MiB
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes"):
@@ -54,6 +64,12 @@ class ServerSettings:
             raise ValueError("ServerSettings.max_queued_requests must be >= 0")
         if self.reasoning_parser not in (None, "qwen3"):
             raise ValueError("ServerSettings.reasoning_parser must be 'qwen3' or None")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown tool call parser {self.tool_call_parser!r}; this server implements "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
+                             f"(--tool-call-parser {' | '.join(TOOL_CALL_PARSERS)})")
         if self.url_timeout_s <= 0:
             raise ValueError("ServerSettings.url_timeout_s must be > 0")
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()

@@ -1,0 +1,131 @@
+"""`POST /tokenize` and `POST /detokenize`, in vLLM's request and response shapes.
+
+/tokenize takes either `prompt` (a string, tokenized as it is; `add_special_tokens` default true) or
+`messages` (a chat: the chat template, images and videos as the chat route prepares them, so the
+ids are the ones the engine would run, image and video pads included; `add_generation_prompt`
+default true, `add_special_tokens` default false, `tools`, `chat_template_kwargs`) and answers
+`{"count", "max_model_len", "tokens"}`, plus `token_strs` with `return_token_strs`. /detokenize takes
+`tokens` and answers `{"prompt"}` (special tokens kept). Bodies follow the generation routes' rules:
+JSON only (415), capped (413), `model` the served one (404), a 400 naming the field for the rest;
+chat bodies are checked as /v1/chat/completions checks them. Fields vLLM takes that this server does
+not implement here (`continue_final_message`, a per-request `chat_template`, `mm_processor_kwargs`)
+are a 400, never ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from transformers import PreTrainedTokenizerBase
+
+from vlmrun.processors import InputError
+from vlmrun.server.chat_handler import has_media
+from vlmrun.server.errors import bad_request
+from vlmrun.server.protocol import RequestLimits, _opt_bool, _opt_model, parse_chat_request
+from vlmrun.server.state import ServerState
+from vlmrun.server.submission import parse_body
+
+_UNSUPPORTED_CHAT_FIELDS = ("continue_final_message", "chat_template", "mm_processor_kwargs")
+
+
+@dataclass
+class TokenizeRequest:
+    model: Optional[str]
+    prompt: Optional[str]  # the completion form; None: `messages` is given
+    messages: list[Any] = field(default_factory=list)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    return_token_strs: bool = False
+
+
+@dataclass
+class DetokenizeRequest:
+    model: Optional[str]
+    tokens: list[int]
+
+
+def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits) -> TokenizeRequest:
+    has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
+    if has_prompt == has_messages:
+        raise bad_request("give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
+    model = _opt_model(body)
+    token_strs = _opt_bool(body, "return_token_strs", False)
+    if has_prompt:
+        if not isinstance(body["prompt"], str):
+            raise bad_request("'prompt' must be a string (a chat goes in 'messages')", param="prompt")
+        return TokenizeRequest(model, body["prompt"], add_special_tokens=_opt_bool(body, "add_special_tokens", True),
+                               return_token_strs=token_strs)
+    for name in _UNSUPPORTED_CHAT_FIELDS:
+        if body.get(name):
+            raise bad_request(f"'{name}' is not supported by this server's /tokenize", param=name)
+    chat = parse_chat_request(body, limits)  # the chat route's rules for messages, tools and template variables
+    return TokenizeRequest(model, None, chat.messages, add_special_tokens=_opt_bool(body, "add_special_tokens", False),
+                           add_generation_prompt=chat.add_generation_prompt, tools=chat.tools,
+                           chat_template_kwargs=chat.chat_template_kwargs, return_token_strs=token_strs)
+
+
+def parse_detokenize_request(body: dict[str, Any], limits: RequestLimits) -> DetokenizeRequest:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise bad_request("'tokens' must be a list of token ids (integers)", param="tokens")
+    return DetokenizeRequest(_opt_model(body), tokens)
+
+
+async def tokenize(state: ServerState, request: Request) -> Response:
+    req: TokenizeRequest = await parse_body(state, request, parse_tokenize_request)
+    state.check_model(req.model)
+    tokenizer = state.processor.tokenizer
+    if req.prompt is not None:
+        ids = await state.in_pool(lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens),
+                                  heavy=False)
+    else:
+        ids = await state.in_pool(lambda: _chat_token_ids(state, req), heavy=has_media(req.messages))
+    answer: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return JSONResponse(answer)
+
+
+async def detokenize(state: ServerState, request: Request) -> Response:
+    req: DetokenizeRequest = await parse_body(state, request, parse_detokenize_request)
+    state.check_model(req.model)
+    tokenizer = state.processor.tokenizer
+    vocab = max(len(tokenizer), state.engine.engine.model_config.text_config.vocab_size)
+    unknown = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if unknown is not None:
+        raise bad_request(f"'tokens' holds {unknown}, not a token id of this model (0 to {vocab - 1})",
+                          param="tokens")
+    text = await state.in_pool(lambda: tokenizer.decode(req.tokens), heavy=False)
+    return JSONResponse({"prompt": text})
+
+
+def _chat_token_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
+    """The chat's ids as the engine would run them (pads expanded), 400 for what the processor refuses."""
+    try:
+        messages = state.media.resolve_messages(req.messages)
+        prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs)
+    except InputError as exc:
+        raise bad_request(str(exc), param="messages") from None
+    except ValueError as exc:  # e.g. a checkpoint without a chat template
+        raise bad_request(str(exc)) from None
+    if not req.add_special_tokens:
+        return list(prompt.token_ids)
+    before, after = special_tokens_around(state.processor.tokenizer)
+    return before + list(prompt.token_ids) + after
+
+
+def special_tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text when it adds special tokens (a BOS, an EOS;
+    none for Qwen's tokenizers): found by encoding one word with and without them."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []
