@@ -25,6 +25,14 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   `<think>…</think>`, counted from the think's start); then `</think>` is forced. None: no limit.
   A request with a budget has its constraint (if any) hold after the reasoning, as `after_reasoning`.
   The think must start in the prompt, or be opened by the model with a single `<think>` token.
+- `logit_bias` (vLLM's, a dict of token id to a finite number): added to that token's logit
+  before the penalties. `allowed_token_ids` (a non-empty list): every other token gets `-inf`.
+  `bad_words` (a list of words): the engine tokenizes each word once, alone and after a space (the
+  spaced form kept when it starts with another token and has as many tokens, as vLLM does:
+  `tokenize_bad_words`), and the sampler bans a word's last token whenever its other tokens are the
+  latest output tokens, so no bad word is completed. Token ids past the vocabulary are refused by
+  `check_token_ids`, which the engine calls (it knows the vocabulary size). The sampler's docstring
+  says where these come among the other transforms.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
   request draws with `seed + i`, wrapped into that range (`choices`).
@@ -44,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
@@ -84,6 +92,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
     thinking_token_budget: Optional[int] = None
+    logit_bias: Optional[dict[int, float]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    # each bad word's token sequences (`tokenize_bad_words` fills it; the sampler reads it)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.n = _integer("n", self.n, lo=1)
@@ -104,7 +117,10 @@ class SamplingParams:
             raise SamplingParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                    f"({self.max_tokens})")
         self.stop = _stop_strings(self.stop)
-        self.stop_token_ids = _token_ids(self.stop_token_ids)
+        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
+        self.bad_words = _bad_words(self.bad_words)
         self.logprobs = _optional(_integer, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         self.thinking_token_budget = _optional(_integer, "thinking_token_budget", self.thinking_token_budget, lo=0)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -129,10 +145,11 @@ class SamplingParams:
         return self.stop
 
     @property
-    def penalizes(self) -> bool:
-        """True when sampling reads the request's token history (a repetition, presence or frequency
-        penalty other than the neutral one)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+    def reads_output_tokens(self) -> bool:
+        """True when sampling reads the request's generated token ids: a repetition, presence or
+        frequency penalty other than the neutral one, or bad words."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.bad_words))
 
     @property
     def gates_reasoning(self) -> bool:
@@ -145,6 +162,34 @@ class SamplingParams:
         """Token ids that finish the request: EOS (unless ignore_eos) plus stop_token_ids."""
         ids = [] if self.ignore_eos else list(eos_token_ids)
         return ids + [t for t in self.stop_token_ids if t not in ids]
+
+    def tokenize_bad_words(self, tokenizer: Any) -> "SamplingParams":
+        """A copy with `bad_words_token_ids` filled by `tokenizer` (a Hugging Face tokenizer), or self
+        without bad words. vLLM's rule: each word (leading spaces stripped) as it reads at the start of
+        a text, and after a space when that form starts with another token and has as many tokens."""
+        if not self.bad_words:
+            return self
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            sequences.append(alone)
+            if spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        copy = dataclasses.replace(self)
+        copy.bad_words_token_ids = sequences
+        return copy
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Raise SamplingParamError naming `logit_bias`, `allowed_token_ids` or `bad_words` when one of
+        their token ids is outside the vocabulary [0, vocab_size)."""
+        given = (("logit_bias", list(self.logit_bias or ())), ("allowed_token_ids", self.allowed_token_ids or []),
+                 ("bad_words", [t for ids in self.bad_words_token_ids for t in ids]))
+        for name, ids in given:
+            outside = sorted({t for t in ids if t >= vocab_size})
+            if outside:
+                raise SamplingParamError(name, f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
+                                               f"{_short_repr(outside)}")
 
     def choices(self) -> list["SamplingParams"]:
         """The `n` single-choice params of an n-choice request, one engine request each: n=1 and, when
@@ -261,13 +306,46 @@ def _stop_strings(stop: Any) -> list[str]:
     return list(stop)
 
 
-def _token_ids(ids: Any) -> list[int]:
+def _is_token_id(value: Any) -> bool:
+    return _is_integer(value) and 0 <= value <= TOKEN_ID_MAX
+
+
+def _token_ids(name: str, ids: Any) -> list[int]:
     if ids is None:
         return []
     allowed = f"a list of token ids (integers in [0, {TOKEN_ID_MAX}])"
-    if not isinstance(ids, (list, tuple)) or not all(_is_integer(t) and 0 <= t <= TOKEN_ID_MAX for t in ids):
-        raise SamplingParamError("stop_token_ids", f"stop_token_ids must be {allowed}, got {_short_repr(ids)}")
+    if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
+        raise SamplingParamError(name, f"{name} must be {allowed}, got {_short_repr(ids)}")
     return [int(t) for t in ids]
+
+
+def _allowed_token_ids(ids: Any) -> Optional[list[int]]:
+    if ids is None:
+        return None
+    ids = _token_ids("allowed_token_ids", ids)
+    if not ids:
+        raise SamplingParamError("allowed_token_ids", "allowed_token_ids must not be empty (None allows every token)")
+    return ids
+
+
+def _logit_bias(bias: Any) -> Optional[dict[int, float]]:
+    if bias is None:
+        return None
+    allowed = f"a dict of token ids (integers in [0, {TOKEN_ID_MAX}]) to finite numbers"
+    values = {} if not isinstance(bias, dict) else {t: _as_float(v) for t, v in bias.items()}
+    ok = isinstance(bias, dict) and all(_is_token_id(t) and v is not None and math.isfinite(v) for t, v in values.items())
+    if not ok:
+        raise SamplingParamError("logit_bias", f"logit_bias must be {allowed}, got {_short_repr(bias)}")
+    return {int(t): v for t, v in values.items()}
+
+
+def _bad_words(words: Any) -> Optional[list[str]]:
+    if words is None:
+        return None
+    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+        raise SamplingParamError("bad_words", f"bad_words must be a list of words (strings with a non-space "
+                                              f"character), got {_short_repr(words)}")
+    return list(words)
 
 
 def _short_repr(value: Any, limit: int = 80) -> str:

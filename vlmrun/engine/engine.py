@@ -214,6 +214,8 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
+        params = params.tokenize_bad_words(self.tokenizer)  # once per request: the sampler bans by token ids
+        params.check_token_ids(self.model_config.text_config.vocab_size)  # SamplingParamError naming the field
         grammar = self._new_grammar_state(params, prompt)  # StructuredOutputError (a ValueError) if it does not compile
         n = len(prompt.token_ids)
         if n == 0:

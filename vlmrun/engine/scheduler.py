@@ -157,9 +157,9 @@ class Scheduler:
     def must_wait(self, req: Request) -> bool:
         """Async scheduling: a request whose last token is still on the device (a launched step is
         sampling it) runs on with a placeholder for it, unless its next step needs that token on the
-        host first: its grammar must accept it before the next mask; its penalties count it; it ends
-        the request by length; or its chunk ended at a GDN snapshot point (the snapshot is taken when
-        the step is collected, so its slot must not move on before)."""
+        host first: its grammar must accept it before the next mask; its penalties or bad words read
+        it; it ends the request by length; or its chunk ended at a GDN snapshot point (the snapshot is
+        taken when the step is collected, so its slot must not move on before)."""
         if not req.num_launched_steps:  # nothing of it is running (always so when synchronous)
             return False
         if self.cut_at_snapshots and self.is_snapshot_point(req, req.num_computed_tokens):
@@ -167,7 +167,7 @@ class Scheduler:
         if not req.num_pending_tokens:  # a prompt chunk is running: the next one follows it
             return False
         params = req.sampling_params
-        return (req.grammar is not None or params.penalizes
+        return (req.grammar is not None or params.reads_output_tokens
                 or (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
                 or req.num_tokens >= self.max_model_len)
 

@@ -101,11 +101,13 @@ def _wire_chunk(chunk: ChunkInput) -> ChunkInput:
 
 def _wire_sampling(row: SamplingRow) -> SamplingRow:
     """A sampling row the ranks can take: no generator object, a filled bitmask for a grammar, and of
-    the prompt and output ids only what the sampler reads: all of them for penalties, else the first
-    `min_tokens` outputs (enough to tell whether min_tokens still holds)."""
+    the prompt and output ids only what the sampler reads: the prompt for a repetition penalty, all
+    outputs for penalties or bad words, else the first `min_tokens` outputs (enough to tell whether
+    min_tokens still holds). The params travel whole (logit_bias, allowed_token_ids, the bad words'
+    token ids)."""
     params = row.params
     prompt = row.prompt_token_ids if params.repetition_penalty != 1.0 else ()
-    output = row.output_token_ids if params.penalizes else row.output_token_ids[:params.min_tokens]
+    output = row.output_token_ids if params.reads_output_tokens else row.output_token_ids[:params.min_tokens]
     return row._replace(prompt_token_ids=list(prompt), output_token_ids=list(output), generator=None,
                         grammar=None if row.grammar is None else row.grammar.filled())
 

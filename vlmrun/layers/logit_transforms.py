@@ -1,4 +1,5 @@
-"""The sampler's logit transforms: penalties, the min_tokens block, the grammar mask, truncation.
+"""The sampler's logit transforms: the grammar mask, the allowed-token mask, the blocked tokens
+(min_tokens, bad words), the logit bias, penalties, truncation.
 
 Each takes float32 logits `[batch, vocab]` and the step's `SamplingBatch` (or the tensors it holds)
 and returns new logits; all work out of place, so the caller's logits are never written. Removed
@@ -38,8 +39,22 @@ def apply_frequency_presence_penalties(logits: Tensor, counts: Tensor, frequency
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def apply_min_tokens_block(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Set the blocked (row, token) pairs to -inf."""
+def apply_allowed_token_ids(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Tokens outside a row's allowed_token_ids become -inf. logits and mask [batch, vocab]."""
+    if batch.outside_allowed is None:
+        return logits
+    return logits.masked_fill(batch.outside_allowed, float("-inf"))
+
+
+def apply_logit_bias(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Add each row's logit_bias. logits and bias [batch, vocab]."""
+    if batch.logit_bias is None:
+        return logits
+    return logits + batch.logit_bias
+
+
+def apply_blocked_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Set the blocked (row, token) pairs (min_tokens, bad words) to -inf."""
     if batch.blocked_rows is None:
         return logits
     logits = logits.clone()

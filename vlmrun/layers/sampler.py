@@ -4,23 +4,33 @@ The parts: `SamplingRow` / `SamplingBatch` (`sampling_batch.py`, the step's per-
 tensors), the logit transforms (`logit_transforms.py`), `SamplerOutput` (`sampler_output.py`, ids
 and logprobs until the one host sync); `Sampler` here runs them in order.
 
-Per call, in this order:
+Per call, in this order (vLLM's: its model runner applies the grammar bitmask before its sampler,
+which then applies allowed_token_ids, bad words, min_tokens and logit_bias, then penalties):
 
 1. **Logprobs** (only when some row asked) come from the RAW model logits: `log_softmax` of the
-   unmodified float32 logits, before penalties, the min_tokens mask, temperature or truncation
-   (vLLM's default "raw logprobs"). Each asking row gets its top-`logprobs` tokens plus the chosen
-   token, so its dict has `logprobs` or `logprobs + 1` entries; rows that did not ask get None.
-2. **Penalties**: repetition penalty (HF/vLLM: over prompt + output tokens, a positive logit is
+   unmodified float32 logits, before any of the steps below (grammar mask, allowed_token_ids, bad
+   words, min_tokens, logit_bias, penalties, temperature, truncation). vLLM's default
+   `logprobs_mode="raw_logprobs"` is the same, except that there a grammar row's logprobs already
+   see the grammar mask (applied before vLLM's sampler); vlmrun's do not. Each asking row gets its
+   top-`logprobs` tokens plus the chosen token, so its dict has `logprobs` or `logprobs + 1`
+   entries; rows that did not ask get None.
+2. **Masks**, each turning tokens to `-inf`:
+   - the **grammar mask** (structured outputs): a row whose request carries a grammar state gets
+     `-inf` on every token its grammar does not allow next. The state fills its row of an int32
+     bitmask `[batch, ceil(vocab / 32)]` (bit j of word w = token `32 w + j`) on the host in
+     `SamplingBatch.build`, which the runner calls after queueing the model's forward, so on CUDA
+     the filling overlaps the forward; xgrammar's kernel (C++ on CPU, Triton on CUDA) then applies
+     the grammar rows' masks to a copy of the logits;
+   - **allowed_token_ids**: every token outside a row's list;
+   - **blocked tokens**: a bad word's last token when its other tokens are the row's latest
+     outputs; and while a row has fewer than `min_tokens` outputs, its EOS ids (unless
+     `ignore_eos`) and `stop_token_ids` (not for grammar rows: their grammar decides).
+3. **logit_bias**: each row's bias is added (a masked token stays `-inf`, so a bias cannot undo a
+   grammar, allowed_token_ids, bad words or min_tokens).
+4. **Penalties**: repetition penalty (HF/vLLM: over prompt + output tokens, a positive logit is
    divided by the penalty, a non-positive one multiplied), then frequency and presence penalties
-   (OpenAI: over output tokens only, `logit -= frequency * count + presence * (count > 0)`).
-3. **min_tokens**: while a row has fewer than `min_tokens` outputs, its EOS ids (unless
-   `ignore_eos`) and `stop_token_ids` get `-inf` (not for grammar rows: their grammar decides).
-4. **Grammar mask** (structured outputs): a row whose request carries a grammar state gets `-inf`
-   on every token its grammar does not allow next. The state fills its row of an int32 bitmask
-   `[batch, ceil(vocab / 32)]` (bit j of word w = token `32 w + j`) on the host in
-   `SamplingBatch.build`, which the runner calls after queueing the model's forward, so on CUDA the
-   filling overlaps the forward; xgrammar's kernel (C++ on CPU, Triton on CUDA) then applies the
-   grammar rows' masks to a copy of the logits.
+   (OpenAI: over output tokens only, `logit -= frequency * count + presence * (count > 0)`); they
+   see the biased logits.
 5. **Greedy** rows take the argmax of those logits. **Sampled** rows divide by temperature, then
    min-p (relative to the most likely token), top-k, and top-p (on the distribution renormalised
    after top-k / min-p) turn the removed tokens to `-inf`; the survivors are drawn with the
@@ -41,8 +51,9 @@ host→device (pinned, non-blocking on CUDA). The single device→host sync is
 `SamplerOutput.to_host()`, which moves token ids and all logprobs in one transfer; the caller
 (model runner) does it once per step. `SamplerOutput.logprobs` calls it (cached).
 
-Cost note: penalties and the min_tokens mask are rebuilt from the token lists every step
-(O(tokens) host work for rows that use them); the all-greedy, no-penalty path is one argmax.
+Cost note: penalties, the blocked tokens, the logit bias and the allowed mask are rebuilt from the
+rows every step (O(tokens) host work for rows that use them); the all-greedy path with none of
+them is one argmax.
 """
 
 from __future__ import annotations
@@ -51,8 +62,8 @@ from typing import Optional
 
 import torch
 
-from vlmrun.layers.logit_transforms import (apply_min_tokens_block, apply_penalties, apply_token_bitmask,
-                                            apply_truncation)
+from vlmrun.layers.logit_transforms import (apply_allowed_token_ids, apply_blocked_tokens, apply_logit_bias,
+                                            apply_penalties, apply_token_bitmask, apply_truncation)
 from vlmrun.layers.sampler_output import SamplerOutput, gather_logprobs
 from vlmrun.layers.sampling_batch import SamplingBatch
 
@@ -71,9 +82,11 @@ class Sampler:
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [batch, vocab]
-        logits = apply_penalties(logits, batch)
-        logits = apply_min_tokens_block(logits, batch)
         logits = apply_token_bitmask(logits, batch)
+        logits = apply_allowed_token_ids(logits, batch)
+        logits = apply_blocked_tokens(logits, batch)
+        logits = apply_logit_bias(logits, batch)
+        logits = apply_penalties(logits, batch)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)  # [batch]
         else:

@@ -1,13 +1,15 @@
 """A step's sampling settings as device tensors: one `SamplingRow` per request in, one `SamplingBatch` out.
 
 `SamplingBatch.build` gathers every row's settings (temperature, top-k / top-p / min-p, penalties,
-min_tokens, logprobs, per-request generators) into `[batch, ...]` tensors on the logits' device; a
-field no row needs stays None, so the sampler skips that step. It only copies host→device (pinned,
+min_tokens, logit_bias, allowed_token_ids, bad words, logprobs, per-request generators) into
+`[batch, ...]` tensors on the logits' device; a field no row needs stays None, so the sampler skips
+that step. It only copies host→device (pinned,
 non-blocking on CUDA), never waits on the device. Grammar rows (structured outputs) fill their row
 of the token bitmask here, on the host (the sampler's docstring says when and why).
 
-Cost note: penalties and the min_tokens mask are rebuilt from the token lists every step
-(O(tokens) host work for rows that use them).
+Cost note: penalties, the blocked tokens (min_tokens, bad words), the logit bias and the allowed
+mask are rebuilt from the rows every step (O(tokens) host work for rows that use them; the
+`[batch, vocab]` tensors are filled on the device from (row, token) index vectors).
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ class SamplingBatch:
     frequency_penalties: Optional[Tensor] = None  # [batch, 1] float32
     presence_penalties: Optional[Tensor] = None  # [batch, 1] float32
     output_counts: Optional[Tensor] = None  # [batch, vocab] float32: occurrences in the output
-    blocked_rows: Optional[Tensor] = None  # [n] int64 } (row, token) pairs set to -inf
-    blocked_tokens: Optional[Tensor] = None  # [n] int64 } by min_tokens
+    blocked_rows: Optional[Tensor] = None  # [n] int64 } (row, token) pairs set to -inf: min_tokens' stop
+    blocked_tokens: Optional[Tensor] = None  # [n] int64 } ids and the bad words' banned last tokens
+    outside_allowed: Optional[Tensor] = None  # [batch, vocab] bool: True where allowed_token_ids leave a token out
+    logit_bias: Optional[Tensor] = None  # [batch, vocab] float32 added to the logits; rows without one hold 0
     grammar_rows: list[int] = field(default_factory=list)  # rows whose request has a grammar
     token_bitmask: Optional[Tensor] = None  # [batch, ceil(vocab / 32)] int32; read for grammar_rows only
     generators: list[Optional[torch.Generator]] = field(default_factory=list)  # per row
@@ -88,7 +92,9 @@ class SamplingBatch:
             _fill_sampling_settings(batch, params, greedy, device)
             batch.seeded_rows = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is not None]
         _fill_penalties(batch, rows, device)
-        _fill_min_tokens_block(batch, rows, device)
+        _fill_blocked_tokens(batch, rows, device)
+        _fill_allowed_mask(batch, rows, device)
+        _fill_logit_bias(batch, rows, device)
         _fill_grammar_bitmask(batch, rows, device)
         return batch
 
@@ -139,13 +145,54 @@ def _fill_penalties(batch: SamplingBatch, rows: list[SamplingRow], device: torch
         batch.output_counts = counts
 
 
-def _fill_min_tokens_block(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
-    """(row, token) pairs of EOS / stop_token_ids that rows below min_tokens may not sample."""
-    lists = [r.params.stop_ids_for(list(r.eos_token_ids))
-             if len(r.output_token_ids) < r.params.min_tokens and r.grammar is None else []
-             for r in rows]
+def _fill_blocked_tokens(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """(row, token) pairs no row may sample this step: EOS / stop_token_ids of rows below min_tokens
+    (not grammar rows: their grammar decides), and the last token of each bad word whose other
+    tokens are the row's latest outputs."""
+    lists = [_min_tokens_block(r) + _bad_word_bans(r.params.bad_words_token_ids, r.output_token_ids) for r in rows]
     if any(lists):
         batch.blocked_rows, batch.blocked_tokens = _flat_indices(lists, batch.vocab_size, device)
+
+
+def _min_tokens_block(row: SamplingRow) -> list[int]:
+    if len(row.output_token_ids) < row.params.min_tokens and row.grammar is None:
+        return row.params.stop_ids_for(list(row.eos_token_ids))
+    return []
+
+
+def _bad_word_bans(bad_words: list[list[int]], outputs: Sequence[int]) -> list[int]:
+    """The last token of every bad word whose tokens before it end `outputs` (a one-token word: always)."""
+    banned = []
+    for word in bad_words:
+        before = word[:-1]
+        if len(before) <= len(outputs) and list(outputs[len(outputs) - len(before):]) == before:
+            banned.append(word[-1])
+    return banned
+
+
+def _fill_allowed_mask(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """True on every token a row with allowed_token_ids may not sample (the others' rows all False)."""
+    lists = [r.params.allowed_token_ids or [] for r in rows]
+    restricted = [i for i, ids in enumerate(lists) if ids]
+    if not restricted:
+        return
+    row_idx, tok_idx = _flat_indices(lists, batch.vocab_size, device)
+    outside = torch.zeros((batch.batch_size, batch.vocab_size), dtype=torch.bool, device=device)  # [batch, vocab]
+    outside[_to_device(restricted, torch.int64, device)] = True
+    outside[row_idx, tok_idx] = False
+    batch.outside_allowed = outside
+
+
+def _fill_logit_bias(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
+    """The rows' logit_bias as one additive [batch, vocab] tensor (0 where a row sets none)."""
+    biases = [r.params.logit_bias or {} for r in rows]
+    if not any(biases):
+        return
+    row_idx, tok_idx, keep = _flat_pairs([list(b) for b in biases], batch.vocab_size)
+    values = torch.tensor([v for b in biases for v in b.values()], dtype=torch.float32)  # [n]
+    bias = torch.zeros((batch.batch_size, batch.vocab_size), dtype=torch.float32, device=device)  # [batch, vocab]
+    bias[upload(row_idx[keep], device), upload(tok_idx[keep], device)] = upload(values[keep], device)
+    batch.logit_bias = bias
 
 
 def _fill_grammar_bitmask(batch: SamplingBatch, rows: list[SamplingRow], device: torch.device) -> None:
@@ -162,12 +209,16 @@ def _fill_grammar_bitmask(batch: SamplingBatch, rows: list[SamplingRow], device:
 
 def _flat_indices(lists: list[list[int]], vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Row and token index vectors for the (row, token) pairs in `lists`, ids >= vocab dropped."""
-    rows = [i for i, ids in enumerate(lists) for _ in ids]
-    toks = [t for ids in lists for t in ids]
-    row_idx = torch.tensor(rows, dtype=torch.int64)  # [n]
-    tok_idx = torch.tensor(toks, dtype=torch.int64)  # [n]
-    keep = (tok_idx >= 0) & (tok_idx < vocab_size)
+    row_idx, tok_idx, keep = _flat_pairs(lists, vocab_size)
     return upload(row_idx[keep], device), upload(tok_idx[keep], device)
+
+
+def _flat_pairs(lists: list[list[int]], vocab_size: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Host row and token index vectors [n] for the (row, token) pairs in `lists`, and which of them
+    name a token of the vocabulary."""
+    row_idx = torch.tensor([i for i, ids in enumerate(lists) for _ in ids], dtype=torch.int64)  # [n]
+    tok_idx = torch.tensor([t for ids in lists for t in ids], dtype=torch.int64)  # [n]
+    return row_idx, tok_idx, (tok_idx >= 0) & (tok_idx < vocab_size)
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> Tensor:
