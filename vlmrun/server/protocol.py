@@ -2,8 +2,10 @@
 
 Parsing is strict about the fields the server uses (type and range, with the field named in the
 error) and lenient about the rest: unknown fields are ignored, as OpenAI-compatible servers do,
-except features this server does not have (logit_bias, legacy `functions`, suffix), which are
-refused with 400 rather than silently ignored.
+except features this server does not have (legacy `functions`, suffix), which are refused with 400
+rather than silently ignored.
+
+`logit_bias` (OpenAI's), `allowed_token_ids` and `bad_words` (vLLM's): `logits_processor_fields.py`.
 
 Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
@@ -31,6 +33,7 @@ from typing import Any, Optional, Union
 from vlmrun.processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.server.errors import APIError, bad_request
+from vlmrun.server.logits_processor_fields import logits_processor_fields
 from vlmrun.server.tool_calls import check_tools, forced_tools
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
@@ -197,6 +200,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
         structured_outputs=structured,
         thinking_token_budget=_opt_int(body, "thinking_token_budget", None, lo=0),
+        **logits_processor_fields(body),
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")
@@ -211,8 +215,6 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
 def _refuse_unsupported(body: dict[str, Any]) -> None:
     if body.get("functions"):
         raise bad_request("legacy 'functions' are not supported by this server: use 'tools'", param="functions")
-    if body.get("logit_bias"):
-        raise bad_request("'logit_bias' is not supported by this server", param="logit_bias")
 
 
 _GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),

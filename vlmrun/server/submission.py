@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 
 from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
-from vlmrun.sampling_params import SamplingParams
+from vlmrun.sampling_params import SamplingParamError, SamplingParams
 from vlmrun.structured import StructuredOutputError
 from vlmrun.server import responses as R
 from vlmrun.server.errors import APIError, bad_request, internal, unavailable
@@ -136,7 +136,7 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
             cancel.set()  # done, or nobody is waiting for it any more
         _check_context(items, state.engine.engine.max_model_len)
         group = await state.engine.submit(rid, items)
-    except StructuredOutputError as exc:
+    except (StructuredOutputError, SamplingParamError) as exc:  # the engine's checks (a grammar, token ids)
         ticket.release()
         raise bad_request(str(exc), param=exc.field) from None
     except InputError as exc:
