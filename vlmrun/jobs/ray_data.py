@@ -23,12 +23,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 
 from vlmrun.default_model import resolve_model
 from vlmrun.jobs.config import DEFAULT_MAX_TOKENS, DEFAULT_PREFETCH, DEFAULT_PROMPT, default_workers
 from vlmrun.jobs.inputs import JobItem
 from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, record_of, row_of
+
+if TYPE_CHECKING:
+    from vlmrun.sampling_params import SamplingParams
 
 _SOURCE_COLUMN = "source"
 
@@ -158,7 +161,7 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
     ds = caption_dataset(
         ray.data.from_items(rows), config.model, concurrency=actors, num_gpus=gpus,
         num_cpus=config.ray.cpus_per_actor, batch_size=config.ray.batch_size, prompt=config.prompt,
-        sampling=dataclasses.asdict(config.sampling), engine_options=config.engine_options,
+        sampling=_sampling_keywords(config.sampling), engine_options=config.engine_options,
         image_column=_SOURCE_COLUMN, key_column="image", workers=config.workers, prefetch=config.prefetch,
         model_name=config.model)
     del rows
@@ -170,3 +173,9 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
             on_record(JobItem(record.image, None, columns=columns_of.get(record.image)), record)
         if on_tick is not None:
             on_tick()
+
+
+def _sampling_keywords(params: SamplingParams) -> dict[str, Any]:
+    """`params` as the keywords that rebuild it in a Ray actor: its constructor's fields only (fields
+    the engine derives per request, such as the tokenized bad words, are made again there)."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
