@@ -49,9 +49,12 @@ class VideoFile(Protocol):
 def video_decoder() -> str | None:
     """"torchcodec" when it loads with the system FFmpeg, else "pyav" when `av` imports, else None."""
     try:
-        from torchcodec.decoders import VideoDecoder  # noqa: F401  (loads the FFmpeg libraries)
+        import torchcodec
+        from torchcodec.decoders import VideoDecoder  # noqa: F401
 
-        return "torchcodec"
+        # torchcodec imports without FFmpeg too (its image decoders need none) and says so here
+        if getattr(torchcodec, "ffmpeg_major_version", 0) is not None:
+            return "torchcodec"
     except Exception:  # not installed, or no FFmpeg libraries it can load
         pass
     try:

@@ -391,3 +391,22 @@ def test_caption_over_video_files(qwen2_5_vl_dir, video_files, tmp_path, capsys)
         want = llm.generate({"prompt": "Describe.", "videos": [str(folder / f"{name}.mp4")]},
                             SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
         assert records[str(folder / f"{name}.mp4")]["caption"] == want.text
+
+
+def test_torchcodec_without_ffmpeg_is_no_decoder(monkeypatch):
+    """torchcodec imports without the FFmpeg libraries (its `ffmpeg_major_version` is then None): the
+    video decoder is then PyAV where it imports, not a torchcodec that fails at the first frame."""
+    torchcodec = pytest.importorskip("torchcodec")
+    from vlmrun.processors.video_io import video_decoder
+
+    monkeypatch.setattr(torchcodec, "ffmpeg_major_version", None)
+    video_decoder.cache_clear()  # it is asked once per process
+    try:
+        import av  # noqa: F401
+        expected = "pyav"
+    except ImportError:
+        expected = None
+    try:
+        assert video_decoder() == expected
+    finally:
+        video_decoder.cache_clear()  # the next caller asks the real torchcodec again
