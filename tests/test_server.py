@@ -264,3 +264,5 @@ def test_cli_registers_serve_and_web(capsys, monkeypatch, tmp_path):
     assert "bundled default model is missing" in capsys.readouterr().err
     assert main(["web"]) == 2 and main(["web", "--model", "m", "--server", "http://x"]) == 2
     assert "--model" in capsys.readouterr().err
+    assert main(["web", "--model", str(tmp_path), "--limit-mm-per-prompt", '{"audio": 1}']) == 2  # exit 2, no traceback
+    assert "vlmrun web:" in capsys.readouterr().err

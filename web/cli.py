@@ -15,10 +15,14 @@ def web(args: argparse.Namespace) -> int:
     if args.model and args.server:
         print("vlmrun web: give --model M or --server URL, not both", file=sys.stderr)
         return 2
+    config = None
     if not args.server:
+        from vlmrun.server.cli import engine_config
+
         try:
             resolve_model(args.model)
-        except FileNotFoundError as exc:
+            config = engine_config(args)
+        except (FileNotFoundError, ValueError) as exc:  # no model; a bad option value (--limit-mm-per-prompt, ...)
             print(f"vlmrun web: {exc}", file=sys.stderr)
             return 2
     from vlmrun.web.app import ASSETS, build_demo, theme
@@ -26,12 +30,11 @@ def web(args: argparse.Namespace) -> int:
 
     engine = server = None
     try:
-        if not args.server:
-            from vlmrun.server.cli import engine_config
+        if config is not None:
             from vlmrun.server.launch import build_engine, serve_in_thread
             from vlmrun.server.settings import ServerSettings
 
-            engine = build_engine(engine_config(args))
+            engine = build_engine(config)
             server = serve_in_thread(engine, ServerSettings(served_model_name=served_name(args.model)))
             client = ChatClient(server.base_url)
         else:
