@@ -89,12 +89,12 @@ def live_state_differences(engine) -> list[str]:
     inputs = [c.to_input() for c in chunks]
     runner = engine.runner
     before = snapshot(engine)
-    padded_tokens = [s.token_id for s in runner.execute(inputs)]
+    padded_tokens = [s.sampled.token_id for s in runner.execute(inputs)]
     padded = snapshot(engine)
     restore(engine, before)
     runner_padded, runner.padded_decode = runner.padded_decode, None
     try:
-        eager_tokens = [s.token_id for s in runner.execute(inputs)]
+        eager_tokens = [s.sampled.token_id for s in runner.execute(inputs)]
     finally:
         runner.padded_decode = runner_padded
     eager = snapshot(engine)

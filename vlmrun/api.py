@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.config import EngineConfig
 from vlmrun.engine.engine import Engine
+from vlmrun.engine.outputs import RequestResult
 from vlmrun.sampling_params import SamplingParams
 
 
@@ -28,6 +29,35 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: Optional[list[dict[int, float]]]
     finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
+    cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs; None without logprobs
+    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it; None for EOS / length
+
+    @classmethod
+    def of(cls, index: int, result: RequestResult) -> "CompletionOutput":
+        """Choice `index` from the engine's result of it."""
+        cumulative = None if result.logprobs is None else sum(
+            lp[t] for t, lp in zip(result.token_ids, result.logprobs))
+        return cls(index, result.text, result.token_ids, result.logprobs, result.finish_reason,
+                   cumulative_logprob=cumulative, stop_reason=result.stop_reason)
+
+
+@dataclass
+class RequestMetrics:
+    """vLLM's names, time.monotonic() seconds; over the request's choices (first arrival and token, last finish)."""
+
+    arrival_time: float
+    first_token_time: Optional[float]  # None: no token was generated
+    finished_time: float
+
+    @classmethod
+    def of(cls, result: RequestResult) -> "RequestMetrics":
+        return cls(result.arrival_time, result.first_token_time, result.finished_time)
+
+    def merged(self, other: "RequestMetrics") -> "RequestMetrics":
+        """The metrics of two choices of one request as one."""
+        first = [t for t in (self.first_token_time, other.first_token_time) if t is not None]
+        return RequestMetrics(min(self.arrival_time, other.arrival_time), min(first, default=None),
+                              max(self.finished_time, other.finished_time))
 
 
 @dataclass
@@ -36,6 +66,18 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     error: Optional[str] = None
+    prompt: Optional[str] = None  # the prompt as text (a chat: its rendered template); None when given as token ids
+    # SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (it + the top-k); the first is None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    metrics: Optional[RequestMetrics] = None
+
+    def add_completion(self, index: int, result: RequestResult) -> None:
+        """Record the engine's result of choice `index` (the prompt fields come from the first one)."""
+        self.outputs.append(CompletionOutput.of(index, result))
+        self.prompt, self.prompt_token_ids = result.prompt_text, list(result.prompt_token_ids)
+        self.prompt_logprobs = result.prompt_logprobs
+        metrics = RequestMetrics.of(result)
+        self.metrics = metrics if self.metrics is None else self.metrics.merged(metrics)
 
     @property
     def finished(self) -> bool:
@@ -147,8 +189,7 @@ class LLM:
                 if result is None or update.request_id not in pending:
                     continue
                 out, index = pending.pop(update.request_id)
-                out.outputs.append(CompletionOutput(index, result.text, result.token_ids, result.logprobs,
-                                                    result.finish_reason))
+                out.add_completion(index, result)
                 if bar is not None:
                     bar.update(1)
         if bar is not None:

@@ -33,6 +33,15 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   latest output tokens, so no bad word is completed. Token ids past the vocabulary are refused by
   `check_token_ids`, which the engine calls (it knows the vocabulary size). The sampler's docstring
   says where these come among the other transforms.
+- `prompt_logprobs` (vLLM's): for every prompt token after the first, its logprob and the top
+  `prompt_logprobs` (at most `MAX_LOGPROBS`) at its position; the first position is None. Such a
+  request takes no prefix-cache hit (its prompt's logits must be computed), as in vLLM.
+- `truncate_prompt_tokens` (vLLM's): keep only the last k prompt tokens; -1 keeps the last
+  `max_model_len` (the engine applies it, and refuses a cut through an image).
+- `output_kind` (vLLM's `RequestOutputKind`): CUMULATIVE or FINAL_ONLY (both give the whole output:
+  `LLM` returns finished requests, the server streams its own deltas); DELTA is refused.
+- `detokenize` False: no text, token ids only (stop strings then need text: refused, as vLLM).
+  `spaces_between_special_tokens` (default True): the detokenizer's option of that name.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
   request draws with `seed + i`, wrapped into that range (`choices`).
@@ -53,6 +62,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Any, Optional, Union
 
 from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
@@ -61,6 +71,14 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top log-probabilities one token may return (vLLM's default max_logprobs)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
 TOKEN_ID_MAX = 2**63 - 1  # stop token ids must fit an int64 tensor
+
+
+class RequestOutputKind(IntEnum):
+    """vLLM's values: what each output of a running request holds."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # only what is new (refused: vlmrun hands out whole outputs)
+    FINAL_ONLY = 2  # only the finished output
 
 
 class SamplingParamError(ValueError):
@@ -95,6 +113,11 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     allowed_token_ids: Optional[list[int]] = None
     bad_words: Optional[list[str]] = None
+    prompt_logprobs: Optional[int] = None
+    truncate_prompt_tokens: Optional[int] = None  # -1: the model's max_model_len
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
+    spaces_between_special_tokens: bool = True
     # each bad word's token sequences (`tokenize_bad_words` fills it; the sampler reads it)
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
@@ -123,8 +146,17 @@ class SamplingParams:
         self.bad_words = _bad_words(self.bad_words)
         self.logprobs = _optional(_integer, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         self.thinking_token_budget = _optional(_integer, "thinking_token_budget", self.thinking_token_budget, lo=0)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        self.prompt_logprobs = _optional(_integer, "prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
+        self.truncate_prompt_tokens = _optional(_integer, "truncate_prompt_tokens", self.truncate_prompt_tokens, lo=-1,
+                                                allowed="-1 (max_model_len) or a positive integer")
+        if self.truncate_prompt_tokens == 0:
+            raise SamplingParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or positive, got 0")
+        self.output_kind = _output_kind(self.output_kind)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
+                     "spaces_between_special_tokens"):
             setattr(self, name, _boolean(name, getattr(self, name)))
+        if not self.detokenize and self.stop:
+            raise SamplingParamError("detokenize", "stop strings need detokenize=True (they match the output text)")
         if self.structured_outputs is not None:
             try:
                 self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
@@ -337,6 +369,17 @@ def _logit_bias(bias: Any) -> Optional[dict[int, float]]:
     if not ok:
         raise SamplingParamError("logit_bias", f"logit_bias must be {allowed}, got {_short_repr(bias)}")
     return {int(t): v for t, v in values.items()}
+
+
+def _output_kind(kind: Any) -> RequestOutputKind:
+    try:
+        kind = RequestOutputKind(kind)
+    except ValueError:
+        raise SamplingParamError("output_kind", f"output_kind must be a RequestOutputKind, got {kind!r}") from None
+    if kind is RequestOutputKind.DELTA:
+        raise SamplingParamError("output_kind", "output_kind DELTA is not supported: LLM returns finished outputs "
+                                                "and the server streams its own deltas (use CUMULATIVE or FINAL_ONLY)")
+    return kind
 
 
 def _bad_words(words: Any) -> Optional[list[str]]:

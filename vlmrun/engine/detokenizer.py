@@ -22,7 +22,7 @@ Three pieces, plus one object that strings them together:
   delta to stream and the finish reason. The token that ended the request by EOS / stop token id
   is not detokenized unless `include_stop_str_in_output`; a stop string cuts the text; stop
   strings are checked only from output token `min_tokens + 1` on. The streamed deltas always concatenate
-  to `.text`, the final output text.
+  to `.text`, the final output text (empty with `detokenize=False`: no token is decoded).
 """
 
 from __future__ import annotations
@@ -51,9 +51,11 @@ class IncrementalDetokenizer:
     was already emitted (it is kept as context); `tokens[read_offset:]` are pending.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens  # HF's option (slow tokenizers read it)
         context = list(prompt_token_ids[-CONTEXT_TOKENS:]) if prompt_token_ids else []
         self._tokens: list[int] = context
         self._prefix_offset = 0
@@ -105,7 +107,8 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if end <= start:
             return ""
-        return self.tokenizer.decode(self._tokens[start:end], skip_special_tokens=self.skip_special_tokens)
+        return self.tokenizer.decode(self._tokens[start:end], skip_special_tokens=self.skip_special_tokens,
+                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,7 +305,8 @@ class OutputTextStream:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                  params.spaces_between_special_tokens)
         self.matcher = StopStringMatcher(params.stop_strings, params.include_stop_str_in_output)
         self.output_token_ids: list[int] = []
         self.finished: Optional[StopDecision] = None
@@ -323,9 +327,9 @@ class OutputTextStream:
                               self.num_prompt_tokens, self.max_model_len)
         stopped_by_token = decision is not None and decision.finish_reason == FINISH_STOP
         new_text = ""
-        if not stopped_by_token or self.params.include_stop_str_in_output:
+        if self.params.detokenize and (not stopped_by_token or self.params.include_stop_str_in_output):
             new_text = self.detokenizer.append(token_id)
-        if decision is not None:
+        if decision is not None and self.params.detokenize:
             new_text += self.detokenizer.flush()
         match = self._match_stop_string(new_text)
         if match is not None:

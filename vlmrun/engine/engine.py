@@ -38,6 +38,7 @@ from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.outputs import RequestResult, RequestUpdate
+from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
 from vlmrun.executor.build import build_model_runner
@@ -216,6 +217,7 @@ class Engine:
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
         params = params.tokenize_bad_words(self.tokenizer)  # once per request: the sampler bans by token ids
         params.check_token_ids(self.model_config.text_config.vocab_size)  # SamplingParamError naming the field
+        prompt = truncate_prompt(prompt, params.truncate_prompt_tokens, self.max_model_len)  # a ValueError naming it
         grammar = self._new_grammar_state(params, prompt)  # StructuredOutputError (a ValueError) if it does not compile
         n = len(prompt.token_ids)
         if n == 0:
@@ -232,6 +234,8 @@ class Engine:
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
                       grammar=grammar)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * n  # filled per prefill chunk; the first position stays None
         if self.prefix_cache is not None:
             page_size = self.caches.plan.page_size
             req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size)
@@ -313,12 +317,14 @@ class Engine:
         step.collected = True
         now = time.monotonic()
         updates = []
-        for chunk, sampled in zip(step.chunks, results):
-            req = chunk.request
+        for chunk, output in zip(step.chunks, results):
+            req, sampled = chunk.request, output.sampled
             req.num_launched_steps -= 1
             req.num_pending_tokens -= sampled is not None
             if req.status is RequestStatus.FINISHED:  # finished or aborted while this step ran: its token goes
                 continue
+            if output.prompt_logprobs is not None:  # a recomputed chunk (after preemption) writes the same values
+                req.prompt_logprobs[chunk.start + 1:chunk.start + 1 + len(output.prompt_logprobs)] = output.prompt_logprobs
             if req.status is RequestStatus.RUNNING:  # (not when preempted meanwhile: its pages are gone)
                 self.scheduler.commit(req, chunk.end)  # index new full pages (and snapshot GDN state) first
             if sampled is not None:
@@ -369,15 +375,18 @@ class Engine:
         """Free the request's memory, forget it, and return its last update (with its result)."""
         self.scheduler.finish(req)
         req.finish_reason = reason
-        text = self._streams.pop(req.request_id).text
+        stream = self._streams.pop(req.request_id)
         del self.requests[req.request_id]
         asked_logprobs = req.sampling_params.logprobs is not None
         grammar = req.grammar
-        result = RequestResult(text=text, token_ids=list(req.output_token_ids),
+        result = RequestResult(text=stream.text, token_ids=list(req.output_token_ids),
                                logprobs=list(req.output_logprobs) if asked_logprobs else None, finish_reason=reason,
                                num_prompt_tokens=req.num_prompt_tokens, arrival_time=req.arrival_time,
-                               first_token_time=req.first_token_time,
-                               grammar_ended=grammar is not None and grammar.is_terminated)
+                               first_token_time=req.first_token_time, finished_time=time.monotonic(),
+                               grammar_ended=grammar is not None and grammar.is_terminated,
+                               stop_reason=None if stream.finished is None else stream.finished.stop_reason,
+                               prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
+                               prompt_logprobs=req.prompt_logprobs)
         return RequestUpdate(req.request_id, result=result)
 
 

@@ -9,7 +9,7 @@ result (`RequestResult`) and the engine forgets the request in the same step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,12 @@ class RequestResult:
     arrival_time: float  # time.monotonic() when the engine took the request
     first_token_time: Optional[float]  # time.monotonic() of the first output token; None without one
     grammar_ended: bool = False  # structured outputs: the grammar reached an accepting end
+    finished_time: float = 0.0  # time.monotonic() when it finished
+    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it; None for EOS / length
+    prompt_text: Optional[str] = None  # the prompt as text (the rendered chat template); None when given as ids
+    prompt_token_ids: list[int] = field(default_factory=list)  # as the engine ran it (after truncate_prompt_tokens)
+    # per prompt position {token id: raw logprob} (the prompt token + top-k); the first is None; None unless asked
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def num_output_tokens(self) -> int:

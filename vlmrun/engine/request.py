@@ -49,6 +49,7 @@ class Request:
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     first_token_time: Optional[float] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # per prompt position, when asked
 
     @property
     def prompt_token_ids(self) -> list[int]:

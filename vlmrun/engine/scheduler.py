@@ -31,7 +31,7 @@ from vlmrun.cache.kv_pool import pages_needed, token_slots
 from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
-from vlmrun.executor.step_input import ChunkInput
+from vlmrun.executor.step_input import ChunkInput, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
 
 
@@ -60,7 +60,16 @@ class ScheduledChunk:
                                 req.eos_token_ids, req.sampling_grammar) if self.samples else None)
         return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=req.token_ids_slice(self.start, self.end),
                           positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
-                          mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling)
+                          mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
+                          prompt_logprobs=self.prompt_logprob_targets())
+
+    def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
+        """For a request with prompt logprobs: the prompt token after each fed token that has one."""
+        req, k = self.request, self.request.sampling_params.prompt_logprobs
+        last = min(self.end, req.num_prompt_tokens - 1)  # fed positions start .. last - 1 are followed by a prompt token
+        if k is None or self.start >= last:
+            return None
+        return PromptLogprobTargets(k, req.prompt_token_ids[self.start + 1:last + 1])
 
 
 class Scheduler:
@@ -209,7 +218,8 @@ class Scheduler:
     def _reuse_prefix(self, req: Request, row: int) -> Optional[PrefixMatch]:
         """Take the cached prefix of a request being admitted (row `row`); the match or None without a cache."""
         cache = self.prefix_cache
-        if cache is None or req.num_computed_tokens or not req.page_keys:
+        # a request with prompt logprobs computes its whole prompt (vLLM's rule: no prefix-cache hit for it)
+        if cache is None or req.num_computed_tokens or not req.page_keys or req.sampling_params.prompt_logprobs is not None:
             return None
         max_pages = min(len(req.page_keys), (req.num_tokens - 1) // self.page_size)  # leave >= 1 token
         match = cache.match(req.page_keys, max_pages)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from vlmrun.cache.plan import Caches
-from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.model_runner import ChunkOutput
 from vlmrun.executor.step_input import ChunkInput
 
 
@@ -20,15 +20,15 @@ from vlmrun.executor.step_input import ChunkInput
 class Executor(Protocol):
     caches: Caches  # the pools the scheduler writes its bookkeeping into (stand-ins under tensor parallel)
 
-    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
-        """Run one step: per chunk, its sampled token, or None for a chunk that does not sample."""
+    def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
+        """Run one step: per chunk, its sampled token (None for a chunk that does not sample) and prompt logprobs."""
         ...
 
     def launch(self, chunks: list[ChunkInput]) -> Any:
         """Start one step (the cache writes the scheduler made for it go first); a handle for `collect`."""
         ...
 
-    def collect(self, handle: Any) -> list[Optional[SampledToken]]:
+    def collect(self, handle: Any) -> list[ChunkOutput]:
         """Wait for a launched step: what `execute` returns. Steps are collected in launch order."""
         ...
 

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.base import Executor
-from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.model_runner import ChunkOutput
 from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import run_worker
@@ -73,7 +73,7 @@ class TensorParallelExecutor:
     def pids(self) -> list[int]:
         return [p.pid for p in self.processes]
 
-    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+    def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
         """Runs the chunks on every rank; returns rank 0's samples (as `ModelRunner.execute`)."""
         return self.collect(self.launch(chunks))
 
@@ -83,10 +83,10 @@ class TensorParallelExecutor:
         self._num_launched += 1
         return self._num_launched
 
-    def collect(self, step: int) -> list[Optional[SampledToken]]:
+    def collect(self, step: int) -> list[ChunkOutput]:
         """Rank 0's samples of step number `step`. The ranks answer in order: the results of earlier
         steps nobody collected (their requests were dropped after an error) are read and dropped."""
-        results: list[Optional[SampledToken]] = []
+        results: list[ChunkOutput] = []
         while self._num_collected < step:
             results = self._receive(0, "result")[1]
             self._num_collected += 1

@@ -6,7 +6,9 @@ written the page table and zeroed fresh GDN slots before the step, and the atten
 write K/V and GDN state as the model runs. It returns the sampled token (and logprobs) of every
 chunk that reaches its request's last known token. A step is `launch` (all the work; on CUDA it
 returns once the work is queued) then `collect` (the sampled ids on the host: the step's one
-device→host sync); `execute` is both. Sampled ids also stay on the device, per page-table row
+device→host sync); `execute` is both. A chunk of a request that asked for prompt logprobs also
+gets the logits of its prompt positions, and the logprob of each next prompt token with the top-k
+(`ChunkInput.prompt_logprobs`; read on the host in `collect`, a second transfer in those steps only). Sampled ids also stay on the device, per page-table row
 (`last_tokens`), where a later step reads a token the host does not have yet (`PLACEHOLDER_TOKEN`,
 async scheduling). On CUDA the step's inputs go up from pinned host memory with non-blocking copies. Decode steps go through `PaddedDecodeRunner` (padded to a batch-size bucket,
 from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
@@ -23,11 +25,11 @@ from torch import nn
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.plan import Caches
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
-from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
-from vlmrun.layers.sampler_output import SamplerOutput
+from vlmrun.layers.sampler_output import SamplerOutput, gather_prompt_logprobs, logprob_dicts
 from vlmrun.layers.sampling_batch import SamplingBatch
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
@@ -41,11 +43,21 @@ class SampledToken:
 
 
 @dataclass
+class ChunkOutput:
+    """What one chunk of a step produced."""
+
+    sampled: Optional[SampledToken] = None  # None: the chunk ends mid-prompt
+    # with prompt logprobs: {token id: raw logprob} of positions start + 1 .. start + m (next prompt token + top-k)
+    prompt_logprobs: Optional[list[dict[int, float]]] = None
+
+
+@dataclass
 class LaunchedStep:
     """A step whose work is queued (on CUDA) or done (on the CPU); `ModelRunner.collect` reads it."""
 
     samples: list[bool]  # per chunk: it samples a token
     output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
+    prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 2 + 2k] rows (gather_prompt_logprobs) or None
 
 
 class ModelRunner:
@@ -72,8 +84,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to end: the model runs in this process."""
 
-    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
-        """Runs the chunks; returns, per chunk, its sampled token or None for a mid-prompt chunk."""
+    def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
+        """Runs the chunks; returns, per chunk, its sampled token (None for a mid-prompt chunk) and prompt logprobs."""
         return self.collect(self.launch(chunks))
 
     @torch.inference_mode()
@@ -83,10 +95,11 @@ class ModelRunner:
         fb = self.build_forward_batch(chunks)
         self.embed_images(fb, chunks)
         hidden = self.forward(fb)  # [num_tokens, hidden]
+        prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
         rows = [c.sampling for c in chunks if c.sampling is not None]
         if not rows:
-            return LaunchedStep(samples, None)
+            return LaunchedStep(samples, None, prompt_logprobs)
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled, vocab] float32
         batch = SamplingBatch.build(rows, logits.shape[-1], device=self.device)
         output = self.sampler.sample(logits, batch)
@@ -94,15 +107,39 @@ class ModelRunner:
         sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None], dtype=torch.int64))
         self.last_tokens[sampled_rows] = output.token_ids
         output.start_transfer()
-        return LaunchedStep(samples, output)
+        return LaunchedStep(samples, output, prompt_logprobs)
 
-    def collect(self, step: LaunchedStep) -> list[Optional[SampledToken]]:
-        """The step's sampled tokens on the host: the step's one device→host sync."""
-        if step.output is None:
-            return [None] * len(step.samples)
-        host = step.output.to_host()
-        sampled = iter(zip(host.token_ids, host.logprobs))
-        return [SampledToken(*next(sampled)) if s else None for s in step.samples]
+    def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
+        """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
+        a prompt token) -> [m, 2 + 2k] rows (`gather_prompt_logprobs`); None for the other chunks."""
+        out: list[Optional[torch.Tensor]] = []
+        offset = 0
+        for c in chunks:
+            targets: Optional[PromptLogprobTargets] = c.prompt_logprobs
+            if targets is None or not targets.next_token_ids:
+                out.append(None)
+            else:
+                m = len(targets.next_token_ids)
+                logits = self.model.compute_logits(hidden[offset:offset + m])  # [m, vocab] float32
+                next_ids = self.upload(torch.tensor(targets.next_token_ids, dtype=torch.int64))  # [m]
+                out.append(gather_prompt_logprobs(logits, next_ids, targets.num_logprobs))
+            offset += c.num_tokens
+        return out
+
+    def collect(self, step: LaunchedStep) -> list[ChunkOutput]:
+        """The step's sampled tokens on the host: the step's one device→host sync (and, in a step with
+        prompt logprobs, their rows)."""
+        outputs = [ChunkOutput() for _ in step.samples]
+        if step.output is not None:
+            host = step.output.to_host()
+            sampled = iter(zip(host.token_ids, host.logprobs))
+            for out, samples in zip(outputs, step.samples):
+                out.sampled = SampledToken(*next(sampled)) if samples else None
+        for out, rows in zip(outputs, step.prompt_logprobs):
+            if rows is not None:
+                k = (rows.shape[1] - 2) // 2
+                out.prompt_logprobs = logprob_dicts(rows.tolist(), k)
+        return outputs
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model over the step's tokens -> hidden states [num_tokens, hidden]."""

@@ -25,7 +25,7 @@ from typing import Optional, Union
 import torch
 
 from vlmrun.cache.shadow import CacheOp, build_shadow_caches, replay_cache_ops
-from vlmrun.executor.model_runner import LaunchedStep, ModelRunner, SampledToken
+from vlmrun.executor.model_runner import ChunkOutput, LaunchedStep, ModelRunner
 from vlmrun.executor.step_input import ChunkInput
 
 Handle = Union[LaunchedStep, Future]
@@ -51,12 +51,12 @@ class OverlappedRunner:
             return self._launch(ops, chunks)
         return self._worker.submit(self._run, ops, chunks)
 
-    def collect(self, handle: Handle) -> list[Optional[SampledToken]]:
+    def collect(self, handle: Handle) -> list[ChunkOutput]:
         if isinstance(handle, Future):
             return handle.result()
         return self.runner.collect(handle)
 
-    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+    def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
         return self.collect(self.launch(chunks))
 
     def shutdown(self) -> None:
@@ -67,6 +67,6 @@ class OverlappedRunner:
         replay_cache_ops(self.runner.caches, ops)
         return self.runner.launch(chunks)
 
-    def _run(self, ops: list[CacheOp], chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+    def _run(self, ops: list[CacheOp], chunks: list[ChunkInput]) -> list[ChunkOutput]:
         """A whole step on the worker thread (the CPU)."""
         return self.runner.collect(self._launch(ops, chunks))

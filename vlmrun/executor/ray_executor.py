@@ -28,7 +28,7 @@ import torch
 from vlmrun.cache.plan import CachePlan
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
-from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.model_runner import ChunkOutput
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import Worker, start_rank
 
@@ -96,7 +96,7 @@ class RayExecutor:
         logger.info("tensor parallel on Ray: %d rank actors in placement group %s; the cache plan below is each "
                     "rank's", self.size, self.placement_group.id.hex())
 
-    def execute(self, chunks: list[ChunkInput]) -> list[Optional[SampledToken]]:
+    def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
         return self.collect(self.launch(chunks))
 
     def launch(self, chunks: list[ChunkInput]) -> list:
@@ -108,7 +108,7 @@ class RayExecutor:
         payload = ray.put(pickle.dumps(self.driver.step_message(chunks), protocol=pickle.HIGHEST_PROTOCOL))
         return [a.execute.remote(payload) for a in self.actors]  # an actor runs its calls in order
 
-    def collect(self, refs: list) -> list[Optional[SampledToken]]:
+    def collect(self, refs: list) -> list[ChunkOutput]:
         return self._get(refs)[0][1]
 
     def make_generator(self, seed: int) -> RankGenerator:

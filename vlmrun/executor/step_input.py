@@ -20,6 +20,15 @@ PLACEHOLDER_TOKEN = -1  # in `ChunkInput.token_ids`: the token a launched step s
 
 
 @dataclass
+class PromptLogprobTargets:
+    """A chunk of a request that asked for prompt logprobs: the prompt token that follows each of its
+    first fed tokens (every fed prompt token but the prompt's last), whose logprob and top-k it gets."""
+
+    num_logprobs: int  # top-k beside the prompt token
+    next_token_ids: list[int]  # [m] prompt ids at positions start + 1 .. start + m
+
+
+@dataclass
 class ChunkInput:
     row: int  # the request's ReqToTokenPool row (its GDN slot is gdn_slot_for_row(row))
     start: int  # tokens of the request already in the cache
@@ -28,6 +37,7 @@ class ChunkInput:
     kv_slots: torch.Tensor  # [num_tokens] int64 KV slots the fed tokens write (CPU)
     mm_items: Sequence  # processors.MMItem of the request's prompt when the chunk overlaps it, else ()
     sampling: Optional[SamplingRow] = None  # set when the chunk reaches the last known token: sample after it
+    prompt_logprobs: Optional[PromptLogprobTargets] = None  # set when the request asked for prompt logprobs
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,10 @@ token's (tensors, no sync). `SamplerOutput.to_host()` is the step's single devic
 ids and all logprobs travel in one transfer; the caller (model runner) does it once per step.
 `start_transfer()` starts that copy without waiting (async scheduling: the host reads it one step
 later). `SamplerOutput.logprobs` calls `to_host` (cached).
+
+`gather_prompt_logprobs` does the same for prompt positions (`SamplingParams.prompt_logprobs`): the
+raw logprob of each position's next prompt token and the top-k, packed in the row layout the
+sampled tokens use, so `logprob_dicts` reads both.
 """
 
 from __future__ import annotations
@@ -86,6 +90,21 @@ class SamplerOutput:
         ids = [int(row[0]) for row in packed]
         dicts = [_logprob_dict(row, k, k_max) for row, k in zip(packed, self.num_logprobs)]
         return HostSamplerOutput(ids, dicts)
+
+
+def gather_prompt_logprobs(logits: Tensor, next_token_ids: Tensor, k: int) -> Tensor:
+    """`logits` [m, vocab] float32 of m prompt positions, `next_token_ids` [m] int64 the prompt token after
+    each -> [m, 2 + 2k] float64 rows: next id, its raw logprob, top-k ids, top-k logprobs."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [m, vocab]
+    chosen = logprobs.gather(-1, next_token_ids.view(-1, 1))  # [m, 1]
+    top_logprobs, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # [m, k] each
+    parts = [next_token_ids.view(-1, 1), chosen, top_ids, top_logprobs]
+    return torch.cat([p.to(torch.float64) for p in parts], dim=1)
+
+
+def logprob_dicts(rows: list[list[float]], k: int) -> list[dict[int, float]]:
+    """Host rows of `gather_prompt_logprobs` -> one {token id: raw logprob} per position."""
+    return [_logprob_dict(row, k, k) for row in rows]
 
 
 def _logprob_dict(row: list[float], k: Optional[int], k_max: int) -> Optional[dict[int, float]]:
