@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import openai
 import pytest
 
 from vlmrun import LLM, SamplingParams
@@ -106,3 +107,85 @@ def test_spaces_between_special_tokens_reaches_the_tokenizer(llm, monkeypatch):
 def test_no_logprobs_is_not_nan(llm):
     out = llm.chat(CHAT, greedy(logprobs=0), use_tqdm=False)[0].outputs[0]
     assert math.isfinite(out.cumulative_logprob)
+
+
+# ---------------------------------------------------------------------------- the server, with the openai client
+
+
+@pytest.fixture(scope="module")
+def client(qwen3_vl_dir):
+    from tests.test_server import MODEL, tiny_engine
+    from vlmrun.server.launch import serve_in_thread
+    from vlmrun.server.settings import ServerSettings
+
+    engine = tiny_engine(qwen3_vl_dir)
+    server = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    server.stop()
+    engine.shutdown()
+
+
+def server_chat(client, **kwargs):
+    from tests.test_server import MODEL
+
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
+                                          temperature=0, max_tokens=4, **kwargs)
+
+
+def server_completion(client, **kwargs):
+    from tests.test_server import MODEL
+
+    return client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=4, **kwargs)
+
+
+def check_prompt_logprobs(prompt_logprobs, prompt_ids: list[int], k: int) -> None:
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for pos in range(1, len(prompt_ids)):
+        entries = prompt_logprobs[pos]
+        assert str(prompt_ids[pos]) in entries and len(entries) in (k, k + 1)
+        ranks = sorted(e["rank"] for e in entries.values() if e["rank"] is not None)
+        assert ranks == list(range(1, k + 1))
+        assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entries.values())
+
+
+def test_server_prompt_logprobs_and_token_ids(client):
+    out = server_chat(client, extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    body = out.model_dump()
+    check_prompt_logprobs(body["prompt_logprobs"], body["prompt_token_ids"], 2)
+    assert len(body["prompt_token_ids"]) == out.usage.prompt_tokens
+    assert len(body["choices"][0]["token_ids"]) == out.usage.completion_tokens
+    done = server_completion(client, extra_body={"prompt_logprobs": 1, "return_token_ids": True}).model_dump()
+    choice = done["choices"][0]
+    check_prompt_logprobs(choice["prompt_logprobs"], choice["prompt_token_ids"], 1)
+    plain = server_chat(client).model_dump()
+    assert plain.get("prompt_logprobs") is None and plain.get("prompt_token_ids") is None
+
+
+def test_server_truncate_prompt_tokens(client):
+    whole = server_completion(client)
+    cut = server_completion(client, extra_body={"truncate_prompt_tokens": 2, "return_token_ids": True})
+    assert cut.usage.prompt_tokens == 2 < whole.usage.prompt_tokens
+    assert len(cut.model_dump()["choices"][0]["prompt_token_ids"]) == 2
+
+
+@pytest.mark.parametrize("field, value", [("echo", True), ("chat_template", "{{ messages }}"),
+                                          ("continue_final_message", True), ("mm_processor_kwargs", {"fps": 1}),
+                                          ("best_of", 3), ("prompt_logprobs", 25), ("truncate_prompt_tokens", 0),
+                                          ("spaces_between_special_tokens", "yes")])
+def test_server_refuses_chat_fields_it_does_not_act_on(client, field, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        server_chat(client, extra_body={field: value})
+    assert err.value.body["param"] == field
+
+
+def test_server_refuses_what_it_cannot_stream(client):
+    for field, value in (("prompt_logprobs", 1), ("return_token_ids", True)):
+        with pytest.raises(openai.BadRequestError) as err:
+            server_chat(client, stream=True, extra_body={field: value})
+        assert err.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as err:
+        server_chat(client, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert err.value.body["param"] == "stream_options"
+    with pytest.raises(openai.BadRequestError) as err:
+        server_completion(client, echo=True, logprobs=1)
+    assert err.value.body["param"] == "echo"

@@ -30,7 +30,8 @@ class ChoiceDelta:
     """What one engine iteration produced for one choice of a group.
 
     On the last delta of a choice (`finished`), `num_prompt_tokens` / `num_output_tokens` are the
-    final counts and `first_token_time` the `time.monotonic()` of its first token (None if none).
+    final counts, `first_token_time` the `time.monotonic()` of its first token (None if none) and
+    `prompt_logprobs` the prompt's (`SamplingParams.prompt_logprobs`; None unless asked).
     """
 
     index: int
@@ -42,6 +43,7 @@ class ChoiceDelta:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     first_token_time: Optional[float] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
 
 class RequestGroup:

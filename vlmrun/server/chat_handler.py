@@ -62,8 +62,10 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
             for c, parser in zip(sub.choices, parsers):
                 if parser.active:
                     c.parsed = parser.parse_all(c.text)
-            return R.chat_completion(rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs,
-                                     token_text, sub.prompt_tokens)
+            response = R.chat_completion(rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs,
+                                         token_text, sub.prompt_tokens)
+            req.extras.add_to(response, sub.choices, token_text, chat=True)
+            return response
 
         return await respond_collected(request, sub, build)
 

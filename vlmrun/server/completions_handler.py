@@ -42,14 +42,19 @@ async def completions(state: ServerState, request: Request) -> Response:
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
-                       lambda items: sum(len(p.token_ids) for p in prompts), "prompt", heavy=False)
+                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=False)
     model = state.model_name
     token_text = R.TokenText(state.engine.tokenizer)
     prefixes = [(_prompt_text(state, p) if req.echo else "") for p in prompts for _ in range(n)]
 
     if not req.stream:
-        return await respond_collected(request, sub, lambda: R.text_completion(
-            rid, sub.created, model, sub.choices, req.logprobs, token_text, prefixes, sub.prompt_tokens))
+        def build() -> dict[str, Any]:
+            response = R.text_completion(rid, sub.created, model, sub.choices, req.logprobs, token_text, prefixes,
+                                         sub.prompt_tokens)
+            req.extras.add_to(response, sub.choices, token_text, chat=False)
+            return response
+
+        return await respond_collected(request, sub, build)
 
     async def events() -> AsyncIterator[bytes]:
         def chunk(choices: list[dict[str, Any]]) -> bytes:

@@ -6,6 +6,7 @@ except features this server does not have (legacy `functions`, suffix), which ar
 rather than silently ignored.
 
 `logit_bias` (OpenAI's), `allowed_token_ids` and `bad_words` (vLLM's): `logits_processor_fields.py`.
+vLLM's `prompt_logprobs`, `truncate_prompt_tokens`, `return_token_ids` and the refused fields: `vllm_fields.py`.
 
 Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
@@ -35,6 +36,7 @@ from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingPar
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
 from vlmrun.server.tool_calls import check_tools, forced_tools
+from vlmrun.server.vllm_fields import OutputExtras, vllm_output_extras, vllm_sampling_fields
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
@@ -71,6 +73,7 @@ class ChatRequest:
     tool_choice: Any = "none"  # "none" | "auto" | "required" | a tool's name
     forced_tools: list[dict[str, Any]] = field(default_factory=list)  # what a grammar must force a call of
     parallel_tool_calls: bool = True
+    extras: OutputExtras = OutputExtras()
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -86,6 +89,7 @@ class CompletionRequest:
     include_usage: bool = False
     logprobs: Optional[int] = None
     echo: bool = False
+    extras: OutputExtras = OutputExtras()
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -142,7 +146,8 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
                        chat_template_kwargs=kwargs,
                        add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
                        tools=tools, tool_choice=tool_choice, forced_tools=forced,
-                       parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True))
+                       parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True),
+                       extras=vllm_output_extras(body, chat=True))
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
@@ -161,7 +166,7 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
     return CompletionRequest(model=_opt_model(body), prompts=prompts, params=params,
                              stream=_opt_bool(body, "stream", False), include_usage=_include_usage(body),
-                             logprobs=logprobs, echo=echo)
+                             logprobs=logprobs, echo=echo, extras=vllm_output_extras(body, chat=False))
 
 
 # ---------------------------------------------------------------------------- pieces
@@ -179,12 +184,11 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
     if stop_ids is not None and (not isinstance(stop_ids, list)
                                  or not all(_is_int(t) and t >= 0 for t in stop_ids)):
         raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
-    top_k = _opt_int(body, "top_k", 0, lo=-1)
     kwargs = dict(
         n=_opt_int(body, "n", 1, lo=1, hi=limits.max_n),
         temperature=_opt_float(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
         top_p=_opt_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=top_k,
+        top_k=_opt_int(body, "top_k", 0, lo=-1),
         min_p=_opt_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
         repetition_penalty=_opt_float(body, "repetition_penalty", 1.0, lo=0.0),
         presence_penalty=_opt_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
@@ -201,6 +205,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         structured_outputs=structured,
         thinking_token_budget=_opt_int(body, "thinking_token_budget", None, lo=0),
         **logits_processor_fields(body),
+        **vllm_sampling_fields(body),
     )
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")

@@ -25,6 +25,8 @@ class ChoiceState:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: Optional[str] = None
     num_prompt_tokens: int = 0
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # SamplingParams.prompt_logprobs, when asked
     parsed: Optional[Any] = None  # chat_output.ParsedOutput when reasoning / tool calls were split out
 
 

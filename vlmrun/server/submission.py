@@ -25,6 +25,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vlmrun.processors import InputError, ProcessedPrompt
+from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
 from vlmrun.sampling_params import SamplingParamError, SamplingParams
 from vlmrun.structured import StructuredOutputError
@@ -81,7 +82,7 @@ def merge_batch(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
         if m is None:
             merged[d.index] = ChoiceDelta(d.index, list(d.token_ids), list(d.logprobs), d.text, d.finished,
                                           d.finish_reason, d.num_prompt_tokens, d.num_output_tokens,
-                                          d.first_token_time)
+                                          d.first_token_time, d.prompt_logprobs)
             continue
         m.token_ids += d.token_ids
         m.logprobs += d.logprobs
@@ -89,6 +90,7 @@ def merge_batch(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
         if d.finished:
             m.finished, m.finish_reason = True, d.finish_reason
             m.num_prompt_tokens, m.num_output_tokens = d.num_prompt_tokens, d.num_output_tokens
+            m.prompt_logprobs = d.prompt_logprobs
     return sorted(merged.values(), key=lambda d: d.index)
 
 
@@ -134,6 +136,7 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
             items = await until_done_or_disconnected(request, work)
         finally:
             cancel.set()  # done, or nobody is waiting for it any more
+        items = _truncate_prompts(items, state.engine.engine.max_model_len)
         _check_context(items, state.engine.engine.max_model_len)
         group = await state.engine.submit(rid, items)
     except (StructuredOutputError, SamplingParamError) as exc:  # the engine's checks (a grammar, token ids)
@@ -150,8 +153,16 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
         raise
     n_prompt = prompt_tokens(items)
     state.metrics.prompt_tokens.inc(n_prompt)
-    choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids)) for i, (p, _) in enumerate(items)]
+    choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids), prompt_token_ids=p.token_ids)
+               for i, (p, _) in enumerate(items)]
     return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
+
+
+def _truncate_prompts(items: list[tuple[ProcessedPrompt, SamplingParams]],
+                      max_model_len: int) -> list[tuple[ProcessedPrompt, SamplingParams]]:
+    """Each prompt cut as its `truncate_prompt_tokens` says, before the context check (as vLLM); a cut
+    through an image is a SamplingParamError naming the field."""
+    return [(truncate_prompt(p, params.truncate_prompt_tokens, max_model_len), params) for p, params in items]
 
 
 def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_model_len: int) -> None:
@@ -192,7 +203,7 @@ async def _collect(sub: Submitted) -> None:
             c.token_ids += d.token_ids
             c.logprobs += d.logprobs
             if d.finished:
-                c.finish_reason = d.finish_reason
+                c.finish_reason, c.prompt_logprobs = d.finish_reason, d.prompt_logprobs
 
 
 async def respond_collected(request: Request, sub: Submitted,
