@@ -102,6 +102,7 @@ class TensorParallelExecutor:
 
     def _send(self, message: tuple) -> None:
         self._check_running()
+        self._take_ready(timeout=0.0)  # a rank that failed in a step still running stops us before we send more
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
         for rank, conn in enumerate(self.conns):
             try:
@@ -113,22 +114,27 @@ class TensorParallelExecutor:
         """The next message of `rank` (of `kind`), watching every rank for errors and exits meanwhile."""
         self._check_running()
         while not self._inbox[rank]:
-            for ready in wait(self.conns, timeout=POLL_SECONDS):
-                sender = self.conns.index(ready)
-                try:
-                    message = ready.recv()
-                except (EOFError, OSError):
-                    self._fail(f"tensor-parallel rank {sender} died ({self._exit_status(sender)})")
-                if message[0] == "error":
-                    self._fail(f"tensor-parallel rank {sender} failed:\n{message[1]}")
-                self._inbox[sender].append(message)
-            for r, process in enumerate(self.processes):
-                if process.exitcode is not None:
-                    self._fail(f"tensor-parallel rank {r} died ({self._exit_status(r)})")
+            self._take_ready(timeout=POLL_SECONDS)
         message = self._inbox[rank].pop(0)
         if message[0] != kind:
             self._fail(f"tensor-parallel rank {rank} answered {message[0]!r} where {kind!r} was due")
         return message
+
+    def _take_ready(self, timeout: float) -> None:
+        """Move the messages the ranks have sent into the inbox (waiting up to `timeout` for one); a rank
+        that sent an error or died stops the engine."""
+        for ready in wait(self.conns, timeout=timeout):
+            sender = self.conns.index(ready)
+            try:
+                message = ready.recv()
+            except (EOFError, OSError):
+                self._fail(f"tensor-parallel rank {sender} died ({self._exit_status(sender)})")
+            if message[0] == "error":
+                self._fail(f"tensor-parallel rank {sender} failed:\n{message[1]}")
+            self._inbox[sender].append(message)
+        for r, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                self._fail(f"tensor-parallel rank {r} died ({self._exit_status(r)})")
 
     def _check_running(self) -> None:
         if not self._finalizer.alive:
