@@ -53,7 +53,7 @@ FLOORS: dict[str, int] = {
     "vlmrun.models": 3, "vlmrun.multimodal": 3,
     "vlmrun.layers": 2, "vlmrun.cache": 2,
     "vlmrun.processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
-    "vlmrun.host_to_device": 1,
+    "vlmrun.host_to_device": 1, "vlmrun.generation_config": 1,
     "vlmrun.sampling_params": 1, "vlmrun.default_model": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
 }
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from vlmrun.generation_config import read_sampling_defaults
 from vlmrun.processors.pixel_backends import IMAGE_BACKENDS
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
@@ -75,6 +76,10 @@ class EngineConfig:
     # A chat template used instead of the checkpoint's: a file path or the template itself (vLLM's
     # --chat-template; processors.processor_files.load_chat_template). None: the checkpoint's.
     chat_template: Optional[str] = None
+    # Sampling defaults for what a request leaves unset (vLLM's --generation-config): "auto" the
+    # checkpoint's generation_config.json, "vllm" SamplingParams' own, or a folder holding one
+    # (vlmrun/generation_config.py; read into ModelConfig.sampling_defaults).
+    generation_config: str = "auto"
     # Tensor parallelism: one worker process per rank, each holding 1/N of the attention heads, MLP
     # units and experts (vlmrun/executor/distributed.py); "mp" spawns them here, "ray" places them
     # with a Ray placement group.
@@ -166,6 +171,7 @@ class ModelConfig:
     dtype: torch.dtype
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default
 
     @classmethod
     def from_path(cls, path: Path, engine: EngineConfig, device: torch.device) -> "ModelConfig":
@@ -184,7 +190,8 @@ class ModelConfig:
         if max_len > limit:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
         return cls(path=path, hf_config=hf_config, dtype=dtype, max_model_len=max_len,
-                   eos_token_ids=read_eos_token_ids(path, hf_config))
+                   eos_token_ids=read_eos_token_ids(path, hf_config),
+                   sampling_defaults=read_sampling_defaults(engine.generation_config, path))
 
     @property
     def architecture(self) -> str:
