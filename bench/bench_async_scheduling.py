@@ -73,7 +73,7 @@ def decode(llm: LLM, batch: int, max_tokens: int, penalized: bool = False) -> di
     forwards, launches = Clock(runner, "forward"), Clock(runner, "launch")
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
                             repetition_penalty=1.1 if penalized else 1.0)
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+    prompts = [{"prompt": PROMPTS[i % len(PROMPTS)], "images": []} for i in range(batch)]  # templated user turns
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start

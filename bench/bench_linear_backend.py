@@ -31,7 +31,7 @@ PROMPT = "Describe the picture of the red circle and the blue square."
 def run_seconds(llm: LLM, batch: int, tokens: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     start = time.perf_counter()
-    llm.generate([PROMPT] * batch, params, use_tqdm=False)
+    llm.generate([{"prompt": PROMPT, "images": []}] * batch, params, use_tqdm=False)  # one templated user turn
     return time.perf_counter() - start
 
 

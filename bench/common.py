@@ -117,7 +117,7 @@ def generate_timed(llm, images: list, prompts: list[str], lengths: list[int],
     from vlmrun import SamplingParams
 
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=ignore_eos) for n in lengths]
-    requests = [{"prompt": p, "images": [img]} if img is not None else p for img, p in zip(images, prompts)]
+    requests = [{"prompt": p, "images": [img] if img is not None else []} for img, p in zip(images, prompts)]
     start = time.perf_counter()
     outs = llm.generate(requests, params, use_tqdm=False)
     return time.perf_counter() - start, outs

@@ -10,6 +10,7 @@ A message is a dict with a "role" and a "content" that is a string, None, or a l
                                                                    bytes, a list of frames or an array
                                                                    [T, H, W, 3]; also "path" / "url")
   {"type": "video_url", "video_url": {"url": ...}}               (OpenAI style; also "input_video")
+  {"type": "image_pil", "image_pil": PIL.Image}                  (vLLM's in-memory image part)
 Items without "type" are recognised by their "image" / "image_url" / "text" key, as the Qwen chat
 templates and qwen-vl-utils do. Every image item becomes {"type": "image"} in the messages given
 to the chat template (which writes the vision placeholder for it), every video item
@@ -116,6 +117,9 @@ def _parse_item(item: Any, forbidden: tuple[str, ...], where: str, images: list[
     if kind in _IMAGE_TYPES:
         images.append(_image_ref(item, where))
         return {"type": "image"}
+    if kind == "image_pil":  # vLLM's part for an in-memory image (Python API)
+        images.append(_pil_image_ref(item, where))
+        return {"type": "image"}
     if kind in _VIDEO_TYPES:
         images.append(_video_ref(item, where))
         return {"type": "video"}
@@ -144,6 +148,15 @@ def _image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
         if item.get(key) is not None:
             setattr(ref, key, _positive_int(item[key], f"{where}: {key}"))
     return ref
+
+
+def _pil_image_ref(item: Mapping[str, Any], where: str) -> ImageRef:
+    from PIL import Image
+
+    if not isinstance(item.get("image_pil"), Image.Image):
+        raise InputError(f"{where}: an image_pil item needs a PIL.Image under 'image_pil', got "
+                         f"{type(item.get('image_pil')).__name__}")
+    return _image_ref({**item, "image": item["image_pil"]}, where)
 
 
 def _video_ref(item: Mapping[str, Any], where: str) -> VideoRef:

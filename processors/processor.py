@@ -26,13 +26,14 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from vlmrun.processors.chat import ImageRef, VideoRef, check_unicode, parse_messages
+from vlmrun.processors.chat import ImageRef, MediaRef, VideoRef, check_unicode, parse_messages
 from vlmrun.processors.image_io import OpenedImage, describe_source, open_image
 from vlmrun.processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
-from vlmrun.processors.limits import InputError, ProcessorLimits, check_media_count, check_video_tokens
+from vlmrun.processors.limits import InputError, ProcessorLimits, check_media_count, check_video_tokens, quote
 from vlmrun.processors.placeholders import (IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaPiece,
                                             ProcessedPrompt, expand_placeholders, find_token_id,
                                             find_vision_token_ids)
+from vlmrun.processors.processor_kwargs import apply_processor_kwargs
 from vlmrun.processors.processor_files import load_chat_template, model_type, read_chat_template, video_prompt_style
 from vlmrun.processors.video_config import VideoProcessorConfig, video_style
 from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
@@ -116,48 +117,85 @@ class Processor:
     def process_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                      tools: list[dict[str, Any]] | None = None,
                      chat_template_kwargs: Mapping[str, Any] | None = None,
+                     chat_template: str | None = None,
+                     continue_final_message: bool = False,
+                     mm_processor_kwargs: Mapping[str, Any] | None = None,
                      device: str | torch.device | None = None,
                      cancel: threading.Event | None = None) -> ProcessedPrompt:
         """Render `messages` with the chat template, preprocess their images, tokenize.
 
         chat_template_kwargs: extra template variables (e.g. {"enable_thinking": False}).
+        chat_template: a template used instead of the checkpoint's (a file path or the template itself).
+        continue_final_message: the last message (the assistant's) is left open for the model to continue
+            (no end-of-turn after it); not together with add_generation_prompt (vLLM's rule).
+        mm_processor_kwargs: options for every image / video without its own (`processor_kwargs.py`).
         cancel: once set (the client left), the work stops before the next image or video (InputError).
         Raises InputError for bad messages or images.
         """
+        check_continuation(add_generation_prompt, continue_final_message)
         template_messages, refs = parse_messages(messages, self._forbidden_text)
-        image_refs = [r for r in refs if isinstance(r, ImageRef)]
-        video_refs = [r for r in refs if isinstance(r, VideoRef)]
-        check_media_count(len(image_refs), len(video_refs), self.limits)
-        if image_refs and self.image_processor is None:
-            raise InputError("this model does not accept images (text-only checkpoint: no preprocessor_config.json)")
-        if video_refs and (self.video_processor is None or self.vision_token_ids.video_pad is None):
-            raise InputError("this model does not accept videos")
+        apply_processor_kwargs(refs, mm_processor_kwargs)
+        image_refs, video_refs = self._check_media(refs)
         text = self.render(template_messages, add_generation_prompt, tools=tools,
-                           chat_template_kwargs=chat_template_kwargs)
+                           chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
+                           continue_final_message=continue_final_message)
         for pad, n, what in ((IMAGE_PAD, len(image_refs), "image"), (VIDEO_PAD, len(video_refs), "video")):
             if text.count(pad) != n:
                 raise InputError(
                     f"the chat template wrote {text.count(pad)} {what} placeholders for {n} {what}s "
                     f"(does this template support {what}s in these messages?)"
                 )
-        opened = [self._open_image(ref, k) for k, ref in enumerate(image_refs)]  # bytes and headers only
-        self._check_image_tokens(opened, image_refs)
-        images = [self._process_image(image, ref, k, device, cancel)
-                  for k, (image, ref) in enumerate(zip(opened, image_refs))]
-        videos = self._process_videos(video_refs, cancel)
+        images, videos = self._process_media(image_refs, video_refs, device, cancel)
         text = self._write_video_timestamps(text, videos)
         check_unicode(text, "the prompt")  # what no message check saw: tools, template variables
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        target = device or self.device
-        pieces = {"image": [MediaPiece(im.pixel_values, im.grid_thw, im.hash, "image") for im in images],
-                  "video": [p for v in videos for p in self._video_pieces(v, target)]}
-        return expand_placeholders(ids, pieces, text, self.vision_token_ids, self._merge_size())
+        return expand_placeholders(ids, self._pieces(images, videos, device), text, self.vision_token_ids,
+                                   self._merge_size())
+
+    def process_raw(self, prompt: str | Sequence[int], images: Sequence[Any] = (), *, videos: Sequence[Any] = (),
+                    mm_processor_kwargs: Mapping[str, Any] | None = None,
+                    device: str | torch.device | None = None) -> ProcessedPrompt:
+        """vLLM's raw prompt: text (tokenized as is, no chat template) or token ids, holding one
+        `<|image_pad|>` (`<|video_pad|>`) per image (video), as `<|vision_start|><|image_pad|><|vision_end|>`;
+        the k-th placeholder is expanded to the k-th image's tokens. A count that does not match is
+        an InputError. Items are given as `process_prompt` takes them.
+        """
+        _, refs = parse_messages([{"role": "user", "content": _media_items("image", images)
+                                   + _media_items("video", videos)}])
+        apply_processor_kwargs(refs, mm_processor_kwargs)
+        image_refs, video_refs = self._check_media(refs)
+        if isinstance(prompt, str):
+            check_unicode(prompt, "the prompt")
+            counts = {"image": prompt.count(IMAGE_PAD), "video": prompt.count(VIDEO_PAD)}
+        else:
+            prompt = _token_ids(prompt, self.tokenizer)
+            ids = self.vision_token_ids
+            counts = {"image": prompt.count(ids.image_pad) if ids else 0,
+                      "video": prompt.count(ids.video_pad) if ids and ids.video_pad is not None else 0}
+            if video_refs and self.video_prompt == "qwen3":
+                raise InputError("videos with prompt_token_ids are not supported by this model's prompt style "
+                                 "(its video placeholders carry timestamps): pass the text as 'prompt'")
+        for kind, pad, n in (("image", IMAGE_PAD, len(image_refs)), ("video", VIDEO_PAD, len(video_refs))):
+            if counts[kind] != n:
+                raise InputError(f"the prompt has {counts[kind]} {pad} placeholders for {n} {kind}s (write "
+                                 f"{VISION_START}{pad}{VISION_END} once per {kind}, in order)")
+        images, videos = self._process_media(image_refs, video_refs, device, None)
+        if isinstance(prompt, str):
+            text = self._write_video_timestamps(prompt, videos)
+            token_ids = self.tokenizer.encode(text)  # the tokenizer's own special tokens, as vLLM's text prompt
+        else:
+            text, token_ids = "", prompt
+        return expand_placeholders(token_ids, self._pieces(images, videos, device), text, self.vision_token_ids,
+                                   self._merge_size())
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
                tools: list[dict[str, Any]] | None = None,
-               chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The chat template applied to already-parsed messages (images as {"type": "image"})."""
-        if self.chat_template is None:
+               chat_template_kwargs: Mapping[str, Any] | None = None,
+               chat_template: str | None = None, continue_final_message: bool = False) -> str:
+        """The chat template (`chat_template` when given, else the checkpoint's) applied to already-parsed
+        messages (images as {"type": "image"})."""
+        template = load_chat_template(chat_template) if chat_template is not None else self.chat_template
+        if template is None:
             raise ValueError(
                 f"checkpoint {self.source!r} has no chat template (looked for chat_template.jinja, "
                 "chat_template.json and tokenizer_config.json 'chat_template')"
@@ -165,8 +203,9 @@ class Processor:
         kwargs = dict(chat_template_kwargs or {})
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools, chat_template=self.chat_template,
-                add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs,
+                messages, tools=tools, chat_template=template,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                tokenize=False, **kwargs,
             )
         except InputError:
             raise
@@ -174,6 +213,35 @@ class Processor:
             raise InputError(f"the chat template rejected the messages: {exc}") from None
 
     # ----------------------------------------------------------------------------------------
+
+    def _check_media(self, refs: list[MediaRef]) -> tuple[list[ImageRef], list[VideoRef]]:
+        """The images and the videos of `refs`; InputError past the per-prompt limits or where the model
+        takes none."""
+        image_refs = [r for r in refs if isinstance(r, ImageRef)]
+        video_refs = [r for r in refs if isinstance(r, VideoRef)]
+        check_media_count(len(image_refs), len(video_refs), self.limits)
+        if image_refs and self.image_processor is None:
+            raise InputError("this model does not accept images (text-only checkpoint: no preprocessor_config.json)")
+        if video_refs and (self.video_processor is None or self.vision_token_ids.video_pad is None):
+            raise InputError("this model does not accept videos")
+        return image_refs, video_refs
+
+    def _process_media(self, image_refs: list[ImageRef], video_refs: list[VideoRef],
+                       device: str | torch.device | None, cancel: threading.Event | None
+                       ) -> tuple[list[ProcessedImage], list[ProcessedVideo]]:
+        """Every image (headers checked before any is decoded) and every video, preprocessed."""
+        opened = [self._open_image(ref, k) for k, ref in enumerate(image_refs)]  # bytes and headers only
+        self._check_image_tokens(opened, image_refs)
+        images = [self._process_image(image, ref, k, device, cancel)
+                  for k, (image, ref) in enumerate(zip(opened, image_refs))]
+        return images, self._process_videos(video_refs, cancel)
+
+    def _pieces(self, images: list[ProcessedImage], videos: list[ProcessedVideo],
+                device: str | torch.device | None) -> dict[str, list[MediaPiece]]:
+        """What each placeholder of the prompt stands for, per kind, in order."""
+        target = device or self.device
+        return {"image": [MediaPiece(im.pixel_values, im.grid_thw, im.hash, "image") for im in images],
+                "video": [p for v in videos for p in self._video_pieces(v, target)]}
 
     def _open_image(self, ref: ImageRef, index: int) -> OpenedImage:
         try:
@@ -258,6 +326,13 @@ class Processor:
         return vision.config.merge_size if vision is not None else 1
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """vLLM's rule: a reply is either started (add_generation_prompt) or the last message continued."""
+    if continue_final_message and add_generation_prompt:
+        raise InputError("continue_final_message and add_generation_prompt cannot both be true "
+                         "(continue_final_message continues the last message instead of starting a reply)")
+
+
 def _image_error(exc: InputError, ref: ImageRef, index: int) -> InputError:
     return InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}")
 
@@ -265,6 +340,17 @@ def _image_error(exc: InputError, ref: ImageRef, index: int) -> InputError:
 def _stop_if_cancelled(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise InputError("cancelled: the request's client has gone")
+
+
+def _token_ids(ids: Sequence[int], tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """`prompt_token_ids` checked: a non-empty list of ids the tokenizer has."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        raise InputError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+    vocab = len(tokenizer)
+    for k, tid in enumerate(ids):
+        if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < vocab:
+            raise InputError(f"prompt_token_ids[{k}] = {quote(tid)} is not a token id (0 to {vocab - 1})")
+    return list(ids)
 
 
 def _media_items(kind: str, sources: Any) -> list[dict[str, Any]]:

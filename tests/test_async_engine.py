@@ -50,7 +50,8 @@ def test_matches_the_offline_api(engine, qwen3_vl_dir):
 
     results = asyncio.run(main())
     offline = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_model_len=256,
-                  kv_cache_memory_bytes=8 << 20).generate(texts, params, use_tqdm=False)
+                  kv_cache_memory_bytes=8 << 20).generate(
+        [{"prompt": t, "images": []} for t in texts], params, use_tqdm=False)  # templated, as prompt_of
     for res, ref in zip(results, offline):
         assert res[0]["ids"] == ref.token_ids
         assert res[0]["text"] == ref.text

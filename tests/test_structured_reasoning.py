@@ -17,7 +17,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vlmrun.processors import ProcessedPrompt
 from vlmrun.api import LLM
 from vlmrun.sampling_params import SamplingParamError, SamplingParams
 from vlmrun.structured import StructuredOutputsParams
@@ -33,11 +32,6 @@ SHAPE = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
     return LLM(str(qwen3_dir), dtype="float32", device="cpu")
-
-
-def raw(llm: LLM, text: str) -> ProcessedPrompt:
-    """`text` as the prompt itself (a plain string prompt would become a user turn)."""
-    return ProcessedPrompt(token_ids=llm.engine.tokenizer.encode(text), text=text)
 
 
 def after_reasoning(spec: StructuredOutputsParams) -> StructuredOutputsParams:
@@ -82,7 +76,7 @@ def test_constrained_output_after_free_reasoning_parses(llm, specs, budget, temp
     specs = [after_reasoning(s) for s in specs]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=i, structured_outputs=s,
                              thinking_token_budget=budget) for i, s in enumerate(specs)]
-    outs = llm.generate([raw(llm, prompt)] * len(specs) + [question], params + [SamplingParams(max_tokens=5)],
+    outs = llm.generate([prompt] * len(specs) + [question], params + [SamplingParams(max_tokens=5)],
                         use_tqdm=False)
     for spec, out in zip(specs, outs):
         check_reasoned(llm, spec, prompt, out, budget)
@@ -95,7 +89,7 @@ def test_no_mask_while_thinking(llm):
     prompt = THINKING_PROMPT.format(q="yes or no?")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec,
                             thinking_token_budget=12)
-    out = llm.generate([raw(llm, prompt)], params, use_tqdm=False)[0]
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     reasoning = check_reasoned(llm, spec, prompt, out, 12)
     assert out.outputs[0].text.endswith(("yes", "no"))
     refused = [t for t in out.token_ids[:12] if not llm.engine.grammars.new_state(spec).accept(t)]
@@ -105,7 +99,7 @@ def test_no_mask_while_thinking(llm):
 def test_thinking_turned_off_constrains_from_the_first_token(llm):
     spec = StructuredOutputsParams(json=SHAPE, after_reasoning=True)
     prompt = NO_THINKING_PROMPT.format(q="shape?")
-    out = llm.generate([raw(llm, prompt)],
+    out = llm.generate([prompt],
                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec),
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop"
@@ -116,7 +110,7 @@ def test_thinking_turned_off_constrains_from_the_first_token(llm):
 
 def test_budget_without_a_grammar_closes_the_think(llm):
     prompt = THINKING_PROMPT.format(q="think briefly")
-    out = llm.generate([raw(llm, prompt)],
+    out = llm.generate([prompt],
                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, thinking_token_budget=5),
                        use_tqdm=False)[0]
     close = llm.engine.reasoning_markers.close_ids
@@ -129,9 +123,9 @@ def test_reasoning_replays_under_preemption_and_chunked_prefill(llm, tight):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec,
                             thinking_token_budget=10)
     before = tight.engine.scheduler.num_preemptions
-    squeezed = tight.generate([raw(tight, p) for p in prompts], params, use_tqdm=False)
+    squeezed = tight.generate(prompts, params, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > before
-    alone = llm.generate([raw(llm, prompts[-1])], params, use_tqdm=False)[0]
+    alone = llm.generate([prompts[-1]], params, use_tqdm=False)[0]
     for prompt, out in zip(prompts, squeezed):
         check_reasoned(tight, spec, prompt, out, 10)
     assert squeezed[-1].token_ids == alone.token_ids

@@ -129,14 +129,19 @@ def engine_options(model_dir, tp: int) -> dict:
                 tensor_parallel_size=tp)
 
 
+def user_turn(text: str) -> dict:
+    """`text` as one user turn through the chat template (a plain string is the raw prompt)."""
+    return {"prompt": text, "images": []}
+
+
 def run_scenario(llm: LLM, with_images: bool) -> tuple[list, object]:
     """Two calls (the second hits the first's prefix pages); returns every output and the engine stats."""
     images = make_sample_images()
     shared = "A long shared opening about rivers, mountains, forests and the sea, told twice over. " * 2
     greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
     seeded = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, seed=7, logprobs=2, ignore_eos=True)
-    first = [shared, "Tell me a story.", "Count from one to ten."]
-    second = [shared + "And then?", "Tell me a story."]
+    first = [user_turn(shared), user_turn("Tell me a story."), user_turn("Count from one to ten.")]
+    second = [user_turn(shared + "And then?"), user_turn("Tell me a story.")]
     if with_images:
         first += [{"prompt": "Describe the picture.", "images": [images[0]]},
                   {"prompt": "Compare the two pictures.", "images": [images[1], images[3]]}]
@@ -200,7 +205,7 @@ def test_tp2_structured_outputs_match_tp1(qwen3_dir):
               SamplingParams(max_tokens=8, temperature=0.0),
               SamplingParams(max_tokens=12, temperature=0.8, seed=3,
                              structured_outputs=StructuredOutputsParams(regex="[a-c]{3}-[0-9]{2}"))]
-    prompts = ["Describe the scene.", "Tell me a story.", "A code:"]
+    prompts = [user_turn("Describe the scene."), user_turn("Tell me a story."), user_turn("A code:")]
     reference = LLM(str(qwen3_dir), **engine_options(qwen3_dir, 1)).generate(prompts, params, use_tqdm=False)
     parallel = LLM(str(qwen3_dir), **engine_options(qwen3_dir, 2))
     try:

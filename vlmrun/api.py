@@ -15,10 +15,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence, Union
 
+from transformers import PreTrainedTokenizerBase
+
 from vlmrun.processors import InputError, ProcessedPrompt
-from vlmrun.config import EngineConfig
+from vlmrun.processors.processor import check_continuation
+from vlmrun.processors.processor_kwargs import check_processor_kwargs
+from vlmrun.config import EngineConfig, mm_limit_fields
 from vlmrun.engine.engine import Engine
 from vlmrun.engine.outputs import RequestResult
+from vlmrun.engine.prompt_forms import parse_prompt
 from vlmrun.sampling_params import SamplingParams
 
 
@@ -105,39 +110,77 @@ ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 
 
 class LLM:
-    """An engine for offline use: `generate` and `chat` run a list of requests to completion."""
+    """An engine for offline use: `generate` and `chat` run a list of requests to completion.
+
+    limit_mm_per_prompt: vLLM's {"image": n, "video": m}, the most items of each a prompt may carry.
+    generation_config: where sampling defaults come from (vLLM's): "auto" the checkpoint's
+    generation_config.json, "vllm" SamplingParams' own, or a folder holding one.
+    """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: Optional[int] = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, **engine_kwargs: Any):
+                 max_num_batched_tokens: int = 8192, limit_mm_per_prompt: Optional[dict[str, int]] = None,
+                 generation_config: str = "auto", **engine_kwargs: Any):
+        if limit_mm_per_prompt is not None:
+            engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              **engine_kwargs)
+                              generation_config=generation_config, **engine_kwargs)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         self._lock = threading.Lock()  # one call at a time drives the (single-threaded) engine
 
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the generation config's defaults (`generation_config`); what a call
+        without sampling params uses."""
+        return SamplingParams(**self.engine.model_config.sampling_defaults)
+
     def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Each prompt is a string or {"prompt": str, "images": [...], "videos": [...]}: one user turn each.
+        """Each prompt in one of the forms of `vlmrun/engine/prompt_forms.py`, as vLLM takes them: a string
+        is the raw prompt (no chat template; `chat` applies it); {"prompt": str, "multi_modal_data":
+        {"image": ..., "video": ...}} a raw prompt holding one placeholder per item; {"prompt_token_ids":
+        [...]} the same as ids. vlmrun's {"prompt": str, "images": [...], "videos": [...]} is one user turn
+        through the chat template.
 
-        `sampling_params` is one SamplingParams for all prompts or a list with one per prompt.
+        `sampling_params` is one SamplingParams for all prompts or a list with one per prompt. A prompt of
+        no form raises a ValueError naming the key before anything runs; a bad input (an unreadable image,
+        a placeholder count that does not match) fails alone (its `error`).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return self._run(list(prompts), sampling_params, use_tqdm)
+        return self._run([parse_prompt(prompt) for prompt in prompts], sampling_params, use_tqdm)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
-             sampling_params: ParamsArg = None, use_tqdm: bool = True,
-             chat_template_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of them, each through the chat template
-        (`chat_template_kwargs`: template variables, e.g. {"enable_thinking": False})."""
+             sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
+             chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: Optional[list[dict[str, Any]]] = None,
+             mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of them, each through the chat template.
+
+        As vLLM's: `chat_template` replaces the checkpoint's (the template or a file path);
+        `chat_template_kwargs` are template variables (e.g. {"enable_thinking": False});
+        `add_generation_prompt` opens the assistant's reply; `continue_final_message` continues the last
+        (assistant) message instead (not both: ValueError); `tools` go to the template;
+        `mm_processor_kwargs` ({"min_pixels", "max_pixels", "fps"}) size every image / video that does
+        not size itself.
+        """
+        check_continuation(add_generation_prompt, continue_final_message)
+        if mm_processor_kwargs is not None:
+            check_processor_kwargs(mm_processor_kwargs)
         if messages and isinstance(messages[0], dict):
             messages = [messages]
 
         def process(conversation: Any) -> ProcessedPrompt:
-            return self.engine.processor.process_chat(conversation, chat_template_kwargs=chat_template_kwargs)
+            return self.engine.processor.process_chat(
+                conversation, add_generation_prompt, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                chat_template=chat_template, continue_final_message=continue_final_message,
+                mm_processor_kwargs=mm_processor_kwargs)
 
         return self._run([list(conv) for conv in messages], sampling_params, use_tqdm, process)
 
@@ -148,7 +191,7 @@ class LLM:
                 raise ValueError(f"got {len(params_arg)} sampling params for {len(inputs)} prompts")
             per_input = list(params_arg)
         else:
-            per_input = [params_arg or SamplingParams()] * len(inputs)
+            per_input = [params_arg or self.get_default_sampling_params()] * len(inputs)
         with self._lock:
             pending: dict[str, tuple[RequestOutput, int]] = {}
             try:

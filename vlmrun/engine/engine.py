@@ -39,6 +39,7 @@ from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.outputs import RequestResult, RequestUpdate
 from vlmrun.engine.prompt_truncation import truncate_prompt
+from vlmrun.engine.prompt_forms import RawPrompt, UserTurnPrompt, parse_prompt
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
 from vlmrun.executor.build import build_model_runner
@@ -196,20 +197,19 @@ class Engine:
     # ------------------------------------------------------------------ requests in
 
     def process(self, prompt: Any) -> ProcessedPrompt:
-        """A chat (list of messages), {"prompt": str, "images": [...], "videos": [...]}, a plain string, or a
-        ProcessedPrompt."""
-        if isinstance(prompt, ProcessedPrompt):
-            return prompt
-        if isinstance(prompt, str):
-            return self.processor.process_prompt(prompt, [])
-        if isinstance(prompt, dict):
-            if "prompt" not in prompt:
-                raise InputError("a prompt dict needs a 'prompt' key (and optionally 'images', 'videos')")
-            return self.processor.process_prompt(prompt["prompt"], image_list(prompt.get("images")),
-                                                 videos=image_list(prompt.get("videos")))
-        if isinstance(prompt, list):
-            return self.processor.process_chat(prompt)
-        raise InputError(f"unsupported prompt type {type(prompt).__name__}")
+        """Any prompt form of `prompt_forms.py` (a string is the raw prompt, no chat template) or a
+        ProcessedPrompt, tokenized with its media. PromptFormError for a dict of no form; InputError
+        for bad input."""
+        parsed = parse_prompt(prompt)
+        if isinstance(parsed, ProcessedPrompt):
+            return parsed
+        if isinstance(parsed, RawPrompt):
+            text_or_ids = parsed.token_ids if parsed.token_ids is not None else parsed.text
+            return self.processor.process_raw(text_or_ids, parsed.images, videos=parsed.videos,
+                                              mm_processor_kwargs=parsed.mm_processor_kwargs)
+        if isinstance(parsed, UserTurnPrompt):
+            return self.processor.process_prompt(parsed.text, parsed.images, videos=parsed.videos)
+        return self.processor.process_chat(parsed)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         if request_id in self.requests:
@@ -388,13 +388,3 @@ class Engine:
                                prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
                                prompt_logprobs=req.prompt_logprobs)
         return RequestUpdate(req.request_id, result=result)
-
-
-def image_list(images: Any) -> list[Any]:
-    """`images` (or videos) as a list: None -> [], one item (a path, URL, bytes, PIL image, array) -> [it], a list or
-    tuple as is (so a video given as a list of frames must be wrapped: [{"video": frames}])."""
-    if images is None:
-        return []
-    if isinstance(images, (list, tuple)):
-        return list(images)
-    return [images]
