@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from testing.videos import moving_shapes
 from tests.test_engine_parity import make_image
 from vlmrun import LLM, SamplingParams
 
@@ -61,6 +62,18 @@ def test_multi_modal_data_expands_each_placeholder_to_its_image(llm):
     assert forward[0].length != forward[1].length  # in placeholder order, each image its own run
     missing = llm.generate({"prompt": two, "multi_modal_data": {"image": first}}, GREEDY, use_tqdm=False)[0]
     assert missing.error is not None and "2 <|image_pad|> placeholders for 1 images" in missing.error
+
+
+def test_a_raw_video_placeholder_is_the_chat_video(llm):
+    frames = moving_shapes(6, 40, 52).permute(0, 2, 3, 1).numpy()  # [T, H, W, 3]
+    chat = [{"role": "user", "content": [{"type": "video", "video": frames}, "What moves?"]}]
+    templated = llm.chat(chat, GREEDY, use_tqdm=False)[0]
+    text = rendered(llm, [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}],
+                    add_generation_prompt=True)
+    raw = llm.generate({"prompt": text, "multi_modal_data": {"video": frames}}, GREEDY, use_tqdm=False)[0]
+    assert raw.error is None and templated.error is None
+    assert raw.prompt_token_ids == templated.prompt_token_ids  # "<t seconds>" groups written as the chat's
+    assert raw.token_ids == templated.token_ids
 
 
 def test_prompt_token_ids_equal_the_text_prompt(llm):
