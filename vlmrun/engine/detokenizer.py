@@ -107,8 +107,9 @@ class IncrementalDetokenizer:
     def _decode(self, start: int, end: int) -> str:
         if end <= start:
             return ""
+        options = {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         return self.tokenizer.decode(self._tokens[start:end], skip_special_tokens=self.skip_special_tokens,
-                                     spaces_between_special_tokens=self.spaces_between_special_tokens)
+                                     **options)  # the option only when asked: HF's default is True
 
 
 # --------------------------------------------------------------------------------------------
