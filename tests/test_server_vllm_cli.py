@@ -295,3 +295,32 @@ def test_tokenize_follows_the_body_and_key_rules(engine):
     finally:
         srv.stop()
     wait_until_idle(engine)
+
+
+def test_generation_config_defaults_reach_the_server(qwen3_vl_dir, tmp_path):
+    """--generation-config auto (the default): a request that leaves max_tokens or temperature out gets
+    the checkpoint's generation_config.json values (max_new_tokens caps the length); vllm: none."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_vl_dir, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "max_new_tokens": 3, "temperature": 0.01}))
+    body = {"model": "m", "messages": user("Describe the sea at dawn, slowly."), "ignore_eos": True}
+    lengths = {}
+    for mode in ("auto", "vllm"):
+        args = serve_args(model, "--served-model-name", "m", "--generation-config", mode)
+        eng = build_engine(engine_config(args))
+        srv = serve_in_thread(eng, server_settings(args))
+        try:
+            defaults = eng.engine.model_config.sampling_defaults
+            assert defaults == ({"max_tokens": 3, "temperature": 0.01} if mode == "auto" else {})
+            answer = post(srv, "/v1/chat/completions", body).json()
+            lengths[mode] = answer["usage"]["completion_tokens"]
+            given = post(srv, "/v1/chat/completions", {**body, "max_tokens": 5}).json()  # the request's own wins
+            assert given["usage"]["completion_tokens"] == 5
+        finally:
+            srv.stop()
+            eng.shutdown()
+    assert lengths["auto"] == 3 and lengths["vllm"] > 3

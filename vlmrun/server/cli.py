@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="HF checkpoint directory or hub id (default: the bundled shapes model, assets/model/)")
     p.add_argument("--revision", default=None, help="hub model version: a branch, tag or commit id")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for what a request leaves out: auto (the checkpoint's "
+                        "generation_config.json), vllm (none: SamplingParams' own), or a folder holding one")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -95,6 +98,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
     from vlmrun.config import EngineConfig
 
     return EngineConfig(model=model_argument(args), revision=args.revision, seed=args.seed,
+                        generation_config=args.generation_config,
                         enable_prefix_caching=args.enable_prefix_caching, chat_template=args.chat_template,
                         dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

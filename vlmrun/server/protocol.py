@@ -5,8 +5,7 @@ error) and lenient about the rest: unknown fields are ignored, as OpenAI-compati
 except features this server does not have (legacy `functions`, suffix), which are refused with 400
 rather than silently ignored.
 
-`logit_bias` (OpenAI's), `allowed_token_ids` and `bad_words` (vLLM's): `logits_processor_fields.py`.
-vLLM's `prompt_logprobs`, `truncate_prompt_tokens`, `return_token_ids` and the refused fields: `vllm_fields.py`.
+`logit_bias`, `allowed_token_ids`, `bad_words`: `logits_processor_fields.py`; vLLM's other fields: `vllm_fields.py`.
 
 Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
@@ -36,7 +35,7 @@ from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingPar
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
 from vlmrun.server.tool_calls import check_tools, forced_tools
-from vlmrun.server.vllm_fields import OutputExtras, vllm_output_extras, vllm_sampling_fields
+from vlmrun.server.vllm_fields import OutputExtras, vllm_output_extras, vllm_sampling_fields, with_generation_defaults
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
@@ -52,10 +51,11 @@ _NUMBER = (int, float)
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask for: `max_n` choices, and stop strings / ids within `stop`."""
+    """What one request may ask for: `max_n` choices, stop strings / ids within `stop`; defaults for the rest."""
 
     max_n: int
     stop: StopLimits = field(default_factory=StopLimits)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the checkpoint's generation_config
 
 
 @dataclass
@@ -210,7 +210,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")
     try:
-        params = SamplingParams(**kwargs)
+        params = SamplingParams(**with_generation_defaults(kwargs, body, limits.sampling_defaults))
         limits.stop.check(params)
     except SamplingParamError as exc:
         raise bad_request(str(exc), param=exc.field) from None

@@ -93,7 +93,8 @@ class ServerState:
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)
         media_pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-media")
         light_pool = ThreadPoolExecutor(LIGHT_WORKERS, thread_name_prefix="vlmrun-light")
-        limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config))
+        limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config),
+                               sampling_defaults=engine.engine.model_config.sampling_defaults)
         return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits)
 
     @property

@@ -10,6 +10,9 @@ token is among the top-k, else null) — for chat on the response, for completio
 `return_token_ids` the prompt's ids (`prompt_token_ids`) and each choice's `token_ids`, in the same
 places. Streamed, these two are refused with a 400 naming the field.
 
+Defaults (vLLM's `--generation-config`): a sampling field the body leaves out takes the checkpoint's
+`generation_config.json` value (`with_generation_defaults`; read once, `ModelConfig.sampling_defaults`).
+
 Refused with a 400 naming the field, never ignored: `stream_options.continuous_usage_stats`; chat
 `best_of` other than `n`, `echo`, a per-request `chat_template`, `continue_final_message` and
 `mm_processor_kwargs` (the server renders with the model's template, as it was started).
@@ -109,4 +112,18 @@ def vllm_prompt_logprobs(logprobs: Optional[list[Optional[dict[int, float]]]], t
         ranked = sorted(position.items(), key=lambda kv: -kv[1])
         out.append({str(t): {"logprob": max(lp, -9999.0), "rank": i + 1 if i < top else None,
                              "decoded_token": token_text(t)} for i, (t, lp) in enumerate(ranked)})
+    return out
+
+
+def with_generation_defaults(fields: dict[str, Any], body: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """`fields` (SamplingParams keywords of `body`) with the checkpoint's `defaults` for each the body
+    leaves out; a default max_tokens also caps a length the body left to the server (its context, or
+    the route's default), as vLLM does."""
+    out = dict(fields)
+    for name, value in defaults.items():
+        if name == "max_tokens":
+            if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+                out[name] = value if out.get(name) is None else min(out[name], value)
+        elif body.get(name) is None:
+            out[name] = value
     return out
