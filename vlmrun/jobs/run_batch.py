@@ -35,7 +35,7 @@ from vlmrun.jobs.run_batch_lines import (
     read_line,
 )
 from vlmrun.jobs.run_batch_server import InProcessServer
-from vlmrun.jobs.runner import OutputWriteError
+from vlmrun.jobs.runner import OutputWriteError, ending_cleanly
 from vlmrun.jobs.sink import STDOUT, JsonlOutput, OutputError, PrintOutput
 from vlmrun.server.errors import bad_request, internal
 from vlmrun.server.settings import ServerSettings
@@ -134,21 +134,11 @@ def run_batch_job(config: RunBatchConfig, stdout: Optional[IO[str]] = None,
         summary.failed += line.failed
         summary.tokens += line.num_tokens
 
-    try:
-        with open(config.input, "rb") as fh:
-            items = _new_items(fh, sink.state, summary)
-            first = _write_refusals_until_a_request(items, write)
-            if first is not None:
-                _answer_requests(config, first, items, write)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-    except OutputWriteError as exc:
-        summary.output_error = str(exc)
-    finally:
-        try:
-            sink.close()
-        except OSError as exc:
-            summary.output_error = summary.output_error or f"cannot finish the output {config.out!r}: {exc}"
+    with ending_cleanly(sink, summary, config.out), open(config.input, "rb") as fh:
+        items = _new_items(fh, sink.state, summary)
+        first = _write_refusals_until_a_request(items, write)
+        if first is not None:
+            _answer_requests(config, first, items, write)
     summary.elapsed_s = time.monotonic() - started
     return summary
 

@@ -12,7 +12,8 @@ import os
 import sys
 import threading
 import time
-from typing import IO, Iterator, Optional
+from contextlib import contextmanager
+from typing import IO, Any, Iterator, Optional, Protocol
 
 from vlmrun.jobs.config import CaptionJobConfig
 from vlmrun.jobs.inputs import InputStats, JobItem, count_new, is_video, iter_items, new_items
@@ -29,6 +30,30 @@ class NoInputsError(ValueError):
 
 class OutputWriteError(Exception):
     """A record could not be written (the job stops; its summary says why)."""
+
+
+class JobOutcome(Protocol):
+    interrupted: bool
+    output_error: Optional[str]
+
+
+@contextmanager
+def ending_cleanly(sink: Any, summary: JobOutcome, out: Optional[str]) -> Iterator[None]:
+    """The body of a job writing to `sink` (caption, run-batch): a Ctrl-C or an output that cannot be
+    written ends it, keeping what was written (`summary.interrupted` / `.output_error` say why), and
+    the sink is closed in every case (a failed close, an fsync or the Parquet conversion, is an output
+    error too)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        summary.interrupted = True
+    except OutputWriteError as exc:
+        summary.output_error = str(exc)
+    finally:
+        try:
+            sink.close()
+        except OSError as exc:
+            summary.output_error = summary.output_error or f"cannot finish the output {out!r}: {exc}"
 
 
 def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
@@ -61,24 +86,16 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
         counters.count(record.error is not None, record.num_tokens, record.kind == "video")
         bar.refresh()
 
-    try:
-        items = new_items(iter_items(config.inputs, config.image_column, stats), done, stats)
-        first = next(items, None)  # in this thread: nothing to do means no engine is built
-        if first is None:
-            if not (stats.skipped_done or stats.duplicates):
-                raise NoInputsError(f"no images found in {' '.join(config.inputs)}")
-        else:
-            _count_in_background(config, done, counters)
-            _run(config, itertools.chain([first], items), counters, on_record, bar)
-    except KeyboardInterrupt:
-        summary.interrupted = True
-    except OutputWriteError as exc:
-        summary.output_error = str(exc)
-    finally:
+    with ending_cleanly(sink, summary, config.out):
         try:
-            sink.close()
-        except OSError as exc:  # closing (fsync, the Parquet conversion) can fail the same way
-            summary.output_error = summary.output_error or f"cannot finish the output {config.out!r}: {exc}"
+            items = new_items(iter_items(config.inputs, config.image_column, stats), done, stats)
+            first = next(items, None)  # in this thread: nothing to do means no engine is built
+            if first is None:
+                if not (stats.skipped_done or stats.duplicates):
+                    raise NoInputsError(f"no images found in {' '.join(config.inputs)}")
+            else:
+                _count_in_background(config, done, counters)
+                _run(config, itertools.chain([first], items), counters, on_record, bar)
         finally:
             bar.close()
     summary.written, summary.failed, summary.tokens = counters.done, counters.failed, counters.tokens
