@@ -1,4 +1,4 @@
-"""Async scheduling equals the synchronous engine, token for token, logprobs within 2e-5.
+"""Async scheduling equals the synchronous engine, token for token, logprobs within 5e-5.
 
 With `async_scheduling=True` the engine plans and launches step N+1 before it reads step N's tokens
 (`vlmrun/executor/overlap.py`; on the CPU step N runs on a worker thread meanwhile). Every
@@ -9,11 +9,13 @@ runs the rows that must wait for their token (structured outputs, penalties, min
 running requests, the padded decode path and tensor parallel (TP=2). After each run the pools are
 empty: nothing leaks.
 
-Why 2e-5 and not 1e-6: async scheduling changes the schedule (a finished request frees its slot one
+Why 5e-5 and not 1e-6: async scheduling changes the schedule (a finished request frees its slot one
 step later; a prompt's pages are indexed for prefix hits once their step is collected), and the
-float32 CPU engine's logprobs depend on the schedule by that much on their own: the synchronous
-engine run with a token budget of 39 instead of 40 moves them by up to 3.2e-6 (qwen3) and 6.1e-6
-(qwen3_5) on this scenario; async moves them by up to 3.6e-6 and 1.1e-5. Tokens are equal.
+float32 CPU engine's logprobs depend on the schedule by that much on their own. Measured on this
+scenario (qwen3 / qwen3_5), the synchronous engine with a token budget of 39 instead of 40 against
+the same at 40: 3.2e-6 / 6.1e-6 on an AVX-512 CPU, 3.6e-6 / 1.7e-5 capped at AVX2
+(ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2); async against sync: 3.6e-6 / 1.1e-5 and
+3.1e-6 / 2.0e-5. Tokens are equal.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ VL_ARCHS = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"}
 KV_TOKENS = 16 * 16  # 16 pages: too few for the scenario's batch, so requests are preempted
 MAX_NUM_SEQS = 4
 SNAPSHOTS = 8
-LOGPROB_TOL = 2e-5  # the engine's own schedule sensitivity in float32 (see above)
+LOGPROB_TOL = 5e-5  # the engine's own schedule sensitivity in float32, on AVX-512 and AVX2 (see above)
 
 
 def engine_options(model_dir, **overrides) -> dict:
