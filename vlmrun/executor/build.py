@@ -56,6 +56,7 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     fuse_vision_attention(model, backend, caches)
     return ModelRunner(model, caches, backend, vision, device,
                        padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE,
+                       feeds_placeholders=config.async_scheduling,
                        seed=config.seed)
 
 

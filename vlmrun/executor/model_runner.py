@@ -63,7 +63,8 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
                  vision: Optional[VisionStage], device: torch.device,
-                 padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0):
+                 padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0,
+                 feeds_placeholders: bool = False):
         self.model = model
         self.caches = caches
         self.attn_backend = attn_backend
@@ -73,6 +74,7 @@ class ModelRunner:
         # unseeded sampled rows draw from one generator started at the engine's seed (EngineConfig.seed)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         self.tp = tp  # under tensor parallel every rank feeds rank 0's sampled tokens to the next step
+        self.feeds_placeholders = feeds_placeholders  # async scheduling: keep last_tokens (synchronous: unused)
         # the last token sampled for each page-table row (the dummy row included): a step's
         # PLACEHOLDER_TOKEN inputs are read from here, on the device
         self.last_tokens = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64, device=device)
@@ -103,9 +105,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled, vocab] float32
         batch = SamplingBatch.build(rows, logits.shape[-1], device=self.device)
         output = self.sampler.sample(logits, batch)
-        self.tp.broadcast_from_first(output.token_ids)
-        sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None], dtype=torch.int64))
-        self.last_tokens[sampled_rows] = output.token_ids
+        if self.feeds_placeholders:  # async scheduling: the next step may read these ids before the host does
+            self.tp.broadcast_from_first(output.token_ids)
+            sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None],
+                                                    dtype=torch.int64))
+            self.last_tokens[sampled_rows] = output.token_ids
         output.start_transfer()
         return LaunchedStep(samples, output, prompt_logprobs)
 

@@ -28,9 +28,6 @@ from vlmrun.server.protocol import RequestLimits, _opt_bool, _opt_model, parse_c
 from vlmrun.server.state import ServerState
 from vlmrun.server.submission import parse_body
 
-_UNSUPPORTED_CHAT_FIELDS = ("continue_final_message", "chat_template", "mm_processor_kwargs")
-
-
 @dataclass
 class TokenizeRequest:
     model: Optional[str]
@@ -60,10 +57,7 @@ def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits) -> Token
             raise bad_request("'prompt' must be a string (a chat goes in 'messages')", param="prompt")
         return TokenizeRequest(model, body["prompt"], add_special_tokens=_opt_bool(body, "add_special_tokens", True),
                                return_token_strs=token_strs)
-    for name in _UNSUPPORTED_CHAT_FIELDS:
-        if body.get(name):
-            raise bad_request(f"'{name}' is not supported by this server's /tokenize", param=name)
-    chat = parse_chat_request(body, limits)  # the chat route's rules for messages, tools and template variables
+    chat = parse_chat_request(body, limits)  # the chat route's rules (and refusals) for messages, tools, template
     return TokenizeRequest(model, None, chat.messages, add_special_tokens=_opt_bool(body, "add_special_tokens", False),
                            add_generation_prompt=chat.add_generation_prompt, tools=chat.tools,
                            chat_template_kwargs=chat.chat_template_kwargs, return_token_strs=token_strs)
