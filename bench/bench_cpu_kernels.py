@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from vlmrun.layers.cpu_kernels import cpu_features
-from vlmrun.layers.linear import linear
+from vlmrun.layers.packed_linear import onednn_linear, pack_weight
 from vlmrun.layers.rotary import apply_rotary
 
 LINEARS = {"qkv": (1024, 512), "gate_up": (3072, 512), "down": (512, 1536)}  # (out, in)
@@ -54,13 +54,13 @@ def bench_linears(dtype: torch.dtype, gen: torch.Generator) -> None:
         return
     for name, (out_features, in_features) in LINEARS.items():
         weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        packed = pack_weight(weight)
         for rows in (32, 2496):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
             ref = F.linear(x.float(), weight.float())
-            rel = ((linear(x, packed).float() - ref).abs().max() / ref.abs().max()).item()
+            rel = ((onednn_linear(x, packed).float() - ref).abs().max() / ref.abs().max()).item()
             row(f"linear {name} M={rows}", "F.linear", per_call_ms(lambda: F.linear(x, weight)),
-                "packed", per_call_ms(lambda: linear(x, packed)), f", max rel diff {rel:.1e}")
+                "packed", per_call_ms(lambda: onednn_linear(x, packed)), f", max rel diff {rel:.1e}")
 
 
 def bench_decode_attention(dtype: torch.dtype, gen: torch.Generator) -> None:
@@ -108,12 +108,12 @@ GEMM_SHAPES = [(384, 128), (128, 384), (1024, 512), (3072, 512), (512, 1536), (4
 def bench_gemm_shapes(gen: torch.Generator) -> None:
     for out_features, in_features in GEMM_SHAPES:
         weight = torch.randn(out_features, in_features, generator=gen)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        packed = pack_weight(weight)
         cells = []
         for rows in (1, 8, 32, 256):
             x = torch.randn(rows, in_features, generator=gen)
             plain = per_call_ms(lambda: F.linear(x, weight), 200) * 1e3
-            fast = per_call_ms(lambda: linear(x, packed), 200) * 1e3
+            fast = per_call_ms(lambda: onednn_linear(x, packed), 200) * 1e3
             cells.append(f"M={rows}: {plain:8.1f} / {fast:8.1f} us {fast / plain:4.2f}x")
         print(f"  {out_features:5d} x {in_features:5d}  " + " | ".join(cells), flush=True)
 

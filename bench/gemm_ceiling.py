@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import make_requests
-from vlmrun.layers.linear import linear
+from vlmrun.layers.packed_linear import onednn_linear, pack_weight
 
 
 @dataclass
@@ -104,9 +104,9 @@ def best_gemm_seconds(rows: int, out_features: int, in_features: int, dtype: tor
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, in_features, generator=gen).to(dtype)
     weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    packed = pack_weight(weight)
     best = float("inf")
-    for fn in (lambda: F.linear(x, weight), lambda: linear(x, packed)):
+    for fn in (lambda: F.linear(x, weight), lambda: onednn_linear(x, packed)):
         fn()
         start = time.perf_counter()
         fn()

@@ -50,10 +50,10 @@ FLOORS: dict[str, int] = {
     "vlmrun.ray": 6, "vlmrun.shape_scenes": 6,
     "vlmrun.engine": 5,
     "vlmrun.executor": 4,
-    "vlmrun.models": 3, "vlmrun.multimodal": 3,
+    "vlmrun.models": 3, "vlmrun.multimodal": 3, "vlmrun.quantization": 3,
     "vlmrun.layers": 2, "vlmrun.cache": 2,
     "vlmrun.processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
-    "vlmrun.host_to_device": 1, "vlmrun.generation_config": 1,
+    "vlmrun.host_to_device": 1, "vlmrun.generation_config": 1, "vlmrun.quantization.config": 1,
     "vlmrun.sampling_params": 1, "vlmrun.default_model": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
 }
 

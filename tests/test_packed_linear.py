@@ -9,8 +9,8 @@ from torch import nn
 
 from vlmrun.config import EngineConfig
 from vlmrun.layers.cpu_kernels import cpu_features
-from vlmrun.layers.linear import ParallelLMHead, VocabParallelEmbedding, linear
-from vlmrun.layers.packed_linear import pack_linear_weights
+from vlmrun.layers.linear import ParallelLMHead, ReplicatedLinear, VocabParallelEmbedding
+from vlmrun.layers.packed_linear import onednn_linear, pack_linear_weights
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -19,13 +19,16 @@ def test_packed_linear_equals_f_linear(dtype, shape):
     if missing := cpu_features().cannot_pack(dtype):
         pytest.skip(missing)
     gen = torch.Generator().manual_seed(0)
-    layer = nn.Linear(64, 96).to(dtype)
+    layer = ReplicatedLinear(64, 96).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(96, 64, generator=gen))
+        layer.bias.copy_(torch.randn(96, generator=gen))
     x = torch.randn(*shape, generator=gen).to(dtype)
     with torch.no_grad():
         expected = F.linear(x, layer.weight, layer.bias)
-        assert pack_linear_weights(layer) == 1 and layer.weight.is_mkldnn
+        assert pack_linear_weights(layer) == 1 and layer.weight.is_mkldnn and layer.method.name == "onednn"
         got = layer(x)
-        assert torch.equal(got, linear(x, layer.weight, layer.bias))
+        assert torch.equal(got, onednn_linear(x, layer.weight, layer.bias))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.shape == expected.shape and got.dtype == dtype
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
@@ -35,7 +38,7 @@ class TiedLM(nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = VocabParallelEmbedding(50, 16)
-        self.proj = nn.Linear(16, 16, bias=False)
+        self.proj = ReplicatedLinear(16, 16, bias=False)
         self.conv = nn.Conv1d(16, 16, 3)  # not a linear: stays as it is
         self.head = ParallelLMHead(50, 16)
         self.head.weight = self.embed.weight  # tied

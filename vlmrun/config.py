@@ -16,6 +16,7 @@ import torch
 
 from vlmrun.generation_config import read_sampling_defaults
 from vlmrun.processors.pixel_backends import IMAGE_BACKENDS
+from vlmrun.quantization.config import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -34,6 +35,10 @@ class EngineConfig:
     # "torch" runs F.linear on the weights as loaded (the reference); "auto": onednn where this CPU runs
     # it and a measurement says it wins (layers/cpu_kernels.py), else torch.
     linear_backend: str = "auto"
+    # The weights' quantization (vLLM's names): None = the checkpoint's own (its quantization_config);
+    # "fp8" | "awq" | "gptq" must agree with it, and "fp8" on a float checkpoint quantizes at load
+    # (online FP8). vlmrun/quantization/.
+    quantization: Optional[str] = None
     # On the CPU: glibc's malloc keeps freed blocks for reuse instead of unmapping them, so a step does
     # not fault its activations in again (executor/cpu_malloc.py; process-wide). False leaves malloc as is.
     keep_freed_memory: bool = True
@@ -110,6 +115,9 @@ class EngineConfig:
             raise ValueError(f"prefix_snapshot_interval must be >= 1, got {self.prefix_snapshot_interval}")
         if self.image_backend not in IMAGE_BACKENDS:
             raise ValueError(f"image_backend must be one of {', '.join(IMAGE_BACKENDS)}, got {self.image_backend!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         if self.preprocess_device not in ("cpu", "cuda"):
@@ -172,6 +180,7 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: list[int] = field(default_factory=list)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # SamplingParams field -> default
+    quantization: Optional[QuantizationConfig] = None  # the weights' format (vlmrun/quantization/)
 
     @classmethod
     def from_path(cls, path: Path, engine: EngineConfig, device: torch.device) -> "ModelConfig":
@@ -191,7 +200,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len={max_len} exceeds the model's max_position_embeddings={limit}")
         return cls(path=path, hf_config=hf_config, dtype=dtype, max_model_len=max_len,
                    eos_token_ids=read_eos_token_ids(path, hf_config),
-                   sampling_defaults=read_sampling_defaults(engine.generation_config, path))
+                   sampling_defaults=read_sampling_defaults(engine.generation_config, path),
+                   quantization=resolve_quantization(hf_config, engine.quantization))
 
     @property
     def architecture(self) -> str:

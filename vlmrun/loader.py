@@ -93,3 +93,14 @@ def iter_lazy_weights(path: Path) -> Iterator[tuple[str, LazyTensor]]:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 yield name, LazyTensor(f.get_slice(name))
+
+
+def checkpoint_tensor_names(path: Path) -> list[str]:
+    """Every tensor name of the checkpoint, read from the safetensors headers (no tensor is read)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            names.extend(f.keys())
+    return names

@@ -7,11 +7,12 @@ summed (in expert order). An optional shared expert runs on every token, scaled 
 sigmoid(shared_expert_gate(x)), and is added on top.
 
 Expert weights live fused, as transformers 5 stores them: `experts.gate_up_proj` [E, 2*I, H]
-(gate rows then up rows) and `experts.down_proj` [E, H, I]; the one checkpoint loader
+(gate rows then up rows) and `experts.down_proj` [E, H, I], in the format of the experts' linear
+method (FP8 adds `gate_up_proj_scale_inv` / `down_proj_scale_inv`); the one checkpoint loader
 (`vlmrun.models.weights.load_checkpoint`) also fills them from per-expert or transposed tensors.
 
 Tensor parallelism slices every expert (`tp`): each rank holds `I / size` of each expert's hidden
-units (gate and up rows, down columns; `shard_full` / `shard_piece` cut a checkpoint tensor to
+units (gate and up rows, down columns; `load_piece` / `load_fused` cut a checkpoint tensor to
 them). With `tp.expert_parallel` each rank holds `E / size` whole experts instead and runs only
 the assignments routed to them. The shared expert is sliced either way; the block sums experts
 and shared expert on this rank and all-reduces once.
@@ -29,12 +30,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
+from vlmrun.layers.linear import ReplicatedLinear, copy_checked
+from vlmrun.layers.linear_method import UNQUANTIZED, LinearMethod, ParamSpec
+from vlmrun.loader import materialize
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.parallel import SINGLE, Shard, TensorParallel
 
 
+def expert_param_name(projection: str, name: str) -> str:
+    """The fused experts' parameter for tensor `name` of a method (`weight` -> `gate_up_proj`,
+    `weight_scale_inv` -> `gate_up_proj_scale_inv`, as transformers names them; `qweight` ->
+    `gate_up_proj_qweight`)."""
+    return projection + name[len("weight"):] if name.startswith("weight") else f"{projection}_{name}"
+
+
 class FusedExperts(nn.Module):
-    """E SwiGLU experts with fused weights; forward runs each token through its top-k experts."""
+    """E SwiGLU experts with fused weights; forward runs each token through its top-k experts.
+
+    The weights' format is `self.method`'s (`vlmrun.layers.linear_method`): each projection keeps the
+    method's tensors with a leading expert dim; `forward` takes one expert's [out, in] weights from
+    `method.dequantize` (the tensors themselves when unquantized)."""
 
     cuda_graph_capturable = False  # forward reads per-expert token counts on the host
 
@@ -50,33 +65,121 @@ class FusedExperts(nn.Module):
             self.experts = Shard(num_experts, 0, num_experts)
             self.shard = tp.split(intermediate, "expert intermediate units")  # this rank's units of each
         self.intermediate = self.shard.length
-        local = self.experts.length
-        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * self.intermediate, hidden))  # [E, 2I, H]
-        self.down_proj = nn.Parameter(torch.empty(local, hidden, self.intermediate))  # [E, H, I]
+        self.param_names: dict[str, tuple[str, ...]] = {}  # projection -> its method's tensor names
+        self.stored_dtypes: dict[str, torch.dtype] = {}
+        self.use_method(UNQUANTIZED)
         self.act_fn = get_act_fn(act)
 
-    def full_shape(self, name: str) -> tuple[int, int, int]:
-        """The unsharded checkpoint shape of `gate_up_proj` or `down_proj`."""
-        full = self.shard.total
-        return (self.num_experts, 2 * full, self.hidden) if name == "gate_up_proj" else (self.num_experts, self.hidden, full)
+    def use_method(self, method: LinearMethod, layer_name: str = "", tp_size: int = 1) -> None:
+        """Registers `method`'s (empty) tensors for both projections: [E, *spec shape] each."""
+        for names in self.param_names.values():
+            for name in names:
+                delattr(self, name)
+        self.param_names, self.stored_dtypes = {}, {}
+        for projection in PROJECTIONS:
+            for name, spec in self._specs(method, projection, self.intermediate).items():
+                shape = list(spec.shape)
+                if projection == "gate_up_proj":  # gate rows then up rows
+                    shape[spec.out_dim] *= 2
+                self._check_alignment(method, projection, name, spec, layer_name, tp_size)
+                ours = expert_param_name(projection, name)
+                self.register_parameter(ours, nn.Parameter(
+                    torch.empty(self.experts.length, *shape, dtype=spec.dtype or torch.float32), requires_grad=False))
+                if spec.dtype is not None:
+                    self.stored_dtypes[ours] = spec.dtype
+            self.param_names[projection] = tuple(self._specs(method, projection, self.intermediate))
+        self.method = method
+
+    def _specs(self, method: LinearMethod, projection: str, units: int) -> dict[str, ParamSpec]:
+        """The method's tensors of one expert's `gate_proj` (or `up_proj`) or `down_proj` over `units` hidden units."""
+        return method.param_specs(units, self.hidden) if projection == "gate_up_proj" else method.param_specs(self.hidden, units)
+
+    def _check_alignment(self, method: LinearMethod, projection: str, name: str, spec: ParamSpec,
+                         layer_name: str, tp_size: int) -> None:
+        pack = spec.out_pack if projection == "gate_up_proj" else spec.in_pack
+        dim = spec.out_dim if projection == "gate_up_proj" else spec.in_dim
+        s = self.shard
+        if dim is None or pack == 1 or s.length == s.total:
+            return
+        if s.start % pack or (s.length % pack and s.start + s.length != s.total):
+            raise ValueError(
+                f"{layer_name or 'experts'}: tensor_parallel_size={tp_size} gives this rank expert units "
+                f"[{s.start}, {s.start + s.length}) of {s.total}, but {method.name}'s {name} stores them {pack} "
+                f"to an element: each rank's share must be whole {pack}-wide blocks (or use expert parallelism)")
+
+    # ------------------------------------------------------------------ loading
 
     def local_expert(self, e: int) -> Optional[int]:
         """Expert `e`'s index among this rank's experts, None when another rank holds it."""
         local = e - self.experts.start
         return local if 0 <= local < self.experts.length else None
 
-    def shard_full(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """A full fused tensor ([E, 2I, H] or [E, H, I]) -> this rank's part of it."""
-        s = self.shard
-        tensor = tensor.narrow(0, self.experts.start, self.experts.length)
-        if name == "down_proj":
-            return tensor.narrow(2, s.start, s.length)
-        gate, up = tensor.chunk(2, dim=1)
-        return torch.cat([gate.narrow(1, s.start, s.length), up.narrow(1, s.start, s.length)], dim=1)
+    def piece_target(self, kind: str, name: str) -> str:
+        """Our parameter for tensor `name` of a checkpoint's per-expert `gate_proj` / `up_proj` / `down_proj`."""
+        return expert_param_name("down_proj" if kind == "down_proj" else "gate_up_proj", name)
 
-    def shard_piece(self, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        """One expert's `gate_proj` / `up_proj` [I, H] or `down_proj` [H, I] -> this rank's rows / columns."""
-        return tensor.narrow(1 if kind == "down_proj" else 0, self.shard.start, self.shard.length)
+    def load_piece(self, kind: str, name: str, tensor: Any, e: int, hf_name: str) -> None:
+        """One expert's checkpoint tensor `name` of `gate_proj` / `up_proj` ([I, H] logically) or `down_proj`
+        ([H, I]) -> this rank's slice of it, in place (only that slice is read)."""
+        local = self.local_expert(e)
+        full_units = self.shard.total
+        projection = "down_proj" if kind == "down_proj" else "gate_up_proj"
+        tensor = self.method.checkpoint_tensor(name, tensor, full_units if kind != "down_proj" else self.hidden)
+        full = self._specs(self.method, projection, full_units)[name]
+        mine = self._specs(self.method, projection, self.intermediate)[name]
+        if tuple(tensor.shape) != tuple(full.shape):
+            raise ValueError(f"shape mismatch for {hf_name} -> {expert_param_name(projection, name)}: checkpoint "
+                             f"{tuple(tensor.shape)}, model (unsharded) {tuple(full.shape)}")
+        param = getattr(self, expert_param_name(projection, name))[local]
+        if kind == "down_proj":
+            src = _narrow(tensor, mine.in_dim, self.shard.start, mine.in_pack, mine.size_along(mine.in_dim))
+            dst = param
+        else:
+            rows = mine.size_along(mine.out_dim)
+            src = _narrow(tensor, mine.out_dim, self.shard.start, mine.out_pack, rows)
+            dst = param if mine.out_dim is None else param.narrow(mine.out_dim, 0 if kind == "gate_proj" else rows, rows)
+        copy_checked(dst, materialize(src), hf_name)
+
+    def load_fused(self, ours: str, tensor: Any, hf_name: str) -> None:
+        """A fused checkpoint tensor of all experts ([E, 2I, H] / [E, H, I] and the method's others, as
+        transformers 5 stores them; the float weights also transposed, the Qwen3-VL-MoE hub layout)."""
+        projection = "down_proj" if ours.startswith("down_proj") else "gate_up_proj"
+        name = next(n for n in self.param_names[projection] if expert_param_name(projection, n) == ours)
+        full_units = self.shard.total
+        logical_rows = 2 * full_units if projection == "gate_up_proj" else self.hidden
+        tensor = materialize(tensor)
+        full = self._specs(self.method, projection, full_units)[name]
+        full_shape = list(full.shape)
+        if projection == "gate_up_proj":
+            full_shape[full.out_dim] *= 2
+        full_shape = (self.num_experts, *full_shape)
+        if name == "weight" and tuple(tensor.shape) != full_shape and tensor.dim() == 3 \
+                and tuple(tensor.transpose(1, 2).shape) == full_shape:
+            tensor = tensor.transpose(1, 2)  # fused experts saved as [E, in, out]
+        tensor = torch.stack([self.method.checkpoint_tensor(name, t, logical_rows) for t in tensor]) \
+            if tensor.dim() == 3 and name != "weight" else tensor
+        if tuple(tensor.shape) != full_shape:
+            raise ValueError(f"shape mismatch for {hf_name} -> {ours}: checkpoint {tuple(tensor.shape)}, "
+                             f"model (unsharded) {full_shape}")
+        tensor = tensor.narrow(0, self.experts.start, self.experts.length)
+        mine = self._specs(self.method, projection, self.intermediate)[name]
+        s = self.shard
+        if projection == "down_proj":
+            dim = None if mine.in_dim is None else mine.in_dim + 1
+            tensor = _narrow(tensor, dim, s.start, mine.in_pack, mine.size_along(mine.in_dim))
+        elif mine.out_dim is not None:
+            dim = mine.out_dim + 1
+            gate, up = tensor.chunk(2, dim=dim)
+            rows = mine.size_along(mine.out_dim)
+            tensor = torch.cat([_narrow(half, dim, s.start, mine.out_pack, rows) for half in (gate, up)], dim=dim)
+        copy_checked(getattr(self, ours), tensor, hf_name)
+
+    # ------------------------------------------------------------------ forward
+
+    def expert_weight(self, projection: str, local: int, dtype: torch.dtype) -> torch.Tensor:
+        """Expert `local`'s [out, in] weight of `projection` in `dtype`."""
+        params = {name: getattr(self, expert_param_name(projection, name))[local] for name in self.param_names[projection]}
+        return self.method.dequantize(params, dtype)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids, weights: [T, k] -> [T, H]
@@ -95,10 +198,21 @@ class FusedExperts(nn.Module):
             rows = order[start:start + n]  # [n] assignment indices
             start += n
             tokens = rows // k
-            gate, up = F.linear(x[tokens], self.gate_up_proj[local]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[local])  # [n, H]
+            gate_up = self.expert_weight("gate_up_proj", local, x.dtype)  # [2I, H]
+            gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
+            y = F.linear(self.act_fn(gate) * up, self.expert_weight("down_proj", local, x.dtype))  # [n, H]
             out.index_add_(0, tokens, y * flat_weights[rows, None])
         return out
+
+
+PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def _narrow(tensor: Any, dim: Optional[int], start: int, pack: int, length: int) -> Any:
+    """This rank's `length` stored elements along `dim` from feature `start` (whole when that is all of it)."""
+    if dim is None or (start == 0 and length == tensor.shape[dim]):
+        return tensor
+    return tensor.narrow(dim, start // pack, length)
 
 
 class SparseMoeBlock(nn.Module):
@@ -113,12 +227,12 @@ class SparseMoeBlock(nn.Module):
         self.tp = tp
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # the router: replicated
+        self.gate = ReplicatedLinear(hidden, num_experts, bias=False)  # the router: replicated
         self.experts = FusedExperts(num_experts, hidden, moe_intermediate, act, tp)
         self.shared_expert: Optional[SwiGLUMLP] = None
         if shared_intermediate > 0:
             self.shared_expert = SwiGLUMLP(hidden, shared_intermediate, act, tp=tp, reduce=False)
-            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+            self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
+from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
@@ -69,7 +70,7 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.in_dim = context_dim * merge * merge
         self.ln_q = RMSNorm(context_dim, eps=1e-6)
-        self.mlp = nn.Sequential(nn.Linear(self.in_dim, self.in_dim), nn.GELU(), nn.Linear(self.in_dim, out_dim))
+        self.mlp = nn.Sequential(ReplicatedLinear(self.in_dim, self.in_dim), nn.GELU(), ReplicatedLinear(self.in_dim, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [N, context_dim], merge blocks contiguous -> [N // merge**2, out_dim]

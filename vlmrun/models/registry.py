@@ -6,14 +6,18 @@ Adding a model: its file under `vlmrun/models/` (a `Model` subclass) and one lin
 from __future__ import annotations
 
 import importlib
+import logging
 
 import torch
 
 from vlmrun.config import ModelConfig
-from vlmrun.loader import iter_lazy_weights
+from vlmrun.loader import checkpoint_tensor_names, iter_lazy_weights
 from vlmrun.models.base import Model
-from vlmrun.models.weights import build_model
+from vlmrun.models.weights import build_model, finish_loading, weight_bytes
 from vlmrun.parallel import SINGLE, TensorParallel
+from vlmrun.quantization.assign import assign_linear_methods, make_linear_method
+
+logger = logging.getLogger(__name__)
 
 # architecture name -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {
@@ -43,13 +47,26 @@ def get_model_class(architectures: list[str]) -> type:
     )
 
 
-def load_model(model_config: ModelConfig, device: torch.device, tp: TensorParallel = SINGLE) -> Model:
+def load_model(model_config: ModelConfig, device: torch.device, tp: TensorParallel = SINGLE,
+               fp8_kernel: str = "dequantize") -> Model:
     """The checkpoint's model on `device` in `model_config.dtype`, every parameter loaded (this
-    rank's share of each under tensor parallelism: sharded layers read only their slices)."""
+    rank's share of each under tensor parallelism: sharded layers read only their slices). A quantized
+    checkpoint's layers (`model_config.quantization`) keep its format (`vlmrun.quantization`)."""
     cls = get_model_class(model_config.hf_config.architectures)
-    model = build_model(cls, model_config.hf_config, model_config.dtype, device, tp)
+    quantization = model_config.quantization
+
+    def assign_methods(model: Model) -> None:
+        method = make_linear_method(quantization, device, fp8_kernel)
+        count = assign_linear_methods(model, quantization, method, checkpoint_tensor_names(model_config.path),
+                                      model.checkpoint_name)
+        logger.info("quantization %s: %d linear layers quantized", quantization.describe(), count)
+
     try:
+        model = build_model(cls, model_config.hf_config, model_config.dtype, device, tp,
+                            prepare=assign_methods if quantization is not None else None)
         model.load_weights(iter_lazy_weights(model_config.path))  # raises, naming them, if a parameter is left unset
     except ValueError as e:
         raise ValueError(f"{model_config.path}: {e}") from e
+    finish_loading(model)
+    logger.info("model weights: %.2f GiB on %s", weight_bytes(model) / 2**30, device)
     return model.eval()

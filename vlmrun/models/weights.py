@@ -27,22 +27,29 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from vlmrun.layers.linear import LinearBase, copy_checked, fused_part_aliases
+from vlmrun.layers.moe import FusedExperts
 from vlmrun.loader import materialize
 from vlmrun.parallel import SINGLE, TensorParallel
 
 
 def build_model(cls: Callable[..., nn.Module], config: Any, dtype: torch.dtype, device: torch.device,
-                tp: TensorParallel = SINGLE) -> nn.Module:
-    """`cls(config, tp)` with empty parameters in `dtype` (floating ones) on `device`; tied ones stay tied."""
+                tp: TensorParallel = SINGLE, prepare: Optional[Callable[[nn.Module], None]] = None) -> nn.Module:
+    """`cls(config, tp)` with empty parameters in `dtype` (floating ones, but for those a layer keeps in
+    its own dtype: `stored_dtypes`) on `device`; tied ones stay tied. `prepare(model)` runs before the
+    storage is made (the quantized layers' methods are assigned there)."""
     with torch.device("meta"):
         model = cls(config, tp)
+        if prepare is not None:
+            prepare(model)
     storage: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is None:
                 continue
             if id(param) not in storage:
-                kind = dtype if param.is_floating_point() else param.dtype
+                kept = getattr(module, "stored_dtypes", {}).get(name)  # a quantized format's own dtype
+                kind = kept or (dtype if param.is_floating_point() else param.dtype)
                 storage[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
                                                   requires_grad=False)
             module._parameters[name] = storage[id(param)]
@@ -56,8 +63,19 @@ def build_model(cls: Callable[..., nn.Module], config: Any, dtype: torch.dtype, 
     return model
 
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.weight$")
-_FUSED = ("experts.gate_up_proj", "experts.down_proj")
+def finish_loading(model: nn.Module) -> None:
+    """Each linear layer's method rearranges its loaded tensors once (`LinearMethod.after_loading`)."""
+    for module in model.modules():
+        if isinstance(module, (LinearBase, FusedExperts)):
+            module.method.after_loading(module)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes the model's parameters take on its device (a tied tensor once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.(?P<name>\w+)$")
 
 Rename = Callable[[str], Optional[str]]
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
@@ -75,7 +93,7 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     """
     params = dict(module.named_parameters())
     owners = _sharded_owners(module)
-    aliases = _fused_part_aliases(module)
+    aliases = fused_part_aliases(module)
     loaded: set[str] = set()
     expert_pieces: dict[str, set[tuple[int, str]]] = {}  # fused param -> (expert, kind) pieces seen
     part_pieces: dict[str, set[int]] = {}  # fused-part param -> parts seen
@@ -85,9 +103,11 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             continue
         name, part = aliases.get(name, (name, None))
         if name in owners and name in params:
+            owner, local = owners[name]
+            if hasattr(owner, "checkpoint_tensor"):  # the layer's method may rearrange it first (FP8 scales)
+                tensor = owner.checkpoint_tensor(local, tensor, part)
             if transform is not None:
                 tensor = transform(name, tensor)
-            owner, local = owners[name]
             owner.load_weight(local, tensor, part, hf_name)
             if part is None:
                 loaded.add(name)
@@ -95,47 +115,35 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
                 part_pieces.setdefault(name, set()).add(part)
             continue
         m = _PER_EXPERT.match(name)
-        if m:
-            kind = m["kind"]
-            target = f"{m['prefix']}.{'down_proj' if kind == 'down_proj' else 'gate_up_proj'}"
+        experts = _fused_experts(module, m["prefix"]) if m else None
+        if experts is not None:
+            target = f"{m['prefix']}.{experts.piece_target(m['kind'], m['name'])}"
             if target not in params:
                 continue
-            param, e = params[target], int(m["e"])
-            experts = module.get_submodule(m["prefix"])
+            e = int(m["e"])
             if e >= experts.num_experts:
                 raise ValueError(f"{hf_name}: expert {e} out of range, the model has {experts.num_experts} experts")
-            local = experts.local_expert(e)
-            if local is None:  # another rank's expert (expert parallel)
+            if experts.local_expert(e) is None:  # another rank's expert (expert parallel)
                 continue
-            half = param.shape[1] // 2
-            dst = {"gate_proj": param[local, :half], "up_proj": param[local, half:], "down_proj": param[local]}[kind]
-            full = experts.full_shape(target.rpartition(".")[2])[1:]
-            piece = full if kind == "down_proj" else (full[0] // 2, full[1])  # [H, I] or [I, H]
-            if tuple(tensor.shape) != piece:
-                raise ValueError(f"shape mismatch for {hf_name} -> {target}: checkpoint {tuple(tensor.shape)}, "
-                                 f"model (unsharded) {piece}")
-            _copy(dst, experts.shard_piece(kind, tensor), hf_name, target)  # reads only this rank's slice
-            expert_pieces.setdefault(target, set()).add((e, kind))
+            experts.load_piece(m["kind"], m["name"], tensor, e, hf_name)  # reads only this rank's slice
+            expert_pieces.setdefault(target, set()).add((e, m["kind"]))
             continue
         if name not in params:
             continue
-        param = params[name]
-        tensor = materialize(tensor)  # read whole: a replicated parameter or fused experts
+        owner_name, _, local = name.rpartition(".")
+        experts = _fused_experts(module, owner_name)
+        if experts is not None:
+            experts.load_fused(local, tensor, hf_name)
+            loaded.add(name)
+            continue
+        tensor = materialize(tensor)  # read whole: a replicated parameter
         if transform is not None:
             tensor = transform(name, tensor)
-        if name.endswith(_FUSED):
-            experts, _, local = name.rpartition(".")
-            experts = module.get_submodule(experts)
-            full = experts.full_shape(local)
-            if tensor.shape != full and tensor.dim() == 3 and tensor.transpose(1, 2).shape == full:
-                tensor = tensor.transpose(1, 2)  # fused experts saved as [E, in, out]
-            if tensor.shape == full:
-                tensor = experts.shard_full(local, tensor)
-        _copy(param, tensor, hf_name, name)
+        _copy(params[name], tensor, hf_name, name)
         loaded.add(name)
     for target, pieces in expert_pieces.items():
         mine = module.get_submodule(target.rpartition(".")[0]).experts  # this rank's experts
-        kinds = ("down_proj",) if target.endswith("down_proj") else ("gate_proj", "up_proj")
+        kinds = ("down_proj",) if target.rpartition(".")[2].startswith("down_proj") else ("gate_proj", "up_proj")
         absent = [f"{e}.{k}" for e in range(mine.start, mine.start + mine.length) for k in kinds
                   if (e, k) not in pieces]
         if absent:
@@ -153,6 +161,15 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
     return loaded
 
 
+def _fused_experts(module: nn.Module, name: str) -> Optional[FusedExperts]:
+    """The FusedExperts module called `name` in `module`, None when there is none."""
+    try:
+        sub = module.get_submodule(name)
+    except AttributeError:
+        return None
+    return sub if isinstance(sub, FusedExperts) else None
+
+
 def _sharded_owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     """Parameter name -> (the module that loads it itself, its local name), for modules with `load_weight`."""
     owners = {}
@@ -164,22 +181,8 @@ def _sharded_owners(module: nn.Module) -> dict[str, tuple[nn.Module, str]]:
     return owners
 
 
-def _fused_part_aliases(module: nn.Module) -> dict[str, tuple[str, int]]:
-    """Checkpoint-style name of a fused part (`...self_attn.q_proj.weight`) -> (our parameter, part index)."""
-    aliases = {}
-    for prefix, sub in module.named_modules():
-        parent = prefix.rpartition(".")[0]
-        for i, part in enumerate(getattr(sub, "part_names", ())):
-            for local, param in sub._parameters.items():
-                if param is not None:
-                    ours = f"{prefix}.{local}" if prefix else local
-                    aliases[f"{parent}.{part}.{local}" if parent else f"{part}.{local}"] = (ours, i)
-    return aliases
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor, hf_name: str, name: str) -> None:
     if dst.shape != src.shape:
         raise ValueError(f"shape mismatch for {hf_name} -> {name}: checkpoint {tuple(src.shape)}, "
                          f"model {tuple(dst.shape)}")
-    with torch.no_grad():
-        dst.copy_(src.to(dst.dtype))
+    copy_checked(dst, src, hf_name)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
+from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.rotary import rope_parameters
 from vlmrun.models.blocks.vision_common import (
     GridTHW,
@@ -57,8 +58,8 @@ def interpolate_pos_embed(table: torch.Tensor, grids: list[tuple[int, int, int]]
 class Qwen3VLVisionMLP(nn.Module):
     def __init__(self, dim: int, hidden: int, act: str):
         super().__init__()
-        self.linear_fc1 = nn.Linear(dim, hidden, bias=True)
-        self.linear_fc2 = nn.Linear(hidden, dim, bias=True)
+        self.linear_fc1 = ReplicatedLinear(dim, hidden, bias=True)
+        self.linear_fc2 = ReplicatedLinear(hidden, dim, bias=True)
         self.act_fn = get_act_fn(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,9 +87,9 @@ class Qwen3VLPatchMerger(nn.Module):
         self.merged_dim = config.hidden_size * config.spatial_merge_size ** 2
         self.postshuffle = postshuffle
         self.norm = nn.LayerNorm(self.merged_dim if postshuffle else config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.linear_fc1 = ReplicatedLinear(self.merged_dim, self.merged_dim)
         self.act_fn = nn.GELU()
-        self.linear_fc2 = nn.Linear(self.merged_dim, config.out_hidden_size)
+        self.linear_fc2 = ReplicatedLinear(self.merged_dim, config.out_hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [num_patches, vision_hidden] -> [num_patches // merge**2, out_hidden]

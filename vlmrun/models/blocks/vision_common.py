@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.layers.cpu_kernels import patch_embed_as_gemm
+from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.rotary import apply_rotary
 
 GridTHW = Union[torch.Tensor, Sequence[Sequence[int]]]
@@ -171,8 +172,8 @@ class VisionAttention(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim, bias=True)
-        self.proj = nn.Linear(dim, dim, bias=True)
+        self.qkv = ReplicatedLinear(dim, 3 * dim, bias=True)
+        self.proj = ReplicatedLinear(dim, dim, bias=True)
         self.varlen = varlen_attention  # the kernel; `use_fused_vision_attention` swaps it
 
     def forward(self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
