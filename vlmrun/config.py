@@ -39,6 +39,10 @@ class EngineConfig:
     # "fp8" | "awq" | "gptq" must agree with it, and "fp8" on a float checkpoint quantizes at load
     # (online FP8). vlmrun/quantization/.
     quantization: Optional[str] = None
+    # FP8 layers' GEMM: "dequantize" (the weight dequantized to the activation dtype, then F.linear: every
+    # device) or "cuda" (dynamic 1x128 activation quantization + a group-wise FP8 GEMM; opt-in until a GPU
+    # run checks it against "dequantize"). vlmrun/quantization/fp8.py.
+    fp8_kernel: str = "dequantize"
     # On the CPU: glibc's malloc keeps freed blocks for reuse instead of unmapping them, so a step does
     # not fault its activations in again (executor/cpu_malloc.py; process-wide). False leaves malloc as is.
     keep_freed_memory: bool = True
@@ -118,6 +122,8 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}, "
                              f"got {self.quantization!r}")
+        if self.fp8_kernel not in ("dequantize", "cuda"):
+            raise ValueError(f"fp8_kernel must be dequantize or cuda, got {self.fp8_kernel!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
         if self.preprocess_device not in ("cpu", "cuda"):

@@ -123,7 +123,7 @@ class Engine:
         config = self.config
         if config.tensor_parallel_size > 1:  # the ranks run their steps in order: launch/collect are async already
             return create_parallel_executor(config, self.model_config, self.device)
-        model = load_model(self.model_config, self.device)
+        model = load_model(self.model_config, self.device, fp8_kernel=config.fp8_kernel)
         dtype = self.model_config.dtype
         caches = build_caches(model.cache_shape(), config, dtype=dtype, max_model_len=self.model_config.max_model_len,
                               device=self.device)

@@ -69,7 +69,7 @@ class Worker:
         self.config = config
         self.model_config = model_config
         self.device = device
-        self.model = load_model(model_config, device, tp)
+        self.model = load_model(model_config, device, tp, fp8_kernel=config.fp8_kernel)
         self.runner: Optional[ModelRunner] = None
         self.generators = RankGenerators(device)
 
