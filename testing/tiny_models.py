@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from PIL import Image
@@ -580,10 +580,23 @@ def _write_generation_config(model: Any, ids: SpecialIds) -> None:
     )
 
 
-def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
+def _apply_overrides(config: Any, overrides: Mapping[str, Mapping[str, Any]]) -> None:
+    """Sets `overrides["text"]` on the text config and `overrides["vision"]` on the vision config."""
+    targets = {"text": config.get_text_config(), "vision": getattr(config, "vision_config", None)}
+    for part, fields in overrides.items():
+        if targets.get(part) is None:
+            raise ValueError(f"{type(config).__name__} has no {part} config to override")
+        for name, value in fields.items():
+            setattr(targets[part], name, value)
+
+
+def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0,
+                          overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Path:
     """Build a tiny random checkpoint of `arch` in out_dir (sharded float32 safetensors + tokenizer).
 
-    arch is one of `ARCHS`. Returns out_dir.
+    arch is one of `ARCHS`. `overrides`: config fields to set before the model is built, under "text"
+    (the text config) and "vision" (the vision config), e.g. wider dims (`testing.wide_models`).
+    Returns out_dir.
     """
     from transformers import AutoTokenizer
 
@@ -594,6 +607,7 @@ def build_tiny_checkpoint(arch: str, out_dir: Path, seed: int = 0) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(str(out_dir))
     ids = special_ids(tokenizer)
     config = _CONFIG_BUILDERS[arch](_padded_vocab(len(tokenizer)), ids)
+    _apply_overrides(config, overrides or {})
 
     torch.manual_seed(seed)
     model = _model_class(arch)(config).to(torch.float32).eval()
