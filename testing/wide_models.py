@@ -8,8 +8,9 @@ layers, 4 experts) with every quantizable width a multiple of 128, except one la
 architecture (`ODD_WIDTH` = 320 = 2.5 blocks: the dense MLP's intermediate, or the shared
 expert's where every MLP is MoE; the vision MLP's too) so partial last blocks are real.
 
-What stays aligned: hidden 256, attention 4 heads x 64 (q 256, k / v 128), MoE experts 256 wide
-(each expert's down projection splits into 128-wide input halves under tensor parallelism), GDN
+What stays aligned: hidden 256, attention 4 heads x 64 (q 256, k / v 128), MoE experts 512 wide
+(never square, so a transposed fused layout is told apart; under tensor parallelism each expert's
+down projection splits into 256-wide input halves), GDN
 2 key heads and 4 value heads of 64 dims, the vision tower 256 wide with 4 heads. The per-arch
 constraints hold: M-RoPE sections sum to half the rotary dims, the vision tower's output width is
 the text hidden size.
@@ -27,7 +28,7 @@ WIDE_HEADS = 4
 WIDE_KV_HEADS = 2
 WIDE_HEAD_DIM = 64
 ODD_WIDTH = 320  # not a multiple of 128: 2 whole blocks and a half one
-EXPERT_WIDTH = 256
+EXPERT_WIDTH = 512  # not the hidden size: an expert tensor is never square, so a transposed layout shows
 VISION_HIDDEN = 256
 VISION_HEADS = 4
 GDN_KEY_HEADS = 2
@@ -58,7 +59,7 @@ def _text(arch: str) -> dict[str, Any]:
         del text["intermediate_size"]
         text["shared_expert_intermediate_size"] = ODD_WIDTH
     elif arch == "qwen3_next":
-        text["shared_expert_intermediate_size"] = EXPERT_WIDTH
+        text["shared_expert_intermediate_size"] = WIDE_HIDDEN
     return text
 
 
