@@ -115,17 +115,22 @@ class LLM:
     limit_mm_per_prompt: vLLM's {"image": n, "video": m}, the most items of each a prompt may carry.
     generation_config: where sampling defaults come from (vLLM's): "auto" the checkpoint's
     generation_config.json, "vllm" SamplingParams' own, or a folder holding one.
+    quantization: the weights' format, vLLM's names. None reads it from the checkpoint (its
+    `quantization_config`: Qwen's block-wise FP8, AWQ or GPTQ int4); "fp8" | "awq" | "gptq" must agree
+    with a quantized checkpoint, and "fp8" on a float checkpoint quantizes it at load (online FP8, half
+    the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
+    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, limit_mm_per_prompt: Optional[dict[str, int]] = None,
-                 generation_config: str = "auto", **engine_kwargs: Any):
+                 generation_config: str = "auto", quantization: Optional[str] = None, **engine_kwargs: Any):
         if limit_mm_per_prompt is not None:
             engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              generation_config=generation_config, **engine_kwargs)
+                              generation_config=generation_config, quantization=quantization, **engine_kwargs)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -1,5 +1,5 @@
-"""Command-line options every engine-running command shares (`serve`, `web`, `caption`): kernels,
-async scheduling and the image backend.
+"""Command-line options every engine-running command shares (`serve`, `web`, `caption`, `run-batch`):
+kernels, async scheduling, the image backend and the weights' quantization.
 
 Kept free of torch so that parsing a command line stays fast.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 from typing import Any
+
+from vlmrun.quantization.config import QUANTIZATION_METHODS
 
 
 def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -23,6 +25,12 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                         "step later (same tokens as without; off by default)")
     p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
                    help="dense linears' GEMMs: onednn packs the weights once (auto: on the CPU)")
+    p.add_argument("-q", "--quantization", default=None, choices=QUANTIZATION_METHODS,
+                   help="the weights' quantization, vLLM's names (default: the checkpoint's own); must agree "
+                        "with a quantized checkpoint; fp8 on a float checkpoint quantizes it at load (online FP8)")
+    p.add_argument("--fp8-kernel", default="dequantize", choices=["dequantize", "cuda"],
+                   help="FP8 layers' GEMM: dequantize (the weight to the activation dtype, then a float GEMM: "
+                        "any device) or cuda (FP8 GEMM with 1x128 activation quantization; opt-in, unverified)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
                    help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
     p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],
@@ -34,4 +42,5 @@ def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"attention_backend": args.attention_backend, "gdn_backend": args.gdn_backend,
             "linear_backend": args.linear_backend, "enforce_eager": args.enforce_eager,
             "async_scheduling": args.async_scheduling, "image_backend": args.image_backend,
-            "preprocess_device": args.preprocess_device}
+            "preprocess_device": args.preprocess_device, "quantization": args.quantization,
+            "fp8_kernel": args.fp8_kernel}
