@@ -68,7 +68,7 @@ class LaunchedChunks:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """What the engine holds at one moment (`Engine.stats()`): queues, cache occupancy, counters."""
+    """What the engine holds at one moment (`Engine.stats()`): queues, cache occupancy, counters, weights."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -81,6 +81,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    weight_bytes: tuple[int, ...] = ()  # the model's parameter bytes per device: one, or each TP rank's
 
     @property
     def kv_usage(self) -> float:
@@ -105,7 +106,7 @@ class Engine:
         self.runner: Executor = self._build_executor()
         self.caches = self.runner.caches  # under tensor parallel, stand-ins that record the scheduler's writes
         self.max_model_len = self.caches.plan.max_model_len
-        self._log_cache_plan()
+        self._log_memory_plan()
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval)
@@ -161,9 +162,14 @@ class Engine:
             kv_pages_used=allocator.num_usable_pages() - allocator.num_free_pages(),
             kv_pages_total=allocator.num_usable_pages(), req_rows_used=rows_used, req_rows_total=rows.max_reqs,
             gdn_slots_used=gdn_used, gdn_slots_total=gdn_total, num_preemptions=self.scheduler.num_preemptions,
-            prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens)
+            prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
+            weight_bytes=tuple(self.runner.weight_bytes))
 
-    def _log_cache_plan(self) -> None:
+    def _log_memory_plan(self) -> None:
+        """The weights per device (and their format), then the caches the budget left to them holds."""
+        quantization = self.model_config.quantization
+        logger.info("weights: %s; bytes per device: %s", quantization.describe() if quantization else
+                    f"unquantized {self.model_config.dtype}", ", ".join(map(str, self.runner.weight_bytes)))
         plan = self.caches.plan
         if plan.max_num_seqs < self.config.max_num_seqs:
             logger.warning("max_num_seqs lowered from %d to %d: the GDN state of %d bytes per request must fit "

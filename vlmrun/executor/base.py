@@ -19,6 +19,7 @@ from vlmrun.executor.step_input import ChunkInput
 @runtime_checkable
 class Executor(Protocol):
     caches: Caches  # the pools the scheduler writes its bookkeeping into (stand-ins under tensor parallel)
+    weight_bytes: tuple[int, ...]  # the model's parameter bytes on each device (rank order), once built
 
     def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
         """Run one step: per chunk, its sampled token (None for a chunk that does not sample) and prompt logprobs."""

@@ -4,7 +4,8 @@ The scheduler stays in the driver (the engine's process); the model runs in one 
 per rank (`vlmrun/executor/worker.py`), started here with torch.multiprocessing's spawn. Start-up:
 every rank loads its shard and reports its cache budget; the driver plans the caches once for the
 smallest budget (every rank holds the same pages and slots, each with its share of the heads),
-logs that per-rank plan, and sends it to the ranks. The driver's own `caches` are stand-ins
+logs that per-rank plan, and sends it to the ranks, which build their pools and report the bytes
+their model shard takes (`weight_bytes`). The driver's own `caches` are stand-ins
 (`vlmrun.cache.shadow`) that keep the scheduler's bookkeeping and record its writes.
 
 `execute(chunks)` is the `ModelRunner.execute` of a single device: `launch` pickles the step once
@@ -62,8 +63,7 @@ class TensorParallelExecutor:
         self._starting = False
         shape, plan = plan_for_ranks(ready, config, model_config)
         self._send(("plan", plan))
-        for rank in range(self.size):
-            self._receive(rank, "built")
+        self.weight_bytes = tuple(self._receive(rank, "built")[1] for rank in range(self.size))
         self.driver = DriverState(shape, plan)
         self.caches = self.driver.caches
         logger.info("tensor parallel: %d rank processes (pids %s); the cache plan below is each rank's", self.size,

@@ -31,6 +31,7 @@ from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput, gather_prompt_logprobs, logprob_dicts
 from vlmrun.layers.sampling_batch import SamplingBatch
+from vlmrun.models.weights import weight_bytes
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -66,6 +67,7 @@ class ModelRunner:
                  padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0,
                  feeds_placeholders: bool = False):
         self.model = model
+        self.weight_bytes = (weight_bytes(model),)  # as stored to run (oneDNN-packed, quantized), one device
         self.caches = caches
         self.attn_backend = attn_backend
         self.vision = vision

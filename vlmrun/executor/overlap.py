@@ -37,6 +37,7 @@ class OverlappedRunner:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
         self.model = runner.model
+        self.weight_bytes = runner.weight_bytes
         self.caches, self._cache_ops = build_shadow_caches(runner.model.cache_shape(), runner.caches.plan)
         self._worker: Optional[ThreadPoolExecutor] = None
         if runner.device.type != "cuda":

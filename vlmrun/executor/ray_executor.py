@@ -62,8 +62,8 @@ class RankActor:
         self.worker = start_rank(rank, size, config, model_config, init_method, device)
         return ("ready", self.worker.cache_budget(), self.worker.model.cache_shape())
 
-    def build(self, plan: CachePlan) -> None:
-        self.worker.build(plan)
+    def build(self, plan: CachePlan) -> int:
+        return self.worker.build(plan)
 
     def execute(self, payload: bytes) -> Optional[tuple]:
         results = self.worker.execute(*pickle.loads(payload)[1:])
@@ -90,7 +90,7 @@ class RayExecutor:
         ready = self._get([a.start.remote(r, self.size, config, model_config, init_method, device.type)
                            for r, a in enumerate(self.actors)])
         shape, plan = plan_for_ranks(ready, config, model_config)
-        self._get([a.build.remote(plan) for a in self.actors])
+        self.weight_bytes = tuple(self._get([a.build.remote(plan) for a in self.actors]))
         self.driver = DriverState(shape, plan)
         self.caches = self.driver.caches
         logger.info("tensor parallel on Ray: %d rank actors in placement group %s; the cache plan below is each "

@@ -7,7 +7,8 @@ budget it can afford and the cache shape of its shard, builds its pools from the
 sends back, and then serves steps until told to stop:
 
     driver -> rank   ("plan", CachePlan) | ("step", cache ops, [ChunkInput], generators, released) | ("stop",)
-    rank -> driver   ("ready", budget bytes, CacheShape) | ("built",) | ("result", ...) (rank 0) | ("error", text)
+    rank -> driver   ("ready", budget bytes, CacheShape) | ("built", weight bytes) | ("result", ...) (rank 0)
+                     | ("error", text)
 
 Every rank replays the step's cache ops on its pools (`vlmrun.cache.shadow`), encodes the step's
 images itself (the vision tower is replicated) and runs the model; the layers' collectives keep
@@ -76,10 +77,12 @@ class Worker:
     def cache_budget(self) -> int:
         return cache_budget_bytes(self.config, self.device)
 
-    def build(self, plan: CachePlan) -> None:
+    def build(self, plan: CachePlan) -> int:
+        """This rank's pools and runner; returns the bytes its model shard takes as it runs."""
         dtype = self.model_config.dtype
         caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
         self.runner = build_model_runner(self.model, caches, self.config, self.device, dtype, tp=self.tp)
+        return self.runner.weight_bytes[0]
 
     def execute(self, ops: list, chunks: list[ChunkInput], generators: list[GeneratorWire],
                 released: list[int]) -> list:
@@ -114,8 +117,7 @@ def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelCo
         worker = start_rank(rank, size, config, model_config, init_method, rank_device(config, rank))
         conn.send(("ready", worker.cache_budget(), worker.model.cache_shape()))
         _, plan = conn.recv()
-        worker.build(plan)
-        conn.send(("built",))
+        conn.send(("built", worker.build(plan)))
         while True:
             message = conn.recv()
             if message[0] == "stop":
