@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import Iterable
 
 import torch
 
@@ -47,23 +48,31 @@ def get_model_class(architectures: list[str]) -> type:
     )
 
 
-def load_model(model_config: ModelConfig, device: torch.device, tp: TensorParallel = SINGLE,
-               fp8_kernel: str = "dequantize") -> Model:
-    """The checkpoint's model on `device` in `model_config.dtype`, every parameter loaded (this
-    rank's share of each under tensor parallelism: sharded layers read only their slices). A quantized
-    checkpoint's layers (`model_config.quantization`) keep its format (`vlmrun.quantization`)."""
+def build_for_checkpoint(model_config: ModelConfig, device: torch.device, checkpoint_names: Iterable[str],
+                         tp: TensorParallel = SINGLE, fp8_kernel: str = "dequantize") -> Model:
+    """The checkpoint's model with empty storage on `device` (on the meta device: none, so its bytes
+    can be counted at any size), each linear layer given its method (`vlmrun.quantization.assign`)
+    from `model_config.quantization` and the checkpoint's tensor names `checkpoint_names`."""
     cls = get_model_class(model_config.hf_config.architectures)
     quantization = model_config.quantization
 
     def assign_methods(model: Model) -> None:
         method = make_linear_method(quantization, device, fp8_kernel)
-        count = assign_linear_methods(model, quantization, method, checkpoint_tensor_names(model_config.path),
-                                      model.checkpoint_name)
+        count = assign_linear_methods(model, quantization, method, checkpoint_names, model.checkpoint_name)
         logger.info("quantization %s: %d linear layers quantized", quantization.describe(), count)
 
+    return build_model(cls, model_config.hf_config, model_config.dtype, device, tp,
+                       prepare=assign_methods if quantization is not None else None)
+
+
+def load_model(model_config: ModelConfig, device: torch.device, tp: TensorParallel = SINGLE,
+               fp8_kernel: str = "dequantize") -> Model:
+    """The checkpoint's model on `device` in `model_config.dtype`, every parameter loaded (this
+    rank's share of each under tensor parallelism: sharded layers read only their slices). A quantized
+    checkpoint's layers (`model_config.quantization`) keep its format (`vlmrun.quantization`)."""
     try:
-        model = build_model(cls, model_config.hf_config, model_config.dtype, device, tp,
-                            prepare=assign_methods if quantization is not None else None)
+        names = checkpoint_tensor_names(model_config.path) if model_config.quantization is not None else ()
+        model = build_for_checkpoint(model_config, device, names, tp, fp8_kernel)
         model.load_weights(iter_lazy_weights(model_config.path))  # raises, naming them, if a parameter is left unset
     except ValueError as e:
         raise ValueError(f"{model_config.path}: {e}") from e
