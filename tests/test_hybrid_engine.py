@@ -138,7 +138,7 @@ def hybrid_model(qwen3_dir):
 
 @pytest.fixture
 def make_llm(qwen3_dir, hybrid_model, monkeypatch):
-    monkeypatch.setattr(engine_module, "load_model", lambda model_config, device: hybrid_model)
+    monkeypatch.setattr(engine_module, "load_model", lambda model_config, device, **_: hybrid_model)
 
     def make(**kwargs) -> LLM:
         return LLM(str(qwen3_dir), dtype="float32", device="cpu", **kwargs)
