@@ -80,6 +80,14 @@ def _shard_offset(start: int, pack: int, what: str) -> int:
     return start // pack
 
 
+def named_specs(method: LinearMethod, out_features: int, in_features: int, layer_name: str) -> dict[str, ParamSpec]:
+    """`method.param_specs`; its ValueError (a width the format cannot store) names the layer."""
+    try:
+        return method.param_specs(out_features, in_features)
+    except ValueError as e:
+        raise ValueError(f"{layer_name}: {e}") from None
+
+
 def fused_part_aliases(module: nn.Module) -> dict[str, tuple[str, int]]:
     """Checkpoint-style name of a fused part (`...self_attn.q_proj.weight`) -> (our parameter, part index)."""
     aliases = {}
@@ -121,8 +129,8 @@ class LinearBase(nn.Module):
         and the TP size, when this rank's shard cannot be cut from the method's packed tensors."""
         for name in self.param_names:
             delattr(self, name)
-        specs = method.param_specs(self.out_features, self.in_features)
         self._check_shard_alignment(method, layer_name, tp_size)
+        specs = named_specs(method, self.out_features, self.in_features, layer_name or type(self).__name__)
         for name, spec in specs.items():
             self.register_parameter(name, nn.Parameter(torch.empty(spec.shape, dtype=spec.dtype or torch.float32),
                                                        requires_grad=False))
@@ -131,10 +139,11 @@ class LinearBase(nn.Module):
         self.method = method
 
     def _check_shard_alignment(self, method: LinearMethod, layer_name: str, tp_size: int) -> None:
+        name = layer_name or type(self).__name__
         for shard in self.out_shards:
-            self._check_one(method.param_specs(shard.total, self.in_shard.total), "out_dim", "out_pack", shard,
+            self._check_one(named_specs(method, shard.total, self.in_shard.total, name), "out_dim", "out_pack", shard,
                             method, layer_name, tp_size, "output rows")
-        self._check_one(method.param_specs(self.out_shards[0].total, self.in_shard.total), "in_dim", "in_pack",
+        self._check_one(named_specs(method, self.out_shards[0].total, self.in_shard.total, name), "in_dim", "in_pack",
                         self.in_shard, method, layer_name, tp_size, "input columns")
 
     def _check_one(self, specs: dict[str, ParamSpec], dim: str, pack: str, shard: Shard, method: LinearMethod,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
-from vlmrun.layers.linear import ReplicatedLinear, copy_checked
+from vlmrun.layers.linear import ReplicatedLinear, copy_checked, named_specs
 from vlmrun.layers.linear_method import UNQUANTIZED, LinearMethod, ParamSpec
 from vlmrun.loader import materialize
 from vlmrun.layers.mlp import SwiGLUMLP
@@ -72,27 +72,32 @@ class FusedExperts(nn.Module):
 
     def use_method(self, method: LinearMethod, layer_name: str = "", tp_size: int = 1) -> None:
         """Registers `method`'s (empty) tensors for both projections: [E, *spec shape] each."""
-        for names in self.param_names.values():
+        for projection, names in self.param_names.items():
             for name in names:
-                delattr(self, name)
+                delattr(self, expert_param_name(projection, name))
         self.param_names, self.stored_dtypes = {}, {}
+        name_of_layer = layer_name or "experts"
         for projection in PROJECTIONS:
-            for name, spec in self._specs(method, projection, self.intermediate).items():
-                shape = list(spec.shape)
-                if projection == "gate_up_proj":  # gate rows then up rows
-                    shape[spec.out_dim] *= 2
+            for name, spec in self._specs(method, projection, self.shard.total, name_of_layer).items():
                 self._check_alignment(method, projection, name, spec, layer_name, tp_size)
+            specs = self._specs(method, projection, self.intermediate, name_of_layer)
+            for name, spec in specs.items():
+                shape = list(spec.shape)
+                if projection == "gate_up_proj" and spec.out_dim is not None:  # gate rows then up rows
+                    shape[spec.out_dim] *= 2
                 ours = expert_param_name(projection, name)
                 self.register_parameter(ours, nn.Parameter(
                     torch.empty(self.experts.length, *shape, dtype=spec.dtype or torch.float32), requires_grad=False))
                 if spec.dtype is not None:
                     self.stored_dtypes[ours] = spec.dtype
-            self.param_names[projection] = tuple(self._specs(method, projection, self.intermediate))
+            self.param_names[projection] = tuple(specs)
         self.method = method
 
-    def _specs(self, method: LinearMethod, projection: str, units: int) -> dict[str, ParamSpec]:
+    def _specs(self, method: LinearMethod, projection: str, units: int,
+               layer_name: str = "experts") -> dict[str, ParamSpec]:
         """The method's tensors of one expert's `gate_proj` (or `up_proj`) or `down_proj` over `units` hidden units."""
-        return method.param_specs(units, self.hidden) if projection == "gate_up_proj" else method.param_specs(self.hidden, units)
+        shape = (units, self.hidden) if projection == "gate_up_proj" else (self.hidden, units)
+        return named_specs(method, *shape, f"{layer_name}.{projection}")
 
     def _check_alignment(self, method: LinearMethod, projection: str, name: str, spec: ParamSpec,
                          layer_name: str, tp_size: int) -> None:
@@ -150,7 +155,7 @@ class FusedExperts(nn.Module):
         tensor = materialize(tensor)
         full = self._specs(self.method, projection, full_units)[name]
         full_shape = list(full.shape)
-        if projection == "gate_up_proj":
+        if projection == "gate_up_proj" and full.out_dim is not None:
             full_shape[full.out_dim] *= 2
         full_shape = (self.num_experts, *full_shape)
         if name == "weight" and tuple(tensor.shape) != full_shape and tensor.dim() == 3 \
