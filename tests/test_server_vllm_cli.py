@@ -1,7 +1,7 @@
 """`vlmrun serve` as `vllm serve` users call it: the model as the positional argument, `--revision`,
 `--seed`, `--enable-prefix-caching` / `--no-enable-prefix-caching`, `--chat-template`,
-`--limit-mm-per-prompt`, `--enable-auto-tool-choice` / `--tool-call-parser`, and the small endpoints
-`/ping`, `/version`, `/tokenize`, `/detokenize`.
+`--limit-mm-per-prompt`, `--enable-auto-tool-choice` / `--tool-call-parser`, `--trust-request-chat-template`,
+`--mm-processor-kwargs`, and the small endpoints `/ping`, `/version`, `/tokenize`, `/detokenize`.
 
 A server is built from a `serve` command line (the engine and settings its flags give) and compared
 with tests/test_server.py's default one: each flag is checked by its effect.
@@ -36,6 +36,8 @@ MARK = "FLAG-TEMPLATE "
 FLAG_TEMPLATE = "{{- '" + MARK + "' -}}" + CHAT_TEMPLATE  # the checkpoint's template, marked
 LONG = "Describe every colour of the sea and the sky at dawn, slowly and in detail. " * 3
 IMAGE = image_part(data_uri(png_bytes(picture(40, 30, seed=1))))
+LARGE_IMAGE = image_part(data_uri(png_bytes(picture(256, 192, seed=1))))  # 48 image tokens at the default size
+MM_DEFAULTS = '{"max_pixels": 20000}'  # the flagged server's --mm-processor-kwargs: 15 tokens for LARGE_IMAGE
 
 
 def serve_args(model_dir, *flags: str):
@@ -56,7 +58,8 @@ class Served:
 def flagged(qwen3_vl_dir) -> Iterator[Served]:
     """A server started from a `serve` command line carrying the vLLM flags."""
     args = serve_args(qwen3_vl_dir, "--served-model-name", "flagged", "--seed", "5", "--no-enable-prefix-caching",
-                      "--chat-template", FLAG_TEMPLATE, "--limit-mm-per-prompt", '{"image": 1, "video": 0}')
+                      "--chat-template", FLAG_TEMPLATE, "--limit-mm-per-prompt", '{"image": 1, "video": 0}',
+                      "--trust-request-chat-template", "--mm-processor-kwargs", MM_DEFAULTS)
     eng = build_engine(engine_config(args))
     srv = serve_in_thread(eng, server_settings(args))
     yield Served(srv.base_url, eng)
@@ -121,13 +124,20 @@ def test_bad_vllm_flags_stop_the_server_before_loading(qwen3_vl_dir, tmp_path, c
     assert exit_.value.code == 2 and "mistral" in err and all(p in err for p in ("hermes", "qwen3_coder", "qwen3_xml"))
     assert main(["serve", model, "--enable-auto-tool-choice"]) == 2
     assert "--tool-call-parser" in capsys.readouterr().err
+    assert main(["serve", model, "--mm-processor-kwargs", '{"crop": 1}']) == 2
+    assert "unsupported option 'crop'" in capsys.readouterr().err
+    assert main(["serve", model, "--mm-processor-kwargs", '{"max_pixels": -1}']) == 2
+    assert "positive integer" in capsys.readouterr().err
 
 
-def test_tool_flags_reach_the_server_settings(qwen3_vl_dir):
-    settings = server_settings(serve_args(qwen3_vl_dir, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml"))
+def test_server_flags_reach_the_server_settings(qwen3_vl_dir):
+    settings = server_settings(serve_args(qwen3_vl_dir, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml",
+                                          "--trust-request-chat-template", "--mm-processor-kwargs", MM_DEFAULTS))
     assert (settings.enable_auto_tool_choice, settings.tool_call_parser) == (True, "qwen3_xml")
+    assert settings.trust_request_chat_template and settings.mm_processor_kwargs == {"max_pixels": 20000}
     plain = server_settings(serve_args(qwen3_vl_dir))
     assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
+    assert (plain.trust_request_chat_template, plain.mm_processor_kwargs) == (False, {})
 
 
 def test_limit_mm_per_prompt_maps_onto_the_engine_limits():
@@ -201,6 +211,40 @@ def test_chat_template_flag_changes_the_prompt(flagged, server):
     flagged_text = post(flagged, "/detokenize", {"tokens": flagged_ids}).json()["prompt"]
     default_text = post(server, "/detokenize", {"tokens": default_ids}).json()["prompt"]
     assert flagged_text == MARK + default_text
+
+
+def test_request_chat_template_needs_trust(flagged, server):
+    """--trust-request-chat-template: a request's own template (its text) renders the prompt; without the
+    flag it is a 400 naming chat_template, on /tokenize too; a file path is never read."""
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    body = {"messages": user("hi"), "chat_template": template, "max_tokens": 1, "return_token_ids": True}
+    answer = post(flagged, "/v1/chat/completions", body).json()
+    assert post(flagged, "/detokenize", {"tokens": answer["prompt_token_ids"]}).json()["prompt"] == "[user] hi\n"
+    assert post(flagged, "/tokenize", body).json()["tokens"] == answer["prompt_token_ids"]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        refused = post(server, path, body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "chat_template"
+        assert "--trust-request-chat-template" in refused.json()["error"]["message"]
+    a_path = post(flagged, "/v1/chat/completions", {**body, "chat_template": vlmrun.__file__})
+    assert a_path.status_code == 400 and a_path.json()["error"]["param"] == "chat_template"
+
+
+def test_mm_processor_kwargs_flag_is_the_default(flagged, server):
+    """--mm-processor-kwargs sizes every image that does not size itself; a request's own
+    mm_processor_kwargs (and an item's own max_pixels) win, as in vLLM."""
+    def image_tokens(srv: ServerThread | Served, content, **fields) -> int:
+        ids = post(srv, "/tokenize", {"messages": user(content), **fields}).json()["tokens"]
+        return ids.count(flagged.engine.engine.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
+
+    assert image_tokens(server, [LARGE_IMAGE, "what?"]) == 48
+    assert image_tokens(flagged, [LARGE_IMAGE, "what?"]) == 15
+    assert image_tokens(flagged, [LARGE_IMAGE, "what?"], mm_processor_kwargs={"max_pixels": 1 << 20}) == 48
+    assert image_tokens(server, [LARGE_IMAGE, "what?"], mm_processor_kwargs={"max_pixels": 20000}) == 15
+    sized = {**LARGE_IMAGE, "max_pixels": 1 << 20}
+    assert image_tokens(flagged, [sized, "what?"]) == 48
+    chat = post(flagged, "/v1/chat/completions", {"messages": user([LARGE_IMAGE, "what?"]), "max_tokens": 1})
+    assert chat.json()["usage"]["prompt_tokens"] == post(flagged, "/tokenize", {"messages": user([LARGE_IMAGE, "what?"])
+                                                                               }).json()["count"]
 
 
 def test_limit_mm_per_prompt_refuses_too_many_images(flagged):

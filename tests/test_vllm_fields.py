@@ -2,8 +2,9 @@
 
 `RequestOutput.prompt`, `.metrics`, `CompletionOutput.cumulative_logprob` and `.stop_reason`;
 `truncate_prompt_tokens`, `output_kind`, `detokenize`, `spaces_between_special_tokens`. The server's
-fields (`prompt_logprobs`, `return_token_ids`, `stream_options.continuous_usage_stats`, and the 400s
-naming the fields it refuses) are driven with the `openai` client.
+fields (`prompt_logprobs`, `return_token_ids` collected and streamed, `stream_options.continuous_usage_stats`,
+chat `echo` with `continue_final_message`, completions `echo` with `logprobs`, and the 400s naming what
+it refuses) are driven with the `openai` client.
 """
 
 from __future__ import annotations
@@ -113,29 +114,43 @@ def test_no_logprobs_is_not_nan(llm):
 
 
 @pytest.fixture(scope="module")
-def client(qwen3_vl_dir):
-    from tests.test_server import MODEL, tiny_engine
-    from vlmrun.server.launch import serve_in_thread
-    from vlmrun.server.settings import ServerSettings
+def served_engine(qwen3_vl_dir):
+    from tests.test_server import tiny_engine
 
     engine = tiny_engine(qwen3_vl_dir)
-    server = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    server.stop()
+    yield engine
     engine.shutdown()
 
 
-def server_chat(client, **kwargs):
+@pytest.fixture(scope="module")
+def client(served_engine):
+    from tests.test_server import MODEL
+    from vlmrun.server.launch import serve_in_thread
+    from vlmrun.server.settings import ServerSettings
+
+    server = serve_in_thread(served_engine, ServerSettings(served_model_name=MODEL))
+    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    server.stop()
+
+
+def server_chat(client, messages=None, **kwargs):
     from tests.test_server import MODEL
 
-    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}],
-                                          temperature=0, max_tokens=4, **kwargs)
+    kwargs = {"temperature": 0, "max_tokens": 4, **kwargs}
+    return client.chat.completions.create(model=MODEL, messages=messages or [{"role": "user", "content": "Name a colour."}],
+                                          **kwargs)
 
 
 def server_completion(client, **kwargs):
     from tests.test_server import MODEL
 
-    return client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=4, **kwargs)
+    kwargs = {"temperature": 0, "max_tokens": 4, **kwargs}
+    return client.completions.create(model=MODEL, prompt="Once upon a time", **kwargs)
+
+
+def streamed(create, client, **kwargs) -> list[dict]:
+    """The chunks of a streamed answer, as dicts (vLLM's extra fields kept)."""
+    return [chunk.model_dump() for chunk in create(client, stream=True, **kwargs)]
 
 
 def check_prompt_logprobs(prompt_logprobs, prompt_ids: list[int], k: int) -> None:
@@ -168,24 +183,112 @@ def test_server_truncate_prompt_tokens(client):
     assert len(cut.model_dump()["choices"][0]["prompt_token_ids"]) == 2
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("chat_template", "{{ messages }}"),
-                                          ("continue_final_message", True), ("mm_processor_kwargs", {"fps": 1}),
+@pytest.mark.parametrize("create", [server_chat, server_completion], ids=["chat", "completions"])
+def test_server_streams_token_ids_as_collected(client, create):
+    """Streamed return_token_ids: the prompt's ids once (chat: beside the first chunk's choices;
+    completions: on the first chunk's choice) and each chunk's own ids, adding up to the collected ones."""
+    whole = create(client, n=2, temperature=1.0, seed=3, extra_body={"return_token_ids": True}).model_dump()
+    chunks = streamed(create, client, n=2, temperature=1.0, seed=3, extra_body={"return_token_ids": True})
+    for index, expected in enumerate(whole["choices"]):
+        mine = [c for chunk in chunks for c in chunk["choices"] if c["index"] == index]
+        assert sum((c["token_ids"] for c in mine), []) == expected["token_ids"] and expected["token_ids"]
+        if create is server_chat:
+            prompt_ids = [chunk["prompt_token_ids"] for chunk in chunks
+                          if chunk.get("prompt_token_ids") and chunk["choices"][0]["index"] == index]
+            assert prompt_ids == [whole["prompt_token_ids"]]
+        else:
+            assert [c["prompt_token_ids"] for c in mine if c.get("prompt_token_ids")] == [expected["prompt_token_ids"]]
+
+
+@pytest.mark.parametrize("create", [server_chat, server_completion], ids=["chat", "completions"])
+def test_server_continuous_usage_stats(client, create):
+    """Every chunk carries the usage so far (vLLM's counts: the choice's tokens up to that chunk); the
+    last usage-only chunk stays; without include_usage vLLM sends none."""
+    chunks = streamed(create, client, stream_options={"include_usage": True, "continuous_usage_stats": True},
+                      extra_body={"return_token_ids": True})
+    *per_chunk, last = chunks
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    prompt_tokens, seen = last["usage"]["prompt_tokens"], 0
+    for chunk in per_chunk:
+        seen += len(chunk["choices"][0]["token_ids"])
+        usage = chunk["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+            prompt_tokens, seen, prompt_tokens + seen)
+    assert seen == 4
+    quiet = streamed(create, client, stream_options={"continuous_usage_stats": True})
+    assert all(chunk.get("usage") is None for chunk in quiet)
+
+
+def test_server_continue_final_message_and_chat_echo(client, served_engine):
+    """continue_final_message leaves the assistant's text open (the prompt ends in it, as the processor
+    renders it); echo puts that text before the answer, collected and streamed; the role follows vLLM's
+    rule (the last message's role without a generation prompt)."""
+    chat = [{"role": "user", "content": "Tell me about the sea."}, {"role": "assistant", "content": "The sea is"}]
+    cont = dict(extra_body={"add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True})
+    plain = server_chat(client, chat, **cont).model_dump()
+    expected = served_engine.engine.processor.process_chat(chat, add_generation_prompt=False,
+                                                          continue_final_message=True)
+    assert plain["prompt_token_ids"] == list(expected.token_ids) and expected.text.endswith("The sea is")
+    answer = plain["choices"][0]["message"]["content"]
+    echo = dict(extra_body={**cont["extra_body"], "echo": True})
+    echoed = server_chat(client, chat, **echo).choices[0].message
+    assert echoed.content == "The sea is" + answer and echoed.role == "assistant"
+    chunks = streamed(server_chat, client, messages=chat, **echo)
+    assert "".join(c["delta"]["content"] or "" for chunk in chunks for c in chunk["choices"]) == echoed.content
+    user_last = [{"role": "user", "content": "Tell me about the sea."}]
+    reply = server_chat(client, user_last, extra_body={"echo": True}).choices[0].message  # not the reply's role
+    assert reply.content == server_chat(client, user_last).choices[0].message.content
+    as_user = server_chat(client, user_last, extra_body={"add_generation_prompt": False, "echo": True})
+    assert as_user.choices[0].message.role == "user"
+    assert as_user.choices[0].message.content.startswith("Tell me about the sea.")
+
+
+def test_server_completions_echo_with_logprobs(client):
+    """echo with logprobs: the prompt's tokens and logprobs (the first null) before the answer's, equal to
+    prompt_logprobs and to the answer's own; streamed alike; max_tokens 0: the prompt alone."""
+    plain = server_completion(client, logprobs=2, extra_body={"prompt_logprobs": 2, "return_token_ids": True})
+    plain = plain.model_dump()["choices"][0]
+    prompt_ids = plain["prompt_token_ids"]
+    n = len(prompt_ids)
+    echoed = server_completion(client, echo=True, logprobs=2).model_dump()["choices"][0]
+    lp = echoed["logprobs"]
+    assert echoed["text"] == "Once upon a time" + plain["text"]
+    assert "".join(lp["tokens"][:n]) == "Once upon a time" and len(lp["tokens"]) == n + len(plain["token_ids"])
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    from_prompt = [plain["prompt_logprobs"][i][str(prompt_ids[i])]["logprob"] for i in range(1, n)]
+    assert lp["token_logprobs"][1:n] == pytest.approx(from_prompt, abs=1e-4)
+    assert lp["token_logprobs"][n:] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-4)
+    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    check_prompt_logprobs(echoed["prompt_logprobs"], prompt_ids, 2)  # vLLM also returns them on the choice
+    chunks = streamed(server_completion, client, echo=True, logprobs=2)
+    pieces = [c for chunk in chunks for c in chunk["choices"]]
+    assert "".join(c["text"] for c in pieces) == echoed["text"]
+    assert sum((c["logprobs"]["tokens"] for c in pieces if c["logprobs"]), []) == lp["tokens"]
+    only = server_completion(client, echo=True, logprobs=1, max_tokens=0).choices[0]
+    assert only.text == "Once upon a time" and len(only.logprobs.tokens) == n
+    with pytest.raises(openai.BadRequestError) as err:
+        server_completion(client, max_tokens=0)  # without echo there is nothing to answer
+    assert err.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("field, value", [("chat_template", "{{ messages }}"), ("continue_final_message", True),
+                                          ("mm_processor_kwargs", {"crop": 1}), ("mm_processor_kwargs", {"fps": 0}),
+                                          ("echo", "yes"), ("return_token_ids", 1),
                                           ("best_of", 3), ("prompt_logprobs", 25), ("truncate_prompt_tokens", 0),
                                           ("spaces_between_special_tokens", "yes")])
-def test_server_refuses_chat_fields_it_does_not_act_on(client, field, value):
+def test_server_refuses_chat_fields_it_cannot_act_on(client, field, value):
+    """A 400 naming the field: a per-request template on a server started without
+    --trust-request-chat-template, continue_final_message beside the default add_generation_prompt,
+    processor options this engine lacks, and bad values."""
     with pytest.raises(openai.BadRequestError) as err:
         server_chat(client, extra_body={field: value})
     assert err.value.body["param"] == field
 
 
-def test_server_refuses_what_it_cannot_stream(client):
-    for field, value in (("prompt_logprobs", 1), ("return_token_ids", True)):
+def test_server_refuses_streamed_prompt_logprobs(client):
+    """As vLLM: prompt_logprobs are for collected answers only."""
+    for create in (server_chat, server_completion):
         with pytest.raises(openai.BadRequestError) as err:
-            server_chat(client, stream=True, extra_body={field: value})
-        assert err.value.body["param"] == field
-    with pytest.raises(openai.BadRequestError) as err:
-        server_chat(client, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
-    assert err.value.body["param"] == "stream_options"
-    with pytest.raises(openai.BadRequestError) as err:
-        server_completion(client, echo=True, logprobs=1)
-    assert err.value.body["param"] == "echo"
+            create(client, stream=True, extra_body={"prompt_logprobs": 1})
+        assert err.value.body["param"] == "prompt_logprobs"

@@ -2,8 +2,11 @@
 
 The steps it shares with `/v1/completions` (parse, admission, preparation off the event loop,
 submission, collect or stream) are `vlmrun.server.submission`'s. Here: the chat template and media
-preparation, the sampling params a forced tool choice or a reasoning parser constrains, and the
-chat deltas, split into reasoning, content and tool calls when a parser is active.
+preparation (`render_chat`, with the template fields of `chat_prompt.py`; /tokenize renders the same
+way), the sampling params a forced tool choice or a reasoning parser
+constrains, and the chat deltas, split into reasoning, content and tool calls when a parser is active.
+The answer's role and `echo` follow vLLM (`chat_prompt.response_role`, `chat_prompt.echo_text`): the
+echoed text comes before the content, streamed as its own chunk after the role's.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import dataclasses
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -21,10 +24,11 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
+from vlmrun.server.chat_prompt import ChatPromptOptions, echo_text, response_role
 from vlmrun.server.errors import bad_request
 from vlmrun.server.protocol import ChatRequest, parse_chat_request
 from vlmrun.server.state import ServerState
-from vlmrun.server.submission import merge_batch, parse_body, respond_collected, stream_response, submit
+from vlmrun.server.submission import merge_batch, parse_body, record, respond_collected, stream_response, submit
 from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
 from vlmrun.structured import StructuredOutputsParams
 
@@ -42,10 +46,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         nonlocal prompt_text
-        messages = state.media.resolve_messages(req.messages)
-        prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs,
-                                              cancel=cancel)
+        prompt = render_chat(state, req.messages, req.tools, req.prompt, cancel)
         prompt_text = prompt.text
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
@@ -56,6 +57,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
                                 req.tools if req.parses_tool_calls else (), prompt_text)
                for _ in sub.choices]
+    role = response_role(req.messages, req.prompt)
+    echo = echo_text(req.messages, role) if req.echo else ""
 
     if not req.stream:
         def build() -> dict[str, Any]:
@@ -65,24 +68,39 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
             response = R.chat_completion(rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs,
                                          token_text, sub.prompt_tokens)
             req.extras.add_to(response, sub.choices, token_text, chat=True)
+            for out in response["choices"]:
+                out["message"]["role"] = role
+                if echo:
+                    out["message"]["content"] = echo + (out["message"]["content"] or "")
             return response
 
         return await respond_collected(request, sub, build)
 
     async def events() -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
-            return R.sse(R.chat_chunk(rid, sub.created, model, choices, req.include_usage))
+        first = [True] * len(sub.choices)
+        return_ids = req.extras.return_token_ids
+
+        def chunk(c: R.ChoiceState, delta: dict[str, Any], token_ids: list[int], lp: Optional[dict[str, Any]] = None,
+                  finish_reason: Optional[str] = None) -> bytes:
+            body = R.chat_chunk(rid, sub.created, model, [R.chat_chunk_choice(c.index, delta, lp, finish_reason)],
+                                req.include_usage)
+            body = req.extras.add_to_chunk(body, c, token_ids, first[c.index], chat=True)
+            first[c.index] = False
+            return R.sse(body)
 
         for c in sub.choices:
-            yield chunk([R.chat_chunk_choice(c.index, {"role": "assistant", "content": ""})])
-        completion_tokens = 0
+            yield chunk(c, {"role": role, "content": ""}, [])
+        if echo:
+            for c in sub.choices:
+                yield chunk(c, {"content": echo}, [])
         async for batch in sub.group:
             sub.tracker.on_batch(batch)
             for d in merge_batch(batch):
-                completion_tokens += len(d.token_ids)
+                c = sub.choices[d.index]
+                record(c, d)
                 lp = (R.chat_logprobs(d.token_ids, d.logprobs, req.top_logprobs, token_text)
                       if req.logprobs and d.token_ids else None)
-                if not d.text and lp is None and not d.finished:
+                if not d.text and lp is None and not d.finished and not (return_ids and d.token_ids):
                     continue
                 parser = parsers[d.index]
                 reason = d.finish_reason if d.finished else None
@@ -93,14 +111,31 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 for i, delta in enumerate(deltas):
                     last = i == len(deltas) - 1
                     lp_i, reason_i = (lp if i == 0 else None), (reason if last else None)
-                    if delta or lp_i is not None or reason_i is not None:
-                        yield chunk([R.chat_chunk_choice(d.index, delta, lp_i, reason_i)])
+                    ids_i = d.token_ids if i == 0 else []
+                    if delta or lp_i is not None or reason_i is not None or (return_ids and ids_i):
+                        yield chunk(c, delta, ids_i, lp_i, reason_i)
         if req.include_usage:
             yield R.sse(R.usage_chunk(rid, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
-                                      completion_tokens))
+                                      sum(len(c.token_ids) for c in sub.choices)))
         yield R.SSE_DONE
 
     return stream_response(sub, events)
+
+
+def render_chat(state: ServerState, messages: list[Any], tools: list[dict[str, Any]], options: ChatPromptOptions,
+                cancel: Optional[threading.Event] = None) -> ProcessedPrompt:
+    """The messages' prompt as the engine runs it: media fetched by the server's policy, rendered with
+    the request's template options over the server's defaults."""
+    if options.chat_template is not None and not state.settings.trust_request_chat_template:
+        raise bad_request("a per-request 'chat_template' needs a server started with --trust-request-chat-template",
+                          param="chat_template")
+    resolved = state.media.resolve_messages(messages)
+    mm_kwargs = {**state.settings.mm_processor_kwargs, **options.mm_processor_kwargs}
+    return state.processor.process_chat(resolved, add_generation_prompt=options.add_generation_prompt,
+                                        tools=tools or None, chat_template_kwargs=options.chat_template_kwargs,
+                                        chat_template=options.chat_template,
+                                        continue_final_message=options.continue_final_message,
+                                        mm_processor_kwargs=mm_kwargs or None, cancel=cancel)
 
 
 def _check_tool_choice(state: ServerState, req: ChatRequest) -> None:

@@ -3,7 +3,8 @@
 Its flags follow `vllm serve` where vLLM has one (same name, meaning and default): the model as the
 positional argument (or `--model`), `--revision`, `--seed`, `--enable-prefix-caching` /
 `--no-enable-prefix-caching`, `--chat-template`, `--limit-mm-per-prompt`, `--enable-auto-tool-choice`,
-`--tool-call-parser`. The engine flags are shared with `vlmrun web`.
+`--tool-call-parser`, `--trust-request-chat-template`, `--mm-processor-kwargs`. The engine flags are
+shared with `vlmrun web`.
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         allowed_local_media_path=args.allowed_local_media_path, url_timeout_s=args.url_timeout,
         max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
+        mm_processor_kwargs=args.mm_processor_kwargs if args.mm_processor_kwargs is not None else {})
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -152,6 +155,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                    help="the tool-call format: Qwen's JSON (hermes) or XML-style calls (qwen3_coder, qwen3_xml); "
                         "either is read whichever is named")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let a chat request carry its own 'chat_template' (without it such a request is a 400)")
+    p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
+                   help='image / video processor options for every item that sets none, as JSON: '
+                        '\'{"max_pixels": 401408}\' (min_pixels, max_pixels, fps); a request\'s own override them')
 
 
 def serve(args: argparse.Namespace) -> int:

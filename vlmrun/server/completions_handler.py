@@ -3,6 +3,11 @@
 The steps it shares with `/v1/chat/completions` are `vlmrun.server.submission`'s. Here: each
 prompt checked and tokenized as it is (no reserved image / video pad tokens), `echo`, and the
 completion chunks with their text-offset logprobs.
+
+`echo` as vLLM's: the prompt's text before each answer (none when `return_token_ids` returns the
+prompt as ids); with `logprobs`, the prompt tokens' logprobs first (the first token's null); with
+`max_tokens` 0, the prompt alone. Streamed, the echoed prompt comes first; with `logprobs` it waits for
+its logprobs, which the engine reports when the choice ends, so such a choice comes as one chunk then.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Union
+from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -21,7 +26,7 @@ from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.protocol import CompletionRequest, parse_completion_request
 from vlmrun.server.state import ServerState
-from vlmrun.server.submission import merge_batch, parse_body, respond_collected, stream_response, submit
+from vlmrun.server.submission import merge_batch, parse_body, record, respond_collected, stream_response, submit
 
 _RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 
@@ -45,11 +50,14 @@ async def completions(state: ServerState, request: Request) -> Response:
                        lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=False)
     model = state.model_name
     token_text = R.TokenText(state.engine.tokenizer)
-    prefixes = [(_prompt_text(state, p) if req.echo else "") for p in prompts for _ in range(n)]
+    echo = None
+    if req.echo:
+        echo = R.CompletionEcho([_echo_prefix(state, prompts[c.index // n], c, req.extras.return_token_ids)
+                                 for c in sub.choices], only=req.echo_only)
 
     if not req.stream:
         def build() -> dict[str, Any]:
-            response = R.text_completion(rid, sub.created, model, sub.choices, req.logprobs, token_text, prefixes,
+            response = R.text_completion(rid, sub.created, model, sub.choices, req.logprobs, token_text, echo,
                                          sub.prompt_tokens)
             req.extras.add_to(response, sub.choices, token_text, chat=False)
             return response
@@ -57,28 +65,45 @@ async def completions(state: ServerState, request: Request) -> Response:
         return await respond_collected(request, sub, build)
 
     async def events() -> AsyncIterator[bytes]:
-        def chunk(choices: list[dict[str, Any]]) -> bytes:
-            return R.sse(R.completion_chunk(rid, sub.created, model, choices, req.include_usage))
+        first = [True] * len(sub.choices)
 
-        offsets = [len(p) for p in prefixes]
-        for i, prefix in enumerate(prefixes):
-            if prefix:
-                yield chunk([R.completion_chunk_choice(i, prefix)])
-        completion_tokens = 0
+        def chunk(c: R.ChoiceState, text: str, token_ids: list[int], lp: Optional[dict[str, Any]] = None,
+                  finish_reason: Optional[str] = None) -> bytes:
+            body = R.completion_chunk(rid, sub.created, model, [R.completion_chunk_choice(c.index, text, lp,
+                                                                                          finish_reason)],
+                                      req.include_usage)
+            body = req.extras.add_to_chunk(body, c, token_ids, first[c.index], chat=False)
+            first[c.index] = False
+            return R.sse(body)
+
+        echo_waits = echo is not None and req.logprobs is not None  # for the prompt's logprobs, at the end
+        if echo is not None and not echo_waits:
+            for c in sub.choices:
+                if echo.prefixes[c.index]:
+                    yield chunk(c, echo.prefixes[c.index], [])
+        offsets = [0] * len(sub.choices)
         async for batch in sub.group:
             sub.tracker.on_batch(batch)
             for d in merge_batch(batch):
-                completion_tokens += len(d.token_ids)
+                c = sub.choices[d.index]
+                record(c, d)
+                reason = d.finish_reason if d.finished else None
+                if echo_waits:
+                    if d.finished:
+                        ids, lps = echo.logprobs(c)
+                        lp = R.completion_logprobs(ids, lps, req.logprobs, token_text)
+                        yield chunk(c, echo.text(c), c.token_ids, lp, reason)
+                    continue
+                text = "" if req.echo_only else d.text
                 lp = None
                 if req.logprobs is not None and d.token_ids:
                     lp = R.completion_logprobs(d.token_ids, d.logprobs, req.logprobs, token_text, offsets[d.index])
-                offsets[d.index] += len(d.text)
-                if not d.text and lp is None and not d.finished:
-                    continue
-                yield chunk([R.completion_chunk_choice(d.index, d.text, lp, d.finish_reason if d.finished else None)])
+                offsets[d.index] += len(text)
+                if text or lp is not None or d.finished or (req.extras.return_token_ids and d.token_ids):
+                    yield chunk(c, text, d.token_ids, lp, reason)
         if req.include_usage:
             yield R.sse(R.usage_chunk(rid, sub.created, model, "text_completion", sub.prompt_tokens,
-                                      completion_tokens))
+                                      sum(len(c.token_ids) for c in sub.choices)))
         yield R.SSE_DONE
 
     return stream_response(sub, events)
@@ -108,5 +133,11 @@ def _raw_prompt(state: ServerState, prompt: Union[str, list[int]], index: int, c
     return ProcessedPrompt(token_ids=list(prompt))
 
 
-def _prompt_text(state: ServerState, prompt: ProcessedPrompt) -> str:
-    return prompt.text or state.engine.tokenizer.decode(prompt.token_ids)
+def _echo_prefix(state: ServerState, prompt: ProcessedPrompt, choice: R.ChoiceState, return_token_ids: bool) -> str:
+    """The text `echo` puts before a choice: its prompt as the engine ran it (after truncate_prompt_tokens);
+    none when the prompt's ids are returned (vLLM's rule)."""
+    if return_token_ids:
+        return ""
+    if prompt.text and len(prompt.token_ids) == len(choice.prompt_token_ids):
+        return prompt.text
+    return state.engine.tokenizer.decode(choice.prompt_token_ids)

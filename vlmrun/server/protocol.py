@@ -5,7 +5,9 @@ error) and lenient about the rest: unknown fields are ignored, as OpenAI-compati
 except features this server does not have (legacy `functions`, suffix), which are refused with 400
 rather than silently ignored.
 
-`logit_bias`, `allowed_token_ids`, `bad_words`: `logits_processor_fields.py`; vLLM's other fields: `vllm_fields.py`.
+`logit_bias`, `allowed_token_ids`, `bad_words`: `logits_processor_fields.py`; the chat template's fields
+(`add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
+`mm_processor_kwargs`): `chat_prompt.py`; vLLM's other fields: `vllm_fields.py`.
 
 Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
@@ -20,32 +22,31 @@ known chat roles, a `content` on every message (null only beside assistant `tool
 
 Extensions beyond OpenAI's fields (vLLM's names): `top_k`, `min_p`, `repetition_penalty`,
 `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
-`skip_special_tokens`, `chat_template_kwargs`, `thinking_token_budget` (at most that many tokens
-inside `<think>…</think>`, then `</think>` is forced).
+`skip_special_tokens`, `thinking_token_budget` (at most that many tokens inside `<think>…</think>`,
+then `</think>` is forced), `echo` (chat: see `chat_prompt.py`; completions: the prompt before each
+answer, with `logprobs` its tokens' logprobs first, and with `max_tokens` 0 the prompt alone).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from vlmrun.processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
+from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
 from vlmrun.server.tool_calls import check_tools, forced_tools
-from vlmrun.server.vllm_fields import OutputExtras, vllm_output_extras, vllm_sampling_fields, with_generation_defaults
+from vlmrun.server.vllm_fields import (OutputExtras, echo_prompt_logprobs, vllm_output_extras, vllm_sampling_fields,
+                                       with_generation_defaults)
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-# Arguments of the tokenizer's apply_chat_template call: not template variables, so not client-settable.
-_TEMPLATE_CALL_ARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs"})
 _NUMBER = (int, float)
 
 
@@ -67,8 +68,8 @@ class ChatRequest:
     include_usage: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-    add_generation_prompt: bool = True
+    prompt: ChatPromptOptions = ChatPromptOptions()
+    echo: bool = False
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools, for the template
     tool_choice: Any = "none"  # "none" | "auto" | "required" | a tool's name
     forced_tools: list[dict[str, Any]] = field(default_factory=list)  # what a grammar must force a call of
@@ -89,6 +90,7 @@ class CompletionRequest:
     include_usage: bool = False
     logprobs: Optional[int] = None
     echo: bool = False
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated, as in vLLM)
     extras: OutputExtras = OutputExtras()
 
 
@@ -134,18 +136,11 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
         raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
                           "response_format / structured outputs", param="tool_choice")
     params = _sampling_params(body, limits, max_tokens, top if logprobs else None, structured)
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    reserved = sorted(set(kwargs) & _TEMPLATE_CALL_ARGS)
-    if reserved:
-        raise bad_request(f"'chat_template_kwargs' may not set {', '.join(reserved)}: the server sets those "
-                          "(template variables only)", param="chat_template_kwargs")
+    prompt = chat_prompt_options(body, _opt_bool(body, "add_generation_prompt", True),
+                                 _opt_bool(body, "continue_final_message", False))
     return ChatRequest(model=_opt_model(body), messages=messages, params=params, stream=_opt_bool(body, "stream", False),
-                       include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top,
-                       chat_template_kwargs=kwargs,
-                       add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-                       tools=tools, tool_choice=tool_choice, forced_tools=forced,
+                       include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top, prompt=prompt,
+                       echo=_opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
                        parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True),
                        extras=vllm_output_extras(body, chat=True))
 
@@ -157,16 +152,17 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     prompts = _prompts(body.get("prompt"))
     logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
     echo = _opt_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise bad_request("'echo' together with 'logprobs' (prompt logprobs) is not supported", param="echo")
-    max_tokens = _opt_int(body, "max_tokens", 16, lo=1)
-    params = _sampling_params(body, limits, max_tokens, logprobs, _structured_outputs(body))
+    max_tokens = _opt_int(body, "max_tokens", 16, lo=0 if echo else 1)
+    extras = vllm_output_extras(body, chat=False)  # the body as sent: a streamed prompt_logprobs is a 400
+    body = echo_prompt_logprobs(body, echo, logprobs)
+    params = _sampling_params(body, limits, max(max_tokens, 1), logprobs, _structured_outputs(body))
     best_of = _opt_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
     return CompletionRequest(model=_opt_model(body), prompts=prompts, params=params,
                              stream=_opt_bool(body, "stream", False), include_usage=_include_usage(body),
-                             logprobs=logprobs, echo=echo, extras=vllm_output_extras(body, chat=False))
+                             logprobs=logprobs, echo=echo, echo_only=max_tokens == 0,
+                             extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs))
 
 
 # ---------------------------------------------------------------------------- pieces

@@ -85,18 +85,23 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: i
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: int,
+def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, float]]], top: int,
                         token_text: TokenText, text_offset: int = 0) -> dict[str, Any]:
+    """The legacy format; a position without logprobs (an echoed prompt's first token) has null ones."""
     tokens, token_lps, tops, offsets = [], [], [], []
     offset = text_offset
     for tid, lp in zip(token_ids, logprobs):
         text = token_text(tid)
         tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if lp is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
         token_lps.append(_finite(lp.get(tid)))
         ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
         tops.append({token_text(t): _finite(v) for t, v in ranked})
-        offsets.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -157,13 +162,32 @@ def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: Optional[dict
 # ---------------------------------------------------------------------------- completions
 
 
+@dataclass(frozen=True)
+class CompletionEcho:
+    """Completions' `echo`: each choice's prompt text goes before its answer (`prefixes`), and with logprobs
+    the prompt tokens' logprobs before the answer's; `only`: the prompt alone (max_tokens 0)."""
+
+    prefixes: list[str]
+    only: bool = False
+
+    def text(self, c: ChoiceState) -> str:
+        return self.prefixes[c.index] + ("" if self.only else c.text)
+
+    def logprobs(self, c: ChoiceState) -> tuple[list[int], list[Optional[dict[int, float]]]]:
+        """The echoed tokens and their logprobs: the prompt's (the first has none), then the answer's."""
+        prompt = c.prompt_logprobs or [None] * len(c.prompt_token_ids)
+        if self.only:
+            return list(c.prompt_token_ids), list(prompt)
+        return [*c.prompt_token_ids, *c.token_ids], [*prompt, *c.logprobs]
+
+
 def text_completion(rid: str, created: int, model: str, choices: list[ChoiceState], logprobs: Optional[int],
-                    token_text: TokenText, prefixes: list[str], prompt_tokens: int) -> dict[str, Any]:
+                    token_text: TokenText, echo: Optional[CompletionEcho], prompt_tokens: int) -> dict[str, Any]:
     out = []
-    for c, prefix in zip(choices, prefixes):
-        lp = (completion_logprobs(c.token_ids, c.logprobs, logprobs, token_text, len(prefix))
-              if logprobs is not None else None)
-        out.append({"index": c.index, "text": prefix + c.text, "logprobs": lp,
+    for c in choices:
+        ids, lps = echo.logprobs(c) if echo is not None else (c.token_ids, c.logprobs)
+        lp = completion_logprobs(ids, lps, logprobs, token_text) if logprobs is not None else None
+        out.append({"index": c.index, "text": echo.text(c) if echo is not None else c.text, "logprobs": lp,
                     "finish_reason": client_finish_reason(c.finish_reason)})
     completion = sum(len(c.token_ids) for c in choices)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,

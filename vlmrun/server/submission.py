@@ -193,17 +193,21 @@ def _input_errors_as_400(prepare: Callable[[], Any]) -> Any:
         raise bad_request(str(exc)) from None
 
 
+def record(choice: R.ChoiceState, d: ChoiceDelta) -> None:
+    """Add a delta of `choice` to what is collected of it: text, tokens, logprobs, finish reason."""
+    choice.text += d.text
+    choice.token_ids += d.token_ids
+    choice.logprobs += d.logprobs
+    if d.finished:
+        choice.finish_reason, choice.prompt_logprobs = d.finish_reason, d.prompt_logprobs
+
+
 async def _collect(sub: Submitted) -> None:
     """Every choice's text, tokens, logprobs and finish reason, gathered into `sub.choices`."""
     async for batch in sub.group:
         sub.tracker.on_batch(batch)
         for d in batch:
-            c = sub.choices[d.index]
-            c.text += d.text
-            c.token_ids += d.token_ids
-            c.logprobs += d.logprobs
-            if d.finished:
-                c.finish_reason, c.prompt_logprobs = d.finish_reason, d.prompt_logprobs
+            record(sub.choices[d.index], d)
 
 
 async def respond_collected(request: Request, sub: Submitted,

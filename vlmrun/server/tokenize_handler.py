@@ -2,14 +2,12 @@
 
 /tokenize takes either `prompt` (a string, tokenized as it is; `add_special_tokens` default true) or
 `messages` (a chat: the chat template, images and videos as the chat route prepares them, so the
-ids are the ones the engine would run, image and video pads included; `add_generation_prompt`
-default true, `add_special_tokens` default false, `tools`, `chat_template_kwargs`) and answers
-`{"count", "max_model_len", "tokens"}`, plus `token_strs` with `return_token_strs`. /detokenize takes
-`tokens` and answers `{"prompt"}` (special tokens kept). Bodies follow the generation routes' rules:
-JSON only (415), capped (413), `model` the served one (404), a 400 naming the field for the rest;
-chat bodies are checked as /v1/chat/completions checks them. Fields vLLM takes that this server does
-not implement here (`continue_final_message`, a per-request `chat_template`, `mm_processor_kwargs`)
-are a 400, never ignored.
+ids are the ones the engine would run, image and video pads included; `add_special_tokens` default
+false, `tools` and the chat template's fields as the chat route takes them, `chat_prompt.py`) and
+answers `{"count", "max_model_len", "tokens"}`, plus `token_strs` with `return_token_strs`.
+/detokenize takes `tokens` and answers `{"prompt"}` (special tokens kept). Bodies follow the
+generation routes' rules: JSON only (415), capped (413), `model` the served one (404), a 400 naming
+the field for the rest; chat bodies are checked as /v1/chat/completions checks them.
 """
 
 from __future__ import annotations
@@ -22,7 +20,8 @@ from fastapi.responses import JSONResponse, Response
 from transformers import PreTrainedTokenizerBase
 
 from vlmrun.processors import InputError
-from vlmrun.server.chat_handler import has_media
+from vlmrun.server.chat_handler import has_media, render_chat
+from vlmrun.server.chat_prompt import ChatPromptOptions
 from vlmrun.server.errors import bad_request
 from vlmrun.server.protocol import RequestLimits, _opt_bool, _opt_model, parse_chat_request
 from vlmrun.server.state import ServerState
@@ -34,9 +33,8 @@ class TokenizeRequest:
     prompt: Optional[str]  # the completion form; None: `messages` is given
     messages: list[Any] = field(default_factory=list)
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     tools: list[dict[str, Any]] = field(default_factory=list)
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    options: ChatPromptOptions = ChatPromptOptions()
     return_token_strs: bool = False
 
 
@@ -59,8 +57,7 @@ def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits) -> Token
                                return_token_strs=token_strs)
     chat = parse_chat_request(body, limits)  # the chat route's rules (and refusals) for messages, tools, template
     return TokenizeRequest(model, None, chat.messages, add_special_tokens=_opt_bool(body, "add_special_tokens", False),
-                           add_generation_prompt=chat.add_generation_prompt, tools=chat.tools,
-                           chat_template_kwargs=chat.chat_template_kwargs, return_token_strs=token_strs)
+                           tools=chat.tools, options=chat.prompt, return_token_strs=token_strs)
 
 
 def parse_detokenize_request(body: dict[str, Any], limits: RequestLimits) -> DetokenizeRequest:
@@ -101,9 +98,7 @@ async def detokenize(state: ServerState, request: Request) -> Response:
 def _chat_token_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
     """The chat's ids as the engine would run them (pads expanded), 400 for what the processor refuses."""
     try:
-        messages = state.media.resolve_messages(req.messages)
-        prompt = state.processor.process_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                              tools=req.tools or None, chat_template_kwargs=req.chat_template_kwargs)
+        prompt = render_chat(state, req.messages, req.tools, req.options)
     except InputError as exc:
         raise bad_request(str(exc), param="messages") from None
     except ValueError as exc:  # e.g. a checkpoint without a chat template

@@ -2,20 +2,23 @@
 
 Sampling (`SamplingParams` arguments): `prompt_logprobs` (the logprob and top-k of every prompt token
 after the first), `truncate_prompt_tokens` (keep the last k prompt tokens; -1: max_model_len),
-`spaces_between_special_tokens`.
+`spaces_between_special_tokens`. Completions' `echo` with `logprobs` asks for the prompt's logprobs too
+(top `logprobs`, unless `prompt_logprobs` is given), as vLLM does (`echo_prompt_logprobs`).
 
-Response (`OutputExtras`, collected answers): `prompt_logprobs` as vLLM writes them (a list with None
-first, then {"token id": {"logprob", "rank", "decoded_token"}} per prompt token; rank only where the
-token is among the top-k, else null) — for chat on the response, for completions on each choice; with
-`return_token_ids` the prompt's ids (`prompt_token_ids`) and each choice's `token_ids`, in the same
-places. Streamed, these two are refused with a 400 naming the field.
+Response (`OutputExtras`): `prompt_logprobs` as vLLM writes them (a list with None first, then
+{"token id": {"logprob", "rank", "decoded_token"}} per prompt token; rank only where the token is among
+the top-k, else null) — for chat on the response, for completions on each choice; collected answers
+only: a streamed `prompt_logprobs` is a 400 naming it, as in vLLM. `return_token_ids`: the prompt's ids
+(`prompt_token_ids`) and each choice's `token_ids` in the same places; streamed, the prompt's ids come
+once (chat: on each choice's first chunk, beside `choices`; completions: on each choice's first
+chunk's choice) and every chunk's choice carries the ids of its own text. `stream_options`
+{`include_usage`, `continuous_usage_stats`}: every chunk carries `usage` (that choice's prompt tokens
+and the tokens it has so far), the last usage-only chunk stays.
 
 Defaults (vLLM's `--generation-config`): a sampling field the body leaves out takes the checkpoint's
 `generation_config.json` value (`with_generation_defaults`; read once, `ModelConfig.sampling_defaults`).
 
-Refused with a 400 naming the field, never ignored: `stream_options.continuous_usage_stats`; chat
-`best_of` other than `n`, `echo`, a per-request `chat_template`, `continue_final_message` and
-`mm_processor_kwargs` (the server renders with the model's template, as it was started).
+Refused with a 400 naming the field, never ignored: chat `best_of` other than `n`.
 """
 
 from __future__ import annotations
@@ -24,15 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from vlmrun.server.errors import bad_request
-from vlmrun.server.responses import ChoiceState, TokenText
-
-_CHAT_REFUSED = (  # (field, a value that asks for nothing, why it is refused)
-    ("echo", False, "'echo' is not supported on chat completions"),
-    ("chat_template", None, "a per-request 'chat_template' is not supported: the server uses the model's "
-                            "(or the one it was started with, --chat-template)"),
-    ("continue_final_message", False, "'continue_final_message' is not supported by this server"),
-    ("mm_processor_kwargs", None, "per-request 'mm_processor_kwargs' are not supported by this server"),
-)
+from vlmrun.server.responses import ChoiceState, TokenText, usage
 
 
 def vllm_sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -42,50 +37,44 @@ def vllm_sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
                 spaces_between_special_tokens=True if spaces is None else spaces)
 
 
+def echo_prompt_logprobs(body: dict[str, Any], echo: bool, logprobs: Optional[int]) -> dict[str, Any]:
+    """`body` with vLLM's completions rule applied: `echo` with `logprobs` asks for the prompt's logprobs
+    (top `logprobs`) when the body does not ask for them itself."""
+    if echo and logprobs is not None and body.get("prompt_logprobs") is None:
+        return {**body, "prompt_logprobs": logprobs}
+    return body
+
+
 def vllm_output_extras(body: dict[str, Any], chat: bool) -> "OutputExtras":
     """What the body's vLLM fields add to the response; 400 naming a field this server does not act on."""
-    _refuse_ignored_fields(body, chat)
-    return OutputExtras.of(body, stream=body.get("stream") is True)
-
-
-def _refuse_ignored_fields(body: dict[str, Any], chat: bool) -> None:
-    options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("continuous_usage_stats"):
-        raise bad_request("'stream_options.continuous_usage_stats' is not supported: usage comes in the last chunk "
-                          "('include_usage')", param="stream_options")
-    if not chat:
-        return
-    for name, neutral, why in _CHAT_REFUSED:
-        value = body.get(name)
-        if value is not None and value != neutral and value != {}:
-            raise bad_request(why, param=name)
     best_of = body.get("best_of")
-    if best_of is not None and best_of != body.get("n", 1):
+    if chat and best_of is not None and best_of != body.get("n", 1):
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
+    return OutputExtras.of(body, stream=body.get("stream") is True)
 
 
 @dataclass(frozen=True)
 class OutputExtras:
-    """What vLLM's fields add to a collected response."""
+    """What vLLM's fields add to a response."""
 
     prompt_logprobs: Optional[int] = None  # the top-k asked for, None when not asked
     return_token_ids: bool = False
+    continuous_usage: bool = False  # stream_options include_usage and continuous_usage_stats
 
     @classmethod
     def of(cls, body: dict[str, Any], stream: bool) -> "OutputExtras":
         return_ids = body.get("return_token_ids")
         if return_ids is not None and not isinstance(return_ids, bool):
             raise bad_request("'return_token_ids' must be true or false", param="return_token_ids")
-        extras = cls(body.get("prompt_logprobs"), bool(return_ids))  # its type: checked by SamplingParams
-        for name, asked in (("prompt_logprobs", extras.prompt_logprobs is not None),
-                            ("return_token_ids", extras.return_token_ids)):
-            if asked and stream:
-                raise bad_request(f"'{name}' is supported on collected answers only (stream: false)", param=name)
-        return extras
+        prompt_logprobs = body.get("prompt_logprobs")  # its type: checked by SamplingParams
+        if prompt_logprobs is not None and stream:
+            raise bad_request("'prompt_logprobs' are not available when 'stream' is true (collected answers only)",
+                              param="prompt_logprobs")
+        return cls(prompt_logprobs, bool(return_ids), stream and _continuous_usage(body))
 
     def add_to(self, response: dict[str, Any], choices: list[ChoiceState], token_text: TokenText, chat: bool) -> None:
         """Write the prompt's fields (on the response for chat, on each choice for completions) and each
-        choice's token ids into `response`, in place."""
+        choice's token ids into the collected `response`, in place."""
         if self.prompt_logprobs is None and not self.return_token_ids:
             return
         for out, state in zip(response["choices"], choices):
@@ -96,6 +85,30 @@ class OutputExtras:
             if self.return_token_ids:
                 prompt_target["prompt_token_ids"] = list(state.prompt_token_ids)
                 out["token_ids"] = list(state.token_ids)
+
+    def add_to_chunk(self, chunk: dict[str, Any], choice: ChoiceState, token_ids: list[int], first: bool,
+                     chat: bool) -> dict[str, Any]:
+        """`chunk` (one choice's stream chunk) with what the fields add: the prompt's ids on the choice's
+        `first` chunk, the chunk's own `token_ids`, and the usage so far (`choice.token_ids` counted)."""
+        if self.return_token_ids:
+            if first:
+                (chunk if chat else chunk["choices"][0])["prompt_token_ids"] = list(choice.prompt_token_ids)
+            for out in chunk["choices"]:
+                out["token_ids"] = list(token_ids)
+        if self.continuous_usage:
+            chunk["usage"] = usage(choice.num_prompt_tokens, len(choice.token_ids))
+        return chunk
+
+
+def _continuous_usage(body: dict[str, Any]) -> bool:
+    """vLLM's rule: usage on every chunk needs both `include_usage` and `continuous_usage_stats`."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        return False  # a bad stream_options is the parser's 400
+    flag = options.get("continuous_usage_stats")
+    if flag is not None and not isinstance(flag, bool):
+        raise bad_request("'stream_options.continuous_usage_stats' must be true or false", param="stream_options")
+    return bool(flag) and options.get("include_usage") is True
 
 
 def vllm_prompt_logprobs(logprobs: Optional[list[Optional[dict[int, float]]]], top: int,
