@@ -137,8 +137,8 @@ def server_chat(client, messages=None, **kwargs):
     from tests.test_server import MODEL
 
     kwargs = {"temperature": 0, "max_tokens": 4, **kwargs}
-    return client.chat.completions.create(model=MODEL, messages=messages or [{"role": "user", "content": "Name a colour."}],
-                                          **kwargs)
+    messages = messages or [{"role": "user", "content": "Name a colour."}]
+    return client.chat.completions.create(model=MODEL, messages=messages, **kwargs)
 
 
 def server_completion(client, **kwargs):

@@ -49,7 +49,8 @@ def chat_prompt_options(body: dict[str, Any], add_generation_prompt: bool,
     """The body's template fields, checked (400 naming the field)."""
     if add_generation_prompt and continue_final_message:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: set "
-                          "'add_generation_prompt' to false to continue the last message", param="continue_final_message")
+                          "'add_generation_prompt' to false to continue the last message",
+                          param="continue_final_message")
     template = body.get("chat_template")
     if template is not None and not (isinstance(template, str) and any(m in template for m in _JINJA_MARKS)
                                      and not os.path.exists(template)):
