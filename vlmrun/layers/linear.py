@@ -138,6 +138,17 @@ class LinearBase(nn.Module):
         self.stored_dtypes = {n: s.dtype for n, s in specs.items() if s.dtype is not None}
         self.method = method
 
+    def swap_method(self, method: LinearMethod, tensors: dict[str, torch.Tensor]) -> None:
+        """Moves a loaded layer to `method` with its tensors given filled, by spec name (a layer quantized
+        after loading: online FP8)."""
+        for name in self.param_names:
+            delattr(self, name)
+        for name, tensor in tensors.items():
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        self.param_names = tuple(tensors)
+        self.stored_dtypes = {n: t.dtype for n, t in tensors.items()}
+        self.method = method
+
     def _check_shard_alignment(self, method: LinearMethod, layer_name: str, tp_size: int) -> None:
         name = layer_name or type(self).__name__
         for shard in self.out_shards:

@@ -93,6 +93,21 @@ class FusedExperts(nn.Module):
             self.param_names[projection] = tuple(specs)
         self.method = method
 
+    def swap_method(self, method: LinearMethod, tensors: dict[str, torch.Tensor]) -> None:
+        """Moves the loaded experts to `method` with its tensors given filled, [E, ...] each by our parameter
+        name (`gate_up_proj`, `gate_up_proj_scale_inv`, ...: experts quantized after loading, online FP8)."""
+        for projection, names in self.param_names.items():
+            for name in names:
+                delattr(self, expert_param_name(projection, name))
+        self.param_names = {p: tuple(self._specs(method, p, self.intermediate)) for p in PROJECTIONS}
+        self.stored_dtypes = {}
+        for projection, names in self.param_names.items():
+            for name in names:
+                ours = expert_param_name(projection, name)
+                self.register_parameter(ours, nn.Parameter(tensors[ours], requires_grad=False))
+                self.stored_dtypes[ours] = tensors[ours].dtype
+        self.method = method
+
     def _specs(self, method: LinearMethod, projection: str, units: int,
                layer_name: str = "experts") -> dict[str, ParamSpec]:
         """The method's tensors of one expert's `gate_proj` (or `up_proj`) or `down_proj` over `units` hidden units."""
