@@ -229,6 +229,16 @@ def test_request_chat_template_needs_trust(flagged, server):
     assert a_path.status_code == 400 and a_path.json()["error"]["param"] == "chat_template"
 
 
+def test_documents_reach_a_template_that_reads_them(flagged):
+    template = "{% for d in documents %}{{ d.title }};{% endfor %}{{ messages[0]['content'] }}"
+    body = {"messages": user("hi"), "chat_template": template,
+            "documents": [{"title": "a", "text": "x"}, {"title": "b", "text": "y"}]}
+    ids = post(flagged, "/tokenize", body).json()["tokens"]
+    assert post(flagged, "/detokenize", {"tokens": ids}).json()["prompt"] == "a;b;hi"
+    answer = post(flagged, "/v1/chat/completions", {**body, "max_tokens": 1, "return_token_ids": True}).json()
+    assert answer["prompt_token_ids"] == ids
+
+
 def test_mm_processor_kwargs_flag_is_the_default(flagged, server):
     """--mm-processor-kwargs sizes every image that does not size itself; a request's own
     mm_processor_kwargs (and an item's own max_pixels) win, as in vLLM."""

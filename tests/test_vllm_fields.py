@@ -3,8 +3,9 @@
 `RequestOutput.prompt`, `.metrics`, `CompletionOutput.cumulative_logprob` and `.stop_reason`;
 `truncate_prompt_tokens`, `output_kind`, `detokenize`, `spaces_between_special_tokens`. The server's
 fields (`prompt_logprobs`, `return_token_ids` collected and streamed, `stream_options.continuous_usage_stats`,
-chat `echo` with `continue_final_message`, completions `echo` with `logprobs`, and the 400s naming what
-it refuses) are driven with the `openai` client.
+chat `echo` with `continue_final_message`, completions `echo` with `logprobs`, `return_tokens_as_token_ids`,
+`request_id`, `include_reasoning`, and the 400s naming what it refuses, vLLM's fields without a
+counterpart here included) are driven with the `openai` client.
 """
 
 from __future__ import annotations
@@ -292,3 +293,60 @@ def test_server_refuses_streamed_prompt_logprobs(client):
         with pytest.raises(openai.BadRequestError) as err:
             create(client, stream=True, extra_body={"prompt_logprobs": 1})
         assert err.value.body["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("use_beam_search", True), ("priority", 1), ("logits_processors", ["my.Processor"]), ("cache_salt", "salt"),
+    ("kv_transfer_params", {"do_remote_decode": True}), ("vllm_xargs", {"x": 1}), ("structural_tag", "{}"),
+    ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "),
+    ("media_io_kwargs", {"video": {"num_frames": 2}}), ("prompt_embeds", "AAAA"), ("request_id", ""),
+    ("return_tokens_as_token_ids", "yes"), ("include_reasoning", 1), ("documents", "text"),
+    ("add_special_tokens", "no")])
+def test_server_refuses_vllm_fields_it_has_no_counterpart_for(client, field, value):
+    """vLLM's fields this server does not implement (or a bad value of one it does): a 400 naming the
+    field, on both routes."""
+    for create in (server_chat, server_completion):
+        if create is server_completion and field in ("include_reasoning", "documents"):
+            continue  # chat fields
+        with pytest.raises(openai.BadRequestError) as err:
+            create(client, extra_body={field: value})
+        assert err.value.body["param"] == field
+
+
+def test_server_accepts_the_values_that_ask_for_nothing(client):
+    neutral = {"use_beam_search": False, "priority": 0, "logits_processors": [], "vllm_xargs": {},
+               "kv_transfer_params": {}, "guided_decoding_backend": "xgrammar", "add_special_tokens": True}
+    assert server_completion(client, extra_body=neutral).choices[0].text == server_completion(client).choices[0].text
+
+
+def test_server_tokens_as_token_ids_and_request_id(client):
+    """return_tokens_as_token_ids names logprob tokens "token_id:<id>" (prompt_logprobs keep their text);
+    request_id becomes the answer's id, as in vLLM."""
+    fields = {"return_tokens_as_token_ids": True, "return_token_ids": True}
+    chat = server_chat(client, logprobs=True, top_logprobs=2, extra_body={**fields, "request_id": "abc"}).model_dump()
+    assert chat["id"] == "chatcmpl-abc"
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in chat["choices"][0]["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for c in content for top in c["top_logprobs"])
+    done = server_completion(client, logprobs=1, extra_body={**fields, "request_id": "xyz", "prompt_logprobs": 1})
+    choice = done.model_dump()["choices"][0]
+    assert done.id == "cmpl-xyz" and choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert not any(e["decoded_token"].startswith("token_id:") for p in choice["prompt_logprobs"][1:] for e in p.values())
+    assert {chunk["id"] for chunk in streamed(server_chat, client, extra_body={"request_id": "abc"})} == {"chatcmpl-abc"}
+    assert server_chat(client).id.startswith("chatcmpl-") and server_chat(client).id != server_chat(client).id
+
+
+def test_server_include_reasoning_false_drops_the_reasoning(client):
+    """An answer that continues an open <think> is reasoning; include_reasoning false leaves it out,
+    collected and streamed."""
+    thinking = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "<think>\n"}]
+    fields = {"add_generation_prompt": False, "continue_final_message": True}
+    kept = server_chat(client, thinking, extra_body=fields).choices[0].message.model_dump()
+    assert kept.get("reasoning_content")
+    dropped = server_chat(client, thinking, extra_body={**fields, "include_reasoning": False}).choices[0].message
+    assert dropped.model_dump().get("reasoning_content") is None
+    chunks = streamed(server_chat, client, messages=thinking, extra_body={**fields, "include_reasoning": False})
+    assert not any(c["delta"].get("reasoning_content") for chunk in chunks for c in chunk["choices"])
+    assert any(c["delta"].get("reasoning_content")
+               for chunk in streamed(server_chat, client, messages=thinking, extra_body=fields)
+               for c in chunk["choices"])

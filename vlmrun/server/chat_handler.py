@@ -24,7 +24,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
-from vlmrun.server.chat_prompt import ChatPromptOptions, echo_text, response_role
+from vlmrun.server.chat_prompt import ChatPromptOptions, echo_text, response_role, special_tokens_around
 from vlmrun.server.errors import bad_request
 from vlmrun.server.protocol import ChatRequest, parse_chat_request
 from vlmrun.server.state import ServerState
@@ -46,6 +46,9 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         nonlocal prompt_text
+        if req.prompt.add_special_tokens and any(special_tokens_around(state.processor.tokenizer)):
+            raise bad_request("'add_special_tokens' is not supported for this tokenizer (it would put tokens "
+                              "around a prompt holding images)", param="add_special_tokens")
         prompt = render_chat(state, req.messages, req.tools, req.prompt, cancel)
         prompt_text = prompt.text
         return [(prompt, p) for p in _chat_params(state, req).choices()]
@@ -53,7 +56,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
                        "messages", heavy=has_media(req.messages))
     model = state.model_name
-    token_text = R.TokenText(state.engine.tokenizer)
+    token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
+    answer_id = req.extras.answer_id("chatcmpl", rid)
     parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
                                 req.tools if req.parses_tool_calls else (), prompt_text)
                for _ in sub.choices]
@@ -65,13 +69,16 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
             for c, parser in zip(sub.choices, parsers):
                 if parser.active:
                     c.parsed = parser.parse_all(c.text)
-            response = R.chat_completion(rid, sub.created, model, sub.choices, req.logprobs, req.top_logprobs,
-                                         token_text, sub.prompt_tokens)
+            response = R.chat_completion(answer_id, sub.created, model, sub.choices, req.logprobs,
+                                         req.top_logprobs, token_text, sub.prompt_tokens)
             req.extras.add_to(response, sub.choices, token_text, chat=True)
             for out in response["choices"]:
-                out["message"]["role"] = role
+                message = out["message"]
+                message["role"] = role
                 if echo:
-                    out["message"]["content"] = echo + (out["message"]["content"] or "")
+                    message["content"] = echo + (message["content"] or "")
+                if not req.extras.include_reasoning:
+                    message.pop("reasoning_content", None)
             return response
 
         return await respond_collected(request, sub, build)
@@ -82,8 +89,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
         def chunk(c: R.ChoiceState, delta: dict[str, Any], token_ids: list[int], lp: Optional[dict[str, Any]] = None,
                   finish_reason: Optional[str] = None) -> bytes:
-            body = R.chat_chunk(rid, sub.created, model, [R.chat_chunk_choice(c.index, delta, lp, finish_reason)],
-                                req.include_usage)
+            choice = R.chat_chunk_choice(c.index, delta, lp, finish_reason)
+            body = R.chat_chunk(answer_id, sub.created, model, [choice], req.include_usage)
             body = req.extras.add_to_chunk(body, c, token_ids, first[c.index], chat=True)
             first[c.index] = False
             return R.sse(body)
@@ -108,6 +115,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                 if parser.active:
                     deltas = _stream_deltas(parser, d.text, d.finished)
                     reason = R.with_tool_calls(reason, parser.num_calls)
+                    if not req.extras.include_reasoning:
+                        deltas = [{k: v for k, v in delta.items() if k != "reasoning_content"} for delta in deltas]
                 for i, delta in enumerate(deltas):
                     last = i == len(deltas) - 1
                     lp_i, reason_i = (lp if i == 0 else None), (reason if last else None)
@@ -115,7 +124,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                     if delta or lp_i is not None or reason_i is not None or (return_ids and ids_i):
                         yield chunk(c, delta, ids_i, lp_i, reason_i)
         if req.include_usage:
-            yield R.sse(R.usage_chunk(rid, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
+            yield R.sse(R.usage_chunk(answer_id, sub.created, model, "chat.completion.chunk", sub.prompt_tokens,
                                       sum(len(c.token_ids) for c in sub.choices)))
         yield R.SSE_DONE
 
@@ -132,7 +141,7 @@ def render_chat(state: ServerState, messages: list[Any], tools: list[dict[str, A
     resolved = state.media.resolve_messages(messages)
     mm_kwargs = {**state.settings.mm_processor_kwargs, **options.mm_processor_kwargs}
     return state.processor.process_chat(resolved, add_generation_prompt=options.add_generation_prompt,
-                                        tools=tools or None, chat_template_kwargs=options.chat_template_kwargs,
+                                        tools=tools or None, chat_template_kwargs=options.template_variables(),
                                         chat_template=options.chat_template,
                                         continue_final_message=options.continue_final_message,
                                         mm_processor_kwargs=mm_kwargs or None, cancel=cancel)

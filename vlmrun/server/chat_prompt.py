@@ -6,8 +6,11 @@ reply); `continue_final_message` (leave the last message open for the model to c
 `add_generation_prompt` false); `chat_template` (this request's template, given as its text, used
 instead of the server's; as in vLLM only on a server started with --trust-request-chat-template, else
 a 400 naming it); `chat_template_kwargs` (template variables; not the arguments of the template call,
-which the server sets); `mm_processor_kwargs` (`min_pixels`, `max_pixels`, `fps` for every image /
-video that does not set its own, over the server's --mm-processor-kwargs).
+which the server sets); `documents` (a list of {"title", "text"}-style objects for templates that
+take them); `mm_processor_kwargs` (`min_pixels`, `max_pixels`, `fps` for every image / video that
+does not set its own, over the server's --mm-processor-kwargs); `add_special_tokens` (default false:
+the tokenizer's special tokens around the rendered prompt; Qwen's tokenizers add none, and a chat
+on a tokenizer that would is a 400 naming it).
 
 In the answer: the message's role is "assistant", or, with `add_generation_prompt` false, the last
 message's role; chat `echo` puts the last message's text before the answer's when that message has
@@ -21,8 +24,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from transformers import PreTrainedTokenizerBase
+
 from vlmrun.processors import InputError
 from vlmrun.processors.processor_kwargs import check_processor_kwargs
+from vlmrun.server.body_fields import opt_bool
 from vlmrun.server.errors import bad_request
 
 # Arguments of the tokenizer's apply_chat_template call: not template variables, so not client-settable.
@@ -42,11 +48,18 @@ class ChatPromptOptions:
     chat_template: Optional[str] = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
+    documents: Optional[list[dict[str, Any]]] = None
+    add_special_tokens: bool = False
+
+    def template_variables(self) -> dict[str, Any]:
+        """What the template reads besides messages and tools: the kwargs, and the documents when given."""
+        return {**self.chat_template_kwargs, **({"documents": self.documents} if self.documents else {})}
 
 
-def chat_prompt_options(body: dict[str, Any], add_generation_prompt: bool,
-                        continue_final_message: bool) -> ChatPromptOptions:
+def chat_prompt_options(body: dict[str, Any]) -> ChatPromptOptions:
     """The body's template fields, checked (400 naming the field)."""
+    add_generation_prompt = opt_bool(body, "add_generation_prompt", True)
+    continue_final_message = opt_bool(body, "continue_final_message", False)
     if add_generation_prompt and continue_final_message:
         raise bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true: set "
                           "'add_generation_prompt' to false to continue the last message",
@@ -67,7 +80,12 @@ def chat_prompt_options(body: dict[str, Any], add_generation_prompt: bool,
         mm_kwargs = check_processor_kwargs(mm_kwargs) if mm_kwargs is not None else {}
     except InputError as exc:
         raise bad_request(str(exc), param="mm_processor_kwargs") from None
-    return ChatPromptOptions(add_generation_prompt, continue_final_message, template, kwargs, mm_kwargs)
+    documents = body.get("documents")
+    if documents is not None and not (isinstance(documents, list) and all(isinstance(d, dict) for d in documents)):
+        raise bad_request("'documents' must be a list of objects (e.g. {'title': ..., 'text': ...})",
+                          param="documents")
+    return ChatPromptOptions(add_generation_prompt, continue_final_message, template, kwargs, mm_kwargs, documents,
+                             opt_bool(body, "add_special_tokens", False))
 
 
 def response_role(messages: list[Any], options: ChatPromptOptions) -> str:
@@ -86,3 +104,14 @@ def echo_text(messages: list[Any], role: str) -> str:
         return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text"
                          and isinstance(part.get("text"), str))
     return content if isinstance(content, str) else ""
+
+
+def special_tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after a text when it adds special tokens (a BOS, an EOS;
+    none for Qwen's tokenizers): found by encoding one word with and without them."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return full[:start], full[start + len(plain):]
+    return [], []

@@ -42,14 +42,16 @@ async def completions(state: ServerState, request: Request) -> Response:
     prompts: list[ProcessedPrompt] = []
 
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
-        prompts.extend(_raw_prompt(state, p, i, len(req.prompts)) for i, p in enumerate(req.prompts))
+        prompts.extend(_raw_prompt(state, p, i, len(req.prompts), req.add_special_tokens)
+                       for i, p in enumerate(req.prompts))
         children = req.params.choices()
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
                        lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=False)
     model = state.model_name
-    token_text = R.TokenText(state.engine.tokenizer)
+    token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
+    answer_id = req.extras.answer_id("cmpl", rid)
     echo = None
     if req.echo:
         echo = R.CompletionEcho([_echo_prefix(state, prompts[c.index // n], c, req.extras.return_token_ids)
@@ -57,8 +59,8 @@ async def completions(state: ServerState, request: Request) -> Response:
 
     if not req.stream:
         def build() -> dict[str, Any]:
-            response = R.text_completion(rid, sub.created, model, sub.choices, req.logprobs, token_text, echo,
-                                         sub.prompt_tokens)
+            response = R.text_completion(answer_id, sub.created, model, sub.choices, req.logprobs, token_text,
+                                         echo, sub.prompt_tokens)
             req.extras.add_to(response, sub.choices, token_text, chat=False)
             return response
 
@@ -69,9 +71,8 @@ async def completions(state: ServerState, request: Request) -> Response:
 
         def chunk(c: R.ChoiceState, text: str, token_ids: list[int], lp: Optional[dict[str, Any]] = None,
                   finish_reason: Optional[str] = None) -> bytes:
-            body = R.completion_chunk(rid, sub.created, model, [R.completion_chunk_choice(c.index, text, lp,
-                                                                                          finish_reason)],
-                                      req.include_usage)
+            choice = R.completion_chunk_choice(c.index, text, lp, finish_reason)
+            body = R.completion_chunk(answer_id, sub.created, model, [choice], req.include_usage)
             body = req.extras.add_to_chunk(body, c, token_ids, first[c.index], chat=False)
             first[c.index] = False
             return R.sse(body)
@@ -102,15 +103,17 @@ async def completions(state: ServerState, request: Request) -> Response:
                 if text or lp is not None or d.finished or (req.extras.return_token_ids and d.token_ids):
                     yield chunk(c, text, d.token_ids, lp, reason)
         if req.include_usage:
-            yield R.sse(R.usage_chunk(rid, sub.created, model, "text_completion", sub.prompt_tokens,
+            yield R.sse(R.usage_chunk(answer_id, sub.created, model, "text_completion", sub.prompt_tokens,
                                       sum(len(c.token_ids) for c in sub.choices)))
         yield R.SSE_DONE
 
     return stream_response(sub, events)
 
 
-def _raw_prompt(state: ServerState, prompt: Union[str, list[int]], index: int, count: int) -> ProcessedPrompt:
-    """A completion prompt is raw text (no chat template) or token ids; no image tokens allowed."""
+def _raw_prompt(state: ServerState, prompt: Union[str, list[int]], index: int, count: int,
+                add_special_tokens: bool) -> ProcessedPrompt:
+    """A completion prompt is raw text (no chat template; the tokenizer's special tokens with
+    `add_special_tokens`) or token ids; no image tokens allowed."""
     tokenizer = state.engine.tokenizer
     where = f"prompt {index}" if count > 1 else "the prompt"
     if isinstance(prompt, str):
@@ -119,7 +122,7 @@ def _raw_prompt(state: ServerState, prompt: Union[str, list[int]], index: int, c
             if token in prompt:
                 raise InputError(f"{where} may not contain the reserved token {token!r} (send images to "
                                  "/v1/chat/completions)")
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not ids:
             raise InputError(f"{where} is empty")
         return ProcessedPrompt(token_ids=list(ids), text=prompt)

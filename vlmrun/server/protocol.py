@@ -7,7 +7,8 @@ rather than silently ignored.
 
 `logit_bias`, `allowed_token_ids`, `bad_words`: `logits_processor_fields.py`; the chat template's fields
 (`add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
-`mm_processor_kwargs`): `chat_prompt.py`; vLLM's other fields: `vllm_fields.py`.
+`mm_processor_kwargs`, `documents`, `add_special_tokens`): `chat_prompt.py`; vLLM's other fields, and
+those this server refuses for want of a counterpart: `vllm_fields.py`; the scalar checks: `body_fields.py`.
 
 Structured outputs: OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"name": ..., "schema": {...}}}) or vLLM's `structured_outputs` object (json / regex /
@@ -36,6 +37,7 @@ from typing import Any, Optional, Union
 
 from vlmrun.processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
+from vlmrun.server.body_fields import is_int, opt_bool, opt_float, opt_int, opt_model
 from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
@@ -47,7 +49,6 @@ from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-_NUMBER = (int, float)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class CompletionRequest:
     logprobs: Optional[int] = None
     echo: bool = False
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated, as in vLLM)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
     extras: OutputExtras = OutputExtras()
 
 
@@ -122,13 +124,13 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list of {'role', 'content'} objects", param="messages")
     messages = _check_messages(messages)
-    logprobs = _opt_bool(body, "logprobs", False)
-    top = _opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    logprobs = opt_bool(body, "logprobs", False)
+    top = opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    max_tokens = _opt_int(body, "max_completion_tokens", None, lo=1)
+    max_tokens = opt_int(body, "max_completion_tokens", None, lo=1)
     if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", None, lo=1)
+        max_tokens = opt_int(body, "max_tokens", None, lo=1)
     tools, tool_choice = check_tools(body)
     structured = _structured_outputs(body)
     forced = forced_tools(tools, tool_choice)
@@ -136,12 +138,11 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
         raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
                           "response_format / structured outputs", param="tool_choice")
     params = _sampling_params(body, limits, max_tokens, top if logprobs else None, structured)
-    prompt = chat_prompt_options(body, _opt_bool(body, "add_generation_prompt", True),
-                                 _opt_bool(body, "continue_final_message", False))
-    return ChatRequest(model=_opt_model(body), messages=messages, params=params, stream=_opt_bool(body, "stream", False),
+    prompt = chat_prompt_options(body)
+    return ChatRequest(model=opt_model(body), messages=messages, params=params, stream=opt_bool(body, "stream", False),
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top, prompt=prompt,
-                       echo=_opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
-                       parallel_tool_calls=_opt_bool(body, "parallel_tool_calls", True),
+                       echo=opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
+                       parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
                        extras=vllm_output_extras(body, chat=True))
 
 
@@ -150,18 +151,19 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", param="suffix")
     prompts = _prompts(body.get("prompt"))
-    logprobs = _opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
-    echo = _opt_bool(body, "echo", False)
-    max_tokens = _opt_int(body, "max_tokens", 16, lo=0 if echo else 1)
+    logprobs = opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    echo = opt_bool(body, "echo", False)
+    max_tokens = opt_int(body, "max_tokens", 16, lo=0 if echo else 1)
     extras = vllm_output_extras(body, chat=False)  # the body as sent: a streamed prompt_logprobs is a 400
     body = echo_prompt_logprobs(body, echo, logprobs)
     params = _sampling_params(body, limits, max(max_tokens, 1), logprobs, _structured_outputs(body))
-    best_of = _opt_int(body, "best_of", None, lo=1)
+    best_of = opt_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
-    return CompletionRequest(model=_opt_model(body), prompts=prompts, params=params,
-                             stream=_opt_bool(body, "stream", False), include_usage=_include_usage(body),
+    return CompletionRequest(model=opt_model(body), prompts=prompts, params=params,
+                             stream=opt_bool(body, "stream", False), include_usage=_include_usage(body),
                              logprobs=logprobs, echo=echo, echo_only=max_tokens == 0,
+                             add_special_tokens=opt_bool(body, "add_special_tokens", True),
                              extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs))
 
 
@@ -178,28 +180,28 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         stop = None
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list)
-                                 or not all(_is_int(t) and t >= 0 for t in stop_ids)):
+                                 or not all(is_int(t) and t >= 0 for t in stop_ids)):
         raise bad_request("'stop_token_ids' must be a list of non-negative integers", param="stop_token_ids")
     kwargs = dict(
-        n=_opt_int(body, "n", 1, lo=1, hi=limits.max_n),
-        temperature=_opt_float(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
-        top_p=_opt_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
-        top_k=_opt_int(body, "top_k", 0, lo=-1),
-        min_p=_opt_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
-        repetition_penalty=_opt_float(body, "repetition_penalty", 1.0, lo=0.0),
-        presence_penalty=_opt_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
-        frequency_penalty=_opt_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
-        seed=_opt_int(body, "seed", None),
+        n=opt_int(body, "n", 1, lo=1, hi=limits.max_n),
+        temperature=opt_float(body, "temperature", 1.0, lo=0.0, hi=MAX_TEMPERATURE),
+        top_p=opt_float(body, "top_p", 1.0, lo=0.0, hi=1.0),
+        top_k=opt_int(body, "top_k", 0, lo=-1),
+        min_p=opt_float(body, "min_p", 0.0, lo=0.0, hi=1.0),
+        repetition_penalty=opt_float(body, "repetition_penalty", 1.0, lo=0.0),
+        presence_penalty=opt_float(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0),
+        frequency_penalty=opt_float(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0),
+        seed=opt_int(body, "seed", None),
         max_tokens=max_tokens,
-        min_tokens=_opt_int(body, "min_tokens", 0, lo=0),
+        min_tokens=opt_int(body, "min_tokens", 0, lo=0),
         stop=stop,
         stop_token_ids=stop_ids,
-        ignore_eos=_opt_bool(body, "ignore_eos", False),
+        ignore_eos=opt_bool(body, "ignore_eos", False),
         logprobs=logprobs,
-        include_stop_str_in_output=_opt_bool(body, "include_stop_str_in_output", False),
-        skip_special_tokens=_opt_bool(body, "skip_special_tokens", True),
+        include_stop_str_in_output=opt_bool(body, "include_stop_str_in_output", False),
+        skip_special_tokens=opt_bool(body, "skip_special_tokens", True),
         structured_outputs=structured,
-        thinking_token_budget=_opt_int(body, "thinking_token_budget", None, lo=0),
+        thinking_token_budget=opt_int(body, "thinking_token_budget", None, lo=0),
         **logits_processor_fields(body),
         **vllm_sampling_fields(body),
     )
@@ -319,14 +321,14 @@ def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
     what = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists"
     if isinstance(prompt, str):
         prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [list(prompt)]
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
     else:
         raise bad_request(what, param="prompt")
     for p in prompts:
-        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_int(t) for t in p))
+        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(is_int(t) for t in p))
         if not ok:
             raise bad_request(what + " (and none may be empty)", param="prompt")
     return prompts
@@ -338,58 +340,7 @@ def _include_usage(body: dict[str, Any]) -> bool:
         return False
     if not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", param="stream_options")
-    return _opt_bool(opts, "include_usage", False)
-
-
-def _opt_model(body: dict[str, Any]) -> Optional[str]:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("'model' must be a string", param="model")
-    return model or None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad_request(f"'{name}' must be true or false, got {quote(value, 40)}", param=name)
-    return value
-
-
-def _opt_int(body: dict[str, Any], name: str, default: Any, lo: Optional[int] = None,
-             hi: Optional[int] = None) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if not _is_int(value):
-        raise bad_request(f"'{name}' must be an integer, got {quote(value, 40)}", param=name)
-    _check_range(name, value, lo, hi)
-    return value
-
-
-def _opt_float(body: dict[str, Any], name: str, default: float, lo: Optional[float] = None,
-               hi: Optional[float] = None) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, _NUMBER) or isinstance(value, bool) or value != value:
-        raise bad_request(f"'{name}' must be a number, got {quote(value, 40)}", param=name)
-    _check_range(name, value, lo, hi)
-    return float(value)
-
-
-def _check_range(name: str, value: Any, lo: Any, hi: Any) -> None:
-    if lo is not None and value < lo:
-        raise bad_request(f"'{name}' must be >= {lo}, got {value}", param=name)
-    if hi is not None and value > hi:
-        raise bad_request(f"'{name}' must be <= {hi}, got {value}", param=name)
+    return opt_bool(opts, "include_usage", False)
 
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "RequestLimits", "parse_json", "parse_chat_request",

@@ -31,13 +31,19 @@ class ChoiceState:
 
 
 class TokenText:
-    """Token id → text for logprobs, cached per response."""
+    """Token id → text for logprobs, cached per response; "token_id:<id>" instead with `as_token_ids`
+    (vLLM's return_tokens_as_token_ids)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, as_token_ids: bool = False):
         self.tokenizer = tokenizer
+        self.as_token_ids = as_token_ids
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.as_token_ids else self.decoded(token_id)
+
+    def decoded(self, token_id: int) -> str:
+        """The token's own text, whatever `as_token_ids` says."""
         text = self._cache.get(token_id)
         if text is None:
             text = self.tokenizer.decode([token_id], skip_special_tokens=False)

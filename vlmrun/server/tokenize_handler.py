@@ -17,13 +17,13 @@ from typing import Any, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
-from transformers import PreTrainedTokenizerBase
 
 from vlmrun.processors import InputError
 from vlmrun.server.chat_handler import has_media, render_chat
-from vlmrun.server.chat_prompt import ChatPromptOptions
+from vlmrun.server.chat_prompt import ChatPromptOptions, special_tokens_around
 from vlmrun.server.errors import bad_request
-from vlmrun.server.protocol import RequestLimits, _opt_bool, _opt_model, parse_chat_request
+from vlmrun.server.body_fields import opt_bool, opt_model
+from vlmrun.server.protocol import RequestLimits, parse_chat_request
 from vlmrun.server.state import ServerState
 from vlmrun.server.submission import parse_body
 
@@ -48,15 +48,15 @@ def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits) -> Token
     has_prompt, has_messages = body.get("prompt") is not None, body.get("messages") is not None
     if has_prompt == has_messages:
         raise bad_request("give exactly one of 'prompt' (a string) or 'messages' (a chat)", param="prompt")
-    model = _opt_model(body)
-    token_strs = _opt_bool(body, "return_token_strs", False)
+    model = opt_model(body)
+    token_strs = opt_bool(body, "return_token_strs", False)
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise bad_request("'prompt' must be a string (a chat goes in 'messages')", param="prompt")
-        return TokenizeRequest(model, body["prompt"], add_special_tokens=_opt_bool(body, "add_special_tokens", True),
+        return TokenizeRequest(model, body["prompt"], add_special_tokens=opt_bool(body, "add_special_tokens", True),
                                return_token_strs=token_strs)
     chat = parse_chat_request(body, limits)  # the chat route's rules (and refusals) for messages, tools, template
-    return TokenizeRequest(model, None, chat.messages, add_special_tokens=_opt_bool(body, "add_special_tokens", False),
+    return TokenizeRequest(model, None, chat.messages, add_special_tokens=chat.prompt.add_special_tokens,
                            tools=chat.tools, options=chat.prompt, return_token_strs=token_strs)
 
 
@@ -64,7 +64,7 @@ def parse_detokenize_request(body: dict[str, Any], limits: RequestLimits) -> Det
     tokens = body.get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise bad_request("'tokens' must be a list of token ids (integers)", param="tokens")
-    return DetokenizeRequest(_opt_model(body), tokens)
+    return DetokenizeRequest(opt_model(body), tokens)
 
 
 async def tokenize(state: ServerState, request: Request) -> Response:
@@ -107,14 +107,3 @@ def _chat_token_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
         return list(prompt.token_ids)
     before, after = special_tokens_around(state.processor.tokenizer)
     return before + list(prompt.token_ids) + after
-
-
-def special_tokens_around(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    """The ids the tokenizer puts before and after a text when it adds special tokens (a BOS, an EOS;
-    none for Qwen's tokenizers): found by encoding one word with and without them."""
-    plain = tokenizer.encode("a", add_special_tokens=False)
-    full = tokenizer.encode("a", add_special_tokens=True)
-    for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
-            return full[:start], full[start + len(plain):]
-    return [], []

@@ -13,12 +13,18 @@ only: a streamed `prompt_logprobs` is a 400 naming it, as in vLLM. `return_token
 once (chat: on each choice's first chunk, beside `choices`; completions: on each choice's first
 chunk's choice) and every chunk's choice carries the ids of its own text. `stream_options`
 {`include_usage`, `continuous_usage_stats`}: every chunk carries `usage` (that choice's prompt tokens
-and the tokens it has so far), the last usage-only chunk stays.
+and the tokens it has so far), the last usage-only chunk stays. `return_tokens_as_token_ids`: logprobs
+name their tokens "token_id:<id>". `request_id`: the answer's id is the route's prefix and it
+(`chatcmpl-<request_id>`, `cmpl-<request_id>`). Chat `include_reasoning` false: no `reasoning_content`.
 
 Defaults (vLLM's `--generation-config`): a sampling field the body leaves out takes the checkpoint's
 `generation_config.json` value (`with_generation_defaults`; read once, `ModelConfig.sampling_defaults`).
 
-Refused with a 400 naming the field, never ignored: chat `best_of` other than `n`.
+Refused with a 400 naming the field, never ignored: chat `best_of` other than `n`, and vLLM's fields
+this server has no counterpart for (`WITHOUT_COUNTERPART`: beam search, priority scheduling, logits
+processors by name, a prefix-cache salt, KV transfer, extension arguments, structural tags, another
+structured-output backend or whitespace pattern, media IO options, prompt embeddings) set to anything
+but the value that asks for nothing.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from vlmrun.server.errors import bad_request
+from vlmrun.server.body_fields import opt_bool
+from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.responses import ChoiceState, TokenText, usage
 
 
@@ -45,11 +52,33 @@ def echo_prompt_logprobs(body: dict[str, Any], echo: bool, logprobs: Optional[in
     return body
 
 
+# vLLM's request fields with no counterpart here: (field, the values that ask for nothing, why). Another
+# value is a 400 naming the field; vLLM itself answers so for most when it runs without the feature.
+WITHOUT_COUNTERPART = (
+    ("use_beam_search", (False,), "beam search is not supported by this server"),
+    ("priority", (0,), "priority scheduling is not enabled: requests run first come, first served"),
+    ("logits_processors", ([],), "logits processors by name are not supported (use logit_bias, "
+                                 "allowed_token_ids or bad_words)"),
+    ("cache_salt", (), "a prefix-cache salt is not supported by this server"),
+    ("kv_transfer_params", ({},), "KV transfer (disaggregated serving) is not supported by this server"),
+    ("vllm_xargs", ({},), "extension arguments are not supported by this server"),
+    ("structural_tag", (), "structural tags are not supported: use structured_outputs or response_format"),
+    ("guided_decoding_backend", ("xgrammar", "auto"), "the structured-output backend is xgrammar"),
+    ("guided_whitespace_pattern", (), "a whitespace pattern for JSON is not supported by this server"),
+    ("media_io_kwargs", ({},), "media IO options are not supported: size media with mm_processor_kwargs"),
+    ("prompt_embeds", (), "prompt embeddings are not supported by this server"),
+)
+
+
 def vllm_output_extras(body: dict[str, Any], chat: bool) -> "OutputExtras":
     """What the body's vLLM fields add to the response; 400 naming a field this server does not act on."""
     best_of = body.get("best_of")
     if chat and best_of is not None and best_of != body.get("n", 1):
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
+    for name, neutral, why in WITHOUT_COUNTERPART:
+        value = body.get(name)
+        if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
+            raise bad_request(f"'{name}': {why}", param=name)
     return OutputExtras.of(body, stream=body.get("stream") is True)
 
 
@@ -60,17 +89,28 @@ class OutputExtras:
     prompt_logprobs: Optional[int] = None  # the top-k asked for, None when not asked
     return_token_ids: bool = False
     continuous_usage: bool = False  # stream_options include_usage and continuous_usage_stats
+    tokens_as_ids: bool = False  # return_tokens_as_token_ids
+    include_reasoning: bool = True
+    request_id: Optional[str] = None
 
     @classmethod
     def of(cls, body: dict[str, Any], stream: bool) -> "OutputExtras":
-        return_ids = body.get("return_token_ids")
-        if return_ids is not None and not isinstance(return_ids, bool):
-            raise bad_request("'return_token_ids' must be true or false", param="return_token_ids")
+        flags = {name: opt_bool(body, name, default) for name, default in (
+            ("return_token_ids", False), ("return_tokens_as_token_ids", False), ("include_reasoning", True))}
         prompt_logprobs = body.get("prompt_logprobs")  # its type: checked by SamplingParams
         if prompt_logprobs is not None and stream:
             raise bad_request("'prompt_logprobs' are not available when 'stream' is true (collected answers only)",
                               param="prompt_logprobs")
-        return cls(prompt_logprobs, bool(return_ids), stream and _continuous_usage(body))
+        request_id = body.get("request_id")
+        if request_id is not None and not (isinstance(request_id, str) and 0 < len(request_id) <= 256
+                                           and request_id.isprintable()):
+            raise bad_request("'request_id' must be a printable string of 1 to 256 characters", param="request_id")
+        return cls(prompt_logprobs, flags["return_token_ids"], stream and _continuous_usage(body),
+                   flags["return_tokens_as_token_ids"], flags["include_reasoning"], request_id)
+
+    def answer_id(self, prefix: str, engine_id: str) -> str:
+        """The answer's id: `prefix`-request_id when the body gives one (vLLM's), else the engine's id."""
+        return engine_id if self.request_id is None else f"{prefix}-{self.request_id}"
 
     def add_to(self, response: dict[str, Any], choices: list[ChoiceState], token_text: TokenText, chat: bool) -> None:
         """Write the prompt's fields (on the response for chat, on each choice for completions) and each
@@ -105,10 +145,10 @@ def _continuous_usage(body: dict[str, Any]) -> bool:
     options = body.get("stream_options")
     if not isinstance(options, dict):
         return False  # a bad stream_options is the parser's 400
-    flag = options.get("continuous_usage_stats")
-    if flag is not None and not isinstance(flag, bool):
-        raise bad_request("'stream_options.continuous_usage_stats' must be true or false", param="stream_options")
-    return bool(flag) and options.get("include_usage") is True
+    try:
+        return opt_bool(options, "continuous_usage_stats", False) and options.get("include_usage") is True
+    except APIError as exc:
+        raise bad_request(f"stream_options: {exc.message}", param="stream_options") from None
 
 
 def vllm_prompt_logprobs(logprobs: Optional[list[Optional[dict[int, float]]]], top: int,
@@ -124,7 +164,7 @@ def vllm_prompt_logprobs(logprobs: Optional[list[Optional[dict[int, float]]]], t
             continue
         ranked = sorted(position.items(), key=lambda kv: -kv[1])
         out.append({str(t): {"logprob": max(lp, -9999.0), "rank": i + 1 if i < top else None,
-                             "decoded_token": token_text(t)} for i, (t, lp) in enumerate(ranked)})
+                             "decoded_token": token_text.decoded(t)} for i, (t, lp) in enumerate(ranked)})
     return out
 
 
