@@ -84,16 +84,13 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         return await respond_collected(request, sub, build)
 
     async def events() -> AsyncIterator[bytes]:
-        first = [True] * len(sub.choices)
         return_ids = req.extras.return_token_ids
 
         def chunk(c: R.ChoiceState, delta: dict[str, Any], token_ids: list[int], lp: Optional[dict[str, Any]] = None,
                   finish_reason: Optional[str] = None) -> bytes:
-            choice = R.chat_chunk_choice(c.index, delta, lp, finish_reason)
-            body = R.chat_chunk(answer_id, sub.created, model, [choice], req.include_usage)
-            body = req.extras.add_to_chunk(body, c, token_ids, first[c.index], chat=True)
-            first[c.index] = False
-            return R.sse(body)
+            choices = [R.chat_chunk_choice(c.index, delta, lp, finish_reason)]
+            return req.extras.add_to_chunk(R.chat_chunk(answer_id, sub.created, model, choices, req.include_usage),
+                                           c, token_ids, chat=True)
 
         for c in sub.choices:
             yield chunk(c, {"role": role, "content": ""}, [])

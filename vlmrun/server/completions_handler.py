@@ -67,15 +67,11 @@ async def completions(state: ServerState, request: Request) -> Response:
         return await respond_collected(request, sub, build)
 
     async def events() -> AsyncIterator[bytes]:
-        first = [True] * len(sub.choices)
-
         def chunk(c: R.ChoiceState, text: str, token_ids: list[int], lp: Optional[dict[str, Any]] = None,
                   finish_reason: Optional[str] = None) -> bytes:
-            choice = R.completion_chunk_choice(c.index, text, lp, finish_reason)
-            body = R.completion_chunk(answer_id, sub.created, model, [choice], req.include_usage)
-            body = req.extras.add_to_chunk(body, c, token_ids, first[c.index], chat=False)
-            first[c.index] = False
-            return R.sse(body)
+            choices = [R.completion_chunk_choice(c.index, text, lp, finish_reason)]
+            return req.extras.add_to_chunk(R.completion_chunk(answer_id, sub.created, model, choices,
+                                                              req.include_usage), c, token_ids, chat=False)
 
         echo_waits = echo is not None and req.logprobs is not None  # for the prompt's logprobs, at the end
         if echo is not None and not echo_waits:

@@ -28,6 +28,7 @@ class ChoiceState:
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # SamplingParams.prompt_logprobs, when asked
     parsed: Optional[Any] = None  # chat_output.ParsedOutput when reasoning / tool calls were split out
+    streamed: bool = False  # a stream chunk of this choice has been sent
 
 
 class TokenText:

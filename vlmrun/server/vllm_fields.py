@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from vlmrun.server.body_fields import opt_bool
 from vlmrun.server.errors import APIError, bad_request
-from vlmrun.server.responses import ChoiceState, TokenText, usage
+from vlmrun.server.responses import ChoiceState, TokenText, sse, usage
 
 
 def vllm_sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -126,10 +126,10 @@ class OutputExtras:
                 prompt_target["prompt_token_ids"] = list(state.prompt_token_ids)
                 out["token_ids"] = list(state.token_ids)
 
-    def add_to_chunk(self, chunk: dict[str, Any], choice: ChoiceState, token_ids: list[int], first: bool,
-                     chat: bool) -> dict[str, Any]:
-        """`chunk` (one choice's stream chunk) with what the fields add: the prompt's ids on the choice's
-        `first` chunk, the chunk's own `token_ids`, and the usage so far (`choice.token_ids` counted)."""
+    def add_to_chunk(self, chunk: dict[str, Any], choice: ChoiceState, token_ids: list[int], chat: bool) -> bytes:
+        """`chunk` (one choice's stream chunk) as SSE, with what the fields add: the prompt's ids on the
+        choice's first chunk, the chunk's own `token_ids`, and the usage so far (`choice.token_ids` counted)."""
+        first, choice.streamed = not choice.streamed, True
         if self.return_token_ids:
             if first:
                 (chunk if chat else chunk["choices"][0])["prompt_token_ids"] = list(choice.prompt_token_ids)
@@ -137,7 +137,7 @@ class OutputExtras:
                 out["token_ids"] = list(token_ids)
         if self.continuous_usage:
             chunk["usage"] = usage(choice.num_prompt_tokens, len(choice.token_ids))
-        return chunk
+        return sse(chunk)
 
 
 def _continuous_usage(body: dict[str, Any]) -> bool:
