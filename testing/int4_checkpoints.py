@@ -53,19 +53,22 @@ class GroupQuantized:
 
     def dequantized(self) -> torch.Tensor:
         """[out, in] float32."""
-        index = torch.arange(self.q.shape[1]) // self.group  # each input feature's group
-        return (self.q - self.zeros.T[:, index]).float() * self.scales.T.float()[:, index]
+        width = self.q.shape[1]
+        q = _in_groups(self.q, self.group)  # [out, groups, group]
+        return ((q - self.zeros.T[:, :, None]).float() * self.scales.T.float()[:, :, None]).flatten(1)[:, :width]
+
+
+def _in_groups(weight: torch.Tensor, group: int) -> torch.Tensor:
+    """[out, in] -> [out, groups, group], the last group padded with zeros (which never widen a range)."""
+    groups = -(-weight.shape[1] // group)
+    return torch.nn.functional.pad(weight, (0, groups * group - weight.shape[1])).view(weight.shape[0], groups, group)
 
 
 def quantize_groups(weight: torch.Tensor, group: int, sym: bool, min_zero: int = 0) -> GroupQuantized:
     """Per-group min/max 4-bit quantization of weight [out, in] (the last group may be partial).
     `sym`: the zero at 8 and the scale from the largest magnitude; `min_zero`: the smallest zero point
     allowed (1 for GPTQ's v1 format, which stores zero - 1)."""
-    weight = weight.float()
-    out, width = weight.shape
-    groups = -(-width // group)
-    padded = torch.nn.functional.pad(weight, (0, groups * group - width))  # zero columns never widen a range
-    blocks = padded.view(out, groups, group)
+    blocks = _in_groups(weight.float(), group)  # [out, groups, group]
     low = blocks.amin(-1).clamp(max=0.0)  # [out, groups]: the range holds 0
     high = blocks.amax(-1).clamp(min=0.0)
     if sym:
@@ -74,9 +77,9 @@ def quantize_groups(weight: torch.Tensor, group: int, sym: bool, min_zero: int =
     else:
         scales = ((high - low) / 15).clamp(min=1e-6).half()
         zeros = torch.round(-low / scales.float()).to(torch.int64).clamp(min_zero, 15)
-    index = torch.arange(width) // group
-    q = torch.round(weight / scales.float()[:, index]) + zeros[:, index]
-    return GroupQuantized(q.clamp(0, 15).to(torch.int64), zeros.T.contiguous(), scales.T.contiguous(), group)
+    q = (torch.round(blocks / scales.float()[:, :, None]) + zeros[:, :, None]).clamp(0, 15)
+    q = q.flatten(1)[:, :weight.shape[1]].to(torch.int64)
+    return GroupQuantized(q, zeros.T.contiguous(), scales.T.contiguous(), group)
 
 
 def pack_nibbles(values: torch.Tensor, dim: int, nibble_features: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
