@@ -21,8 +21,9 @@ Multiplying (`fp8_kernel`, an `EngineConfig` field):
   is Blackwell-only, so it is not used.
 
 Online FP8 (`QuantizationConfig.online`): `Fp8OnlineLinear` loads the float weight, then quantizes it
-per 128 x 128 block after loading and moves the layer (a linear or the fused experts) to
-`Fp8BlockLinear`.
+per 128 x 128 block after loading, each fused part (q | k | v, gate | up) on its own as a converted
+checkpoint has it, and moves the layer (a linear or the fused experts) to `Fp8BlockLinear`. It is
+this rank's shard that is quantized: under tensor parallelism the blocks start at the shard's rows.
 """
 
 from __future__ import annotations
@@ -64,6 +65,13 @@ def weight_and_scale_names(layer: Layer) -> list[tuple[str, str]]:
     if isinstance(layer, FusedExperts):
         return [(expert_param_name(p, "weight"), expert_param_name(p, SCALE)) for p in PROJECTIONS]
     return [("weight", SCALE)]
+
+
+def part_rows(layer: Layer, weight_name: str) -> list[int]:
+    """The rows of each checkpoint part stacked in a weight (q | k | v, gate | up; one part otherwise)."""
+    if isinstance(layer, FusedExperts):
+        return [layer.intermediate] * 2 if weight_name == "gate_up_proj" else [layer.hidden]
+    return [shard.length for shard in layer.out_shards]
 
 
 class Fp8BlockLinear(LinearMethod):
@@ -169,5 +177,16 @@ class Fp8OnlineLinear(LinearMethod):
         tensors: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for weight_name, scale_name in weight_and_scale_names(layer):
-                tensors[weight_name], tensors[scale_name] = quantize_weight(getattr(layer, weight_name))
+                weight = getattr(layer, weight_name)  # [.., out, in]
+                tensors[weight_name], tensors[scale_name] = quantize_parts(weight, part_rows(layer, weight_name))
         layer.swap_method(self.target, tensors)
+
+
+def quantize_parts(weight: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [.., out, in] stacked from parts of `rows` output rows each, quantized part by part
+    (so no block mixes rows of two projections, as in a converted checkpoint): (FP8 weight, scales)."""
+    if len(rows) == 1:
+        return quantize_weight(weight)
+    pieces = [quantize_weight(part) for part in weight.split(rows, dim=-2)]
+    scales = [expand_rows(scale, part.shape[-2]) for part, scale in pieces]
+    return torch.cat([q for q, _ in pieces], dim=-2), compact_rows(torch.cat(scales, dim=-2))
