@@ -25,6 +25,7 @@ from vlmrun.engine.engine import Engine
 from vlmrun.engine.outputs import RequestResult
 from vlmrun.engine.prompt_forms import parse_prompt
 from vlmrun.sampling_params import SamplingParams
+from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 
 @dataclass
@@ -48,21 +49,25 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """vLLM's names, time.monotonic() seconds; over the request's choices (first arrival and token, last finish)."""
+    """vLLM's names, time.monotonic() seconds; over the request's choices (first arrival and token, last
+    finish, speculative decoding's counters summed)."""
 
     arrival_time: float
     first_token_time: Optional[float]  # None: no token was generated
     finished_time: float
+    spec_decode: Optional[SpecDecodeStats] = None  # drafts proposed / accepted; None without speculative decoding
 
     @classmethod
     def of(cls, result: RequestResult) -> "RequestMetrics":
-        return cls(result.arrival_time, result.first_token_time, result.finished_time)
+        return cls(result.arrival_time, result.first_token_time, result.finished_time, result.spec_decode)
 
     def merged(self, other: "RequestMetrics") -> "RequestMetrics":
         """The metrics of two choices of one request as one."""
         first = [t for t in (self.first_token_time, other.first_token_time) if t is not None]
+        spec = self.spec_decode if other.spec_decode is None else (
+            other.spec_decode if self.spec_decode is None else self.spec_decode.merged(other.spec_decode))
         return RequestMetrics(min(self.arrival_time, other.arrival_time), min(first, default=None),
-                              max(self.finished_time, other.finished_time))
+                              max(self.finished_time, other.finished_time), spec)
 
 
 @dataclass

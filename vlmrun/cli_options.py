@@ -1,5 +1,5 @@
 """Command-line options every engine-running command shares (`serve`, `web`, `caption`, `run-batch`):
-kernels, async scheduling, the image backend and the weights' quantization.
+kernels, async scheduling, speculative decoding, the image backend and the weights' quantization.
 
 Kept free of torch so that parsing a command line stays fast.
 """
@@ -7,6 +7,7 @@ Kept free of torch so that parsing a command line stays fast.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from vlmrun.quantization.config import QUANTIZATION_METHODS
@@ -23,6 +24,9 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="plan and launch each step while the one before runs; its tokens reach the host one "
                         "step later (same tokens as without; off by default)")
+    p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/spec_decode.md; default: off)')
     p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
                    help="dense linears' GEMMs: onednn packs the weights once (auto: on the CPU)")
     p.add_argument("-q", "--quantization", default=None, choices=QUANTIZATION_METHODS,
@@ -43,4 +47,15 @@ def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
             "linear_backend": args.linear_backend, "enforce_eager": args.enforce_eager,
             "async_scheduling": args.async_scheduling, "image_backend": args.image_backend,
             "preprocess_device": args.preprocess_device, "quantization": args.quantization,
-            "fp8_kernel": args.fp8_kernel}
+            "fp8_kernel": args.fp8_kernel, "speculative_config": args.speculative_config}
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A command-line JSON object (argparse type): an error naming the text when it is not one."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from e
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value

@@ -10,13 +10,14 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
 from vlmrun.generation_config import read_sampling_defaults
 from vlmrun.processors.pixel_backends import IMAGE_BACKENDS
 from vlmrun.quantization.config import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
+from vlmrun.spec_decode.config import SpeculativeConfig
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -55,6 +56,10 @@ class EngineConfig:
     # sampled ids stay on the device and reach the host one step later (executor/overlap.py). Tokens
     # equal the synchronous engine's. Off by default until measured to pay on a device.
     async_scheduling: bool = False
+    # Speculative decoding (vLLM's name and keys): {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b} or a SpeculativeConfig; None: off. Greedy tokens
+    # equal plain decode's, sampled ones keep its distribution (docs/spec_decode.md).
+    speculative_config: Union[None, dict, SpeculativeConfig] = None
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
     # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device
     # ("cuda"): decoded on the host and uploaded as uint8; the pixels equal the CPU path's.
@@ -137,6 +142,10 @@ class EngineConfig:
         for name in ("max_images_per_request", "max_videos_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self.speculative_config = SpeculativeConfig.of(self.speculative_config)
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative_config cannot be combined with async_scheduling yet: a verify step's "
+                             "accepted length must reach the host before the next step is planned")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

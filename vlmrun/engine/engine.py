@@ -9,7 +9,7 @@ under a lock. A step is all or nothing: one that raises aborts its requests (`_d
 
 Structured outputs: `add_request` compiles the request's grammar (cached by its text; a bad one
 raises `StructuredOutputError`, a ValueError, before anything is queued) and gives the request a
-matcher; the sampler masks its logits row with it; `_advance_grammar` feeds it every sampled
+matcher; the sampler masks its logits row with it; `Request.advance_grammar` feeds it every sampled
 token and ends the request when the grammar has terminated. A preempted request keeps its output
 tokens (it recomputes them, it does not resample them), so its matcher needs no rollback.
 `compile_structured` is the one method other threads may call (the server compiles off the
@@ -51,6 +51,7 @@ from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
+from vlmrun.spec_decode.proposer import build_proposer
 from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers
 
@@ -109,7 +110,8 @@ class Engine:
         self._log_memory_plan()
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
-                                   snapshot_interval=config.prefix_snapshot_interval)
+                                   snapshot_interval=config.prefix_snapshot_interval,
+                                   proposer=build_proposer(config, self.model_config))  # speculative decoding
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
                                         self.model_config.eos_token_ids)
@@ -331,12 +333,13 @@ class Engine:
                 continue
             if output.prompt_logprobs is not None:  # a recomputed chunk (after preemption) writes the same values
                 req.prompt_logprobs[chunk.start + 1:chunk.start + 1 + len(output.prompt_logprobs)] = output.prompt_logprobs
+            end = self.scheduler.settle(chunk, len(output.after_drafts))  # rejected drafts are not computed
             if req.status is RequestStatus.RUNNING:  # (not when preempted meanwhile: its pages are gone)
-                self.scheduler.commit(req, chunk.end)  # index new full pages (and snapshot GDN state) first
+                self.scheduler.commit(req, end)  # index new full pages (and snapshot GDN state) first
             if sampled is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
-                updates.append(self._append_token(req, sampled))
+                updates.append(self._append_tokens(req, [sampled, *output.after_drafts]))
         return updates
 
     def _drop_interrupted(self, steps: list[LaunchedChunks]) -> None:
@@ -355,27 +358,25 @@ class Engine:
                 if self.requests.get(chunk.request.request_id) is chunk.request:
                     self.abort(chunk.request.request_id)
 
-    def _append_token(self, req: Request, sampled: SampledToken) -> RequestUpdate:
-        req.output_token_ids.append(sampled.token_id)
-        if sampled.logprobs is not None:
-            req.output_logprobs.append(sampled.logprobs)
-        grammar_finish = self._advance_grammar(req, sampled.token_id)
-        token = self._streams[req.request_id].add_token(sampled.token_id)
-        update = RequestUpdate(req.request_id, [sampled.token_id], [sampled.logprobs] if sampled.logprobs else [],
-                               text_delta=token.delta)
-        finish_reason = token.finish_reason or grammar_finish
-        if finish_reason is not None:
-            update.result = self._finish(req, finish_reason).result
+    def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestUpdate:
+        """A step's tokens for `req` (several after accepted drafts), one at a time as plain decode
+        appends them: a stop string, EOS, the grammar's end or a length limit ends the request at that
+        token and the rest are dropped."""
+        update = RequestUpdate(req.request_id)
+        for sampled in tokens:
+            req.output_token_ids.append(sampled.token_id)
+            update.new_token_ids.append(sampled.token_id)
+            if sampled.logprobs is not None:
+                req.output_logprobs.append(sampled.logprobs)
+                update.new_logprobs.append(sampled.logprobs)
+            grammar_finish = req.advance_grammar(sampled.token_id)
+            token = self._streams[req.request_id].add_token(sampled.token_id)
+            update.text_delta += token.delta
+            finish_reason = token.finish_reason or grammar_finish
+            if finish_reason is not None:
+                update.result = self._finish(req, finish_reason).result
+                break
         return update
-
-    def _advance_grammar(self, req: Request, token_id: int) -> Optional[str]:
-        """Feed a sampled token to the request's grammar; "stop" once the grammar has ended."""
-        if req.grammar is None:
-            return None
-        if not req.grammar.accept(token_id):  # the mask forbids this; a stop string or bug could not
-            logger.warning("request %s: token %d breaks its grammar; finishing it", req.request_id, token_id)
-            return "stop"
-        return "stop" if req.grammar.is_terminated else None
 
     def _finish(self, req: Request, reason: str) -> RequestUpdate:
         """Free the request's memory, forget it, and return its last update (with its result)."""
@@ -392,5 +393,5 @@ class Engine:
                                grammar_ended=grammar is not None and grammar.is_terminated,
                                stop_reason=None if stream.finished is None else stream.finished.stop_reason,
                                prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
-                               prompt_logprobs=req.prompt_logprobs)
+                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode)
         return RequestUpdate(req.request_id, result=result)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from vlmrun.spec_decode.metrics import SpecDecodeStats
+
 
 @dataclass(frozen=True)
 class RequestResult:
@@ -30,6 +32,7 @@ class RequestResult:
     prompt_token_ids: list[int] = field(default_factory=list)  # as the engine ran it (after truncate_prompt_tokens)
     # per prompt position {token id: raw logprob} (the prompt token + top-k); the first is None; None unless asked
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters; None when the engine does not speculate
 
     @property
     def num_output_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -12,6 +13,9 @@ import torch
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
+from vlmrun.spec_decode.metrics import SpecDecodeStats
+
+logger = logging.getLogger(__name__)
 
 
 class RequestStatus(Enum):
@@ -50,6 +54,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: Optional[float] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # per prompt position, when asked
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -100,3 +105,12 @@ class Request:
         """The grammar that masks this step's logits: None while there is none or it is idle (free reasoning)."""
         grammar = self.grammar
         return grammar if grammar is not None and grammar.constraining else None
+
+    def advance_grammar(self, token_id: int) -> Optional[str]:
+        """Feed an appended token to the request's grammar; "stop" once the grammar has ended."""
+        if self.grammar is None:
+            return None
+        if not self.grammar.accept(token_id):  # the mask forbids this; a stop string or bug could not
+            logger.warning("request %s: token %d breaks its grammar; finishing it", self.request_id, token_id)
+            return "stop"
+        return "stop" if self.grammar.is_terminated else None

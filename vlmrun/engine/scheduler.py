@@ -16,12 +16,19 @@ chunk there; for a hybrid model the run ends at a page that has a GDN state snap
 copied into the request's slot. After each step `commit` indexes the request's newly computed
 full prompt pages and, for hybrid models, snapshots the GDN state when a chunk ends at a
 snapshot point (the scheduler cuts prefill chunks so that they do).
+
+Speculative decoding (docs/spec_decode.md): a decoding request may feed draft tokens after its last
+known token (`ScheduledChunk.draft_token_ids`, from the proposer, within the step's budget and the
+request's length limits; none for structured outputs); pages for them are taken only when free (drafts
+never preempt). After the step, `settle` counts as computed only the accepted positions: the KV the
+rejected drafts wrote stays in the request's pages until later tokens overwrite it, past the
+request's length, and is never indexed (the prefix cache indexes prompt pages only).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -33,24 +40,32 @@ from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.executor.step_input import ChunkInput, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
+from vlmrun.spec_decode.metrics import SpecDecodeStats
+from vlmrun.spec_decode.ngram import NgramProposer
 
 
 @dataclass
 class ScheduledChunk:
     request: Request
     start: int  # tokens already in the cache
-    num_tokens: int  # tokens fed this step
+    num_tokens: int  # tokens fed this step (draft tokens included)
     admitted: bool = False  # the request joined the running set this step (its page table row is new)
     kv_slots: Optional[torch.Tensor] = None  # [num_tokens] int64 KV slots of the fed tokens, set by the scheduler
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: fed after the last known token
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def known_end(self) -> int:
+        """The end of the fed tokens the request has (the drafts come after it)."""
+        return self.end - len(self.draft_token_ids)
+
+    @property
     def samples(self) -> bool:
         """The chunk reaches the request's last known token, so its logits give the next token."""
-        return self.end == self.request.num_tokens
+        return self.known_end == self.request.num_tokens
 
     def to_input(self) -> ChunkInput:
         """What the model runner needs of this chunk."""
@@ -58,10 +73,11 @@ class ScheduledChunk:
         overlaps_prompt = req.prompt.mm_items and self.start < req.num_prompt_tokens
         sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.sampling_outputs(), req.generator,
                                 req.eos_token_ids, req.sampling_grammar) if self.samples else None)
-        return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=req.token_ids_slice(self.start, self.end),
+        token_ids = req.token_ids_slice(self.start, self.known_end) + self.draft_token_ids
+        return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=token_ids,
                           positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
                           mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
-                          prompt_logprobs=self.prompt_logprob_targets())
+                          prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids))
 
     def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
         """For a request with prompt logprobs: the prompt token after each fed token that has one."""
@@ -74,7 +90,7 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
-                 snapshot_interval: int = 512):
+                 snapshot_interval: int = 512, proposer: Optional[NgramProposer] = None):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -89,12 +105,15 @@ class Scheduler:
         # hybrid models: snapshot points every this many tokens (a page multiple) and at the last full page
         self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
         self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
+        self.proposer = proposer  # speculative decoding's drafts; None: every decode feeds one token
 
     @property
     def capacity_tokens(self) -> int:
         return self.allocator.num_usable_pages() * self.page_size
 
     def add(self, req: Request) -> None:
+        if self.proposer is not None:
+            req.spec_decode = SpecDecodeStats()
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -122,6 +141,9 @@ class Scheduler:
                 i += 1
                 continue
             n = self._chunk_len(req, budget)
+            drafts = self._drafts(req, n, budget)
+            if drafts and not self._grow(req, req.num_computed_tokens + n + len(drafts)):
+                drafts = []  # no free page for them: a plain decode (drafts never preempt)
             if not self._grow_or_preempt(req, req.num_computed_tokens + n):
                 if len(self.running) == 1 and req.num_launched_steps:  # too long? decided with all its tokens known
                     preempted_any = True  # (and no admissions this step: it may need every free page)
@@ -133,8 +155,8 @@ class Scheduler:
                     self._preempt(req)
                 preempted_any = True
                 break
-            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
-            budget -= n
+            chunks.append(ScheduledChunk(req, req.num_computed_tokens, n + len(drafts), draft_token_ids=drafts))
+            budget -= n + len(drafts)
             i += 1
         if preempted_any:
             return chunks, too_long
@@ -179,6 +201,30 @@ class Scheduler:
         return (req.grammar is not None or params.reads_output_tokens
                 or (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
                 or req.num_tokens >= self.max_model_len)
+
+    def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
+        """Draft tokens for a decoding request (`n` = 1: its last token) to verify this step: within the
+        budget, and short enough that the run they can add keeps within max_tokens and max_model_len.
+        None for a structured-output request (its grammar would have to advance over them)."""
+        if (self.proposer is None or n != 1 or not req.output_token_ids or req.grammar is not None
+                or req.num_computed_tokens != req.num_tokens - 1):
+            return []
+        limit = min(budget - 1, self.max_model_len - req.num_tokens - 1)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - req.num_output_tokens - 1)
+        return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, limit)
+
+    def settle(self, chunk: ScheduledChunk, num_accepted: int) -> int:
+        """After `chunk`'s step, `num_accepted` of its drafts were accepted: the rejected ones no longer
+        count as computed (their KV slots are overwritten later). Returns the computed end."""
+        if not chunk.draft_token_ids:
+            return chunk.end
+        req = chunk.request
+        req.num_computed_tokens = chunk.end - (len(chunk.draft_token_ids) - num_accepted)
+        if req.spec_decode is not None:
+            req.spec_decode.record(len(chunk.draft_token_ids), num_accepted)
+        return req.num_computed_tokens
 
     # ------------------------------------------------------------------ cache bookkeeping
 

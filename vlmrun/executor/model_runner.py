@@ -12,12 +12,15 @@ gets the logits of its prompt positions, and the logprob of each next prompt tok
 (`last_tokens`), where a later step reads a token the host does not have yet (`PLACEHOLDER_TOKEN`,
 async scheduling). On CUDA the step's inputs go up from pinned host memory with non-blocking copies. Decode steps go through `PaddedDecodeRunner` (padded to a batch-size bucket,
 from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
+A chunk with draft tokens (speculative decoding, `ChunkInput.num_drafts`) samples at each of its last
+1 + num_drafts positions; `collect` keeps the tokens up to the first rejected draft
+(vlmrun/spec_decode/verify.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +38,7 @@ from vlmrun.models.weights import weight_bytes
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
+from vlmrun.spec_decode.verify import SeededDraws, count_accepted, position_rows
 
 
 @dataclass
@@ -50,6 +54,9 @@ class ChunkOutput:
     sampled: Optional[SampledToken] = None  # None: the chunk ends mid-prompt
     # with prompt logprobs: {token id: raw logprob} of positions start + 1 .. start + m (next prompt token + top-k)
     prompt_logprobs: Optional[list[dict[int, float]]] = None
+    # speculative decoding: the token sampled after each accepted draft (so one per accepted draft);
+    # the request's new tokens are `sampled`, then these
+    after_drafts: list[SampledToken] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +66,8 @@ class LaunchedStep:
     samples: list[bool]  # per chunk: it samples a token
     output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
     prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 2 + 2k] rows (gather_prompt_logprobs) or None
+    drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
+    seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
 
 
 class ModelRunner:
@@ -101,11 +110,15 @@ class ModelRunner:
         hidden = self.forward(fb)  # [num_tokens, hidden]
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
-        rows = [c.sampling for c in chunks if c.sampling is not None]
+        rows = [row for c in chunks if c.sampling is not None for row in position_rows(c.sampling, c.draft_token_ids)]
         if not rows:
             return LaunchedStep(samples, None, prompt_logprobs)
-        logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled, vocab] float32
-        batch = SamplingBatch.build(rows, logits.shape[-1], device=self.device)
+        logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
+        vocab = logits.shape[-1]
+        drafts = [c.draft_token_ids for c in chunks]
+        seeded = [None if c.sampling is None else SeededDraws.before_sampling(c.sampling, c.num_drafts, vocab, self.device)
+                  for c in chunks]
+        batch = SamplingBatch.build(rows, vocab, device=self.device)
         output = self.sampler.sample(logits, batch)
         if self.feeds_placeholders:  # async scheduling: the next step may read these ids before the host does
             self.tp.broadcast_from_first(output.token_ids)
@@ -113,7 +126,7 @@ class ModelRunner:
                                                     dtype=torch.int64))
             self.last_tokens[sampled_rows] = output.token_ids
         output.start_transfer()
-        return LaunchedStep(samples, output, prompt_logprobs)
+        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded)
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
@@ -139,8 +152,14 @@ class ModelRunner:
         if step.output is not None:
             host = step.output.to_host()
             sampled = iter(zip(host.token_ids, host.logprobs))
-            for out, samples in zip(outputs, step.samples):
-                out.sampled = SampledToken(*next(sampled)) if samples else None
+            for i, (out, samples) in enumerate(zip(outputs, step.samples)):
+                if samples:
+                    drafts, seeded = step.drafts[i], step.seeded_draws[i]
+                    tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
+                    accepted = count_accepted([t.token_id for t in tokens], drafts)
+                    if accepted < len(drafts) and seeded is not None:
+                        seeded.keep(1 + accepted)  # the draws of the emitted positions only
+                    out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
                 k = (rows.shape[1] - 2) // 2
@@ -160,8 +179,8 @@ class ModelRunner:
         logits_rows: list[int] = []
         for c in chunks:
             input_ids.extend(c.token_ids)
-            if c.sampling is not None:
-                logits_rows.append(len(input_ids) - 1)
+            if c.sampling is not None:  # the last token's position, after each draft's too
+                logits_rows.extend(range(len(input_ids) - 1 - c.num_drafts, len(input_ids)))
         extend_lens = [c.num_tokens for c in chunks]
         prefix_lens = [c.start for c in chunks]
         seq_lens = [c.end for c in chunks]

@@ -38,6 +38,9 @@ class ChunkInput:
     mm_items: Sequence  # processors.MMItem of the request's prompt when the chunk overlaps it, else ()
     sampling: Optional[SamplingRow] = None  # set when the chunk reaches the last known token: sample after it
     prompt_logprobs: Optional[PromptLogprobTargets] = None  # set when the request asked for prompt logprobs
+    # speculative decoding: the last `num_drafts` of token_ids are drafts after the last known token;
+    # the chunk samples at each of its last 1 + num_drafts positions (vlmrun/spec_decode/verify.py)
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -46,3 +49,7 @@ class ChunkInput:
     @property
     def end(self) -> int:
         return self.start + len(self.token_ids)
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts:]

@@ -1,0 +1,8 @@
+"""Speculative decoding: drafts proposed beside the model, verified in one forward of 1 + k positions.
+
+`config.py` holds `SpeculativeConfig` (vLLM's names), `ngram.py` the prompt-lookup proposer,
+`verify.py` what the model runner needs to verify a request's drafts (the sampling row of each
+position, how many drafts the sampled tokens accept, a seeded generator wound to plain decode's
+draws), `metrics.py` the per-request acceptance counters. The scheduler feeds the drafts and takes
+back only the accepted positions; docs/spec_decode.md says what works and what does not.
+"""

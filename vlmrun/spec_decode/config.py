@@ -1,0 +1,62 @@
+"""`SpeculativeConfig`: speculative decoding's settings, with vLLM's names.
+
+`EngineConfig.speculative_config` takes the dict a user gives (`LLM(speculative_config=...)`,
+`--speculative-config JSON`) or this dataclass; `SpeculativeConfig.of` checks it. Method "ngram"
+(prompt lookup: drafts copied from the request's own prompt and output, `ngram.py`) takes
+`num_speculative_tokens` (k, required) and the n-gram sizes `prompt_lookup_min` /
+`prompt_lookup_max` (vLLM's defaults: both 5 when neither is given, the given one when one is).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+SPECULATIVE_METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int  # k: drafts verified per step and request
+    prompt_lookup_min: Optional[int] = None  # ngram: the shortest suffix n-gram looked up
+    prompt_lookup_max: Optional[int] = None  # ngram: the longest, tried first
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    @classmethod
+    def of(cls, value: Union[None, dict[str, Any], "SpeculativeConfig"]) -> Optional["SpeculativeConfig"]:
+        """None, a SpeculativeConfig, or its fields as a dict (ValueError naming an unknown or missing key)."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be an object such as "
+                             f'{{"method": "ngram", "num_speculative_tokens": 3}}, got {value!r}')
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))} "
+                             f"(this engine takes {', '.join(sorted(names))})")
+        for required in ("method", "num_speculative_tokens"):
+            if required not in value:
+                raise ValueError(f"speculative_config: {required!r} is required")
+        return cls(**value)
