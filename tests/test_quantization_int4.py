@@ -1,15 +1,15 @@
 """AWQ / GPTQ 4-bit checkpoints (vlmrun/quantization/int4.py), float32 on the CPU.
 
 - The packing against a slow reference written from the formats' description (one nibble at a time).
-- Every architecture but Qwen3-Next, on the wide test checkpoints (testing/wide_models.py: 256 wide,
+- Every architecture, on the wide test checkpoints (testing/wide_models.py: 256 wide,
   one 320-wide MLP whose down projection is not whole groups and stays float): vlmrun on the AWQ and
   on the GPTQ checkpoint (testing/int4_checkpoints.py) equals HF transformers on the dequantized float
   twin — prompt ids and greedy tokens equal, top-5 logprobs within 1e-4 at every step; Qwen2.5-VL AWQ
   with an image too; GPTQ's symmetric variant once. TP=2 equals TP=1 (tests/test_tensor_parallel.py's
   tolerance) on the MoE + GDN architecture, text and an image.
+  Qwen3-Next's in_proj_qkvz, grouped per key head in its checkpoint, is regrouped packed.
 - Each unsupported variant is a ValueError at load naming it: desc_act, bits 8, AWQ gemv, group size
-  -1, a g_idx that is not i // group, a layer that is not whole groups, a TP shard narrower than a
-  group, and Qwen3-Next's grouped in_proj_qkvz.
+  -1, a g_idx that is not i // group, a layer that is not whole groups, a TP shard narrower than a group.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from vlmrun.quantization.int4 import Int4Linear, pack_int4, unpack_int4
 
 MAX_NEW = 4
 TOPK = 5
-INT4_ARCHS = [a for a in ARCHS if a != "qwen3_next"]  # Qwen3-Next's grouped GDN rows: refused (last test)
 VL_ARCHS = {"qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_5_moe", "qwen3_vl_moe"}
-MOE_ARCHS = {"qwen3_5_moe", "qwen3_vl_moe"}
+MOE_ARCHS = {"qwen3_5_moe", "qwen3_vl_moe", "qwen3_next"}
 # AutoAWQ's GEMM packing: nibble k of an int32 holds output feature AWQ_ORDER[k] of its eight; GPTQ's in order.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 SEQUENTIAL_ORDER = tuple(range(8))
@@ -102,6 +101,21 @@ def test_dequantize_and_apply_read_the_format(method):
     layer = SimpleNamespace(method_params=lambda: tensors)
     x, bias = torch.randn(3, width, generator=gen), torch.randn(out, generator=gen)
     torch.testing.assert_close(int4.apply(layer, x, bias), x @ expected.T + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_regroup_output_reorders_the_packed_output_features(method):
+    """What Qwen3-Next's loader does to its grouped GDN rows: the dequantized weight's rows, reordered."""
+    gen = torch.Generator().manual_seed(2)
+    out, width, group = 16, 32, 8
+    q = torch.randint(0, 16, (out, width), generator=gen)
+    zeros = torch.randint(1, 16, (width // group, out), generator=gen)
+    scales = (torch.rand(width // group, out, generator=gen) + 0.5).half()
+    tensors = (_slow_awq if method == "awq" else _slow_gptq)(q, zeros, scales)
+    int4 = Int4Linear(QuantizationConfig(method, group_size=group))
+    order = torch.randperm(out, generator=gen)
+    regrouped = {name: int4.regroup_output(name, t, lambda rows: rows[order]) for name, t in tensors.items()}
+    assert torch.equal(int4.dequantize(regrouped, torch.float32), int4.dequantize(tensors, torch.float32)[order])
 
 
 def test_widths_and_shards_that_are_not_whole_packs_or_groups_are_refused():
@@ -174,7 +188,7 @@ def int4_layers(llm: LLM, method: str) -> set[str]:
             if isinstance(m, (LinearBase, FusedExperts)) and m.method.name == method}
 
 
-PARITY = [(arch, method, False) for arch in INT4_ARCHS for method in ("awq", "gptq")] + [("qwen3", "gptq", True)]
+PARITY = [(arch, method, False) for arch in ARCHS for method in ("awq", "gptq")] + [("qwen3", "gptq", True)]
 
 
 @pytest.mark.parametrize("arch,method,sym", PARITY,
@@ -189,11 +203,14 @@ def test_int4_checkpoint_matches_hf_on_the_dequantized_twin(arch, method, sym, c
     llm = LLM(str(quantized), dtype="float32", device="cpu", max_num_seqs=2)
     layers = int4_layers(llm, method)
     assert any(name.endswith("self_attn.qkv_proj") for name in layers)
+    if arch == "qwen3_next":  # its checkpoint groups in_proj_qkvz rows per key head: regrouped packed
+        assert any(name.endswith("linear_attn.in_proj_qkvz") for name in layers)
     assert any(name.endswith("o_proj") for name in layers)
     if arch in MOE_ARCHS:
         assert any(name.endswith("mlp.experts") for name in layers)
-    assert not any(name.endswith(".mlp.down_proj") or "shared_expert.down_proj" in name for name in layers)
-    assert not any(name.startswith("visual") for name in layers)  # 320 inputs, 2.5 groups / the vision tower
+    odd = "mlp.shared_expert.down_proj" if arch == "qwen3_5_moe" else "mlp.down_proj"  # 320 inputs: 2.5 groups
+    assert not any(name.endswith(odd) for name in layers)
+    assert not any(name.startswith("visual") for name in layers)
     outs = llm.chat(list(cases.values()), SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logprobs=TOPK),
                     use_tqdm=False)
     for (case, exp), out in zip(expected.items(), outs):
@@ -247,12 +264,4 @@ def test_a_layer_of_partial_groups_is_refused_naming_it(checkpoints):
     quantized, _ = checkpoints.int4("qwen3", "awq", partial_groups=True)
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.down_proj: awq int4 with group_size=128 needs whole "
                                          r"groups of input features; this layer has 320"):
-        LLM(str(quantized), dtype="float32", device="cpu")
-
-
-@pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_qwen3_next_grouped_gdn_projection_is_refused(method, checkpoints):
-    quantized, _ = checkpoints.int4("qwen3_next", method)
-    with pytest.raises(ValueError, match=r"in_proj_qkvz\.\w+: Qwen3-Next's grouped in_proj_qkvz rows cannot be "
-                                         r"regrouped in a \w+ tensor; this quantized layout of it is not supported"):
         LLM(str(quantized), dtype="float32", device="cpu")

@@ -9,6 +9,8 @@ experts' fused projections) owns no weight format of its own. Its `LinearMethod`
 - `checkpoint_tensor(name, tensor, out_features)`: a checkpoint tensor put in the layout the
   parameter keeps, before it is sharded (FP8 block scales become one row per output feature);
 - `dequantize(params, dtype)`: the [out, in] weight in `dtype` (the reference of every method);
+- `regroup_output(name, tensor, regroup)`: a checkpoint tensor with its output features reordered
+  (a model whose checkpoint orders a fused layer's rows otherwise);
 - `apply(layer, x, bias)`: x [.., in] -> [.., out] (the layer's tensors by `layer.method_params()`);
 - `after_loading(layer)`: a last rearrangement once every tensor arrived (oneDNN packing, scale
   compaction).
@@ -23,7 +25,7 @@ the CPU fast path), `Fp8BlockLinear` (`quantization/fp8.py`), `Int4Linear` (AWQ 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,14 @@ class LinearMethod:
     def dequantize(self, params: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """The [out, in] weight from this method's tensors (the layer's, or one expert's slices)."""
         return params["weight"]
+
+    def regroup_output(self, name: str, tensor: torch.Tensor,
+                       regroup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The checkpoint's `name` tensor (all its output features, as `checkpoint_tensor` left it) with the
+        output features reordered by `regroup`, which reorders the rows of an [out, ..] tensor (a checkpoint
+        that groups a fused layer's rows otherwise: Qwen3-Next's GDN projections). Here dim 0 runs along
+        the output features, one a row (a float weight; FP8 scales, expanded to rows)."""
+        return regroup(tensor)
 
     def apply(self, layer: "nn.Module", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x [.., in] -> [.., out]."""

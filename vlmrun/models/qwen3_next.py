@@ -68,14 +68,12 @@ class Qwen3NextForCausalLM(Model):
         return hf_name if hf_name.startswith(("model.", "lm_head.")) else None  # mtp.* and the rest skipped
 
     def transform_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The grouped GDN projections regrouped by rows: the weight, and an FP8 weight's scales (one row
-        per output row by then); a layout packed along other dims (int4) cannot be, and says so."""
+        """The grouped GDN projections' output features regrouped, in whatever format their linear method
+        keeps them (`LinearMethod.regroup_output`: float or FP8 rows, int4 packed along the outputs)."""
         module, _, tensor_name = name.rpartition(".")
         regroup = {"linear_attn.in_proj_qkvz": ungroup_qkvz, "linear_attn.in_proj_ba": ungroup_ba}
         for suffix, fn in regroup.items():
             if module.endswith(suffix):
-                if tensor_name not in ("weight", "weight_scale_inv"):
-                    raise ValueError(f"{name}: Qwen3-Next's grouped {suffix.rpartition('.')[2]} rows cannot be "
-                                     f"regrouped in a {tensor_name} tensor; this quantized layout of it is not supported")
-                return fn(materialize(tensor), self.config)
+                method = self.get_submodule(module).method
+                return method.regroup_output(tensor_name, materialize(tensor), lambda rows: fn(rows, self.config))
         return tensor

@@ -25,7 +25,7 @@ activation dtype (`apply`): the weight stays 4-bit in memory between calls.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -124,6 +124,16 @@ class Int4Linear(LinearMethod):
                                  f"quantized in activation order (desc_act) or with another group layout, which "
                                  f"is not supported")
         return tensor
+
+    def regroup_output(self, name: str, tensor: torch.Tensor,
+                       regroup: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Output features reordered by `regroup` (of an [out, ..] tensor's rows): scales and GPTQ's qweight
+        by their columns, a tensor packed along the outputs unpacked, reordered and packed again."""
+        if name == "g_idx":  # runs along the inputs
+            return tensor
+        if name == "qzeros" or (name == "qweight" and self.name == "awq"):  # [rows, out / 8]
+            return pack_int4(regroup(unpack_int4(tensor, 1, self.order).T).T, 1, self.order)
+        return regroup(tensor.T).T.contiguous()  # scales, GPTQ's qweight: [rows, out]
 
     # ------------------------------------------------------------------ compute
 
