@@ -86,20 +86,28 @@ def _slow_gptq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> di
             "qzeros": slow_pack((zeros - 1).tolist(), 1, SEQUENTIAL_ORDER), "scales": scales}
 
 
+GROUP = 8  # input features per group in the small examples below
+
+
+def small_int4(method: str, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A 16 x 32 weight in `method`'s format, packed by the slow reference, and W = (q - z) * s [out, in]."""
+    out, width = 16, 32
+    q = torch.randint(0, 16, (out, width), generator=gen)
+    zeros = torch.randint(1, 16, (width // GROUP, out), generator=gen)
+    scales = (torch.rand(width // GROUP, out, generator=gen) + 0.5).half()
+    weight = (q - zeros.T.repeat_interleave(GROUP, 1)).float() * scales.T.float().repeat_interleave(GROUP, 1)
+    return (_slow_awq if method == "awq" else _slow_gptq)(q, zeros, scales), weight
+
+
 @pytest.mark.parametrize("method", ["awq", "gptq"])
 def test_dequantize_and_apply_read_the_format(method):
-    """W[o, i] = (q - z[i // group, o]) * s[i // group, o], group 8 here; apply = x @ W.T + bias."""
+    """W[o, i] = (q - z[i // group, o]) * s[i // group, o]; apply = x @ W.T + bias."""
     gen = torch.Generator().manual_seed(1)
-    out, width, group = 16, 32, 8
-    q = torch.randint(0, 16, (out, width), generator=gen)
-    zeros = torch.randint(1, 16, (width // group, out), generator=gen)
-    scales = (torch.rand(width // group, out, generator=gen) + 0.5).half()
-    expected = (q - zeros.T.repeat_interleave(group, 1)).float() * scales.T.float().repeat_interleave(group, 1)
-    tensors = (_slow_awq if method == "awq" else _slow_gptq)(q, zeros, scales)
-    int4 = Int4Linear(QuantizationConfig(method, group_size=group))
+    tensors, expected = small_int4(method, gen)
+    int4 = Int4Linear(QuantizationConfig(method, group_size=GROUP))
     assert torch.equal(int4.dequantize(tensors, torch.float32), expected)
     layer = SimpleNamespace(method_params=lambda: tensors)
-    x, bias = torch.randn(3, width, generator=gen), torch.randn(out, generator=gen)
+    x, bias = torch.randn(3, expected.shape[1], generator=gen), torch.randn(expected.shape[0], generator=gen)
     torch.testing.assert_close(int4.apply(layer, x, bias), x @ expected.T + bias, rtol=1e-5, atol=1e-5)
 
 
@@ -107,15 +115,11 @@ def test_dequantize_and_apply_read_the_format(method):
 def test_regroup_output_reorders_the_packed_output_features(method):
     """What Qwen3-Next's loader does to its grouped GDN rows: the dequantized weight's rows, reordered."""
     gen = torch.Generator().manual_seed(2)
-    out, width, group = 16, 32, 8
-    q = torch.randint(0, 16, (out, width), generator=gen)
-    zeros = torch.randint(1, 16, (width // group, out), generator=gen)
-    scales = (torch.rand(width // group, out, generator=gen) + 0.5).half()
-    tensors = (_slow_awq if method == "awq" else _slow_gptq)(q, zeros, scales)
-    int4 = Int4Linear(QuantizationConfig(method, group_size=group))
-    order = torch.randperm(out, generator=gen)
+    tensors, expected = small_int4(method, gen)
+    int4 = Int4Linear(QuantizationConfig(method, group_size=GROUP))
+    order = torch.randperm(expected.shape[0], generator=gen)
     regrouped = {name: int4.regroup_output(name, t, lambda rows: rows[order]) for name, t in tensors.items()}
-    assert torch.equal(int4.dequantize(regrouped, torch.float32), int4.dequantize(tensors, torch.float32)[order])
+    assert torch.equal(int4.dequantize(regrouped, torch.float32), expected[order])
 
 
 def test_widths_and_shards_that_are_not_whole_packs_or_groups_are_refused():

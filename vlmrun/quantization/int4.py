@@ -40,8 +40,14 @@ SEQUENTIAL_ORDER = tuple(range(PACK))
 
 
 def _nibble_shifts(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """[8] int32: the bit offset of feature f's nibble (4k for the k with order[k] == f)."""
-    return torch.tensor(order, device=device).argsort().to(torch.int32) * 4
+    """[8] int32: the bit offset of feature f's nibble (4k for the k with order[k] == f), made on `device`
+    by arithmetic, not copied from the host (a copy cannot be captured in a CUDA graph)."""
+    feature = torch.arange(PACK, dtype=torch.int32, device=device)
+    if order == SEQUENTIAL_ORDER:
+        return feature * 4
+    if order == AWQ_ORDER:  # even features in nibbles 0..3, odd ones in 4..7
+        return (feature // 2 + feature % 2 * 4) * 4
+    raise ValueError(f"nibble order {order} is neither AWQ's {AWQ_ORDER} nor sequential")
 
 
 def nibble_planes(packed: torch.Tensor, order: tuple[int, ...] = SEQUENTIAL_ORDER) -> torch.Tensor:
