@@ -185,6 +185,9 @@ def compare_tp(model_dir, arch: str, tp: int) -> LLM:
         assert_same_outputs(out, ref_out)
         assert stats.num_preemptions == ref_stats.num_preemptions > 0
         assert stats.prefix_hit_tokens == ref_stats.prefix_hit_tokens > 0
+        whole = ref_stats.weight_bytes[0]  # each rank reports its shard's bytes: less than the whole model,
+        assert len(stats.weight_bytes) == tp and all(0 < b < whole for b in stats.weight_bytes)
+        assert sum(stats.weight_bytes) >= whole  # together at least all of it (the replicated parts on each)
     except BaseException:
         parallel.engine.shutdown()
         raise
