@@ -58,7 +58,6 @@ MODELS: dict[str, str] = {  # name -> published config file
     "Qwen3-Next-80B-A3B": "Qwen3-Next-80B-A3B-Thinking.json",
 }
 VARIANTS = ("bf16", "fp8", "fp8+vision")  # fp8: the vision tower in bf16; fp8+vision: quantized too
-EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SHARD_BYTES = 2 << 30
 CACHE_BYTES = 16 << 20  # the measured engines' KV + GDN budget (in their RSS growth)
 
