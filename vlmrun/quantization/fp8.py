@@ -11,10 +11,12 @@ weight. Only the input columns stay blocked: a shard must start on a 128-column 
 
 Multiplying (`fp8_kernel`, an `EngineConfig` field):
 - "dequantize" (default, any device): the weight stays FP8 in memory and is dequantized at each
-  call (float32 products as transformers', then the activation dtype) in tiles of `TILE_ROWS`
-  output rows, each multiplied into its slice of the output while it is in cache
-  (bench/bench_fp8_linear.py measured this against dequantizing the whole weight per call:
-  BENCHMARKS.md, "FP8 weights on the CPU"). The MoE experts dequantize one expert at a time.
+  call (float32 products as transformers', then the activation dtype; the FP8 values read through
+  float16, `fp8_blocks.fp8_to_float32`, as torch's own conversion is slow on the CPU). On the CPU in
+  tiles of `TILE_ROWS` output rows into reused scratch, each multiplied into its slice of the output
+  while in cache (bench/bench_fp8_linear.py against the whole weight per call: BENCHMARKS.md, "FP8
+  weights on the CPU"); on other devices the whole weight per call. The MoE experts dequantize one
+  expert's weights at a time, whichever the kernel.
 - "cuda" (opt-in, CUDA only): activations quantized per token and 128 columns, then torch's
   block-scaled FP8 GEMM (`torch.nn.functional.scaled_mm`, 1x128 x 128x128 scales: cuBLAS on Hopper);
   not yet checked on a GPU against "dequantize", hence opt-in. FlashInfer's `gemm_fp8_nt_groupwise`
@@ -39,11 +41,11 @@ from vlmrun.layers.linear_method import LinearMethod, ParamSpec, ceil_div
 from vlmrun.layers.moe import PROJECTIONS, FusedExperts, expert_param_name
 from vlmrun.loader import materialize
 from vlmrun.quantization.config import QuantizationConfig
-from vlmrun.quantization.fp8_blocks import (BLOCK, FP8, compact_rows, dequantize_blocks, expand_rows,
-                                            quantize_activation, quantize_weight, row_group)
+from vlmrun.quantization.fp8_blocks import (BLOCK, FP8, compact_rows, dequantize_blocks, expand_rows, fp8_to_float32,
+                                            multiply_by_scales, quantize_activation, quantize_weight, row_group)
 
 FP8_KERNELS = ("dequantize", "cuda")
-TILE_ROWS = 512  # output rows dequantized at once by the "dequantize" kernel (None: the whole weight)
+TILE_ROWS = 512  # output rows the "dequantize" kernel dequantizes at once on the CPU (BENCHMARKS.md)
 SCALE = "weight_scale_inv"
 
 Layer = Union[LinearBase, FusedExperts]
@@ -56,7 +58,10 @@ def make_fp8_method(config: QuantizationConfig, device: torch.device, fp8_kernel
     if fp8_kernel == "cuda" and torch.device(device).type != "cuda":
         raise ValueError(f"fp8_kernel='cuda' runs FP8 GEMMs on a CUDA device; this engine runs on {device} "
                          f"(use fp8_kernel='dequantize')")
-    block = Fp8CudaLinear() if fp8_kernel == "cuda" else Fp8BlockLinear()
+    if fp8_kernel == "cuda":
+        block: Fp8BlockLinear = Fp8CudaLinear()
+    else:  # tiles measured on the CPU; elsewhere (CUDA, unmeasured) the whole weight per call, fewer launches
+        block = Fp8BlockLinear(TILE_ROWS if torch.device(device).type == "cpu" else None)
     return Fp8OnlineLinear(block) if config.online else block
 
 
@@ -117,16 +122,22 @@ class Fp8BlockLinear(LinearMethod):
 
 def linear_tiled(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor],
                  tile_rows: int) -> torch.Tensor:
-    """x [.., in] @ dequantized(q [out, in]).T -> [.., out], `tile_rows` output rows dequantized at a time
-    (the tile stays in cache for its GEMM; the whole float weight never exists)."""
-    out_rows = q.shape[0]
+    """x [.., in] @ dequantized(q [out, in]).T -> [.., out], `tile_rows` output rows dequantized at a time into
+    one scratch tile (float32 products as `dequantize_blocks`, then x's dtype), each multiplied into its
+    slice of the output while it is in cache: the whole float weight never exists."""
+    out_rows, cols = q.shape
     g = row_group(out_rows, scale.shape[0])
-    x2d = x.reshape(-1, x.shape[-1])  # [M, in]
+    x2d = x.reshape(-1, cols)  # [M, in]
     y = x2d.new_empty(x2d.shape[0], out_rows)
+    products = torch.empty(min(tile_rows, out_rows), cols, device=q.device)  # float32 scratch, reused
+    bits = torch.empty_like(products, dtype=torch.int16)
+    tile = products if x.dtype == torch.float32 else torch.empty_like(products, dtype=x.dtype)
     for start in range(0, out_rows, tile_rows):  # tile_rows is a multiple of every row group g
-        end = min(start + tile_rows, out_rows)
-        w = dequantize_blocks(q[start:end], scale[start // g:ceil_div(end, g)], x.dtype)  # [tile, in]
-        torch.matmul(x2d, w.t(), out=y[:, start:end])
+        rows = min(start + tile_rows, out_rows) - start
+        w = fp8_to_float32(q[start:start + rows], bits[:rows], products[:rows])  # [rows, in]
+        multiply_by_scales(w, scale[start // g:ceil_div(start + rows, g)], g)
+        w = w if tile is products else tile[:rows].copy_(w)
+        torch.mm(x2d, w.t(), out=y[:, start:start + rows])
     if bias is not None:
         y += bias
     return y.view(*x.shape[:-1], out_rows)
