@@ -197,6 +197,8 @@ def bodies(draw, valid: dict) -> dict:
     names = sorted(valid)
     required = {"messages", "prompt", "max_tokens"}
     body = {k: draw(valid[k]) for k in names if k in required or draw(st.booleans())}
+    if body.get("stream") is not True:
+        body.pop("stream_options", None)  # valid only with stream true (a 400 otherwise)
     for _ in range(draw(st.integers(0, 3))):
         name = draw(st.sampled_from(names + sorted(set(HOSTILE_FIELDS) - set(valid) - {"messages", "prompt"})))
         body[name] = draw(HOSTILE_FIELDS.get(name, HOSTILE))

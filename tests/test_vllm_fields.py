@@ -313,6 +313,14 @@ def test_server_refuses_vllm_fields_it_has_no_counterpart_for(client, field, val
         assert err.value.body["param"] == field
 
 
+def test_server_refuses_stream_options_without_stream(client):
+    """stream_options asks for streaming behaviour: without stream true it is a 400 (vLLM, OpenAI), not ignored."""
+    for create in (server_chat, server_completion):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(client, stream_options={"include_usage": True})
+        assert err.value.body["param"] == "stream_options"
+
+
 def test_server_accepts_the_values_that_ask_for_nothing(client):
     neutral = {"use_beam_search": False, "priority": 0, "logits_processors": [], "vllm_xargs": {},
                "kv_transfer_params": {}, "guided_decoding_backend": "xgrammar", "add_special_tokens": True}

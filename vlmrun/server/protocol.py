@@ -340,6 +340,8 @@ def _include_usage(body: dict[str, Any]) -> bool:
         return False
     if not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", param="stream_options")
+    if body.get("stream") is not True:  # vLLM and OpenAI refuse it too, rather than ignore it
+        raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
     return opt_bool(opts, "include_usage", False)
 
 
