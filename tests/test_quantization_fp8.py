@@ -46,8 +46,8 @@ from vlmrun.models.weights import weight_bytes
 from vlmrun.parallel import Shard, TensorParallel
 from vlmrun.quantization.config import QuantizationConfig
 from vlmrun.quantization.fp8 import Fp8BlockLinear, Fp8OnlineLinear, fp8_gemm, make_fp8_method
-from vlmrun.quantization.fp8_blocks import (FP8, compact_rows, dequantize_blocks, expand_rows, quantize_activation,
-                                            quantize_weight)
+from vlmrun.quantization.fp8_blocks import (FP8, compact_rows, dequantize_blocks, expand_rows, fp8_to_float32,
+                                            quantize_activation, quantize_weight)
 
 MAX_NEW = 4
 TOPK = 5
@@ -120,6 +120,13 @@ def test_dequantize_equals_transformers_arithmetic(shape):
         assert torch.equal(ours, grid.reshape(shape))
     assert torch.equal(ours, reference_dequantize(q, scale))  # the test writer's own, partial blocks too
     assert torch.equal(dequantize_blocks(q, scale, torch.bfloat16), ours.to(torch.bfloat16))
+
+
+def test_fp8_values_read_through_float16_equal_torchs_conversion():
+    every = torch.arange(256, dtype=torch.uint8).view(FP8)  # each bit pattern, subnormals and -0 too
+    ours, torchs = fp8_to_float32(every), every.float()
+    real = ~torch.isnan(torchs)  # 0x7f / 0xff: NaN in e4m3fn, never in a checkpoint's weights
+    assert torch.equal(ours[real], torchs[real]) and torch.equal(ours.signbit()[real], torchs.signbit()[real])
 
 
 def test_quantize_equals_the_checkpoint_writer():
