@@ -6,6 +6,7 @@
 - `assign.py`: gives each linear layer of a built model its `LinearMethod`
   (`vlmrun.layers.linear_method`), by the checkpoint's names of its modules and the config's
   unquantized-module list.
-- `fp8.py`: FP8 block-wise weights (Qwen's `-FP8` checkpoints, and online FP8 of a float checkpoint).
+- `fp8.py`: FP8 block-wise weights (Qwen's `-FP8` checkpoints, and online FP8 of a float checkpoint);
+  `fp8_blocks.py` their block arithmetic in plain torch.
 - `int4.py`: AWQ / GPTQ 4-bit weights.
 """
