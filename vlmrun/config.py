@@ -146,6 +146,8 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config cannot be combined with async_scheduling yet: a verify step's "
                              "accepted length must reach the host before the next step is planned")
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config under tensor parallelism is not supported yet")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

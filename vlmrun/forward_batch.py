@@ -75,6 +75,9 @@ class ForwardBatch:
     deepstack_embeds: Optional[torch.Tensor] = None  # [num_deepstack_layers, num_mm_tokens, hidden]
     # Hybrid models: the GDN state-pool slot of each sequence (slot 0 is the dummy for padding rows).
     state_slots: Optional[torch.Tensor] = None  # [batch] int64
+    # Speculative decoding: per sequence, how many of its fed tokens (the last ones) are drafts; None
+    # when no sequence has any. A GDN backend keeps the state after each position of such a sequence.
+    num_drafts_cpu: Optional[list[int]] = None
 
     @property
     def batch_size(self) -> int:

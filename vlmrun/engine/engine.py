@@ -111,7 +111,7 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval,
-                                   proposer=build_proposer(config, self.model_config))  # speculative decoding
+                                   proposer=build_proposer(config))  # speculative decoding
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
                                         self.model_config.eos_token_ids)

@@ -68,6 +68,9 @@ def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfi
     setup = BackendSetup(caches, num_q_heads=layer.num_heads, scaling=layer.scaling, device=device)
     backend = create_attention_backend(setup, config.attention_backend, config.gdn_backend)
     check_backend_serves(model, backend)
+    if config.speculative_config is not None and backend.linear is not None and not backend.linear.verifies_drafts:
+        raise ValueError(f"speculative decoding on a hybrid model needs a GDN backend that keeps the state after "
+                         f"each draft position; {type(backend.linear).__name__} does not (use gdn_backend='torch')")
     logger.info("attention backend: %s", backend_names(backend))
     return backend
 

@@ -14,7 +14,8 @@ async scheduling). On CUDA the step's inputs go up from pinned host memory with 
 from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
 A chunk with draft tokens (speculative decoding, `ChunkInput.num_drafts`) samples at each of its last
 1 + num_drafts positions; `collect` keeps the tokens up to the first rejected draft
-(vlmrun/spec_decode/verify.py).
+(vlmrun/spec_decode/verify.py) and, for a hybrid model, has the GDN backend put the states after the
+accepted positions into the slots.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class LaunchedStep:
     prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 2 + 2k] rows (gather_prompt_logprobs) or None
     drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
     seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
+    gdn_metadata: object = None  # hybrid models, a step with drafts: the GDN backend's metadata (per-position states)
 
 
 class ModelRunner:
@@ -126,7 +128,8 @@ class ModelRunner:
                                                     dtype=torch.int64))
             self.last_tokens[sampled_rows] = output.token_ids
         output.start_transfer()
-        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded)
+        gdn = fb.linear_attn_metadata if fb.num_drafts_cpu is not None and self.attn_backend.linear else None
+        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, gdn)
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
@@ -149,6 +152,7 @@ class ModelRunner:
         """The step's sampled tokens on the host: the step's one device→host sync (and, in a step with
         prompt logprobs, their rows)."""
         outputs = [ChunkOutput() for _ in step.samples]
+        num_accepted = [0] * len(step.samples)
         if step.output is not None:
             host = step.output.to_host()
             sampled = iter(zip(host.token_ids, host.logprobs))
@@ -156,10 +160,12 @@ class ModelRunner:
                 if samples:
                     drafts, seeded = step.drafts[i], step.seeded_draws[i]
                     tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
-                    accepted = count_accepted([t.token_id for t in tokens], drafts)
+                    accepted = num_accepted[i] = count_accepted([t.token_id for t in tokens], drafts)
                     if accepted < len(drafts) and seeded is not None:
                         seeded.keep(1 + accepted)  # the draws of the emitted positions only
                     out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
+        if step.gdn_metadata is not None:  # GDN slots: the states after the accepted positions
+            self.attn_backend.linear.keep_accepted_states(step.gdn_metadata, num_accepted)
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
                 k = (rows.shape[1] - 2) // 2
@@ -203,6 +209,8 @@ class ModelRunner:
         if self.caches.gdn_pool is not None:
             slots = [gdn_slot_for_row(c.row) for c in chunks]
             fb.state_slots = up(torch.tensor(slots, dtype=torch.int64))  # [batch]
+        if any(c.num_drafts for c in chunks):
+            fb.num_drafts_cpu = [c.num_drafts for c in chunks]
         return fb
 
     def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput]) -> torch.Tensor:

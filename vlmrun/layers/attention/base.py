@@ -12,6 +12,9 @@ layers to its linear-attention backend, `fb.attn_backend.linear`.
   onto `fb.linear_attn_metadata`; `forward` runs the causal conv and the gated delta rule from
   each sequence's slot (`fb.state_slots`) and writes the states back. Its decode metadata only
   refers to `fb.state_slots`, so a padded decode batch with static slots is graph-capturable.
+  One that `verifies_drafts` (speculative decoding) also keeps, for a sequence with draft tokens
+  (`fb.num_drafts_cpu`), the states after each of its positions, and `keep_accepted_states` puts the
+  ones after the accepted positions into the slots once the step's tokens are known.
 - `HybridAttnBackend` (hybrid_backend.py) composes one of each for hybrid models: it is an
   `AttentionBackend` whose `linear` is set (None on every other one). A model with GDN layers
   needs one (`check_backend_serves`, run when a runner is built).
@@ -39,6 +42,8 @@ HYBRID_HINT = ("a model with GDN layers runs on a HybridAttnBackend (create_atte
 class LinearAttentionBackend(LinearAttentionForward, ABC):
     """Gated DeltaNet layers over the GDN state pool; one implementation per kernel family."""
 
+    verifies_drafts: bool = False  # keeps per-position states of draft-carrying sequences (speculative decoding)
+
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
         """Build the step's metadata once, before the model runs, and store it on `fb.linear_attn_metadata`."""
@@ -50,6 +55,11 @@ class LinearAttentionBackend(LinearAttentionForward, ABC):
 
         Reads and writes the conv and recurrent state of each sequence's slot (`fb.state_slots`).
         """
+
+    def keep_accepted_states(self, metadata: Any, num_accepted: list[int]) -> None:
+        """After a step with drafts (`metadata`: that step's `fb.linear_attn_metadata`): each draft-carrying
+        sequence's slot gets the states after its last known token and its `num_accepted[i]` accepted drafts."""
+        raise NotImplementedError(f"{type(self).__name__} does not keep per-position states for drafts")
 
 
 class AttentionBackend(AttentionForward, ABC):

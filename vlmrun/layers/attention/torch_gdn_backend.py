@@ -9,14 +9,21 @@ states back:
     same-size images prefills at once), each from its own slot's state; a later chunk starts from
     the state the previous chunk left;
   - all sequences feeding one token (decodes) run together as one `recurrent_gated_delta_rule`
-    step, gathered and scattered by slot.
+    step, gathered and scattered by slot;
+  - sequences with draft tokens (speculative decoding's verify pass, `fb.num_drafts_cpu`) run token
+    by token as that many decode steps would (`causal_conv1d_step`, then the recurrent rule on one
+    token, the state rounded to the pool's dtype after each), together when they feed the same
+    number of tokens; the states after every position are kept on the metadata (`VerifyGroup`) and
+    `keep_accepted_states` writes the ones after the accepted positions into the slots, so the slot
+    holds what plain decode of the accepted tokens leaves. (Memory: per GDN layer and such sequence,
+    1 + k conv and recurrent states, for the length of the step.)
 The per-step split is computed once in `prepare` from host lists (no device→host sync) and kept
 on `fb.linear_attn_metadata`, so a flash-linear-attention backend can take the same seam.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, cast
 
 import torch
@@ -42,15 +49,30 @@ class ExtendGroup:
 
 
 @dataclass
+class VerifyGroup:
+    """Sequences with draft tokens feeding the same number of tokens, and the states after each position."""
+
+    length: int
+    slots: torch.Tensor  # [n] the sequences' GDN slots
+    rows: torch.Tensor  # [n * length] their rows in the token stream, sequence by sequence
+    batch_index: list[int]  # [n] the sequences' places in the step's batch
+    conv_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, length, conv_dim, K-1]
+    recurrent_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, length, Hv, Dv, Dk]
+
+
+@dataclass
 class GDNMetadata:
     extends: list[ExtendGroup]  # sequences feeding more than one token, grouped by length
     decode_rows: Optional[torch.Tensor]  # [n_decode] token rows of one-token sequences (None in a DECODE step)
     decode_slots: Optional[torch.Tensor]  # [n_decode] their GDN slots; None when no sequence feeds one token
     decode_is_whole_batch: bool  # a DECODE step: every sequence feeds one token, rows are the stream in order
+    verifies: list[VerifyGroup] = field(default_factory=list)  # sequences with draft tokens, grouped by length
 
 
 class TorchGDNBackend(LinearAttentionBackend):
     """Linear-attention (GDN) layers in torch ops; full attention belongs to the backend beside it."""
+
+    verifies_drafts = True
 
     def __init__(self, pool: GDNPool):
         self.pool = pool
@@ -59,20 +81,27 @@ class TorchGDNBackend(LinearAttentionBackend):
         if fb.state_slots is None:
             raise ValueError("a hybrid model's ForwardBatch needs state_slots (the GDN slot of each sequence)")
         by_length: dict[int, list[tuple[int, int]]] = {}  # length -> (batch index, first row)
+        verify_by_length: dict[int, list[tuple[int, int]]] = {}  # the same, for sequences with drafts
         decode_batch: list[int] = []
         decode_rows: list[int] = []
         start = 0
         for i, n in enumerate(fb.extend_seq_lens_cpu):
-            if n == 1:
+            if fb.num_drafts_cpu is not None and fb.num_drafts_cpu[i]:
+                verify_by_length.setdefault(n, []).append((i, start))
+            elif n == 1:
                 decode_batch.append(i)
                 decode_rows.append(start)
             else:
                 by_length.setdefault(n, []).append((i, start))
             start += n
         device = fb.state_slots.device
-        extends = [ExtendGroup(n, fb.state_slots.index_select(0, torch.tensor([i for i, _ in seqs], device=device)),
-                               (torch.tensor([s for _, s in seqs])[:, None] + torch.arange(n)).flatten().to(device))
-                   for n, seqs in by_length.items()]
+
+        def slots_and_rows(n: int, seqs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+            slots = fb.state_slots.index_select(0, torch.tensor([i for i, _ in seqs], device=device))
+            return slots, (torch.tensor([s for _, s in seqs])[:, None] + torch.arange(n)).flatten().to(device)
+
+        extends = [ExtendGroup(n, *slots_and_rows(n, seqs)) for n, seqs in by_length.items()]
+        verifies = [VerifyGroup(n, *slots_and_rows(n, seqs), [i for i, _ in seqs]) for n, seqs in verify_by_length.items()]
         whole = len(decode_batch) == fb.batch_size  # a DECODE step
         rows = slots = None
         if decode_batch and whole:
@@ -80,7 +109,7 @@ class TorchGDNBackend(LinearAttentionBackend):
         elif decode_batch:
             rows = torch.tensor(decode_rows, dtype=torch.int64).to(device)
             slots = fb.state_slots[torch.tensor(decode_batch, dtype=torch.int64).to(device)]
-        fb.linear_attn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole)
+        fb.linear_attn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole, verifies)
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
@@ -106,6 +135,11 @@ class TorchGDNBackend(LinearAttentionBackend):
             rec_state[slots] = new_rec.to(rec_state.dtype)
             out[group.rows] = o.flatten(0, 1)
 
+        for verify in md.verifies:
+            out[verify.rows] = self._verify(mixed_qkv.index_select(0, verify.rows), g.index_select(0, verify.rows),
+                                            beta.index_select(0, verify.rows), conv_weight, verify, layer, conv_state,
+                                            rec_state)
+
         if md.decode_slots is not None:
             rows = md.decode_rows
             out[rows] = self._decode(mixed_qkv.index_select(0, rows), g.index_select(0, rows),
@@ -125,3 +159,39 @@ class TorchGDNBackend(LinearAttentionBackend):
         rec_state[slots] = new_rec.to(rec_state.dtype)
         return o[:, 0]
 
+    def _verify(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+                group: VerifyGroup, layer: LinearAttention, conv_state: torch.Tensor,
+                rec_state: torch.Tensor) -> torch.Tensor:
+        """n sequences of `group.length` tokens, token by token as decode steps: x [n * L, conv_dim],
+        g/beta [n * L, Hv] -> [n * L, Hv, Dv]; keeps the states after every position on `group`."""
+        n, length = group.slots.shape[0], group.length
+        x, g, beta = x.view(n, length, -1), g.view(n, length, -1), beta.view(n, length, -1)
+        conv = conv_state.index_select(0, group.slots)  # [n, conv_dim, K-1]
+        rec = rec_state.index_select(0, group.slots)  # [n, Hv, Dv, Dk]
+        outs, convs, recs = [], [], []
+        for t in range(length):
+            y, conv = causal_conv1d_step(x[:, t], conv_weight, conv)
+            conv = conv.to(conv_state.dtype)
+            q, k, v = split_gdn_heads(y, layer)  # [n, H, D] each
+            o, rec = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, t, None], beta[:, t, None],
+                                                rec)
+            rec = rec.to(rec_state.dtype)
+            outs.append(o[:, 0])
+            convs.append(conv)
+            recs.append(rec)
+        group.conv_states[layer.layer_id] = torch.stack(convs, dim=1)  # [n, L, conv_dim, K-1]
+        group.recurrent_states[layer.layer_id] = torch.stack(recs, dim=1)  # [n, L, Hv, Dv, Dk]
+        conv_state[group.slots] = conv
+        rec_state[group.slots] = rec
+        return torch.stack(outs, dim=1).flatten(0, 1)  # [n * L, Hv, Dv]
+
+    def keep_accepted_states(self, metadata: GDNMetadata, num_accepted: list[int]) -> None:
+        """Slot of each verified sequence <- its states after position num_accepted[i] (its last known
+        token is position 0, each accepted draft one more)."""
+        for group in metadata.verifies:
+            positions = torch.tensor([num_accepted[i] for i in group.batch_index], device=group.slots.device)
+            seqs = torch.arange(group.slots.shape[0], device=group.slots.device)
+            for layer_id, states in group.conv_states.items():
+                self.pool.conv_state[layer_id][group.slots] = states[seqs, positions]
+            for layer_id, states in group.recurrent_states.items():
+                self.pool.recurrent_state[layer_id][group.slots] = states[seqs, positions]
