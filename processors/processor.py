@@ -33,7 +33,7 @@ from vlmrun.processors.limits import InputError, ProcessorLimits, check_media_co
 from vlmrun.processors.placeholders import (IMAGE_PAD, VIDEO_PAD, VISION_END, VISION_START, MediaPiece,
                                             ProcessedPrompt, expand_placeholders, find_token_id,
                                             find_vision_token_ids)
-from vlmrun.processors.processor_kwargs import apply_processor_kwargs
+from vlmrun.processors.processor_kwargs import apply_processor_kwargs, check_processor_kwargs
 from vlmrun.processors.processor_files import load_chat_template, model_type, read_chat_template, video_prompt_style
 from vlmrun.processors.video_config import VideoProcessorConfig, video_style
 from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
@@ -45,8 +45,12 @@ class Processor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat_template: str | None,
                  image_processor: ImageProcessor | None, limits: ProcessorLimits | None = None,
                  device: str | torch.device = "cpu", source: str = "",
-                 video_processor: VideoProcessor | None = None, video_prompt: str = "qwen3") -> None:
+                 video_processor: VideoProcessor | None = None, video_prompt: str = "qwen3",
+                 mm_processor_kwargs: Mapping[str, Any] | None = None) -> None:
         self.tokenizer = tokenizer
+        # options for every image / video that sets none itself and gets none from its call (vLLM's engine-wide
+        # mm_processor_kwargs; `processor_kwargs.py`)
+        self.mm_processor_kwargs = check_processor_kwargs(mm_processor_kwargs or {})
         self.video_prompt = video_prompt  # "qwen3": timestamped groups (Qwen3VLProcessor); "qwen2": one run
         self.chat_template = chat_template
         self.image_processor = image_processor
@@ -60,7 +64,8 @@ class Processor:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, limits: ProcessorLimits | None = None, *,
                         device: str | torch.device = "cpu", image_backend: str = "auto",
-                        chat_template: str | None = None) -> "Processor":
+                        chat_template: str | None = None,
+                        mm_processor_kwargs: Mapping[str, Any] | None = None) -> "Processor":
         """Load from a local checkpoint directory.
 
         chat template: `chat_template` when given (a file path or the template itself, `load_chat_template`),
@@ -85,6 +90,7 @@ class Processor:
             source=path,
             video_processor=VideoProcessor(video_config) if video_config is not None else None,
             video_prompt=video_prompt_style(path, model_style),
+            mm_processor_kwargs=mm_processor_kwargs,
         )
 
     # ----------------------------------------------------------------------------------------
@@ -217,6 +223,7 @@ class Processor:
     def _check_media(self, refs: list[MediaRef]) -> tuple[list[ImageRef], list[VideoRef]]:
         """The images and the videos of `refs`; InputError past the per-prompt limits or where the model
         takes none."""
+        apply_processor_kwargs(refs, self.mm_processor_kwargs)  # after the call's own: those win
         image_refs = [r for r in refs if isinstance(r, ImageRef)]
         video_refs = [r for r in refs if isinstance(r, VideoRef)]
         check_media_count(len(image_refs), len(video_refs), self.limits)

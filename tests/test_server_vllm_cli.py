@@ -134,10 +134,14 @@ def test_server_flags_reach_the_server_settings(qwen3_vl_dir):
     settings = server_settings(serve_args(qwen3_vl_dir, "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml",
                                           "--trust-request-chat-template", "--mm-processor-kwargs", MM_DEFAULTS))
     assert (settings.enable_auto_tool_choice, settings.tool_call_parser) == (True, "qwen3_xml")
-    assert settings.trust_request_chat_template and settings.mm_processor_kwargs == {"max_pixels": 20000}
+    assert settings.trust_request_chat_template
     plain = server_settings(serve_args(qwen3_vl_dir))
     assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
-    assert (plain.trust_request_chat_template, plain.mm_processor_kwargs) == (False, {})
+    assert not plain.trust_request_chat_template
+    # --mm-processor-kwargs is an engine option, as vLLM's: the engine's processor applies it
+    assert engine_config(serve_args(qwen3_vl_dir, "--mm-processor-kwargs", MM_DEFAULTS)).mm_processor_kwargs \
+        == {"max_pixels": 20000}
+    assert engine_config(serve_args(qwen3_vl_dir)).mm_processor_kwargs is None
 
 
 def test_limit_mm_per_prompt_maps_onto_the_engine_limits():

@@ -122,9 +122,15 @@ def test_llm_chat_keywords(llm, qwen3_vl_dir):
     pad = llm.engine.processor.image_token_id
     assert small.prompt_token_ids.count(pad) < as_pil.prompt_token_ids.count(pad) == 48
     assert llm.get_default_sampling_params() == SamplingParams()  # the tiny checkpoint sets no sampling default
-    limited = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_model_len=512, limit_mm_per_prompt={"image": 1})
+    limited = LLM(str(qwen3_vl_dir), dtype="float32", device="cpu", max_model_len=512, limit_mm_per_prompt={"image": 1},
+                  mm_processor_kwargs={"max_pixels": 20000})  # vLLM's engine-wide default
     two = limited.chat(user([{"type": "image", "image": image}] * 2 + ["Hi"]), use_tqdm=False)[0]
     assert "the limit is 1" in two.error
+    one_image = user([{"type": "image", "image": image}, "Hi"])
+    sized = limited.chat(one_image, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    own = limited.chat(one_image, SamplingParams(max_tokens=1), use_tqdm=False,
+                       mm_processor_kwargs={"max_pixels": 1 << 20})[0]  # the call's own wins
+    assert sized.prompt_token_ids.count(pad) == small.prompt_token_ids.count(pad) < own.prompt_token_ids.count(pad) == 48
 
 
 def test_generation_config_defaults(qwen3_dir, tmp_path):
@@ -252,10 +258,11 @@ def test_serve_flags(qwen3_vl_dir, flagged, server):
                       "--mm-processor-kwargs", '{"max_pixels": 20000}', "--chat-template", "{{ 'x' }}")
     config, settings = engine_config(args), server_settings(args)
     assert (config.model, config.revision, config.seed, config.enable_prefix_caching, config.generation_config,
-            config.chat_template, config.max_images_per_request, config.max_videos_per_request) == (
-        str(qwen3_vl_dir), "main", 7, False, "vllm", "{{ 'x' }}", 2, 0)
-    assert (settings.enable_auto_tool_choice, settings.tool_call_parser, settings.trust_request_chat_template,
-            settings.mm_processor_kwargs) == (True, "hermes", True, {"max_pixels": 20000})
+            config.chat_template, config.max_images_per_request, config.max_videos_per_request,
+            config.mm_processor_kwargs) == (str(qwen3_vl_dir), "main", 7, False, "vllm", "{{ 'x' }}", 2, 0,
+                                            {"max_pixels": 20000})
+    assert (settings.enable_auto_tool_choice, settings.tool_call_parser, settings.trust_request_chat_template) == (
+        True, "hermes", True)
     # the flagged server: --chat-template, --limit-mm-per-prompt, --mm-processor-kwargs,
     # --no-enable-prefix-caching, no --enable-auto-tool-choice
     flagged_ids = post(flagged, "/tokenize", {"messages": user([LARGE_IMAGE, "hi"])}).json()["tokens"]

@@ -16,6 +16,7 @@ import torch
 
 from vlmrun.generation_config import read_sampling_defaults
 from vlmrun.processors.pixel_backends import IMAGE_BACKENDS
+from vlmrun.processors.processor_kwargs import check_processor_kwargs
 from vlmrun.quantization.config import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
 from vlmrun.spec_decode.config import SpeculativeConfig
 
@@ -77,6 +78,9 @@ class EngineConfig:
     # budget the KV pool cannot use anyway (often none on a tight budget); an int takes them from the budget.
     gdn_prefix_snapshots: Optional[int] = None
     prefix_snapshot_interval: int = 512  # hybrid models: snapshot every this many prompt tokens (and at the last full page)
+    # vLLM's engine-wide mm_processor_kwargs ({"min_pixels", "max_pixels", "fps"}): sizes every image / video
+    # that sets none itself and gets none from its request (processors/processor_kwargs.py).
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
     max_images_per_request: int = 32  # 0: no images (vLLM's limit_mm_per_prompt {"image": N}, `mm_limit_fields`)
     max_videos_per_request: int = 32  # 0: no videos ({"video": N})
     max_image_pixels: Optional[int] = None  # decompression-bomb cap; None = processors' default
@@ -148,6 +152,8 @@ class EngineConfig:
                              "accepted length must reach the host before the next step is planned")
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ValueError("speculative_config under tensor parallelism is not supported yet")
+        if self.mm_processor_kwargs is not None:
+            check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
 

@@ -102,7 +102,8 @@ class Engine:
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
-                                                   device=self._preprocess_device(), chat_template=config.chat_template)
+                                                   device=self._preprocess_device(), chat_template=config.chat_template,
+                                                   mm_processor_kwargs=config.mm_processor_kwargs)
         self.tokenizer = self.processor.tokenizer
         self.runner: Executor = self._build_executor()
         self.caches = self.runner.caches  # under tensor parallel, stand-ins that record the scheduler's writes

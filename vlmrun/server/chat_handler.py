@@ -136,7 +136,7 @@ def render_chat(state: ServerState, messages: list[Any], tools: list[dict[str, A
         raise bad_request("a per-request 'chat_template' needs a server started with --trust-request-chat-template",
                           param="chat_template")
     resolved = state.media.resolve_messages(messages)
-    mm_kwargs = {**state.settings.mm_processor_kwargs, **options.mm_processor_kwargs}
+    mm_kwargs = options.mm_processor_kwargs  # over the engine's own (--mm-processor-kwargs), which the processor applies
     return state.processor.process_chat(resolved, add_generation_prompt=options.add_generation_prompt,
                                         tools=tools or None, chat_template_kwargs=options.template_variables(),
                                         chat_template=options.chat_template,

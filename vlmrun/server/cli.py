@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit-mm-per-prompt", type=_json_object, default=None,
                    help='items of each modality one request may carry, as JSON: \'{"image": 2, "video": 1}\' '
                         "(default 32 each; 0 refuses the modality)")
+    p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
+                   help='image / video processor options for every item that sets none, as JSON: '
+                        '\'{"max_pixels": 401408}\' (min_pixels, max_pixels, fps); a request\'s own override them')
     p.add_argument("--max-images-per-request", type=int, default=None,
                    help='images one request may carry (default 32; the same as --limit-mm-per-prompt \'{"image": N}\')')
     p.add_argument("--max-image-pixels", type=int, default=None)
@@ -111,7 +114,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend,
                         mm_encoder_tp_mode=args.mm_encoder_tp_mode,
-                        enable_expert_parallel=args.enable_expert_parallel, **kernel_options(args))
+                        enable_expert_parallel=args.enable_expert_parallel,
+                        mm_processor_kwargs=args.mm_processor_kwargs, **kernel_options(args))
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings
@@ -127,8 +131,7 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        trust_request_chat_template=args.trust_request_chat_template,
-        mm_processor_kwargs=args.mm_processor_kwargs if args.mm_processor_kwargs is not None else {})
+        trust_request_chat_template=args.trust_request_chat_template)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -157,9 +160,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "either is read whichever is named")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request carry its own 'chat_template' (without it such a request is a 400)")
-    p.add_argument("--mm-processor-kwargs", type=_json_object, default=None,
-                   help='image / video processor options for every item that sets none, as JSON: '
-                        '\'{"max_pixels": 401408}\' (min_pixels, max_pixels, fps); a request\'s own override them')
 
 
 def serve(args: argparse.Namespace) -> int:

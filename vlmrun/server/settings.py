@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 MiB = 1 << 20
 # vLLM's --tool-call-parser names for the Qwen formats this server reads (`tool_calls.read_call` reads
@@ -56,7 +56,6 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     trust_request_chat_template: bool = False
-    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes"):
@@ -72,9 +71,6 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
                              f"(--tool-call-parser {' | '.join(TOOL_CALL_PARSERS)})")
-        from vlmrun.processors.processor_kwargs import check_processor_kwargs  # here: the CLI parses without torch
-
-        self.mm_processor_kwargs = check_processor_kwargs(self.mm_processor_kwargs)  # InputError is a ValueError
         if self.url_timeout_s <= 0:
             raise ValueError("ServerSettings.url_timeout_s must be > 0")
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()

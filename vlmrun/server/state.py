@@ -83,7 +83,7 @@ class ServerState:
                                      max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes))
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
                               device=base.device, source=base.source, video_processor=base.video_processor,
-                              video_prompt=base.video_prompt)
+                              video_prompt=base.video_prompt, mm_processor_kwargs=base.mm_processor_kwargs)
         media = MediaResolver(MediaPolicy(
             allow_remote_urls=settings.allow_remote_urls, allow_private_urls=settings.allow_private_urls,
             allowed_local_media_path=settings.allowed_local_media_path, url_timeout_s=settings.url_timeout_s,
