@@ -116,6 +116,8 @@ class OracleDrafts:
     replaced by a wrong token, so that runs are accepted whole, in part and not at all. Tests the
     verify pass where n-gram drafts would all be rejected (the tiny hybrid models never repeat)."""
 
+    drafts_on_device = False
+
     def __init__(self, references: list[list[int]], k: int, vocab_size: int):
         self.references, self.k, self.vocab_size = references, k, vocab_size
 

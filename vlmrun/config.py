@@ -58,8 +58,9 @@ class EngineConfig:
     # equal the synchronous engine's. Off by default until measured to pay on a device.
     async_scheduling: bool = False
     # Speculative decoding (vLLM's name and keys): {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_min": a, "prompt_lookup_max": b} or a SpeculativeConfig; None: off. Greedy tokens
-    # equal plain decode's, sampled ones keep its distribution (docs/spec_decode.md).
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}, {"method": "mtp", "num_speculative_tokens": k}
+    # (a checkpoint's MTP layer) or a SpeculativeConfig; None: off. Greedy tokens equal plain decode's,
+    # sampled ones keep its distribution (docs/spec_decode.md).
     speculative_config: Union[None, dict, SpeculativeConfig] = None
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
     # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device

@@ -32,7 +32,6 @@ from typing import Any, Optional, Union
 import torch
 
 from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
-from vlmrun.cache.plan import build_caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
@@ -42,11 +41,10 @@ from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.prompt_forms import RawPrompt, UserTurnPrompt, parse_prompt
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
-from vlmrun.executor.build import build_model_runner
+from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
 from vlmrun.executor.model_runner import SampledToken
-from vlmrun.executor.overlap import OverlappedRunner
 from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
@@ -128,11 +126,7 @@ class Engine:
         if config.tensor_parallel_size > 1:  # the ranks run their steps in order: launch/collect are async already
             return create_parallel_executor(config, self.model_config, self.device)
         model = load_model(self.model_config, self.device, fp8_kernel=config.fp8_kernel)
-        dtype = self.model_config.dtype
-        caches = build_caches(model.cache_shape(), config, dtype=dtype, max_model_len=self.model_config.max_model_len,
-                              device=self.device)
-        runner = build_model_runner(model, caches, config, self.device, dtype)
-        return OverlappedRunner(runner) if config.async_scheduling else runner
+        return build_local_executor(model, config, self.model_config, self.device)
 
     def shutdown(self) -> None:
         """End the tensor-parallel rank processes (nothing to do on one device)."""

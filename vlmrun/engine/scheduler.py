@@ -41,7 +41,7 @@ from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.executor.step_input import ChunkInput, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.metrics import SpecDecodeStats
-from vlmrun.spec_decode.ngram import NgramProposer
+from vlmrun.spec_decode.proposer import Proposer
 
 
 @dataclass
@@ -77,7 +77,8 @@ class ScheduledChunk:
         return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=token_ids,
                           positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
                           mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
-                          prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids))
+                          prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids),
+                          next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0])
 
     def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
         """For a request with prompt logprobs: the prompt token after each fed token that has one."""
@@ -90,7 +91,7 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
-                 snapshot_interval: int = 512, proposer: Optional[NgramProposer] = None):
+                 snapshot_interval: int = 512, proposer: Optional[Proposer] = None):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -205,9 +206,11 @@ class Scheduler:
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decoding request (`n` = 1: its last token) to verify this step: within the
         budget, and short enough that the run they can add keeps within max_tokens and max_model_len.
-        None for a structured-output request (its grammar would have to advance over them)."""
+        None for a structured-output request (its grammar would have to advance over them), nor, when the
+        drafts are made on the device, for one whose sampling reads its output ids (penalties, bad words)."""
         if (self.proposer is None or n != 1 or not req.output_token_ids or req.grammar is not None
-                or req.num_computed_tokens != req.num_tokens - 1):
+                or req.num_computed_tokens != req.num_tokens - 1
+                or (self.proposer.drafts_on_device and req.sampling_params.reads_output_tokens)):
             return []
         limit = min(budget - 1, self.max_model_len - req.num_tokens - 1)
         max_tokens = req.sampling_params.max_tokens

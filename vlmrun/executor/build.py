@@ -6,22 +6,26 @@
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
 FlashInfer path, builds the vision stage, and sets up decode padding and CUDA graphs (`enforce_eager`).
 The engine (one device) and each tensor-parallel rank build their runner with it, and only with it.
+`build_local_executor` is the rest of the engine's executor on one device around a loaded model: its
+MTP drafter (the speculative method "mtp"), the caches and the runner (behind `OverlappedRunner` for
+async scheduling).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from vlmrun.cache.encoder_cache import EncoderCache
-from vlmrun.cache.plan import Caches
-from vlmrun.config import EngineConfig
+from vlmrun.cache.plan import Caches, build_caches
+from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.cpu_malloc import keep_freed_memory
 from vlmrun.executor.model_runner import ModelRunner
+from vlmrun.executor.overlap import OverlappedRunner
 from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
 from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
 from vlmrun.layers.attention.base import check_backend_serves
@@ -33,12 +37,26 @@ from vlmrun.layers.packed_linear import pack_linear_weights
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.parallel import SINGLE, TensorParallel
+from vlmrun.spec_decode.mtp import MTPDrafter, build_mtp_drafter, with_mtp_layer
 
 logger = logging.getLogger(__name__)
 
 
+def build_local_executor(model: nn.Module, config: EngineConfig, model_config: ModelConfig,
+                         device: torch.device) -> Union[ModelRunner, OverlappedRunner]:
+    """For the loaded `model` on `device`: its MTP drafter (weights loaded before the caches are
+    planned), its caches (with the MTP layer's KV) and its runner."""
+    drafter = build_mtp_drafter(model, config, model_config, config.max_num_seqs, device)
+    shape = model.cache_shape() if drafter is None else with_mtp_layer(model.cache_shape())
+    caches = build_caches(shape, config, dtype=model_config.dtype, max_model_len=model_config.max_model_len,
+                          device=device)
+    runner = build_model_runner(model, caches, config, device, model_config.dtype, drafter=drafter)
+    return OverlappedRunner(runner) if config.async_scheduling else runner
+
+
 def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, device: torch.device,
-                       dtype: torch.dtype, tp: Optional[TensorParallel] = None) -> ModelRunner:
+                       dtype: torch.dtype, tp: Optional[TensorParallel] = None,
+                       drafter: Optional[MTPDrafter] = None) -> ModelRunner:
     """The runner of one device: the engine's own (`tp` None) or one tensor-parallel rank's. Its vision
     stage has an encoder cache of its own; under TP with `mm_encoder_tp_mode="data"` each rank encodes
     a share of the step's images and the ranks gather the embeddings."""
@@ -57,7 +75,7 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     return ModelRunner(model, caches, backend, vision, device,
                        padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE,
                        feeds_placeholders=config.async_scheduling,
-                       seed=config.seed)
+                       seed=config.seed, drafter=drafter)
 
 
 def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfig,

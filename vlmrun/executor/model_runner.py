@@ -28,6 +28,7 @@ from torch import nn
 
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.plan import Caches
+from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
@@ -39,6 +40,7 @@ from vlmrun.models.weights import weight_bytes
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
+from vlmrun.spec_decode.mtp import MTPDrafter
 from vlmrun.spec_decode.verify import SeededDraws, count_accepted, position_rows
 
 
@@ -70,14 +72,16 @@ class LaunchedStep:
     drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
     seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
     gdn_metadata: object = None  # hybrid models, a step with drafts: the GDN backend's metadata (per-position states)
+    mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
                  vision: Optional[VisionStage], device: torch.device,
                  padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0,
-                 feeds_placeholders: bool = False):
+                 feeds_placeholders: bool = False, drafter: Optional[MTPDrafter] = None):
         self.model = model
+        self.drafter = drafter  # speculative method "mtp": drafts on the device (executor/mtp_steps.py)
         self.weight_bytes = (weight_bytes(model),)  # as stored to run (oneDNN-packed, quantized), one device
         self.caches = caches
         self.attn_backend = attn_backend
@@ -109,12 +113,17 @@ class ModelRunner:
         (sampled ids stay on the device, in `last_tokens`, and start their copy to the host)."""
         fb = self.build_forward_batch(chunks)
         self.embed_images(fb, chunks)
+        mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device)
+        if mtp is not None:
+            mtp.draft(fb, hybrid=self.caches.gdn_pool is not None)
         hidden = self.forward(fb)  # [num_tokens, hidden]
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
         rows = [row for c in chunks if c.sampling is not None for row in position_rows(c.sampling, c.draft_token_ids)]
         if not rows:
-            return LaunchedStep(samples, None, prompt_logprobs)
+            if mtp is not None:
+                mtp.catch_up(hidden, fb, None)
+            return LaunchedStep(samples, None, prompt_logprobs, mtp=mtp)
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
         drafts = [c.draft_token_ids for c in chunks]
@@ -122,6 +131,8 @@ class ModelRunner:
                   for c in chunks]
         batch = SamplingBatch.build(rows, vocab, device=self.device)
         output = self.sampler.sample(logits, batch)
+        if mtp is not None:
+            mtp.catch_up(hidden, fb, output.token_ids)
         if self.feeds_placeholders:  # async scheduling: the next step may read these ids before the host does
             self.tp.broadcast_from_first(output.token_ids)
             sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None],
@@ -129,7 +140,7 @@ class ModelRunner:
             self.last_tokens[sampled_rows] = output.token_ids
         output.start_transfer()
         gdn = fb.linear_attn_metadata if fb.num_drafts_cpu is not None and self.attn_backend.linear else None
-        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, gdn)
+        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, gdn, mtp)
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
@@ -156,9 +167,10 @@ class ModelRunner:
         if step.output is not None:
             host = step.output.to_host()
             sampled = iter(zip(host.token_ids, host.logprobs))
+            step_drafts = step.drafts if step.mtp is None else step.mtp.drafts_on_host()
             for i, (out, samples) in enumerate(zip(outputs, step.samples)):
                 if samples:
-                    drafts, seeded = step.drafts[i], step.seeded_draws[i]
+                    drafts, seeded = step_drafts[i], step.seeded_draws[i]
                     tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
                     accepted = num_accepted[i] = count_accepted([t.token_id for t in tokens], drafts)
                     if accepted < len(drafts) and seeded is not None:
@@ -166,6 +178,8 @@ class ModelRunner:
                     out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
         if step.gdn_metadata is not None:  # GDN slots: the states after the accepted positions
             self.attn_backend.linear.keep_accepted_states(step.gdn_metadata, num_accepted)
+        if step.mtp is not None:
+            step.mtp.remember(num_accepted)
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
                 k = (rows.shape[1] - 2) // 2
@@ -218,7 +232,7 @@ class ModelRunner:
         sampled for its chunk's row (async scheduling: a chunk's last token may not have reached the host)."""
         where, rows, offset = [], [], 0
         for c in chunks:
-            if c.token_ids[-1] == PLACEHOLDER_TOKEN:
+            if c.token_ids[-1] == PLACEHOLDER_TOKEN and not c.num_drafts:  # (MTP drafts are filled by MTPStep)
                 where.append(offset + c.num_tokens - 1)
                 rows.append(c.row)
             offset += c.num_tokens

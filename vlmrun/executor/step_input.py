@@ -41,6 +41,8 @@ class ChunkInput:
     # speculative decoding: the last `num_drafts` of token_ids are drafts after the last known token;
     # the chunk samples at each of its last 1 + num_drafts positions (vlmrun/spec_decode/verify.py)
     num_drafts: int = 0
+    # a chunk that stops before the request's last known token: the token after it (MTP drafting reads it)
+    next_token_id: Optional[int] = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,12 @@
 """`SpeculativeConfig`: speculative decoding's settings, with vLLM's names.
 
 `EngineConfig.speculative_config` takes the dict a user gives (`LLM(speculative_config=...)`,
-`--speculative-config JSON`) or this dataclass; `SpeculativeConfig.of` checks it. Method "ngram"
-(prompt lookup: drafts copied from the request's own prompt and output, `ngram.py`) takes
-`num_speculative_tokens` (k, required) and the n-gram sizes `prompt_lookup_min` /
+`--speculative-config JSON`) or this dataclass; `SpeculativeConfig.of` checks it. Both methods take
+`num_speculative_tokens` (k, required). Method "ngram" (prompt lookup: drafts copied from the
+request's own prompt and output, `ngram.py`) also takes the n-gram sizes `prompt_lookup_min` /
 `prompt_lookup_max` (vLLM's defaults: both 5 when neither is given, the given one when one is).
+Method "mtp" drafts with the checkpoint's multi-token-prediction layer (`mtp.py`; Qwen3.5 and
+Qwen3-Next checkpoints that carry one).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "mtp")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
 
 
@@ -32,6 +34,11 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if self.method != "ngram":
+            if low is not None or high is not None:
+                raise ValueError(f"speculative_config: prompt_lookup_min / prompt_lookup_max are method ngram's, "
+                                 f"not {self.method}'s")
+            return
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
         low, high = (high if low is None else low), (low if high is None else high)

@@ -16,6 +16,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
+    drafts_on_device = False  # the drafts are real token ids, on the host
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min

@@ -1,19 +1,41 @@
 """The engine's draft proposer for its `speculative_config` (None: the engine does not speculate).
 
-What cannot verify drafts is refused where it is known: async scheduling and tensor parallelism by
-`EngineConfig`, a GDN backend that keeps no per-position states by `build_model_runner`.
+"ngram": `NgramProposer`, drafts made on the host. "mtp": `MTPDraftSlots`, which only reserves the
+drafts' places: the model runner drafts on the device with the checkpoint's MTP layer right before the
+verify pass (`vlmrun/spec_decode/mtp.py`), and a placeholder stands for each draft until then. What
+cannot verify drafts is refused where it is known: async scheduling and tensor parallelism by
+`EngineConfig`, a GDN backend that keeps no per-position states and a checkpoint without an MTP layer
+by `build_local_executor` / `build_model_runner`.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 from vlmrun.config import EngineConfig
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
 from vlmrun.spec_decode.ngram import NgramProposer
 
 
-def build_proposer(config: EngineConfig) -> Optional[NgramProposer]:
+class MTPDraftSlots:
+    """Placeholders for up to k drafts the MTP layer makes on the device."""
+
+    drafts_on_device = True
+
+    def __init__(self, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+
+    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+        return [PLACEHOLDER_TOKEN] * max(0, min(self.k, max_drafts))
+
+
+Proposer = Union[NgramProposer, MTPDraftSlots]
+
+
+def build_proposer(config: EngineConfig) -> Optional[Proposer]:
     spec = config.speculative_config
     if spec is None:
         return None
+    if spec.method == "mtp":
+        return MTPDraftSlots(spec.num_speculative_tokens)
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

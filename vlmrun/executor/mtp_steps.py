@@ -1,0 +1,84 @@
+"""The model runner's side of MTP drafting (`vlmrun/spec_decode/mtp.py`): a step's chunks in, the
+drafter's inputs out.
+
+`MTPStep` follows one step: `draft` (before the model: the speculating chunks' drafts, written into
+the step's input ids where their placeholders are), `catch_up` (after sampling: the MTP layer over
+every fed position, on the token that follows each), `drafts_on_host` and `remember` (at collect:
+the drafts as lists, and each sampling chunk's MTP output at its last kept position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from vlmrun.cache.gdn_pool import gdn_slot_for_row
+from vlmrun.executor.step_input import ChunkInput
+from vlmrun.forward_batch import ForwardBatch
+from vlmrun.host_to_device import upload
+from vlmrun.layers.attention.base import AttentionBackend
+from vlmrun.spec_decode.mtp import DraftingChunk, MTPDrafter
+
+
+@dataclass
+class MTPStep:
+    drafter: MTPDrafter
+    chunks: list[ChunkInput]
+    backend: AttentionBackend
+    device: torch.device
+    drafted: Optional[torch.Tensor] = None  # [speculating chunks, max drafts] int64 on the device
+    outputs: Optional[torch.Tensor] = None  # [num_tokens, hidden]: the MTP layer's output at every fed position
+
+    def draft(self, fb: ForwardBatch, hybrid: bool) -> None:
+        """Draft for every chunk with drafts and put them in `fb.input_ids` at the drafts' rows."""
+        speculating = [i for i, c in enumerate(self.chunks) if c.num_drafts]
+        if not speculating:
+            return
+        drafting = [DraftingChunk(c.row, c.start, c.num_drafts, c.kv_slots, c.positions,
+                                  gdn_slot_for_row(c.row) if hybrid else None)
+                    for c in (self.chunks[i] for i in speculating)]
+        self.drafted = self.drafter.draft(drafting, self.backend, self.device)
+        starts = self._starts()
+        where = [starts[i] + 1 + j for i in speculating for j in range(self.chunks[i].num_drafts)]
+        which = [(k, j) for k, i in enumerate(speculating) for j in range(self.chunks[i].num_drafts)]
+        at = [upload(torch.tensor(index, dtype=torch.int64), self.device) for index in zip(*which)]
+        fb.input_ids[upload(torch.tensor(where, dtype=torch.int64), self.device)] = self.drafted[at[0], at[1]]
+
+    def catch_up(self, hidden: torch.Tensor, fb: ForwardBatch, sampled: Optional[torch.Tensor]) -> None:
+        """The MTP layer over the step's fed positions; `sampled` [logits rows] the ids sampled at
+        `fb.logits_indices` (None when no chunk samples)."""
+        next_ids = torch.roll(fb.input_ids, -1)  # inside a chunk: the next fed token
+        ends = self._starts()[1:]
+        known = [(end - 1, c.next_token_id) for end, c in zip(ends, self.chunks) if c.next_token_id is not None]
+        if known:  # a chunk that stops mid-sequence: the token after it, from the host
+            next_ids[upload(torch.tensor([r for r, _ in known], dtype=torch.int64), self.device)] = upload(
+                torch.tensor([t for _, t in known], dtype=torch.int64), self.device)
+        if sampled is not None:
+            next_ids[fb.logits_indices] = sampled
+        self.outputs = self.drafter.catch_up(hidden, next_ids, fb, self.backend, ends)
+
+    def drafts_on_host(self) -> list[list[int]]:
+        """Per chunk its drafts (empty for a chunk without), read from the device."""
+        host = [] if self.drafted is None else self.drafted.tolist()
+        it = iter(host)
+        return [next(it)[:c.num_drafts] if c.num_drafts else [] for c in self.chunks]
+
+    def remember(self, num_accepted: list[int]) -> None:
+        """Each sampling chunk's row keeps the MTP output at its last kept position: its last known token
+        and `num_accepted` accepted drafts in."""
+        starts = self._starts()
+        keep = [(c.row, starts[i] + c.num_tokens - 1 - c.num_drafts + num_accepted[i])
+                for i, c in enumerate(self.chunks) if c.sampling is not None]
+        if keep:
+            rows = upload(torch.tensor([r for r, _ in keep], dtype=torch.int64), self.device)
+            at = upload(torch.tensor([q for _, q in keep], dtype=torch.int64), self.device)
+            self.drafter.remember(rows, self.outputs[at])
+
+    def _starts(self) -> list[int]:
+        """Each chunk's first row in the step's token stream, then the stream's length."""
+        starts = [0]
+        for c in self.chunks:
+            starts.append(starts[-1] + c.num_tokens)
+        return starts
