@@ -1,18 +1,15 @@
 """Prompt-lookup (n-gram) drafts: the tokens that followed the last time the request's latest n
 tokens occurred in its own prompt and output.
 
-For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens are looked up in the
-earlier tokens; at the latest earlier occurrence of the longest n that has one, the up-to-k tokens
-that followed it are the draft. No occurrence: no draft (the request decodes one token). On the
-host, with numpy: O(length x n) per lookup.
+The longest n from `prompt_lookup_max` down to `prompt_lookup_min` wins; among occurrences of that
+length, the latest. Up to k tokens that followed it are the draft (fewer when the occurrence is near
+the end). No occurrence of at least `prompt_lookup_min` tokens: no draft (the request decodes one
+token). On the host, one backward scan over the tokens: O(length x n).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
-
-import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -29,12 +26,18 @@ class NgramProposer:
         length = len(token_ids)
         if k <= 0 or length <= self.min_n:
             return []
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        earlier = tokens[:-1]  # an occurrence must end before the last token, so something follows it
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            windows = sliding_window_view(earlier, n)  # [length - n, n]: every n-gram that has a successor
-            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
-                return tokens[start:start + k].tolist()
-        return []
+        last = token_ids[-1]
+        best_len, best_end = 0, -1
+        for end in range(length - 2, -1, -1):  # an earlier occurrence ending at `end`: token end + 1 follows it
+            if token_ids[end] != last:
+                continue
+            n = 1
+            while n < self.max_n and n <= end and token_ids[end - n] == token_ids[length - 1 - n]:
+                n += 1
+            if n > best_len:  # scanning back from the end: the first of the longest is the latest
+                best_len, best_end = n, end
+                if n == self.max_n:
+                    break
+        if best_len < self.min_n:
+            return []
+        return list(token_ids[best_end + 1:best_end + 1 + k])

@@ -13,6 +13,9 @@ row. This backend splits the batch by what each sequence does this step:
 - Prefill rows (a chunk of several tokens) run one sequence at a time on their own lengths. A
   chunk with no cached prefix attends to its own k/v rows of this step (no gather, no mask:
   `is_causal`); a chunk over a cached prefix gathers its pages and uses a bottom-right causal mask.
+- A speculative-decoding verify chunk (`fb.num_drafts_cpu`: its last token and drafts) joins the
+  decode rows, one row per position, each attending to its sequence up to itself (the step wrote
+  the chunk's k/v before attending), as plain decode would attend for that token.
 
 It reads and writes the same KV pool as the reference and is tested against it (tests/test_cpu_backend.py).
 """
@@ -64,12 +67,14 @@ class CpuAttnBackend(AttentionBackend):
 
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
-        decode_idx = [i for i, n in enumerate(extend_lens) if n == 1]
+        verifies = fb.num_drafts_cpu or [0] * fb.batch_size
+        decode_idx = [i for i, n in enumerate(extend_lens) if n == 1 or verifies[i]]
         starts = [0]
         for n in extend_lens:
             starts.append(starts[-1] + n)
-        decode = self._decode_group(fb, decode_idx, starts) if decode_idx else None
-        prefill_idx = [i for i, n in enumerate(extend_lens) if n > 1]
+        decode = (None if not decode_idx else self._decode_group(fb, decode_idx, starts) if not any(verifies)
+                  else self._verify_group(fb, decode_idx, starts))
+        prefill_idx = [i for i, n in enumerate(extend_lens) if n > 1 and not verifies[i]]
         rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
@@ -87,6 +92,24 @@ class CpuAttnBackend(AttentionBackend):
         mask = torch.arange(max_seq, device=lens.device)[None, :] < lens.clamp(min=1)[:, None]  # [num_decode, max_seq]
         token_rows = None if all_decode else torch.tensor([starts[i] for i in idx], device=fb.seq_lens.device)
         return DecodeGroup(token_rows, page_ids, mask[:, None, None, :])
+
+    def _verify_group(self, fb: ForwardBatch, idx: list[int], starts: list[int]) -> DecodeGroup:
+        """Decode rows for sequences `idx`, one per fed token (a verify chunk's positions, a decode's one)."""
+        req_rows = fb.req_pool_indices.tolist()  # host values (this backend is the CPU's)
+        token_rows, rows, seq_lens = [], [], []
+        for i in idx:
+            for j in range(fb.extend_seq_lens_cpu[i]):
+                token_rows.append(starts[i] + j)
+                rows.append(req_rows[i])
+                seq_lens.append(fb.extend_prefix_lens_cpu[i] + j + 1)
+        max_seq = -(-max(seq_lens) // self.page_size) * self.page_size
+        device = fb.seq_lens.device
+        page_ids = (self.req_to_token[torch.tensor(rows, device=device), :max_seq:self.page_size] // self.page_size)
+        lens = torch.tensor(seq_lens, device=device)
+        mask = torch.arange(max_seq, device=device)[None, :] < lens[:, None]  # [rows, max_seq]
+        every_row = len(token_rows) == starts[-1]
+        return DecodeGroup(None if every_row else torch.tensor(token_rows, device=device), page_ids.flatten(),
+                           mask[:, None, None, :])
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
