@@ -52,6 +52,8 @@ class DraftingChunk:
 
 
 class MTPDrafter:
+    """The MTP layer beside `model`, and each page-table row's output to draft from next."""
+
     def __init__(self, model: Model, mtp: MultiTokenPredictor, num_rows: int):
         self.model = model
         self.mtp = mtp
@@ -98,7 +100,7 @@ class MTPDrafter:
         width = max(c.num_drafts for c in chunks)
         drafts = torch.zeros(len(chunks), width, dtype=torch.int64, device=device)
         drafts[:, 0] = self.model.compute_logits(output).argmax(dim=-1)
-        for j in range(1, width):  # draft j + 1 from the layer at the chunk's j-th fed token (draft j's place)
+        for j in range(1, width):  # drafts[:, j]: the layer at fed token j - 1, whose next token is drafts[:, j - 1]
             active = [i for i, c in enumerate(chunks) if c.num_drafts > j]
             fb = self._step_batch([chunks[i] for i in active], j - 1, backend, device)
             at = torch.tensor(active, dtype=torch.int64, device=device)
