@@ -98,5 +98,8 @@ class LinearMethod:
 class UnquantizedLinear(LinearMethod):
     """The weight as loaded, in the model's dtype: `F.linear`."""
 
+    def apply(self, layer: "nn.Module", x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)  # the hot path: no tensor dict built per call
+
 
 UNQUANTIZED = UnquantizedLinear()
