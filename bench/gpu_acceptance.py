@@ -136,7 +136,41 @@ def install_wheels(wheels: Path, site: Path, log_dir: Path, part: int) -> Result
                    "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found)], INSTALL_TIMEOUT_S)
     if not found:
         return Result(check.name, part, check.what, "failed", 0.0, f"no wheels in {wheels} (bench/gpu_wheels.sh)", "")
-    return run_check(check, log_dir, dict(os.environ))
+    result = run_check(check, log_dir, dict(os.environ))
+    write_layout_hook(site)
+    return result
+
+
+def write_layout_hook(site: Path) -> None:
+    """vlmrun is not installed there, and its folders processors/ and web/ import as vlmrun.processors
+    and vlmrun.web only through pyproject's package-dir. A `sitecustomize` in the site folder (first on
+    PYTHONPATH, so every check's interpreter runs it at start-up) maps them to the checkout's folders,
+    as an editable install does."""
+    import tomllib  # Python 3.11+, as the GPU machine runs; the dry run never gets here
+
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    mapped = {name: str(ROOT / folder) for name, folder in package_dir.items()}
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(f'''"""Written by bench/gpu_acceptance.py: the checkout's package-dir folders under vlmrun's name."""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+MAPPED = {mapped!r}
+
+
+class CheckoutLayout(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        folder = MAPPED.get(name)
+        if folder is None:
+            return None
+        return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
+                                                      submodule_search_locations=[folder])
+
+
+sys.meta_path.insert(0, CheckoutLayout())
+''')
 
 
 def run_check(check: Check, log_dir: Path, env: dict[str, str], timeout_s: Optional[int] = None) -> Result:
