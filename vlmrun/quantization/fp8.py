@@ -162,7 +162,9 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch
 
     m, k = x.shape
     n = q.shape[0]
-    xq, xs = quantize_activation(x)
+    # cuBLAS's block-scaled GEMM takes a token count that is a multiple of 4: pad with zero rows
+    # (CUBLAS_STATUS_NOT_SUPPORTED at M=33 on the H100, 2026-11-28)
+    xq, xs = quantize_activation(F.pad(x, (0, 0, 0, -m % 4)))
     scale_a = xs.t().contiguous().t()  # [M, K/128], column-major
     kb = ceil_div(k, BLOCK)
     if row_group(n, scale.shape[0]) == BLOCK:
@@ -172,7 +174,7 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, dtype: torch
     else:
         scale_b, recipe_b = expand_rows(scale, n).t().contiguous().t(), ScalingType.BlockWise1x128  # [N, K/128]
     y = scaled_mm(xq, q.t(), scale_a, ScalingType.BlockWise1x128, scale_b, recipe_b, output_dtype=torch.bfloat16)
-    return y.to(dtype)
+    return y[:m].to(dtype)
 
 
 class Fp8OnlineLinear(LinearMethod):
