@@ -207,3 +207,15 @@ def test_async_equals_sync_on_cuda(arch, request):
     prompts, params = scenario(arch in VL_ARCHS)
     sync, ahead = run_both(model_dir, prompts, params, device="cuda")
     assert_same(sync, ahead, logprob_tol=2e-4)
+
+
+def test_the_default_is_on_with_cuda_and_off_on_the_cpu(qwen3_dir):
+    """None resolves per device: on with CUDA (confirmed equal on an H100), off on the CPU and with
+    speculative decoding; what the user set wins. The engine runs with the resolved value."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert EngineConfig().overlaps_steps(cuda) and not EngineConfig().overlaps_steps(cpu)
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert not EngineConfig(speculative_config=ngram).overlaps_steps(cuda)
+    assert not EngineConfig(async_scheduling=False).overlaps_steps(cuda)
+    assert EngineConfig(async_scheduling=True).overlaps_steps(cpu)
+    assert LLM(str(qwen3_dir), device="cpu").engine.config.async_scheduling is False

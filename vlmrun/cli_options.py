@@ -21,9 +21,9 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="no decode padding to batch-size buckets and no CUDA graphs (default: eager on the "
                         "CPU only; --no-enforce-eager pads on the CPU too)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="plan and launch each step while the one before runs; its tokens reach the host one "
-                        "step later (same tokens as without; off by default)")
+                        "step later (same tokens as without; default: on with CUDA, off on the CPU)")
     p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/spec_decode.md; default: off)')

@@ -55,8 +55,9 @@ class EngineConfig:
     enforce_eager: Optional[bool] = None
     # Async scheduling (vLLM's name): the engine plans and launches step N+1 while step N runs; step N's
     # sampled ids stay on the device and reach the host one step later (executor/overlap.py). Tokens
-    # equal the synchronous engine's. Off by default until measured to pay on a device.
-    async_scheduling: bool = False
+    # equal the synchronous engine's. None: on with CUDA, off on the CPU and with speculative decoding;
+    # `overlaps_steps(device)` resolves it.
+    async_scheduling: Optional[bool] = None
     # Speculative decoding (vLLM's name and keys): {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b}, {"method": "mtp", "num_speculative_tokens": k}
     # (a checkpoint's MTP layer) or a SpeculativeConfig; None: off. Greedy tokens equal plain decode's,
@@ -165,6 +166,15 @@ class EngineConfig:
     def eager_decode(self, device: torch.device) -> bool:
         """`enforce_eager`, or what None means on `device`."""
         return self.enforce_eager if self.enforce_eager is not None else device.type != "cuda"
+
+    def overlaps_steps(self, device: torch.device) -> bool:
+        """`async_scheduling`, or what None means on `device`: on with CUDA (the stream orders the steps;
+        equal to the synchronous engine on an H100, 2026-11-28), off on the CPU (no gain on 2 cores:
+        the step's Python holds the GIL on both threads, BENCHMARKS.md) and with speculative decoding
+        (not combined yet)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return device.type == "cuda" and self.speculative_config is None
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":

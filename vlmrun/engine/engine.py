@@ -95,8 +95,9 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig):
-        self.config = config
         self.device = executor_device(config)
+        config = dataclasses.replace(config, async_scheduling=config.overlaps_steps(self.device))
+        self.config = config
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
