@@ -27,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Optional, Sequence
 
 from vlmrun.processors import ProcessedPrompt
@@ -300,7 +300,9 @@ class AsyncEngine:
         self._outbox.setdefault(loop, []).append((fut, exc))
 
     def _publish_stats(self) -> None:
-        self._stats = AsyncEngineStats(**asdict(self.engine.stats()), num_groups=len(self._groups),
+        stats = self.engine.stats()  # its fields as they are (a nested dataclass stays one)
+        own = {f.name: getattr(stats, f.name) for f in fields(stats)}
+        self._stats = AsyncEngineStats(**own, num_groups=len(self._groups),
                                        num_steps=self._num_steps, time=time.monotonic())
 
     def _drain_after_stop(self) -> None:

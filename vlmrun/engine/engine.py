@@ -49,6 +49,7 @@ from vlmrun.loader import resolve_model_path
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
+from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import build_proposer
 from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers
@@ -81,6 +82,7 @@ class EngineStats:
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     weight_bytes: tuple[int, ...] = ()  # the model's parameter bytes per device: one, or each TP rank's
+    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters, all requests; None: off
 
     @property
     def kv_usage(self) -> float:
@@ -161,7 +163,8 @@ class Engine:
             kv_pages_total=allocator.num_usable_pages(), req_rows_used=rows_used, req_rows_total=rows.max_reqs,
             gdn_slots_used=gdn_used, gdn_slots_total=gdn_total, num_preemptions=self.scheduler.num_preemptions,
             prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
-            weight_bytes=tuple(self.runner.weight_bytes))
+            weight_bytes=tuple(self.runner.weight_bytes),
+            spec_decode=None if self.scheduler.spec_decode is None else self.scheduler.spec_decode.copy())
 
     def _log_memory_plan(self) -> None:
         """The weights per device (and their format), then the caches the budget left to them holds."""

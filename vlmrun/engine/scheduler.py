@@ -107,6 +107,9 @@ class Scheduler:
         self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
         self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
         self.proposer = proposer  # speculative decoding's drafts; None: every decode feeds one token
+        # speculative decoding's counters over every request (None: the engine does not speculate)
+        self.spec_decode = (None if proposer is None
+                            else SpecDecodeStats(num_accepted_tokens_per_pos=[0] * proposer.k))
 
     @property
     def capacity_tokens(self) -> int:
@@ -225,8 +228,9 @@ class Scheduler:
             return chunk.end
         req = chunk.request
         req.num_computed_tokens = chunk.end - (len(chunk.draft_token_ids) - num_accepted)
-        if req.spec_decode is not None:
-            req.spec_decode.record(len(chunk.draft_token_ids), num_accepted)
+        for stats in (req.spec_decode, self.spec_decode):
+            if stats is not None:
+                stats.record(len(chunk.draft_token_ids), num_accepted)
         return req.num_computed_tokens
 
     # ------------------------------------------------------------------ cache bookkeeping

@@ -99,7 +99,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
         finally:
             bar.close()
     summary.written, summary.failed, summary.tokens = counters.done, counters.failed, counters.tokens
-    summary.videos = counters.videos
+    summary.videos, summary.spec_decode = counters.videos, counters.spec_decode
     summary.elapsed_s = counters.elapsed() if counters.done else 0.0
     summary.skipped_done, summary.duplicates, summary.ignored_files = (stats.skipped_done, stats.duplicates,
                                                                        stats.ignored_files)
@@ -127,6 +127,7 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
     try:
         pipeline.run(items, on_record, on_tick=bar.refresh)
     finally:
+        counters.spec_decode = engine.stats().spec_decode  # (None when the engine does not speculate)
         engine.shutdown()  # tensor-parallel rank processes, if any
 
 

@@ -3,7 +3,9 @@
 Counters and histograms are updated by the handlers on the event loop; the gauges (queue depth,
 running requests, KV and GDN pool use) are read at scrape time from the engine thread's latest
 `AsyncEngineStats` snapshot, plus the server's own count of admitted requests. GDN gauges appear only
-when the engine has a GDN state pool (hybrid models).
+when the engine has a GDN state pool (hybrid models); the speculative decoding counters (vLLM's
+`spec_decode_*` names: verify steps with drafts, draft tokens, accepted tokens, accepted tokens per
+draft position) only when the engine speculates.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vlmrun.engine.async_engine import AsyncEngineStats
+from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -94,3 +97,21 @@ class _EngineCollector:
                                       labels=names)
         preempt.add_metric(values, s.num_preemptions)
         yield preempt
+        if s.spec_decode is not None:
+            yield from self._spec_decode_counters(s.spec_decode, names, values)
+
+    @staticmethod
+    def _spec_decode_counters(spec: SpecDecodeStats, names: list[str], values: list[str]) -> Iterator[Metric]:
+        for name, doc, value in (
+                ("vlmrun_spec_decode_num_drafts", "Verify steps that fed draft tokens", spec.num_drafts),
+                ("vlmrun_spec_decode_num_draft_tokens", "Draft tokens fed to verify steps", spec.num_draft_tokens),
+                ("vlmrun_spec_decode_num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, value)
+            yield counter
+        per_pos = CounterMetricFamily("vlmrun_spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by draft position (0: the first draft)",
+                                      labels=names + ["position"])
+        for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+            per_pos.add_metric(values + [str(position)], value)
+        yield per_pos
