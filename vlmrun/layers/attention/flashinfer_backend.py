@@ -4,7 +4,8 @@ The KV pool's per-layer buffers [num_slots, kv_heads, head_dim] are, viewed as
 [num_pages, page_size, kv_heads, head_dim], FlashInfer's "NHD" paged layout as they are: no copy.
 Each step is planned once (`prepare`) and run per layer (`forward`):
   - extend (prefill chunks, with or without a cached prefix, mixed with decodes): ragged queries
-    over the paged KV with `BatchPrefillWithPagedKVCacheWrapper`, causal, bottom-right aligned;
+    over the paged KV with `BatchPrefillWithPagedKVCacheWrapper`, causal, bottom-right aligned, on
+    FlashInfer's FA2 kernels on every GPU (`PREFILL_BACKEND`);
   - decode: `BatchDecodeWithPagedKVCacheWrapper`, with tensor cores for GQA groups of 4 or more.
 `build_paged_kv_index` turns a batch into FlashInfer's CSR view of the cache (indptrs, page ids,
 last-page lengths) from host lengths plus one gather on the device: no device->host sync. It is
@@ -33,7 +34,11 @@ from vlmrun.layers.attention.kernels import BackendUnavailable, import_flashinfe
 
 TENSOR_CORE_MIN_GROUP = 4  # decode on tensor cores from this many query heads per KV head
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # FlashInfer's JIT maps no other activation dtype to a kernel
-FA3_HEAD_DIMS = (64, 128, 256)  # Hopper's prefill (FA3) is instantiated for these only (prefill_sm90.cuh)
+# FA2 on Hopper too ("auto" would take FA3 there): the tensor-core decode runs FlashInfer's FA2 prefill
+# module, so prefill shares it and a head_dim compiles one prefill module, not two. On the first H100
+# run (2026-11-28) FlashInfer's JIT did not finish the head_dim 128 + 256 modules (FA2 and FA3) in
+# 200 s. FA3 is for later, once a GPU run measures what it gains.
+PREFILL_BACKEND = "fa2"
 FA2_MIN_HEAD_DIM = 64  # FA2's prefill needs head_dim / 16 >= 4 MMA tiles (prefill.cuh, KernelTraits::IsInvalid)
 FA2_HEAD_DIM_STEP = 16  # ... and a whole number of 16-wide tiles
 
@@ -77,25 +82,11 @@ def _indptr(lengths: list[int]) -> torch.Tensor:
     return out
 
 
-def uses_fa3(capability: tuple[int, int], cuda_version: Optional[str]) -> bool:
-    """Whether FlashInfer's prefill picks its Hopper kernels (FA3): sm90 and CUDA >= 12.3, as its own rule."""
-    if capability[0] != 9 or not cuda_version:
-        return False
-    major, minor = (int(part) for part in cuda_version.split(".")[:2])
-    return (major, minor) >= (12, 3)
-
-
-def flashinfer_refusal(head_dim: int, dtype: torch.dtype, capability: tuple[int, int],
-                       cuda_version: Optional[str]) -> Optional[str]:
-    """Why FlashInfer cannot run attention of `head_dim` in `dtype` on a GPU of compute `capability`
-    (with torch built for `cuda_version`), or None when it can."""
+def flashinfer_refusal(head_dim: int, dtype: torch.dtype) -> Optional[str]:
+    """Why FlashInfer's FA2 kernels cannot run attention of `head_dim` in `dtype`, or None when they can."""
     if dtype not in HALF_DTYPES:
         return f"FlashInfer runs float16 and bfloat16 only, not {dtype} (its JIT has no entry for it)"
-    if uses_fa3(capability, cuda_version):
-        if head_dim not in FA3_HEAD_DIMS:
-            return (f"FlashInfer's Hopper (sm{capability[0]}{capability[1]}) prefill runs head_dim "
-                    f"{', '.join(map(str, FA3_HEAD_DIMS))} only, not {head_dim}")
-    elif head_dim < FA2_MIN_HEAD_DIM or head_dim % FA2_HEAD_DIM_STEP:
+    if head_dim < FA2_MIN_HEAD_DIM or head_dim % FA2_HEAD_DIM_STEP:
         return (f"FlashInfer's prefill (FA2) runs head_dim a multiple of {FA2_HEAD_DIM_STEP} from "
                 f"{FA2_MIN_HEAD_DIM}, not {head_dim}")
     return None
@@ -131,8 +122,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, num_q_heads: int, scaling: float,
                  device: torch.device):
         self.flashinfer = import_flashinfer(device)
-        refusal = flashinfer_refusal(kv_pool.head_dim, kv_pool.dtype, torch.cuda.get_device_capability(device),
-                                     torch.version.cuda)
+        refusal = flashinfer_refusal(kv_pool.head_dim, kv_pool.dtype)
         if refusal:
             raise BackendUnavailable(f"attention_backend='flashinfer': {refusal} (use 'auto' or 'torch')")
         self.kv_pool = kv_pool
@@ -146,8 +136,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.workspace = torch.zeros(FLASHINFER_FLOAT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.int_workspace = torch.zeros(FLASHINFER_INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.graph_buffers: Optional[GraphIndexBuffers] = None  # allocated at the first graph_metadata
-        self.prefill = self._shared(self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace,
-                                                                                         kv_layout="NHD"))
+        self.prefill = self._shared(self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, kv_layout="NHD", backend=PREFILL_BACKEND))
         self.decode = self._shared(self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores))
 
