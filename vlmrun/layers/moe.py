@@ -23,6 +23,7 @@ gathered matmul pair per expert that received tokens. A fused grouped-GEMM kerne
 
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
@@ -35,6 +36,10 @@ from vlmrun.layers.linear_method import UNQUANTIZED, LinearMethod, ParamSpec
 from vlmrun.loader import materialize
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.parallel import SINGLE, Shard, TensorParallel
+
+# A checkpoint's per-expert tensor, under our module names: `<prefix>.experts.<e>.<kind>.<name>`.
+PER_EXPERT_TENSOR = re.compile(
+    r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.(?P<name>\w+)$")
 
 
 def expert_param_name(projection: str, name: str) -> str:

@@ -21,14 +21,13 @@ parameter counts as loaded once every part arrived. Tensors may come lazily
 
 from __future__ import annotations
 
-import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import nn
 
 from vlmrun.layers.linear import LinearBase, copy_checked, fused_part_aliases
-from vlmrun.layers.moe import FusedExperts
+from vlmrun.layers.moe import PER_EXPERT_TENSOR, FusedExperts
 from vlmrun.loader import materialize
 from vlmrun.parallel import SINGLE, TensorParallel
 
@@ -75,8 +74,6 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-_PER_EXPERT = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<kind>gate_proj|up_proj|down_proj)\.(?P<name>\w+)$")
-
 Rename = Callable[[str], Optional[str]]
 Transform = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -114,7 +111,7 @@ def load_checkpoint(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor
             else:
                 part_pieces.setdefault(name, set()).add(part)
             continue
-        m = _PER_EXPERT.match(name)
+        m = PER_EXPERT_TENSOR.match(name)
         experts = _fused_experts(module, m["prefix"]) if m else None
         if experts is not None:
             target = f"{m['prefix']}.{experts.piece_target(m['kind'], m['name'])}"

@@ -12,7 +12,6 @@ parts disagree, is a ValueError naming it.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Callable, Iterable, Optional
 
@@ -21,12 +20,11 @@ from torch import nn
 
 from vlmrun.layers.linear import LinearBase, fused_part_aliases
 from vlmrun.layers.linear_method import LinearMethod
-from vlmrun.layers.moe import FusedExperts
+from vlmrun.layers.moe import PER_EXPERT_TENSOR, FusedExperts
 from vlmrun.quantization.config import QuantizationConfig
 
 # The tensor that marks a module quantized in a checkpoint, by method.
 _MARKERS = {"fp8": "weight_scale_inv", "awq": "qweight", "gptq": "qweight"}
-_PER_EXPERT = re.compile(r"^(?P<experts>.*\.experts)\.\d+\.(?:gate_proj|up_proj|down_proj)$")
 
 
 def make_linear_method(config: QuantizationConfig, device: torch.device, fp8_kernel: str = "dequantize") -> LinearMethod:
@@ -82,9 +80,6 @@ def _checkpoint_modules(model: nn.Module, checkpoint_names: Iterable[str], renam
         if ours is None:
             continue
         ours, _ = aliases.get(ours, (ours, None))
-        layer = ours.rpartition(".")[0]
-        m = _PER_EXPERT.match(layer)
-        if m:
-            layer = m["experts"]
-        layers[layer].add(module)
+        m = PER_EXPERT_TENSOR.match(ours)
+        layers[m["prefix"] if m else ours.rpartition(".")[0]].add(module)
     return layers, marked
