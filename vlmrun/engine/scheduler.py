@@ -19,7 +19,7 @@ snapshot point (the scheduler cuts prefill chunks so that they do).
 
 Speculative decoding (docs/spec_decode.md): a decoding request may feed draft tokens after its last
 known token (`ScheduledChunk.draft_token_ids`, from the proposer, within the step's budget and the
-request's length limits; none for structured outputs); pages for them are taken only when free (drafts
+request's length limits); pages for them are taken only when free (drafts
 never preempt). After the step, `settle` counts as computed only the accepted positions: the KV the
 rejected drafts wrote stays in the request's pages until later tokens overwrite it, past the
 request's length, and is never indexed (the prefix cache indexes prompt pages only).
@@ -40,6 +40,7 @@ from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.executor.step_input import ChunkInput, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
+from vlmrun.spec_decode.grammar import DraftGrammar
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import Proposer
 
@@ -74,10 +75,12 @@ class ScheduledChunk:
         sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.sampling_outputs(), req.generator,
                                 req.eos_token_ids, req.sampling_grammar) if self.samples else None)
         token_ids = req.token_ids_slice(self.start, self.known_end) + self.draft_token_ids
+        draft_grammar = DraftGrammar(req.grammar) if self.draft_token_ids and req.grammar is not None else None
         return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=token_ids,
                           positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
                           mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
                           prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids),
+                          draft_grammar=draft_grammar,
                           next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0])
 
     def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
@@ -209,9 +212,10 @@ class Scheduler:
     def _drafts(self, req: Request, n: int, budget: int) -> list[int]:
         """Draft tokens for a decoding request (`n` = 1: its last token) to verify this step: within the
         budget, and short enough that the run they can add keeps within max_tokens and max_model_len.
-        None for a structured-output request (its grammar would have to advance over them), nor, when the
-        drafts are made on the device, for one whose sampling reads its output ids (penalties, bad words)."""
-        if (self.proposer is None or n != 1 or not req.output_token_ids or req.grammar is not None
+        None, when the drafts are made on the device, for a request whose sampling reads its output ids
+        (penalties, bad words). A structured-output request gets them too: its verify positions are masked
+        by its grammar after the drafts before them (`vlmrun/spec_decode/grammar.py`)."""
+        if (self.proposer is None or n != 1 or not req.output_token_ids
                 or req.num_computed_tokens != req.num_tokens - 1
                 or (self.proposer.drafts_on_device and req.sampling_params.reads_output_tokens)):
             return []

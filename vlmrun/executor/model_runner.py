@@ -119,7 +119,8 @@ class ModelRunner:
         hidden = self.forward(fb)  # [num_tokens, hidden]
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
-        rows = [row for c in chunks if c.sampling is not None for row in position_rows(c.sampling, c.draft_token_ids)]
+        rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None
+                for row in position_rows(c.sampling, c.draft_token_ids, masks)]
         if not rows:
             if mtp is not None:
                 mtp.catch_up(hidden, fb, None)
@@ -141,6 +142,15 @@ class ModelRunner:
         output.start_transfer()
         gdn = fb.linear_attn_metadata if fb.num_drafts_cpu is not None and self.attn_backend.linear else None
         return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, gdn, mtp)
+
+    @staticmethod
+    def _draft_masks(chunks: list[ChunkInput], mtp: Optional[MTPStep]) -> list[Optional[list]]:
+        """Per chunk: the grammar masks of its positions after the drafts (None without a grammar or drafts).
+        MTP drafts are read from the device for them first (a sync, in steps with such a chunk only)."""
+        if not any(c.draft_grammar is not None for c in chunks):
+            return [None] * len(chunks)
+        drafts = mtp.drafts_on_host() if mtp is not None else [c.draft_token_ids for c in chunks]
+        return [None if c.draft_grammar is None else c.draft_grammar.after_drafts(d) for c, d in zip(chunks, drafts)]
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by

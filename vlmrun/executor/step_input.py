@@ -9,11 +9,12 @@ below the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 
 from vlmrun.layers.sampling_batch import SamplingRow
+from vlmrun.spec_decode.grammar import DraftGrammar, FilledDraftGrammar
 
 
 PLACEHOLDER_TOKEN = -1  # in `ChunkInput.token_ids`: the token a launched step samples for this row (async scheduling)
@@ -41,6 +42,8 @@ class ChunkInput:
     # speculative decoding: the last `num_drafts` of token_ids are drafts after the last known token;
     # the chunk samples at each of its last 1 + num_drafts positions (vlmrun/spec_decode/verify.py)
     num_drafts: int = 0
+    # a speculating chunk of a request with a grammar: its masks after the drafts (spec_decode/grammar.py)
+    draft_grammar: Optional[Union[DraftGrammar, FilledDraftGrammar]] = None
     # a chunk that stops before the request's last known token: the token after it (MTP drafting reads it)
     next_token_id: Optional[int] = None
 

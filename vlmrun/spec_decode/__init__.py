@@ -3,6 +3,7 @@
 `config.py` holds `SpeculativeConfig` (vLLM's names), `ngram.py` the prompt-lookup proposer,
 `verify.py` what the model runner needs to verify a request's drafts (the sampling row of each
 position, how many drafts the sampled tokens accept, a seeded generator wound to plain decode's
-draws), `metrics.py` the per-request acceptance counters. The scheduler feeds the drafts and takes
+draws), `grammar.py` the grammar mask of each verified position of a structured-output request,
+`metrics.py` the acceptance counters. The scheduler feeds the drafts and takes
 back only the accepted positions; docs/spec_decode.md says what works and what does not.
 """

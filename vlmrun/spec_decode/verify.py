@@ -4,7 +4,8 @@ A speculating chunk feeds the request's last known token and d drafts, and the m
 all 1 + d positions. Position j's logits are what plain decode would see once drafts[:j] had been
 accepted, so the sampler gets one row per position (`position_rows`): the request's sampling row with
 drafts[:j] appended to its outputs, so that penalties, bad words and min_tokens see them as plain
-decode would, with the same temperature, truncation and generator. The sampler samples each
+decode would, with the same temperature, truncation and generator, and a request with a grammar gets
+the mask of the grammar state after drafts[:j] (`grammar.py`). The sampler samples each
 position exactly as plain decode samples a token; draft j is accepted when it equals the token
 sampled at position j and every draft before it was accepted (`count_accepted`). The step gives the
 tokens sampled at positions 0..a: the a accepted drafts, then the bonus token (all accepted) or the
@@ -30,17 +31,20 @@ from typing import Optional, Sequence
 import torch
 
 from vlmrun.layers.sampling_batch import SamplingRow
+from vlmrun.spec_decode.grammar import Masks
 
 
-def position_rows(row: SamplingRow, drafts: Sequence[int]) -> list[SamplingRow]:
+def position_rows(row: SamplingRow, drafts: Sequence[int], masks: Optional[Masks] = None) -> list[SamplingRow]:
     """The sampling row of each of the 1 + len(drafts) verified positions: position j sees the
-    outputs followed by drafts[:j]. (A row with a grammar never has drafts: the scheduler gives it none.)"""
+    outputs followed by drafts[:j] and, for a request with a grammar, `masks[j - 1]` (the grammar
+    after drafts[:j], `vlmrun/spec_decode/grammar.py`; None: no mask)."""
     if not drafts:
         return [row]
-    if row.grammar is not None:
-        raise ValueError("a structured-output row cannot verify drafts: its grammar state would have to advance")
     outputs = list(row.output_token_ids)
-    return [row] + [row._replace(output_token_ids=outputs + list(drafts[:j])) for j in range(1, len(drafts) + 1)]
+    rows = [row._replace(output_token_ids=outputs + list(drafts[:j])) for j in range(1, len(drafts) + 1)]
+    if masks is not None:
+        rows = [r._replace(grammar=mask) for r, mask in zip(rows, masks, strict=True)]
+    return [row] + rows
 
 
 def count_accepted(sampled: Sequence[int], drafts: Sequence[int]) -> int:

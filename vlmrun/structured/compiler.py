@@ -16,7 +16,8 @@ characters into the JSON (which `json.loads` then refuses); such strings get an 
 `GrammarState` is one request's position in its grammar: `fill_bitmask` writes the allowed next
 tokens into a row of an int32 bitmask `[batch, ceil(vocab / 32)]` (bit j of word w allows token
 `32 w + j`), `accept` advances by a sampled token, `is_terminated` is true once the grammar ended
-with an EOS token. Only the engine thread touches a state.
+with an EOS token, `fork` copies it (the verify pass of speculative decoding advances a copy over the
+drafts). Only the engine thread touches a state.
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ class GrammarState:
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`; False (state unchanged) when the grammar does not allow it."""
         return bool(self._matcher.accept_token(token_id))
+
+    def fork(self) -> "GrammarState":
+        """An independent copy at this state (speculative decoding advances one over the drafts)."""
+        return GrammarState(self._matcher.fork(), self.vocab_size)
 
     def accept_string(self, text: str) -> bool:
         """Advance by `text` (not a token: what a reasoning-closing token carried past `</think>`)."""

@@ -27,6 +27,7 @@ request's gate (its tokens are recomputed, not resampled), so nothing is rolled 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
@@ -89,7 +90,7 @@ class ReasoningGate:
     """One request's reasoning phase in front of its grammar (see the module docstring).
 
     Has the `GrammarState` interface the engine and the sampler use: `constraining` (False: the
-    sampler applies no mask this step), `fill_bitmask`, `filled`, `accept`, `is_terminated`."""
+    sampler applies no mask this step), `fill_bitmask`, `filled`, `accept`, `is_terminated`, `fork`."""
 
     markers: ReasoningMarkers
     grammar: Optional[GrammarState]
@@ -146,6 +147,11 @@ class ReasoningGate:
         if self.phase == Phase.OPENING:
             return self._accept_opening(token_id)
         return self.grammar is None or self.grammar.accept(token_id)
+
+    def fork(self) -> "ReasoningGate":
+        """An independent copy in this phase, its grammar forked (speculative decoding advances one over drafts)."""
+        return dataclasses.replace(self, grammar=None if self.grammar is None else self.grammar.fork(),
+                                   _forced=list(self._forced))
 
     @property
     def is_terminated(self) -> bool:
