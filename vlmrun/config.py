@@ -152,8 +152,6 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config cannot be combined with async_scheduling yet: a verify step's "
                              "accepted length must reach the host before the next step is planned")
-        if self.speculative_config is not None and self.tensor_parallel_size > 1:
-            raise ValueError("speculative_config under tensor parallelism is not supported yet")
         if self.mm_processor_kwargs is not None:
             check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
         if self.gdn_state_dtype not in _DTYPES:

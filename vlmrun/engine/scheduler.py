@@ -213,11 +213,13 @@ class Scheduler:
         """Draft tokens for a decoding request (`n` = 1: its last token) to verify this step: within the
         budget, and short enough that the run they can add keeps within max_tokens and max_model_len.
         None, when the drafts are made on the device, for a request whose sampling reads its output ids
-        (penalties, bad words). A structured-output request gets them too: its verify positions are masked
-        by its grammar after the drafts before them (`vlmrun/spec_decode/grammar.py`)."""
+        (penalties, bad words). A structured-output request gets them too (its verify positions are masked
+        by its grammar after the drafts before them, `vlmrun/spec_decode/grammar.py`), unless the proposer
+        cannot bring its drafts to the matcher (MTP under tensor parallelism)."""
         if (self.proposer is None or n != 1 or not req.output_token_ids
                 or req.num_computed_tokens != req.num_tokens - 1
-                or (self.proposer.drafts_on_device and req.sampling_params.reads_output_tokens)):
+                or (self.proposer.drafts_on_device and req.sampling_params.reads_output_tokens)
+                or (req.grammar is not None and not self.proposer.drafts_grammar_rows)):
             return []
         limit = min(budget - 1, self.max_model_len - req.num_tokens - 1)
         max_tokens = req.sampling_params.max_tokens

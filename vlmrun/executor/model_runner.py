@@ -113,7 +113,7 @@ class ModelRunner:
         (sampled ids stay on the device, in `last_tokens`, and start their copy to the host)."""
         fb = self.build_forward_batch(chunks)
         self.embed_images(fb, chunks)
-        mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device)
+        mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device, self.tp)
         if mtp is not None:
             mtp.draft(fb, hybrid=self.caches.gdn_pool is not None)
         hidden = self.forward(fb)  # [num_tokens, hidden]
@@ -132,10 +132,13 @@ class ModelRunner:
                   for c in chunks]
         batch = SamplingBatch.build(rows, vocab, device=self.device)
         output = self.sampler.sample(logits, batch)
+        if self.feeds_placeholders or mtp is not None or any(c.num_drafts for c in chunks):
+            # (tensor parallel) async scheduling: the next step may read these ids before the host does;
+            # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
+            self.tp.broadcast_from_first(output.token_ids)
         if mtp is not None:
             mtp.catch_up(hidden, fb, output.token_ids)
-        if self.feeds_placeholders:  # async scheduling: the next step may read these ids before the host does
-            self.tp.broadcast_from_first(output.token_ids)
+        if self.feeds_placeholders:
             sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None],
                                                     dtype=torch.int64))
             self.last_tokens[sampled_rows] = output.token_ids

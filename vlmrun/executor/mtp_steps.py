@@ -19,6 +19,7 @@ from vlmrun.executor.step_input import ChunkInput
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
+from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.spec_decode.mtp import DraftingChunk, MTPDrafter
 
 
@@ -28,6 +29,7 @@ class MTPStep:
     chunks: list[ChunkInput]
     backend: AttentionBackend
     device: torch.device
+    tp: TensorParallel = SINGLE  # under tensor parallel, every rank feeds rank 0's drafts
     drafted: Optional[torch.Tensor] = None  # [speculating chunks, max drafts] int64 on the device
     outputs: Optional[torch.Tensor] = None  # [num_tokens, hidden]: the MTP layer's output at every fed position
 
@@ -39,7 +41,7 @@ class MTPStep:
         drafting = [DraftingChunk(c.row, c.start, c.num_drafts, c.kv_slots, c.positions,
                                   gdn_slot_for_row(c.row) if hybrid else None)
                     for c in (self.chunks[i] for i in speculating)]
-        self.drafted = self.drafter.draft(drafting, self.backend, self.device)
+        self.drafted = self.tp.broadcast_from_first(self.drafter.draft(drafting, self.backend, self.device))
         starts = self._starts()
         where = [starts[i] + 1 + j for i in speculating for j in range(self.chunks[i].num_drafts)]
         which = [(k, j) for k, i in enumerate(speculating) for j in range(self.chunks[i].num_drafts)]

@@ -73,7 +73,8 @@ class DriverState:
     and KV slots as compact copies, pixels on the CPU (each rank moves them to its own device), and of
     a request's token history only what the sampler reads this step (`_wire_sampling`). A seeded
     request's generator travels as its `RankGenerator` key and seed. A grammar's matcher stays in the
-    driver too (the engine advances it): the ranks get the bitmask it allows next (`GrammarState.filled`)."""
+    driver too (the engine advances it): the ranks get the bitmask it allows next (`GrammarState.filled`),
+    and with n-gram drafts the bitmasks after each draft (`DraftGrammar.filled`)."""
 
     def __init__(self, shape: CacheShape, plan: CachePlan):
         self.caches, self._cache_ops = build_shadow_caches(shape, plan)
@@ -95,8 +96,9 @@ class DriverState:
 def _wire_chunk(chunk: ChunkInput) -> ChunkInput:
     items = [replace(it, pixel_values=it.pixel_values.cpu()) for it in chunk.mm_items]
     sampling = None if chunk.sampling is None else _wire_sampling(chunk.sampling)
+    grammar = None if chunk.draft_grammar is None else chunk.draft_grammar.filled(chunk.draft_token_ids)
     return replace(chunk, positions=chunk.positions.clone(), kv_slots=chunk.kv_slots.clone(), mm_items=items,
-                   sampling=sampling)
+                   sampling=sampling, draft_grammar=grammar)
 
 
 def _wire_sampling(row: SamplingRow) -> SamplingRow:

@@ -60,7 +60,7 @@ class RankActor:
             device = torch.device("cuda", ray_cuda_index(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.rank = rank
         self.worker = start_rank(rank, size, config, model_config, init_method, device)
-        return ("ready", self.worker.cache_budget(), self.worker.model.cache_shape())
+        return ("ready", self.worker.cache_budget(), self.worker.cache_shape())
 
     def build(self, plan: CachePlan) -> int:
         return self.worker.build(plan)

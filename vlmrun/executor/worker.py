@@ -30,13 +30,14 @@ import torch.distributed
 
 from vlmrun.cache.plan import CachePlan, build_pools, cache_budget_bytes
 from vlmrun.cache.shadow import replay_cache_ops
-from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.executor.build import build_model_runner
 from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.ranks import GeneratorWire, RankGenerators
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.models import load_model
 from vlmrun.parallel import TensorParallel
+from vlmrun.spec_decode.mtp import build_mtp_drafter, with_mtp_layer
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 
@@ -71,17 +72,25 @@ class Worker:
         self.model_config = model_config
         self.device = device
         self.model = load_model(model_config, device, tp, fp8_kernel=config.fp8_kernel)
+        # speculative method "mtp": this rank's shard of the checkpoint's MTP layer (loaded before the caches)
+        self.drafter = build_mtp_drafter(self.model, config, model_config, config.max_num_seqs, device, tp)
         self.runner: Optional[ModelRunner] = None
         self.generators = RankGenerators(device)
 
     def cache_budget(self) -> int:
         return cache_budget_bytes(self.config, self.device)
 
+    def cache_shape(self) -> CacheShape:
+        """This rank's share of the caches' shape (with the MTP layer's KV when it drafts)."""
+        shape = self.model.cache_shape()
+        return shape if self.drafter is None else with_mtp_layer(shape)
+
     def build(self, plan: CachePlan) -> int:
         """This rank's pools and runner; returns the bytes its model shard takes as it runs."""
         dtype = self.model_config.dtype
-        caches = build_pools(self.model.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
-        self.runner = build_model_runner(self.model, caches, self.config, self.device, dtype, tp=self.tp)
+        caches = build_pools(self.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
+        self.runner = build_model_runner(self.model, caches, self.config, self.device, dtype, tp=self.tp,
+                                         drafter=self.drafter)
         return self.runner.weight_bytes[0]
 
     def execute(self, ops: list, chunks: list[ChunkInput], generators: list[GeneratorWire],
@@ -115,7 +124,7 @@ def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelCo
     outbox = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlmrun-rank-send")
     try:
         worker = start_rank(rank, size, config, model_config, init_method, rank_device(config, rank))
-        conn.send(("ready", worker.cache_budget(), worker.model.cache_shape()))
+        conn.send(("ready", worker.cache_budget(), worker.cache_shape()))
         _, plan = conn.recv()
         conn.send(("built", worker.build(plan)))
         while True:

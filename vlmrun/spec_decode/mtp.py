@@ -35,6 +35,7 @@ from vlmrun.models.base import Model
 from vlmrun.models.blocks.hybrid_decoder import HybridTextModel
 from vlmrun.models.blocks.mtp import MultiTokenPredictor, mtp_checkpoint_name, num_mtp_layers
 from vlmrun.models.weights import build_model, finish_loading, load_checkpoint
+from vlmrun.parallel import SINGLE, TensorParallel
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +137,10 @@ class MTPDrafter:
 
 
 def build_mtp_drafter(model: Model, config: EngineConfig, model_config: ModelConfig, num_rows: int,
-                      device: torch.device) -> Optional[MTPDrafter]:
+                      device: torch.device, tp: TensorParallel = SINGLE) -> Optional[MTPDrafter]:
     """For `speculative_config` method "mtp": the checkpoint's MTP layer built and loaded beside `model`
-    (its KV layer after the model's); None for other methods. ValueError when the checkpoint has none."""
+    (its KV layer after the model's; a tensor-parallel rank's shard of it beside the rank's shard of the
+    model); None for other methods. ValueError when the checkpoint has none."""
     spec = config.speculative_config
     if spec is None or spec.method != "mtp":
         return None
@@ -149,8 +151,8 @@ def build_mtp_drafter(model: Model, config: EngineConfig, model_config: ModelCon
     if model_config.quantization is not None:
         raise ValueError("speculative method 'mtp' on a quantized checkpoint is not supported yet")
     kv_layer = model.cache_shape().num_attention_layers
-    mtp = build_model(lambda cfg, tp: MultiTokenPredictor(cfg, lambda i: model.make_mlp(cfg, i), kv_layer), text,
-                      model_config.dtype, device)
+    mtp = build_model(lambda cfg, shard: MultiTokenPredictor(cfg, lambda i: model.make_mlp(cfg, i), kv_layer, shard),
+                      text, model_config.dtype, device, tp)
     load_checkpoint(mtp, iter_lazy_weights(model_config.path), mtp_checkpoint_name)
     finish_loading(mtp)
     logger.info("MTP drafter: the checkpoint's first MTP layer, KV-pool layer %d", kv_layer)

@@ -14,6 +14,7 @@ from typing import Sequence
 
 class NgramProposer:
     drafts_on_device = False  # the drafts are real token ids, on the host
+    drafts_grammar_rows = True  # a request with a grammar gets them (masked after each by its grammar)
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens

@@ -3,8 +3,7 @@
 "ngram": `NgramProposer`, drafts made on the host. "mtp": `MTPDraftSlots`, which only reserves the
 drafts' places: the model runner drafts on the device with the checkpoint's MTP layer right before the
 verify pass (`vlmrun/spec_decode/mtp.py`), and a placeholder stands for each draft until then. What
-cannot verify drafts is refused where it is known: async scheduling and tensor parallelism by
-`EngineConfig`, a GDN backend that keeps no per-position states and a checkpoint without an MTP layer
+cannot verify drafts is refused where it is known: async scheduling by `EngineConfig`, a GDN backend that keeps no per-position states and a checkpoint without an MTP layer
 by `build_local_executor` / `build_model_runner`.
 """
 
@@ -18,12 +17,15 @@ from vlmrun.spec_decode.ngram import NgramProposer
 
 
 class MTPDraftSlots:
-    """Placeholders for up to k drafts the MTP layer makes on the device."""
+    """Placeholders for up to k drafts the MTP layer makes on the device. `drafts_grammar_rows`: whether a
+    request with a grammar gets them: the masks after the drafts are made where the matcher is, in the
+    engine's process, so not under tensor parallelism (the drafts are made in the ranks)."""
 
     drafts_on_device = True
 
-    def __init__(self, num_speculative_tokens: int):
+    def __init__(self, num_speculative_tokens: int, drafts_grammar_rows: bool = True):
         self.k = num_speculative_tokens
+        self.drafts_grammar_rows = drafts_grammar_rows
 
     def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
         return [PLACEHOLDER_TOKEN] * max(0, min(self.k, max_drafts))
@@ -37,5 +39,5 @@ def build_proposer(config: EngineConfig) -> Optional[Proposer]:
     if spec is None:
         return None
     if spec.method == "mtp":
-        return MTPDraftSlots(spec.num_speculative_tokens)
+        return MTPDraftSlots(spec.num_speculative_tokens, drafts_grammar_rows=config.tensor_parallel_size == 1)
     return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)

@@ -21,6 +21,7 @@ from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.linear import ReplicatedLinear
+from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.models.blocks.hybrid_decoder import FULL_ATTENTION, HybridDecoderLayer, ZeroCenteredRMSNorm, GatedDeltaNet
 
 
@@ -32,9 +33,12 @@ def num_mtp_layers(text_config: Any) -> int:
 
 
 class MultiTokenPredictor(nn.Module):
-    """The checkpoint's first MTP layer. `kv_layer_id`: its KV-pool layer (after the main model's)."""
+    """The checkpoint's first MTP layer. `kv_layer_id`: its KV-pool layer (after the main model's). Under
+    tensor parallelism its attention heads and MLP are sharded as the model's decoder layers are; `fc`
+    and the norms are whole on every rank."""
 
-    def __init__(self, text_config: Any, make_mlp: Callable[[int], nn.Module], kv_layer_id: int):
+    def __init__(self, text_config: Any, make_mlp: Callable[[int], nn.Module], kv_layer_id: int,
+                 tp: TensorParallel = SINGLE):
         super().__init__()
         hidden, eps = text_config.hidden_size, text_config.rms_norm_eps
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps)
@@ -42,7 +46,7 @@ class MultiTokenPredictor(nn.Module):
         self.fc = ReplicatedLinear(2 * hidden, hidden, bias=False)
         # the layer's MLP is what the family puts in decoder layer 0 (a MoE block in the MoE families)
         self.layers = nn.ModuleList([HybridDecoderLayer(text_config, FULL_ATTENTION, kv_layer_id, make_mlp(0),
-                                                        GatedDeltaNet)])
+                                                        GatedDeltaNet, tp)])
         self.norm = ZeroCenteredRMSNorm(hidden, eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
