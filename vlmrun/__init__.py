@@ -5,7 +5,8 @@ The public names load lazily, so importing a submodule (`import vlmrun.config`, 
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate",
+           "LoRARequest"]
 
 
 def __getattr__(name: str) -> Any:
@@ -17,6 +18,10 @@ def __getattr__(name: str) -> Any:
         from vlmrun.structured import StructuredOutputsParams
 
         return StructuredOutputsParams
+    if name == "LoRARequest":
+        from vlmrun.lora.request import LoRARequest
+
+        return LoRARequest
     if name in ("LLM", "RequestOutput", "CompletionOutput", "generate"):
         from vlmrun import api
 

@@ -24,6 +24,7 @@ from vlmrun.config import EngineConfig, mm_limit_fields
 from vlmrun.engine.engine import Engine
 from vlmrun.engine.outputs import RequestResult
 from vlmrun.engine.prompt_forms import parse_prompt
+from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
@@ -112,6 +113,7 @@ class RequestOutput:
 
 Conversation = list[dict[str, Any]]
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
+LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
 
 
 class LLM:
@@ -150,7 +152,7 @@ class LLM:
         return SamplingParams(**self.engine.model_config.sampling_defaults)
 
     def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Each prompt in one of the forms of `vlmrun/engine/prompt_forms.py`, as vLLM takes them: a string
         is the raw prompt (no chat template; `chat` applies it); {"prompt": str, "multi_modal_data":
         {"image": ..., "video": ...}} a raw prompt holding one placeholder per item; {"prompt_token_ids":
@@ -160,17 +162,21 @@ class LLM:
         `sampling_params` is one SamplingParams for all prompts or a list with one per prompt. A prompt of
         no form raises a ValueError naming the key before anything runs; a bad input (an unreadable image,
         a placeholder count that does not match) fails alone (its `error`).
+
+        `lora_request` (vLLM's): a `LoRARequest` for all prompts or a list with one (or None) per prompt;
+        the engine needs `enable_lora=True`. A bad adapter fails its requests alone (their `error`).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        return self._run([parse_prompt(prompt) for prompt in prompts], sampling_params, use_tqdm)
+        return self._run([parse_prompt(prompt) for prompt in prompts], sampling_params, use_tqdm,
+                         lora_request=lora_request)
 
     def chat(self, messages: Union[Conversation, Sequence[Conversation]],
              sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
              chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Optional[list[dict[str, Any]]] = None,
-             mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
+             mm_processor_kwargs: Optional[dict[str, Any]] = None, lora_request: LoRAArg = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of them, each through the chat template.
 
         As vLLM's: `chat_template` replaces the checkpoint's (the template or a file path);
@@ -178,7 +184,7 @@ class LLM:
         `add_generation_prompt` opens the assistant's reply; `continue_final_message` continues the last
         (assistant) message instead (not both: ValueError); `tools` go to the template;
         `mm_processor_kwargs` ({"min_pixels", "max_pixels", "fps"}) size every image / video that does
-        not size itself.
+        not size itself. `lora_request` as `generate`'s.
         """
         check_continuation(add_generation_prompt, continue_final_message)
         if mm_processor_kwargs is not None:
@@ -192,20 +198,18 @@ class LLM:
                 chat_template=chat_template, continue_final_message=continue_final_message,
                 mm_processor_kwargs=mm_processor_kwargs)
 
-        return self._run([list(conv) for conv in messages], sampling_params, use_tqdm, process)
+        return self._run([list(conv) for conv in messages], sampling_params, use_tqdm, process, lora_request)
 
     def _run(self, inputs: list[Any], params_arg: ParamsArg, use_tqdm: bool,
-             process: Optional[Callable[[Any], ProcessedPrompt]] = None) -> list[RequestOutput]:
-        if isinstance(params_arg, (list, tuple)):
-            if len(params_arg) != len(inputs):
-                raise ValueError(f"got {len(params_arg)} sampling params for {len(inputs)} prompts")
-            per_input = list(params_arg)
-        else:
-            per_input = [params_arg or self.get_default_sampling_params()] * len(inputs)
+             process: Optional[Callable[[Any], ProcessedPrompt]] = None,
+             lora_request: LoRAArg = None) -> list[RequestOutput]:
+        per_input = _per_input(params_arg, len(inputs), "sampling params", self.get_default_sampling_params())
+        loras = _per_input(lora_request, len(inputs), "LoRA requests", None)
         with self._lock:
             pending: dict[str, tuple[RequestOutput, int]] = {}
             try:
-                results = [self._add(item, params, pending, process) for item, params in zip(inputs, per_input)]
+                results = [self._add(item, params, pending, process, lora)
+                           for item, params, lora in zip(inputs, per_input, loras)]
                 self._drain(pending, use_tqdm and len(inputs) > 1)
             except BaseException:  # Ctrl-C or an engine error: this call's requests go with it
                 for cid in pending:
@@ -216,7 +220,7 @@ class LLM:
         return results
 
     def _add(self, item: Any, params: SamplingParams, pending: dict[str, tuple[RequestOutput, int]],
-             process: Optional[Callable[[Any], ProcessedPrompt]]) -> RequestOutput:
+             process: Optional[Callable[[Any], ProcessedPrompt]], lora: Optional[LoRARequest] = None) -> RequestOutput:
         """Process one input and queue its `n` choices; a bad input fails alone (its `error`)."""
         rid = str(next(self._ids))
         out = RequestOutput(request_id=rid, prompt_token_ids=[])
@@ -224,7 +228,7 @@ class LLM:
             prompt = (process or self.engine.process)(item)
             out.prompt_token_ids = list(prompt.token_ids)
             for i, choice in enumerate(params.choices()):
-                self.engine.add_request(f"{rid}-{i}", prompt, choice)
+                self.engine.add_request(f"{rid}-{i}", prompt, choice, lora_request=lora)
                 pending[f"{rid}-{i}"] = (out, i)
         except Exception as e:  # noqa: BLE001 - whatever one input raises is that request's error
             for cid, (o, _) in list(pending.items()):
@@ -247,6 +251,15 @@ class LLM:
                     bar.update(1)
         if bar is not None:
             bar.close()
+
+
+def _per_input(arg: Any, n: int, what: str, default: Any) -> list[Any]:
+    """One value per input: a list of n, or one value (None: `default`) for all."""
+    if isinstance(arg, (list, tuple)):
+        if len(arg) != n:
+            raise ValueError(f"got {len(arg)} {what} for {n} prompts")
+        return list(arg)
+    return [arg or default] * n
 
 
 def _progress_bar(total: int):

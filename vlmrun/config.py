@@ -109,6 +109,13 @@ class EngineConfig:
     # encodes every image, "data": each rank encodes a share of the step's images, gathered after.
     mm_encoder_tp_mode: str = "weights"
     enable_expert_parallel: bool = False  # MoE under tensor parallelism: whole experts per rank (else each sliced)
+    # LoRA adapters (vLLM's names; docs/lora.md): requests name a PEFT adapter (`LoRARequest`); up to
+    # `max_loras` adapters run in one step (slots, LRU), each of rank <= `max_lora_rank`; `max_cpu_loras`
+    # read adapters kept on the host (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: Optional[int] = None
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
     max_stop_strings: int = 32
@@ -152,10 +159,19 @@ class EngineConfig:
         if self.speculative_config is not None and self.async_scheduling:
             raise ValueError("speculative_config cannot be combined with async_scheduling yet: a verify step's "
                              "accepted length must reach the host before the next step is planned")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.enable_lora and self.speculative_config is not None:
+            raise ValueError("enable_lora cannot be combined with speculative_config yet")
         if self.mm_processor_kwargs is not None:
             check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
+
+    @property
+    def lora_slots(self) -> Optional[int]:
+        """How many adapters one step may run (`max_loras`); None without LoRA."""
+        return self.max_loras if self.enable_lora else None
 
     @property
     def gdn_state_torch_dtype(self) -> torch.dtype:

@@ -26,13 +26,15 @@ from vlmrun.cache.gdn_pool import GDNSnapshots
 from vlmrun.cache.kv_pool import PageAllocator
 
 
-def page_keys(token_ids: Sequence[int], mm_items: Sequence, page_size: int, num_pages: int) -> list[bytes]:
+def page_keys(token_ids: Sequence[int], mm_items: Sequence, page_size: int, num_pages: int,
+              salt: bytes = b"") -> list[bytes]:
     """Chained keys of the first `num_pages` full pages of a prompt.
 
-    mm_items: `processors.MMItem`s (hash, offset, length, grid_thw), in token order.
+    mm_items: `processors.MMItem`s (hash, offset, length, grid_thw), in token order. `salt` starts the
+    chain: what else the KV depends on (a LoRA adapter), so prompts run with different ones never share.
     """
     keys: list[bytes] = []
-    parent = b""
+    parent = salt
     items = sorted(mm_items, key=lambda it: it.offset)
     first = 0  # first item that may still overlap the current page
     for j in range(num_pages):

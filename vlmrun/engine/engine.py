@@ -46,6 +46,7 @@ from vlmrun.executor.distributed import create_parallel_executor, executor_devic
 from vlmrun.executor.base import Executor
 from vlmrun.executor.model_runner import SampledToken
 from vlmrun.loader import resolve_model_path
+from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
@@ -113,7 +114,7 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval,
-                                   proposer=build_proposer(config))  # speculative decoding
+                                   proposer=build_proposer(config), max_loras=config.lora_slots)
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
                                         self.model_config.eos_token_ids)
@@ -218,9 +219,12 @@ class Engine:
             return self.processor.process_prompt(parsed.text, parsed.images, videos=parsed.videos)
         return self.processor.process_chat(parsed)
 
-    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
+                    lora_request: Optional[LoRARequest] = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_request is not None:  # read and checked now, off the step loop; a ValueError naming a bad one
+            self.runner.add_lora(lora_request)
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
         params = params.tokenize_bad_words(self.tokenizer)  # once per request: the sampler bans by token ids
         params.check_token_ids(self.model_config.text_config.vocab_size)  # SamplingParamError naming the field
@@ -240,12 +244,12 @@ class Engine:
         generator = None if params.seed is None else self.runner.make_generator(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
-                      grammar=grammar)
+                      grammar=grammar, lora=lora_request)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * n  # filled per prefill chunk; the first position stays None
         if self.prefix_cache is not None:
             page_size = self.caches.plan.page_size
-            req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size)
+            req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size, cache_salt(lora_request))
         self.requests[request_id] = req
         self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
                                                      self.model_config.eos_token_ids, self.max_model_len)

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
+from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
@@ -55,6 +56,7 @@ class Request:
     first_token_time: Optional[float] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # per prompt position, when asked
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
+    lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -2,7 +2,8 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running requests go first, oldest
 first: a decode costs one token, an unfinished prefill takes as much of its remaining prompt as
-the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs`.
+the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs` (and, with
+LoRA, while the running requests' adapters fit the `max_loras` slots).
 When the KV pool has no page for a running request, the newest running request is preempted:
 its pages are freed and it waits to recompute its prompt and the tokens it already generated.
 
@@ -81,7 +82,8 @@ class ScheduledChunk:
                           mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
                           prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids),
                           draft_grammar=draft_grammar,
-                          next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0])
+                          next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0],
+                          lora=req.lora)
 
     def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
         """For a request with prompt logprobs: the prompt token after each fed token that has one."""
@@ -94,7 +96,7 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
-                 snapshot_interval: int = 512, proposer: Optional[Proposer] = None):
+                 snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -110,6 +112,7 @@ class Scheduler:
         self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
         self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
         self.proposer = proposer  # speculative decoding's drafts; None: every decode feeds one token
+        self.max_loras = max_loras  # LoRA: distinct adapters the running requests may use (None: LoRA off)
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None
                             else SpecDecodeStats(num_accepted_tokens_per_pos=[0] * proposer.k))
@@ -172,6 +175,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_launched_steps:  # preempted while a launched step runs it: recompute once that is collected
                 break
+            if not self._lora_fits(req):  # every slot is held by an adapter running requests use
+                break
             row = self.req_pool.alloc()
             if row is None:
                 break
@@ -191,6 +196,13 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, admitted=True))
             budget -= n
         return chunks, too_long
+
+    def _lora_fits(self, req: Request) -> bool:
+        """LoRA: the running requests' adapters and `req`'s fit the `max_loras` slots of a step."""
+        if req.lora is None or self.max_loras is None:
+            return True
+        running = {r.lora.lora_int_id for r in self.running if r.lora is not None}
+        return req.lora.lora_int_id in running or len(running) < self.max_loras
 
     def must_wait(self, req: Request) -> bool:
         """Async scheduling: a request whose last token is still on the device (a launched step is

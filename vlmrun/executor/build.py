@@ -34,6 +34,7 @@ from vlmrun.layers.attention.flashinfer_backend import FlashInferAttnBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.cpu_kernels import cpu_features, pack_threshold
 from vlmrun.layers.packed_linear import pack_linear_weights
+from vlmrun.lora.manager import LoRAManager
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -61,8 +62,6 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     stage has an encoder cache of its own; under TP with `mm_encoder_tp_mode="data"` each rank encodes
     a share of the step's images and the ranks gather the embeddings."""
     split_over = tp if tp is not None and config.mm_encoder_tp_mode == "data" else None
-    vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), device, dtype, split_over)
-              if model.supports_images else None)
     if device.type == "cpu":
         logger.info("CPU: %s", cpu_features().describe())
     threshold = pack_threshold(config.linear_backend, device, next(model.parameters()).dtype)
@@ -72,7 +71,11 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
         keep_freed_memory()
     backend = make_attention_backend(model, caches, config, device)
     fuse_vision_attention(model, backend, caches)
-    return ModelRunner(model, caches, backend, vision, device,
+    lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, device, dtype, config.max_cpu_loras)
+            if config.enable_lora else None)
+    vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), device, dtype, split_over, lora)
+              if model.supports_images else None)
+    return ModelRunner(model, caches, backend, vision, device, lora=lora,
                        padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE,
                        feeds_placeholders=config.async_scheduling,
                        seed=config.seed, drafter=drafter)
@@ -115,7 +118,8 @@ def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Cach
     if config.eager_decode(device):
         return None
     graphs = (device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
-              and config.tensor_parallel_size == 1)  # collectives inside a capture: not attempted yet
+              and config.tensor_parallel_size == 1  # collectives inside a capture: not attempted yet
+              and not config.enable_lora)  # a graph would keep the adapter groups of its capture
     if device.type == "cuda" and not graphs:
         logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer', "
                     "one device and a model without host syncs (MoE routing syncs)")

@@ -36,6 +36,8 @@ from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput, gather_prompt_logprobs, logprob_dicts
 from vlmrun.layers.sampling_batch import SamplingBatch
+from vlmrun.lora.manager import LoRAManager
+from vlmrun.lora.request import LoRARequest
 from vlmrun.models.weights import weight_bytes
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
@@ -79,9 +81,11 @@ class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
                  vision: Optional[VisionStage], device: torch.device,
                  padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0,
-                 feeds_placeholders: bool = False, drafter: Optional[MTPDrafter] = None):
+                 feeds_placeholders: bool = False, drafter: Optional[MTPDrafter] = None,
+                 lora: Optional[LoRAManager] = None):
         self.model = model
         self.drafter = drafter  # speculative method "mtp": drafts on the device (executor/mtp_steps.py)
+        self.lora = lora  # LoRA adapters in slots (enable_lora); None: the base model only
         self.weight_bytes = (weight_bytes(model),)  # as stored to run (oneDNN-packed, quantized), one device
         self.caches = caches
         self.attn_backend = attn_backend
@@ -103,6 +107,12 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to end: the model runs in this process."""
 
+    def add_lora(self, request: LoRARequest) -> None:
+        """Read and check a LoRA adapter now (kept on the host until a step puts it in a slot)."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: the engine was started without enable_lora=True")
+        self.lora.add(request)
+
     def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
         """Runs the chunks; returns, per chunk, its sampled token (None for a mid-prompt chunk) and prompt logprobs."""
         return self.collect(self.launch(chunks))
@@ -112,7 +122,10 @@ class ModelRunner:
         """Everything of a step but reading its tokens: on CUDA it returns once the work is queued
         (sampled ids stay on the device, in `last_tokens`, and start their copy to the host)."""
         fb = self.build_forward_batch(chunks)
-        self.embed_images(fb, chunks)
+        lora_slots = None if self.lora is None else self.lora.activate([c.lora for c in chunks])
+        self.embed_images(fb, chunks, lora_slots)
+        if self.lora is not None:  # each row's adapter slot, read by the adapted layers of this forward
+            self.lora.bind(lora_slots, [c.num_tokens for c in chunks])
         mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device, self.tp)
         if mtp is not None:
             mtp.draft(fb, hybrid=self.caches.gdn_pool is not None)
@@ -258,15 +271,17 @@ class ModelRunner:
         """A host tensor on the runner's device, without blocking (`vlmrun.host_to_device.upload`)."""
         return upload(host, self.device)
 
-    def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput]) -> None:
+    def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput], lora_slots: Optional[list[int]] = None) -> None:
         """The vision stage: encode (or take from the encoder cache) the images the chunks feed and
         put their embeddings on `fb` for the model to splice in."""
         if self.vision is None:
             return
         spans, row = [], 0
-        for c in chunks:
+        for i, c in enumerate(chunks):
             if c.mm_items:
-                spans.append(ChunkSpan(list(c.mm_items), c.start, c.end, row))
+                slot = -1 if lora_slots is None else lora_slots[i]
+                tag = self.lora.cache_tag(slot) if slot >= 0 else ""  # LoRA: the tower's adapter, or none
+                spans.append(ChunkSpan(list(c.mm_items), c.start, c.end, row, slot if tag else -1, tag))
             row += c.num_tokens
         vision = self.vision.prepare(spans, fb.num_tokens) if spans else None
         if vision is not None:

@@ -27,6 +27,7 @@ import torch
 from vlmrun.cache.shadow import CacheOp, build_shadow_caches, replay_cache_ops
 from vlmrun.executor.model_runner import ChunkOutput, LaunchedStep, ModelRunner
 from vlmrun.executor.step_input import ChunkInput
+from vlmrun.lora.request import LoRARequest
 
 Handle = Union[LaunchedStep, Future]
 
@@ -45,6 +46,9 @@ class OverlappedRunner:
 
     def make_generator(self, seed: int) -> torch.Generator:
         return self.runner.make_generator(seed)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        self.runner.add_lora(request)
 
     def launch(self, chunks: list[ChunkInput]) -> Handle:
         ops = self._cache_ops.drain()

@@ -14,6 +14,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from vlmrun.layers.sampling_batch import SamplingRow
+from vlmrun.lora.request import LoRARequest
 from vlmrun.spec_decode.grammar import DraftGrammar, FilledDraftGrammar
 
 
@@ -46,6 +47,7 @@ class ChunkInput:
     draft_grammar: Optional[Union[DraftGrammar, FilledDraftGrammar]] = None
     # a chunk that stops before the request's last known token: the token after it (MTP drafting reads it)
     next_token_id: Optional[int] = None
+    lora: Optional[LoRARequest] = None  # the request's LoRA adapter (None: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,8 @@
   `ReplicatedLinear`: one part, whole (the vision tower, MoE routers).
 - `RowParallelLinear`: the input columns are split; each rank computes a partial sum, summed over
   the ranks (all-reduce), then the bias is added once.
+- A layer's `lora` (None unless LoRA is enabled: `vlmrun.lora`) adds each row's adapter update to
+  its output (a row-parallel layer's before the all-reduce).
 - `ShardedRows`: a plain parameter with sharded rows (the GDN conv weight).
 - `VocabParallelEmbedding` / `ParallelLMHead`: the vocabulary split in equal blocks (the last one
   padded); embedding rows outside this rank's block are zero before the all-reduce, logits are
@@ -121,6 +123,9 @@ class LinearBase(nn.Module):
         self.method: LinearMethod = UNQUANTIZED
         self.use_method(UNQUANTIZED)
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
+        # LoRA adapters (`vlmrun.lora.layers.LinearLoRA`, given by `attach_lora`): `lora.add(x, y)` adds each
+        # row's low-rank update to the output, before a row-parallel layer's all-reduce
+        self.lora: Optional[Any] = None
 
     # ------------------------------------------------------------------ building
 
@@ -249,7 +254,8 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(shards, Shard(in_features, 0, in_features), bias, part_names)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        y = self.method.apply(self, x, self.bias)
+        return y if self.lora is None else self.lora.add(x, y)
 
 
 class ReplicatedLinear(ColumnParallelLinear):
@@ -275,8 +281,11 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self.method.apply(self, x, self.bias)
+            y = self.method.apply(self, x, self.bias)
+            return y if self.lora is None else self.lora.add(x, y)
         y = self.method.apply(self, x, None)  # [.., out] partial sum over this rank's inputs
+        if self.lora is not None:  # this rank's share of the update: A's columns of its inputs
+            y = self.lora.add(x, y)
         if self.reduce:
             y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias

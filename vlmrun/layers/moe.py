@@ -74,6 +74,7 @@ class FusedExperts(nn.Module):
         self.stored_dtypes: dict[str, torch.dtype] = {}
         self.use_method(UNQUANTIZED)
         self.act_fn = get_act_fn(act)
+        self.lora: Optional[Any] = None  # LoRA adapters of the experts (`vlmrun.lora.layers.ExpertsLoRA`)
 
     def use_method(self, method: LinearMethod, layer_name: str = "", tp_size: int = 1) -> None:
         """Registers `method`'s (empty) tensors for both projections: [E, *spec shape] each."""
@@ -224,8 +225,15 @@ class FusedExperts(nn.Module):
             start += n
             tokens = rows // k
             gate_up = self.expert_weight("gate_up_proj", local, x.dtype)  # [2I, H]
-            gate, up = F.linear(x[tokens], gate_up).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(self.act_fn(gate) * up, self.expert_weight("down_proj", local, x.dtype))  # [n, H]
+            xs = x[tokens]  # [n, H]
+            h = F.linear(xs, gate_up)  # [n, 2I]
+            if self.lora is not None:
+                h = self.lora.add("gate_up_proj", local, xs, h, tokens)
+            gate, up = h.chunk(2, dim=-1)  # [n, I] each
+            inner = self.act_fn(gate) * up
+            y = F.linear(inner, self.expert_weight("down_proj", local, x.dtype))  # [n, H]
+            if self.lora is not None:
+                y = self.lora.add("down_proj", local, inner, y, tokens)
             out.index_add_(0, tokens, y * flat_weights[rows, None])
         return out
 

@@ -60,6 +60,11 @@ class Model(nn.Module, ABC):
         """Rearrange a checkpoint tensor before it is copied into parameter `name` (as is by default)."""
         return tensor
 
+    def lora_output_rows(self, layer: str, rows: torch.Tensor) -> torch.Tensor:
+        """A LoRA B [out, rank] of linear layer `layer` with its output rows in the order the layer keeps
+        them (as `transform_weight` orders the base weight's rows; as is by default)."""
+        return rows
+
     @property
     def ties_word_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", False))

@@ -71,9 +71,16 @@ class Qwen3NextForCausalLM(Model):
         """The grouped GDN projections' output features regrouped, in whatever format their linear method
         keeps them (`LinearMethod.regroup_output`: float or FP8 rows, int4 packed along the outputs)."""
         module, _, tensor_name = name.rpartition(".")
-        regroup = {"linear_attn.in_proj_qkvz": ungroup_qkvz, "linear_attn.in_proj_ba": ungroup_ba}
-        for suffix, fn in regroup.items():
+        for suffix, fn in _GROUPED.items():
             if module.endswith(suffix):
                 method = self.get_submodule(module).method
                 return method.regroup_output(tensor_name, materialize(tensor), lambda rows: fn(rows, self.config))
         return tensor
+
+    def lora_output_rows(self, layer: str, rows: torch.Tensor) -> torch.Tensor:
+        """A LoRA B of a grouped GDN projection regrouped as its weight is."""
+        fn = next((fn for suffix, fn in _GROUPED.items() if layer.endswith(suffix)), None)
+        return rows if fn is None else fn(rows, self.config)
+
+
+_GROUPED = {"linear_attn.in_proj_qkvz": ungroup_qkvz, "linear_attn.in_proj_ba": ungroup_ba}

@@ -4,13 +4,15 @@ Images are looked up in the encoder cache by content hash; the missing ones are 
 batched call. Under tensor parallelism with `mm_encoder_tp_mode="data"` (`split_over`), every rank
 holds the same cache, finds the same images missing, encodes every `size`-th of them (rank r: the
 r-th, r+size-th, ...) and gathers the others' embeddings, so each rank caches them all. A chunk that covers part of an image's token span takes the matching slice of that
-image's embedding, so an image split across prefill chunks is encoded once.
+image's embedding, so an image split across prefill chunks is encoded once. With LoRA, an image of a
+request whose adapter changes the vision tower is encoded with that adapter's slot bound and cached
+under its hash and the adapter's tag (`ChunkSpan.cache_tag`); other requests share the base embeddings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -26,6 +28,8 @@ class ChunkSpan:
     start: int
     end: int
     row_offset: int
+    lora_slot: int = -1  # LoRA: the adapter slot its images are encoded with (-1: the base tower)
+    cache_tag: str = ""  # LoRA: keys its images apart in the encoder cache when its adapter changes the tower
 
 
 @dataclass
@@ -37,12 +41,13 @@ class VisionInputs:
 
 class VisionStage:
     def __init__(self, model: nn.Module, cache: EncoderCache, device: torch.device, dtype: torch.dtype,
-                 split_over: Optional[TensorParallel] = None):
+                 split_over: Optional[TensorParallel] = None, lora: Optional[Any] = None):
         self.model = model
         self.cache = cache
         self.device = device
         self.dtype = dtype
         self.split_over = split_over  # ranks that share the encoding of each step's images (data parallel)
+        self.lora = lora  # LoRA (`vlmrun.lora.manager.LoRAManager`): binds an adapter slot for each encoder call
 
     def prepare(self, spans: list[ChunkSpan], num_tokens: int) -> Optional[VisionInputs]:
         pieces = [(item, max(s.start, item.offset), min(s.end, item.offset + item.length), s)
@@ -50,12 +55,12 @@ class VisionStage:
                   if item.offset < s.end and item.offset + item.length > s.start]
         if not pieces:
             return None
-        embeddings = self._embeddings_for([item for item, *_ in pieces])
+        embeddings = self._embeddings_for([(item.hash + s.cache_tag, item, s.lora_slot) for item, _, _, s in pieces])
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         embeds, deepstack = [], []
         for item, lo, hi, span in pieces:  # spans and items come in token order, so rows do too
             mask[span.row_offset + lo - span.start: span.row_offset + hi - span.start] = True
-            entry = embeddings[item.hash]
+            entry = embeddings[item.hash + span.cache_tag]
             embeds.append(entry.embeds[lo - item.offset: hi - item.offset])
             if entry.deepstack is not None:
                 deepstack.append(entry.deepstack[:, lo - item.offset: hi - item.offset])
@@ -65,28 +70,31 @@ class VisionStage:
             deepstack_embeds=torch.cat(deepstack, dim=1) if deepstack else None,
         )
 
-    def _embeddings_for(self, items: list) -> dict[str, ImageEmbedding]:
+    def _embeddings_for(self, keyed: list[tuple[str, Any, int]]) -> dict[str, ImageEmbedding]:
+        """(cache key, item, adapter slot) -> embeddings by key: cached, or encoded (one call per slot)."""
         found: dict[str, ImageEmbedding] = {}
-        missing = {}
-        for item in items:
-            entry = self.cache.get(item.hash) if item.hash not in found else found[item.hash]
+        missing: dict[int, dict[str, Any]] = {}  # slot -> key -> item
+        for key, item, slot in keyed:
+            entry = self.cache.get(key) if key not in found else found[key]
             if entry is None:
-                missing[item.hash] = item
+                missing.setdefault(slot, {})[key] = item
             else:
-                found[item.hash] = entry
-        if missing:
-            found.update(self._encode(list(missing.values())))
+                found[key] = entry
+        for slot, items in missing.items():
+            found.update(self._encode(items, slot))
         return found
 
     @torch.no_grad()
-    def _encode(self, items: list) -> dict[str, ImageEmbedding]:
+    def _encode(self, items: dict[str, Any], slot: int = -1) -> dict[str, ImageEmbedding]:
         split = self.split_over is not None and self.split_over.size > 1
-        outputs = self._encode_split(items) if split else self._run_encoder(items)
+        if self.lora is not None:  # every patch of this call runs the slot's adapter (or none)
+            self.lora.bind([slot], [1])
+        outputs = self._encode_split(list(items.values())) if split else self._run_encoder(list(items.values()))
         result = {}
-        for it, (e, d) in zip(items, outputs):
+        for key, (e, d) in zip(items, outputs):
             entry = ImageEmbedding(e, d)
-            self.cache.put(it.hash, entry)
-            result[it.hash] = entry
+            self.cache.put(key, entry)
+            result[key] = entry
         return result
 
     def _run_encoder(self, items: list) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
