@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.engine.engine import Engine, EngineStats
 from vlmrun.engine.outputs import RequestUpdate
+from vlmrun.lora.request import LoRARequest
 from vlmrun.engine.request_group import (
     FINISH_ABORT,
     ChoiceDelta,
@@ -63,6 +64,7 @@ class _Add:
     group: RequestGroup
     items: list[tuple[ProcessedPrompt, SamplingParams]]
     accepted: asyncio.Future
+    lora: Optional[LoRARequest] = None  # the group's LoRA adapter (None: the base model)
 
 
 @dataclass
@@ -142,8 +144,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ asyncio side
 
-    async def submit(self, group_id: str,
-                     items: Sequence[tuple[ProcessedPrompt, SamplingParams]]) -> RequestGroup:
+    async def submit(self, group_id: str, items: Sequence[tuple[ProcessedPrompt, SamplingParams]],
+                     lora_request: Optional[LoRARequest] = None) -> RequestGroup:
         """Queue a group of requests; returns once the engine accepted them all (or raises)."""
         if not items:
             raise ValueError("a request group needs at least one (prompt, params) pair")
@@ -152,7 +154,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         group = RequestGroup(group_id, len(items), loop, self.abort)
         accepted = loop.create_future()
-        self._commands.put(_Add(group, list(items), accepted))
+        self._commands.put(_Add(group, list(items), accepted, lora_request))
         try:
             while not accepted.done():
                 await asyncio.wait({accepted}, timeout=self._idle_poll_s)
@@ -238,7 +240,7 @@ class AsyncEngine:
         try:
             for index, (prompt, params) in enumerate(cmd.items):
                 rid = f"{group.group_id}-{index}"
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_request(rid, prompt, params, lora_request=cmd.lora)
                 added.append(rid)
                 self._live[rid] = _Live(group, index, len(prompt.token_ids))
         except Exception as exc:

@@ -56,6 +56,12 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
                  "encoder_cache_tokens", "max_image_pixels", "tensor_parallel_size", "distributed_executor_backend"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
+    if args.lora is not None and args.ray:
+        raise ValueError("--lora is not supported with --ray yet")
+    if args.lora is not None:  # one adapter, slots sized to it
+        from vlmrun.lora.peft_files import configured_rank
+
+        engine.update(enable_lora=True, max_lora_rank=configured_rank(args.lora))
     ray = None
     if args.ray:
         ray = RayOptions(address=args.ray_address, actors=args.ray_actors, gpus_per_actor=args.ray_gpus_per_actor,
@@ -64,7 +70,7 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         inputs=list(args.inputs), model=resolve_model(args.model), out=args.out, prompt=args.prompt,
         sampling=sampling, engine_options=engine, workers=args.workers, prefetch=args.prefetch,
         overwrite=args.overwrite, retry_errors=args.retry_errors, image_column=args.image_column,
-        fsync_interval=args.fsync_interval, progress=not args.no_progress, ray=ray,
+        fsync_interval=args.fsync_interval, progress=not args.no_progress, ray=ray, lora=args.lora,
     )
 
 
@@ -153,6 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     e = cap.add_argument_group("engine")
     e.add_argument("--dtype", default="auto")
+    e.add_argument("--lora", default=None, metavar="PATH", help="caption with this LoRA adapter (a PEFT folder)")
     e.add_argument("--device", default="auto")
     e.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together (engine default 256)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -60,3 +60,4 @@ class CaptionJobConfig:
     fsync_interval: float = 1.0
     progress: bool = True
     ray: Optional[RayOptions] = None
+    lora: Optional[str] = None  # a LoRA adapter (PEFT folder) every caption runs with (not with Ray yet)

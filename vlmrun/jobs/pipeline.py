@@ -33,6 +33,7 @@ import torch
 from vlmrun.processors import InputError, ProcessedPrompt, load_image
 from vlmrun.jobs.inputs import JobItem, is_video
 from vlmrun.jobs.records import CaptionRecord, image_seed, parse_structured
+from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import SamplingParams
 
 _POLL_S = 0.05  # how often blocked threads look at the stop flag
@@ -53,6 +54,7 @@ class PipelineOptions:
     workers: int = 4
     prefetch: int = 64
     max_in_flight: Optional[int] = None
+    lora: Optional[LoRARequest] = None  # the LoRA adapter every request runs with (None: the base model)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -165,7 +167,7 @@ class CaptionPipeline:
                 params = dataclasses.replace(params, seed=image_seed(params.seed, prep.item.key))
             rid = f"caption-{next(self._ids)}"
             try:
-                self.engine.add_request(rid, prep.prompt, params)
+                self.engine.add_request(rid, prep.prompt, params, lora_request=opts.lora)
                 in_flight[rid] = _InFlight(prep, time.monotonic())
                 return
             except (InputError, ValueError) as exc:

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import IO, Any, Iterator, Optional, Protocol
 
 from vlmrun.jobs.config import CaptionJobConfig
@@ -22,6 +23,7 @@ from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
 from vlmrun.jobs.journal import ResumeState
 from vlmrun.jobs.sink import JOURNAL_SUFFIX, STDOUT, OutputError, open_output
+from vlmrun.lora.request import LoRARequest
 
 
 class NoInputsError(ValueError):
@@ -120,9 +122,12 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
 
     engine = Engine(EngineConfig(model=config.model, **config.engine_options))
     engine.compile_structured(config.sampling)  # a bad --json-schema / --regex ends the job before it starts
+    lora = None if config.lora is None else LoRARequest(Path(config.lora).name, 1, config.lora)
+    if lora is not None:
+        engine.runner.add_lora(lora)  # a bad adapter ends the job before it starts
     pipeline = CaptionPipeline(engine, PipelineOptions(prompt=config.prompt, sampling=config.sampling,
                                                        model_name=config.model, workers=config.workers,
-                                                       prefetch=config.prefetch))
+                                                       prefetch=config.prefetch, lora=lora))
     counters.started = time.monotonic()
     try:
         pipeline.run(items, on_record, on_tick=bar.refresh)

@@ -95,6 +95,15 @@ def pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+def configured_rank(path: str | Path) -> int:
+    """The largest rank an adapter folder's config names (`r` and `rank_pattern`); LoRAError if unreadable."""
+    try:
+        config = json.loads((Path(path) / CONFIG_FILE).read_text(encoding="utf-8"))
+        return int(max([config["r"], *(config.get("rank_pattern") or {}).values()]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise _refuse(str(path), f"cannot read the rank from {Path(path) / CONFIG_FILE}: {e}") from None
+
+
 def read_adapter(name: str, path: str | Path) -> PeftAdapter:
     """The adapter at `path`; LoRAError (naming `name`) when it is missing, malformed or unsupported."""
     from safetensors.torch import load_file

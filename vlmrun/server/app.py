@@ -20,7 +20,7 @@ import hmac
 import importlib.metadata
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -80,12 +80,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state)]}
+        return {"object": "list", "data": [_model_card(state), *map(lambda n: _model_card(state, n),
+                                                                        state.settings.lora_modules)]}
 
     @app.get("/v1/models/{model:path}", dependencies=auth)
     async def get_model(model: str) -> dict[str, Any]:
         state.check_model(model)
-        return _model_card(state)
+        return _model_card(state, None if model == state.model_name else model)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
@@ -118,7 +119,12 @@ def vlmrun_version() -> str:
     return importlib.metadata.version("vlmrun")
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, adapter: Optional[str] = None) -> dict[str, Any]:
+    """The served model's card, or (`adapter`) a LoRA adapter's: its folder as root, the model as parent."""
+    if adapter is not None:
+        return {"id": adapter, "object": "model", "created": state.created, "owned_by": "vlmrun",
+                "root": state.settings.lora_modules[adapter], "parent": state.model_name,
+                "max_model_len": state.engine.max_model_len}
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vlmrun",
             "root": state.model_name, "parent": None,
             "max_model_len": state.engine.max_model_len}

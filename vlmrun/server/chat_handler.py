@@ -37,7 +37,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     """Answer one `/v1/chat/completions` request (collected or streamed)."""
     arrival = time.monotonic()
     req: ChatRequest = await parse_body(state, request, parse_chat_request)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     _check_tool_choice(state, req)
     ticket = state.admission.admit(req.params.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -54,8 +54,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
-                       "messages", heavy=has_media(req.messages))
-    model = state.model_name
+                       "messages", heavy=has_media(req.messages), lora=lora)
+    model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("chatcmpl", rid)
     parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,

@@ -64,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="vision tower on every rank: each encodes every image (weights) or a share of them (data)")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models under tensor parallelism: whole experts per rank instead of every expert sliced")
+    p.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders; docs/lora.md)")
+    p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may run (slots)")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="read LoRA adapters kept on the host")
 
 
 def _json_object(text: str) -> Any:
@@ -114,8 +118,28 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         max_stop_token_ids=args.max_stop_token_ids, tensor_parallel_size=args.tensor_parallel_size,
                         distributed_executor_backend=args.distributed_executor_backend,
                         mm_encoder_tp_mode=args.mm_encoder_tp_mode,
-                        enable_expert_parallel=args.enable_expert_parallel,
+                        enable_expert_parallel=args.enable_expert_parallel, enable_lora=args.enable_lora,
+                        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         mm_processor_kwargs=args.mm_processor_kwargs, **kernel_options(args))
+
+
+def lora_modules(args: argparse.Namespace) -> dict[str, str]:
+    """`--lora-modules name=path ...` (or vLLM's JSON form {"name": ..., "path": ...}) -> {name: path};
+    ValueError for a bad item, a repeated name, or adapters without --enable-lora."""
+    out: dict[str, str] = {}
+    for item in args.lora_modules or []:
+        if item.lstrip().startswith("{"):
+            spec = _json_object(item)
+            name, path = spec.get("name"), spec.get("path")
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path or name in out:
+            raise ValueError(f"--lora-modules {item!r}: give name=path (or {{\"name\": ..., \"path\": ...}}), "
+                             f"each name once")
+        out[name] = path
+    if out and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    return out
 
 
 def server_settings(args: argparse.Namespace):  # -> ServerSettings
@@ -131,10 +155,12 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        trust_request_chat_template=args.trust_request_chat_template)
+        trust_request_chat_template=args.trust_request_chat_template, lora_modules=lora_modules(args))
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters served by name: a request's model NAME runs the PEFT folder PATH")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or the bundled model's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or VLMRUN_API_KEY)")
     p.add_argument("--allowed-local-media-path", default=None,

@@ -35,7 +35,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     """Answer one `/v1/completions` request (collected or streamed)."""
     arrival = time.monotonic()
     req: CompletionRequest = await parse_body(state, request, parse_completion_request)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     n = req.params.n
     ticket = state.admission.admit(n * len(req.prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -48,8 +48,8 @@ async def completions(state: ServerState, request: Request) -> Response:
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
-                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=False)
-    model = state.model_name
+                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=False, lora=lora)
+    model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("cmpl", rid)
     echo = None

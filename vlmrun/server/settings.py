@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from vlmrun.lora.request import LoRARequest
 
 MiB = 1 << 20
 # vLLM's --tool-call-parser names for the Qwen formats this server reads (`tool_calls.read_call` reads
@@ -37,6 +39,8 @@ class ServerSettings:
         `tool_choice` is "auto" (the default with tools) is a 400 unless enable_auto_tool_choice is on;
         then the answer's tool calls are parsed into `tool_calls`. enable_auto_tool_choice needs a
         tool_call_parser, one of TOOL_CALL_PARSERS. "required", a named function and "none" need neither.
+    lora_modules: LoRA adapters by name (vLLM's --lora-modules): a request's `model` naming one runs it;
+        /v1/models lists them with the served model as parent.
     """
 
     served_model_name: str
@@ -56,6 +60,12 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     trust_request_chat_template: bool = False
+    lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> PEFT folder
+
+    def lora_request(self, name: str) -> LoRARequest:
+        """The `LoRARequest` of a `--lora-modules` adapter (ids 1, 2, ... in the order given)."""
+        return LoRARequest(name, list(self.lora_modules).index(name) + 1, self.lora_modules[name],
+                           base_model_name=self.served_model_name)
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes"):

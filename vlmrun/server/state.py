@@ -17,6 +17,7 @@ from typing import Callable, Optional, TypeVar
 
 from vlmrun.processors import Processor
 from vlmrun.engine.async_engine import AsyncEngine
+from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import StopLimits
 from vlmrun.server.errors import bad_request, model_not_found, queue_full
 from vlmrun.server.media import MediaPolicy, MediaResolver
@@ -101,10 +102,14 @@ class ServerState:
     def model_name(self) -> str:
         return self.settings.served_model_name
 
-    def check_model(self, model: Optional[str]) -> None:
-        """None means the served model; any other name than the served one is a 404."""
-        if model is not None and model != self.model_name:
-            raise model_not_found(model, [self.model_name])
+    def check_model(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """None or the served name: the base model (None); a `--lora-modules` name: that adapter; any other
+        name is a 404."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.settings.lora_modules:
+            return self.settings.lora_request(model)
+        raise model_not_found(model, [self.model_name, *self.settings.lora_modules])
 
     async def in_pool(self, fn: Callable[[], T], heavy: bool) -> T:
         """Run `fn` off the event loop: in the media pool when `heavy`, else in the light pool."""

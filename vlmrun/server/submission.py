@@ -19,11 +19,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from vlmrun.lora.peft_files import LoRAError
+from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.request_group import ChoiceDelta, EngineDeadError, EngineStepError, RequestGroup
@@ -126,7 +128,7 @@ Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams
 
 async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
-                 param: str, heavy: bool) -> Submitted:
+                 param: str, heavy: bool, lora: Optional[LoRARequest] = None) -> Submitted:
     """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine. A
     client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image."""
     cancel = threading.Event()
@@ -138,7 +140,10 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
             cancel.set()  # done, or nobody is waiting for it any more
         items = _truncate_prompts(items, state.engine.engine.max_model_len)
         _check_context(items, state.engine.engine.max_model_len)
-        group = await state.engine.submit(rid, items)
+        group = await state.engine.submit(rid, items, lora)
+    except LoRAError as exc:  # the adapter the request's `model` names cannot be served
+        ticket.release()
+        raise bad_request(str(exc), param="model") from None
     except (StructuredOutputError, SamplingParamError) as exc:  # the engine's checks (a grammar, token ids)
         ticket.release()
         raise bad_request(str(exc), param=exc.field) from None
