@@ -33,6 +33,11 @@ class Executor(Protocol):
         """Wait for a launched step: what `execute` returns. Steps are collected in launch order."""
         ...
 
+    def add_lora(self, request: Any) -> None:
+        """Read and check a LoRA adapter (`vlmrun.lora.request.LoRARequest`) before a request runs it; a
+        ValueError naming it when it cannot run (or LoRA is off)."""
+        ...
+
     def make_generator(self, seed: int) -> Any:
         """A seeded request's generator, in the form this executor samples with."""
         ...

@@ -29,10 +29,12 @@ import torch.multiprocessing as mp
 
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.base import Executor
+from vlmrun.executor.lora_check import LoRAChecker
 from vlmrun.executor.model_runner import ChunkOutput
 from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import run_worker
+from vlmrun.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ STOP_GRACE_SECONDS = 5.0
 class TensorParallelExecutor:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
         self.size = config.tensor_parallel_size
+        self.config, self.model_config = config, model_config
+        self._lora: Optional[LoRAChecker] = None
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.processes: list[Any] = []
@@ -94,6 +98,13 @@ class TensorParallelExecutor:
 
     def make_generator(self, seed: int) -> RankGenerator:
         return self.driver.make_generator(seed)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Check a LoRA adapter here (a bad one fails its request); the ranks read it before their next step."""
+        if self._lora is None:
+            self._lora = LoRAChecker(self.config, self.model_config)
+        self._lora.check(request)
+        self._send(("lora", request))
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -111,6 +111,9 @@ class RayExecutor:
     def collect(self, refs: list) -> list[ChunkOutput]:
         return self._get(refs)[0][1]
 
+    def add_lora(self, request: Any) -> None:
+        raise ValueError(f"LoRA adapter {request.lora_name!r}: LoRA is not supported with the Ray executor yet")
+
     def make_generator(self, seed: int) -> RankGenerator:
         return self.driver.make_generator(seed)
 

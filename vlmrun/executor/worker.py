@@ -131,6 +131,9 @@ def run_worker(rank: int, size: int, config: EngineConfig, model_config: ModelCo
             message = conn.recv()
             if message[0] == "stop":
                 break
+            if message[0] == "lora":  # read a LoRA adapter (the driver checked it) before the steps that run it
+                worker.runner.add_lora(message[1])
+                continue
             results = worker.execute(*message[1:])
             if rank == 0:
                 outbox.submit(conn.send, ("result", results))

@@ -48,7 +48,7 @@ def map_adapter(model: nn.Module, adapter: PeftAdapter, max_rank: int, dtype: to
         param, part = aliases.get(ours, (ours, None)) if ours is not None else ("", None)
         layer_name = param.rpartition(".")[0]
         layer = _submodule(model, layer_name) if layer_name else None
-        if isinstance(layer, FusedExperts) and layer.lora is not None:
+        if isinstance(layer, FusedExperts):
             for lora in loras:
                 projection, rank = _expert_projection(layer, lora, lambda what: fail(module, what))
                 _check_rank(fail, module, rank, max_rank)
@@ -57,7 +57,7 @@ def map_adapter(model: nn.Module, adapter: PeftAdapter, max_rank: int, dtype: to
                     layer, projection, lora, rank, scaling, max_rank, dtype)
                 out.rank = max(out.rank, rank)
             continue
-        if not isinstance(layer, LinearBase) or layer.lora is None or len(loras) != 1:
+        if not isinstance(layer, LinearBase) or len(loras) != 1:
             raise fail(module, "no linear layer of this model has that name (only the model's linear layers "
                                "and MoE experts take adapters; not embeddings or the LM head)")
         lora, rank = loras[0], loras[0].a.shape[0]
