@@ -15,7 +15,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from testing.lora_adapters import build_peft_adapter, peft_reference
-from tests.test_engine_parity import assert_matches, params, user
+from tests.test_engine_parity import assert_matches, user
+from tests.test_lora import MAX_NEW, params
 from vlmrun import LLM, LoRARequest
 
 MSGS = [user("Name three colours.")]
@@ -26,7 +27,7 @@ def good(qwen3_dir, tmp_path_factory) -> tuple[Path, object]:
     """A rank-8 adapter on q_proj / v_proj and HF + PEFT's tokens for MSGS."""
     folder = build_peft_adapter(qwen3_dir, tmp_path_factory.mktemp("lora_good") / "a", target_modules=["q_proj", "v_proj"],
                                 r=8, lora_alpha=16, seed=5)
-    return folder, peft_reference(qwen3_dir, folder).generate(MSGS, 10)
+    return folder, peft_reference(qwen3_dir, folder).generate(MSGS, MAX_NEW)
 
 
 def variant(good_dir: Path, tmp: Path, name: str, *, config=None, tensors=None) -> Path:

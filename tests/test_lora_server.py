@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from testing.image_folders import write_images
-from tests.test_lora import lora_setup
+from tests.test_lora import MAX_NEW, lora_setup
 from tests.test_server import tiny_engine
 from vlmrun.server.cli import lora_modules
 from vlmrun.server.launch import ServerThread, serve_in_thread
@@ -63,7 +63,7 @@ def test_two_adapters_and_the_base_at_once(client, setup):
 
     def ask(model: str):
         return client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
-                                              temperature=0, max_tokens=10, logprobs=True)
+                                              temperature=0, max_tokens=MAX_NEW, logprobs=True)
 
     names = [MODEL, *ADAPTERS] * 2
     with ThreadPoolExecutor(len(names)) as pool:

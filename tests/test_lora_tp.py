@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_engine_parity import assert_matches, params
-from tests.test_lora import lora_setup
+from tests.test_engine_parity import assert_matches
+from tests.test_lora import lora_setup, params
 from vlmrun import LLM, LoRARequest
 
 

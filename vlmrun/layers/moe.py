@@ -228,12 +228,12 @@ class FusedExperts(nn.Module):
             xs = x[tokens]  # [n, H]
             h = F.linear(xs, gate_up)  # [n, 2I]
             if self.lora is not None:
-                h = self.lora.add("gate_up_proj", local, xs, h, tokens)
+                h = self.lora.add("gate_up_proj", local, xs, h, tokens, x.shape[0])
             gate, up = h.chunk(2, dim=-1)  # [n, I] each
             inner = self.act_fn(gate) * up
             y = F.linear(inner, self.expert_weight("down_proj", local, x.dtype))  # [n, H]
             if self.lora is not None:
-                y = self.lora.add("down_proj", local, inner, y, tokens)
+                y = self.lora.add("down_proj", local, inner, y, tokens, x.shape[0])
             out.index_add_(0, tokens, y * flat_weights[rows, None])
         return out
 

@@ -37,9 +37,15 @@ class LoRABatch:
     `onehot` [num_rows, slots] (1 at each row's slot, a row of zeros for the base model) keeps, of the
     update of every slot, each row's own: one pair of matmuls over all slots, no gather or scatter."""
 
-    row_slots: torch.Tensor  # [num_rows] int64 slot of each row, NO_ADAPTER for none
     single: Optional[int] = None
     onehot: Optional[torch.Tensor] = None  # [num_rows, slots] in the model's dtype (None when `single`)
+
+    def onehot_rows(self, n: int) -> torch.Tensor:
+        """`onehot` for a forward of n >= num_rows rows: a padded decode's extra rows (after the real ones)
+        get no adapter. Kept padded, so the experts of the same forward index their tokens in it."""
+        if self.onehot.shape[0] < n:
+            self.onehot = torch.nn.functional.pad(self.onehot, (0, 0, 0, n - self.onehot.shape[0]))
+        return self.onehot
 
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device,
@@ -50,10 +56,10 @@ class LoRABatch:
         row_slots = torch.repeat_interleave(torch.tensor(list(slots), dtype=torch.int64),
                                             torch.tensor(list(lengths), dtype=torch.int64))  # [num_rows]
         if len(set(slots)) == 1:
-            return cls(row_slots.to(device), single=slots[0])
+            return cls(single=slots[0])
         onehot = torch.zeros(len(row_slots), num_slots + 1, dtype=dtype)  # column num_slots: the base model's
         onehot[torch.arange(len(row_slots)), row_slots.where(row_slots >= 0, num_slots)] = 1
-        return cls(row_slots.to(device), onehot=onehot[:, :num_slots].to(device))
+        return cls(onehot=onehot[:, :num_slots].to(device))
 
 
 class LoRAContext:
@@ -70,7 +76,7 @@ def low_rank_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.
     if batch.single is not None:
         return torch.addmm(y, x @ a[batch.single].T, b[:, batch.single].T)
     slots, k, n_in = a.shape
-    onehot = batch.onehot if rows is None else batch.onehot[rows]  # [n, slots]
+    onehot = batch.onehot_rows(x.shape[0]) if rows is None else batch.onehot[rows]  # [n, slots]
     xa = (x @ a.view(slots * k, n_in).T).view(-1, slots, k) * onehot[:, :, None]  # [n, slots, k]: own slot's only
     return torch.addmm(y, xa.view(-1, slots * k), b.view(-1, slots * k).T)
 
@@ -146,13 +152,16 @@ class ExpertsLoRA:
             self.b[projection][:, :, slot].copy_(b)
         self.filled[projection][slot] = a is not None
 
-    def add(self, projection: str, local: int, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def add(self, projection: str, local: int, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
+            num_rows: int) -> torch.Tensor:
         """y [n, out] + each routed token's adapter update for expert `local` (x [n, in]; tokens [n]: the
-        rows of the forward the n assignments belong to)."""
+        rows, of the forward's `num_rows`, the n assignments belong to)."""
         batch = self.context.batch
         if batch is None or projection not in self.a \
                 or (batch.single is not None and not self.filled[projection][batch.single]):
             return y
+        if batch.single is None:
+            batch.onehot_rows(num_rows)  # a padded decode's rows: covered before indexing by token
         return low_rank_update(x, y, self.a[projection][local], self.b[projection][local], batch, tokens)
 
 
