@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from testing.scene_drawing import render_scene_with_masks
+from testing.scene_splits import TRAIN_SEED
 from training.aux_targets import cell_labels, subject_labels
 from vlmrun.processors import Processor
 from vlmrun.shape_scenes import DESCRIBE_JSON_PROMPT, DESCRIBE_PROMPT, QA, QA_KINDS, Scene, make_scene, scene_json
@@ -103,3 +105,25 @@ def collate(examples: list[Example], pad_id: int, image_id: int) -> dict[str, to
         "subject_pos": torch.tensor([e.subject_pos for e in examples], dtype=torch.long),
         "subject_labels": torch.tensor([e.subject_labels for e in examples], dtype=torch.long),
     }
+
+
+class StageBatches(torch.utils.data.Dataset):
+    """Batch number s of a training stage's deterministic stream: training scenes first_scene + s*size ..,
+    one task each (`pick_task` with the stage's seed and shares), collated; rendered in a worker process."""
+
+    def __init__(self, model_dir: Path, steps: int, first_scene: int, size: int, task_seed: int,
+                 caption_fraction: float, json_fraction: float, pad: int, image: int):
+        self.model_dir, self.steps, self.first_scene, self.size = model_dir, steps, first_scene, size
+        self.task_seed, self.caption_fraction, self.json_fraction = task_seed, caption_fraction, json_fraction
+        self.pad, self.image = pad, image
+        self._processor: Processor | None = None
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
+        if self._processor is None:
+            self._processor = Processor.from_pretrained(self.model_dir)
+        examples = training_batch(self._processor, TRAIN_SEED, self.first_scene + step * self.size, self.size,
+                                  self.task_seed, self.caption_fraction, self.json_fraction)
+        return collate(examples, self.pad, self.image)

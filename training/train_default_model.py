@@ -6,7 +6,9 @@ each with one task (its caption, or one question) picked by a fixed seed. Stage 
 teaches the stage-one model a third prompt, `DESCRIBE_JSON_PROMPT`, answered with the scene's
 `SCENE_SCHEMA` object (`scene_json`), on the training scenes after stage one's, with captions and
 questions kept in the mix; a fresh optimiser, no probes. `--from DIR` starts stage two from a
-stage-one checkpoint (its training_results.json carries stage one's figures into the card).
+stage-one checkpoint (its training_results.json carries stage one's figures into the card). Stage
+three, the MTP layer that drafts for speculative decoding, is its own command on the stage-two
+checkpoint: `python -m training.train_mtp` (training/train_mtp.py).
 
 The model is HF transformers' own `Qwen3_5ForConditionalGeneration` (float32, CPU); the compute runs
 on one intra-op thread (bitwise repeatable, and robust on a shared machine) while one worker process
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -34,15 +35,16 @@ sys.modules["fla"] = None  # type: ignore[assignment]
 
 import torch  # noqa: E402
 
-from testing.scene_splits import EVAL_SEED, TRAIN_SEED, eval_scenes  # noqa: E402
+from testing.scene_splits import EVAL_SEED, eval_scenes  # noqa: E402
 from training.aux_targets import AuxProbe  # noqa: E402
 from training.checkpoint_files import (  # noqa: E402
     RESUME_FILE, ModelSize, build_config, generation_config, write_preprocessor_config, write_tokenizer,
 )
-from training.data import IGNORE, collate, training_batch  # noqa: E402
+from training.data import IGNORE, StageBatches  # noqa: E402
 from training.evaluate import eval_requests, hf_greedy, score  # noqa: E402
 from training.fast_ops import linear_patch_embed, restore_patch_embed, short_gdn_chunks  # noqa: E402
 from training.model_card import write_model_card  # noqa: E402
+from training.schedule import warmup_cosine  # noqa: E402
 from vlmrun.processors import Processor  # noqa: E402
 
 SNAPSHOT_EVERY = 250  # steps between snapshots (RESUME_FILE)
@@ -72,32 +74,9 @@ class Recipe:
 JSON_STAGE = Recipe(steps=2000, lr=5e-4, warmup=30, caption_fraction=0.2, json_fraction=0.4, aux_weight=0.0)
 
 
-class _Batches(torch.utils.data.Dataset):
-    """Batch number s of a stage's deterministic training stream (rendered in a worker process)."""
-
-    def __init__(self, model_dir: Path, recipe: Recipe, pad: int, image: int):
-        self.model_dir, self.recipe = model_dir, recipe
-        self.pad, self.image = pad, image
-        self._processor: Processor | None = None
-
-    def __len__(self) -> int:
-        return self.recipe.steps
-
-    def __getitem__(self, step: int) -> dict[str, torch.Tensor]:
-        if self._processor is None:
-            self._processor = Processor.from_pretrained(self.model_dir)
-        r = self.recipe
-        examples = training_batch(self._processor, TRAIN_SEED, r.first_scene + step * r.batch_size, r.batch_size,
-                                  r.seed, r.caption_fraction, r.json_fraction)
-        return collate(examples, self.pad, self.image)
-
-
 def lr_at(step: int, recipe: Recipe) -> float:
     """Linear warm-up, then cosine decay to min_lr_ratio * lr."""
-    if step < recipe.warmup:
-        return recipe.lr * (step + 1) / recipe.warmup
-    progress = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+    return warmup_cosine(step, recipe.lr, recipe.warmup, recipe.steps, recipe.min_lr_ratio)
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -208,7 +187,8 @@ def _run_stage(stage: int, model, recipe: Recipe, stream: _Stream, probed: dict,
     elif stage == 2:  # so that an interruption from here on does not redo stage one
         _snapshot(stream.out, model, probe, optim, 0, [], 0.0, keep)
     loader = torch.utils.data.DataLoader(
-        _Batches(stream.out, recipe, stream.pad, stream.image),
+        StageBatches(stream.out, recipe.steps, recipe.first_scene, recipe.batch_size, recipe.seed,
+                     recipe.caption_fraction, recipe.json_fraction, stream.pad, stream.image),
         batch_size=None, shuffle=False, num_workers=1, prefetch_factor=4, persistent_workers=False,
         sampler=range(first_step, recipe.steps),
     )
