@@ -17,12 +17,17 @@ False and True, in one process, run alternately (--rounds times each, the median
 - **captions/s**: the caption pipeline (`vlmrun.jobs.pipeline`, as `vlmrun caption` runs it) over
   --scenes generated shape scenes, the model's own caption prompt, greedy.
 
+`--speculative-config JSON` gives both engines speculative decoding (e.g. '{"method": "ngram",
+"num_speculative_tokens": 3}'): the cost of async scheduling with it, where a request waits for its
+launched verify step; the drafts accepted by each engine are printed.
+
     python -m bench.bench_async_scheduling --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -121,6 +126,11 @@ def measure(engines: dict[bool, LLM], args: argparse.Namespace) -> None:
                              f"{med['step_ms']:.2f} ms ({med['gap_ms'] / med['step_ms']:.0%}), runner idle "
                              f"{med['idle_ms']:.2f} ms")
         print(f"{key}: " + "; ".join(cells), flush=True)
+    for mode, llm in engines.items():
+        spec = llm.engine.stats().spec_decode
+        if spec is not None:
+            print(f"async {'on' if mode else 'off'}: {spec.num_accepted_tokens}/{spec.num_draft_tokens} drafts accepted "
+                  f"over {spec.num_drafts} verify steps", flush=True)
 
 
 def main() -> None:
@@ -130,10 +140,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--scenes", type=int, default=256)
     parser.add_argument("--model", choices=["default", "bench"], default="default")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help="JSON: both engines speculate with it (vLLM's keys)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = None if args.model == "default" else str(build_checkpoint(Path(tmp)))
-        engines = {mode: LLM(model, dtype="float32", device="cpu", async_scheduling=mode) for mode in (False, True)}
+        engines = {mode: LLM(model, dtype="float32", device="cpu", async_scheduling=mode,
+                             speculative_config=args.speculative_config) for mode in (False, True)}
         measure(engines, args)
         for llm in engines.values():
             llm.engine.shutdown()

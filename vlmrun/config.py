@@ -55,7 +55,8 @@ class EngineConfig:
     enforce_eager: Optional[bool] = None
     # Async scheduling (vLLM's name): the engine plans and launches step N+1 while step N runs; step N's
     # sampled ids stay on the device and reach the host one step later (executor/overlap.py). Tokens
-    # equal the synchronous engine's. None: on with CUDA, off on the CPU and with speculative decoding;
+    # equal the synchronous engine's (with speculative decoding too: a request waits for its launched
+    # verify step). None: on with CUDA, off on the CPU and with speculative decoding;
     # `overlaps_steps(device)` resolves it.
     async_scheduling: Optional[bool] = None
     # Speculative decoding (vLLM's name and keys): {"method": "ngram", "num_speculative_tokens": k,
@@ -156,9 +157,6 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative_config cannot be combined with async_scheduling yet: a verify step's "
-                             "accepted length must reach the host before the next step is planned")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.enable_lora and self.speculative_config is not None:
@@ -185,7 +183,9 @@ class EngineConfig:
         """`async_scheduling`, or what None means on `device`: on with CUDA (the stream orders the steps;
         equal to the synchronous engine on an H100, 2026-11-28), off on the CPU (no gain on 2 cores:
         the step's Python holds the GIL on both threads, BENCHMARKS.md) and with speculative decoding
-        (not combined yet)."""
+        (token-equal, tests/test_async_spec_decode.py, but a speculating request waits for each verify
+        step, and on the CPU it cost 25-55 % of the throughput at batch 16 and in captioning,
+        BENCHMARKS.md; unmeasured on CUDA)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
         return device.type == "cuda" and self.speculative_config is None

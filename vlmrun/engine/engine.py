@@ -318,9 +318,7 @@ class Engine:
             raise
         uncollected.append(launched)
         for c in chunks:
-            c.request.num_computed_tokens = c.end
-            c.request.num_launched_steps += 1
-            c.request.num_pending_tokens += c.samples
+            c.request.mark_launched(c.end, c.samples, len(c.draft_token_ids))
         return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
@@ -330,8 +328,7 @@ class Engine:
         updates = []
         for chunk, output in zip(step.chunks, results):
             req, sampled = chunk.request, output.sampled
-            req.num_launched_steps -= 1
-            req.num_pending_tokens -= sampled is not None
+            req.mark_collected(sampled is not None, len(chunk.draft_token_ids))
             if req.status is RequestStatus.FINISHED:  # finished or aborted while this step ran: its token goes
                 continue
             if output.prompt_logprobs is not None:  # a recomputed chunk (after preemption) writes the same values

@@ -40,9 +40,11 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # Async scheduling: launched steps of this request not collected yet (0 when synchronous, between
-    # steps), and the tokens they sample that the host does not have yet (0 or 1)
+    # steps), the tokens they sample that the host does not have yet (0 or 1), and the drafts they verify
+    # (how many are accepted is known when the step is collected)
     num_launched_steps: int = 0
     num_pending_tokens: int = 0
+    num_launched_drafts: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the cache, or is being computed by a launched step
     req_pool_idx: Optional[int] = None  # row in ReqToTokenPool while running
     pages: list[int] = field(default_factory=list)  # KV pages held (owned or shared via the prefix cache), in token order
@@ -74,6 +76,19 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids) + self.num_pending_tokens
+
+    def mark_launched(self, end: int, samples: bool, num_drafts: int) -> None:
+        """A launched step computes the request up to `end` (its drafts included), sampling or not."""
+        self.num_computed_tokens = end
+        self.num_launched_steps += 1
+        self.num_pending_tokens += samples
+        self.num_launched_drafts += num_drafts
+
+    def mark_collected(self, sampled: bool, num_drafts: int) -> None:
+        """The host read a launched step of the request (`Scheduler.settle` takes back rejected drafts)."""
+        self.num_launched_steps -= 1
+        self.num_pending_tokens -= sampled
+        self.num_launched_drafts -= num_drafts
 
     def token_ids_slice(self, start: int, end: int) -> list[int]:
         """Token ids [start, end); a token still on the device is PLACEHOLDER_TOKEN (the runner reads it there)."""

@@ -20,10 +20,10 @@ snapshot point (the scheduler cuts prefill chunks so that they do).
 
 Speculative decoding (docs/spec_decode.md): a decoding request may feed draft tokens after its last
 known token (`ScheduledChunk.draft_token_ids`, from the proposer, within the step's budget and the
-request's length limits); pages for them are taken only when free (drafts
-never preempt). After the step, `settle` counts as computed only the accepted positions: the KV the
-rejected drafts wrote stays in the request's pages until later tokens overwrite it, past the
-request's length, and is never indexed (the prefix cache indexes prompt pages only).
+request's length limits); pages for them are taken only when free (drafts never preempt). After the
+step, `settle` counts as computed only the accepted positions: the KV the rejected drafts wrote stays
+in the request's pages, past its length, until later tokens overwrite it, and is never indexed (prompt
+pages only). Async scheduling: a request waits for its launched verify step (`must_wait`).
 """
 
 from __future__ import annotations
@@ -205,19 +205,20 @@ class Scheduler:
         return req.lora.lora_int_id in running or len(running) < self.max_loras
 
     def must_wait(self, req: Request) -> bool:
-        """Async scheduling: a request whose last token is still on the device (a launched step is
-        sampling it) runs on with a placeholder for it, unless its next step needs that token on the
-        host first: its grammar must accept it before the next mask; its penalties or bad words read
-        it; it ends the request by length; or its chunk ended at a GDN snapshot point (the snapshot is
-        taken when the step is collected, so its slot must not move on before)."""
+        """Async scheduling: a request whose last token is still on the device (a launched step samples
+        it) runs on with a placeholder for it, unless its next step needs that token on the host: its
+        grammar must accept it before the next mask; its penalties or bad words read it; it ends the
+        request by length; n-gram drafts are looked up from it. It waits for a launched verify step
+        (where its next tokens go depends on how many drafts were accepted), and for a chunk that ended at
+        a GDN snapshot point (the snapshot is taken at collect: the slot must not move on before)."""
         if not req.num_launched_steps:  # nothing of it is running (always so when synchronous)
             return False
-        if self.cut_at_snapshots and self.is_snapshot_point(req, req.num_computed_tokens):
+        if req.num_launched_drafts or (self.cut_at_snapshots and self.is_snapshot_point(req, req.num_computed_tokens)):
             return True
         if not req.num_pending_tokens:  # a prompt chunk is running: the next one follows it
             return False
-        params = req.sampling_params
-        return (req.grammar is not None or params.reads_output_tokens
+        params, proposer = req.sampling_params, self.proposer
+        return bool(req.grammar is not None or params.reads_output_tokens or (proposer and not proposer.drafts_on_device)
                 or (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
                 or req.num_tokens >= self.max_model_len)
 
@@ -228,7 +229,7 @@ class Scheduler:
         (penalties, bad words). A structured-output request gets them too (its verify positions are masked
         by its grammar after the drafts before them, `vlmrun/spec_decode/grammar.py`), unless the proposer
         cannot bring its drafts to the matcher (MTP under tensor parallelism)."""
-        if (self.proposer is None or n != 1 or not req.output_token_ids
+        if (self.proposer is None or n != 1 or not req.num_output_tokens
                 or req.num_computed_tokens != req.num_tokens - 1
                 or (self.proposer.drafts_on_device and req.sampling_params.reads_output_tokens)
                 or (req.grammar is not None and not self.proposer.drafts_grammar_rows)):
@@ -240,12 +241,13 @@ class Scheduler:
         return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, limit)
 
     def settle(self, chunk: ScheduledChunk, num_accepted: int) -> int:
-        """After `chunk`'s step, `num_accepted` of its drafts were accepted: the rejected ones no longer
-        count as computed (their KV slots are overwritten later). Returns the computed end."""
+        """After `chunk`'s step `num_accepted` of its drafts were accepted; the rejected ones no longer count
+        as computed (their KV slots are overwritten later). Returns the computed end."""
         if not chunk.draft_token_ids:
             return chunk.end
         req = chunk.request
-        req.num_computed_tokens = chunk.end - (len(chunk.draft_token_ids) - num_accepted)
+        if req.status is RequestStatus.RUNNING:  # (preempted while the step ran: it recomputes from 0)
+            req.num_computed_tokens = chunk.end - (len(chunk.draft_token_ids) - num_accepted)
         for stats in (req.spec_decode, self.spec_decode):
             if stats is not None:
                 stats.record(len(chunk.draft_token_ids), num_accepted)

@@ -14,8 +14,9 @@ async scheduling). On CUDA the step's inputs go up from pinned host memory with 
 from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
 A chunk with draft tokens (speculative decoding, `ChunkInput.num_drafts`) samples at each of its last
 1 + num_drafts positions; `collect` keeps the tokens up to the first rejected draft
-(vlmrun/spec_decode/verify.py) and, for a hybrid model, has the GDN backend put the states after the
-accepted positions into the slots.
+(vlmrun/spec_decode/verify.py). What acceptance decides on the device (a hybrid model's GDN slots take
+the states after the accepted positions, the MTP layer's kept outputs, `last_tokens`) is queued by
+`launch` itself (`settle_on_device`), so it keeps step order under async scheduling.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.spec_decode.mtp import MTPDrafter
-from vlmrun.spec_decode.verify import SeededDraws, count_accepted, position_rows
+from vlmrun.spec_decode.verify import SeededDraws, accepted_on_device, count_accepted, position_rows
 
 
 @dataclass
@@ -73,7 +74,6 @@ class LaunchedStep:
     prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 2 + 2k] rows (gather_prompt_logprobs) or None
     drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
     seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
-    gdn_metadata: object = None  # hybrid models, a step with drafts: the GDN backend's metadata (per-position states)
     mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
 
 
@@ -151,13 +151,40 @@ class ModelRunner:
             self.tp.broadcast_from_first(output.token_ids)
         if mtp is not None:
             mtp.catch_up(hidden, fb, output.token_ids)
-        if self.feeds_placeholders:
-            sampled_rows = self.upload(torch.tensor([c.row for c in chunks if c.sampling is not None],
-                                                    dtype=torch.int64))
-            self.last_tokens[sampled_rows] = output.token_ids
+        self.settle_on_device(chunks, output.token_ids, fb, mtp)
         output.start_transfer()
-        gdn = fb.linear_attn_metadata if fb.num_drafts_cpu is not None and self.attn_backend.linear else None
-        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, gdn, mtp)
+        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, mtp)
+
+    def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, fb: ForwardBatch,
+                         mtp: Optional[MTPStep]) -> None:
+        """What acceptance decides on the device, queued with the step itself (`accepted_on_device`, no
+        sync): each verified GDN slot takes the states after its accepted positions, each sampling row's
+        MTP output its last kept position, and (async scheduling) `last_tokens` each row's last token.
+        Under async scheduling the host reads a step's tokens after the next step is launched; writes made
+        then would land after that step's cache writes (a slot zeroed or restored for a new owner)."""
+        speculating = [i for i, c in enumerate(chunks) if c.num_drafts]
+        if not speculating and mtp is None and not self.feeds_placeholders:
+            return
+        first_rows, row = [], 0  # each chunk's first row in `sampled` [sampled positions]
+        for c in chunks:
+            first_rows.append(row)
+            row += 1 + c.num_drafts if c.sampling is not None else 0
+        accepted = torch.zeros(len(chunks), dtype=torch.int64, device=self.device)  # [chunks]
+        if speculating:
+            width = max(chunks[i].num_drafts for i in speculating)
+            drafts = mtp.drafted if mtp is not None else self.upload(torch.tensor(
+                [chunks[i].draft_token_ids + [0] * (width - chunks[i].num_drafts) for i in speculating]))
+            accepted[self.upload(torch.tensor(speculating, dtype=torch.int64))] = accepted_on_device(
+                sampled, [first_rows[i] for i in speculating], drafts, [chunks[i].num_drafts for i in speculating])
+            if self.attn_backend.linear is not None:  # GDN slots: the states after the accepted positions
+                self.attn_backend.linear.keep_accepted_states(fb.linear_attn_metadata, accepted)
+        if mtp is not None:
+            mtp.remember(accepted)
+        if self.feeds_placeholders:
+            rows = [(c.row, i) for i, c in enumerate(chunks) if c.sampling is not None]
+            last = self.upload(torch.tensor([first_rows[i] for _, i in rows], dtype=torch.int64)) + accepted[
+                self.upload(torch.tensor([i for _, i in rows], dtype=torch.int64))]
+            self.last_tokens[self.upload(torch.tensor([r for r, _ in rows], dtype=torch.int64))] = sampled[last]
 
     @staticmethod
     def _draft_masks(chunks: list[ChunkInput], mtp: Optional[MTPStep]) -> list[Optional[list]]:
@@ -189,7 +216,6 @@ class ModelRunner:
         """The step's sampled tokens on the host: the step's one device→host sync (and, in a step with
         prompt logprobs, their rows)."""
         outputs = [ChunkOutput() for _ in step.samples]
-        num_accepted = [0] * len(step.samples)
         if step.output is not None:
             host = step.output.to_host()
             sampled = iter(zip(host.token_ids, host.logprobs))
@@ -198,14 +224,10 @@ class ModelRunner:
                 if samples:
                     drafts, seeded = step_drafts[i], step.seeded_draws[i]
                     tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
-                    accepted = num_accepted[i] = count_accepted([t.token_id for t in tokens], drafts)
+                    accepted = count_accepted([t.token_id for t in tokens], drafts)
                     if accepted < len(drafts) and seeded is not None:
                         seeded.keep(1 + accepted)  # the draws of the emitted positions only
                     out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
-        if step.gdn_metadata is not None:  # GDN slots: the states after the accepted positions
-            self.attn_backend.linear.keep_accepted_states(step.gdn_metadata, num_accepted)
-        if step.mtp is not None:
-            step.mtp.remember(num_accepted)
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
                 k = (rows.shape[1] - 2) // 2
@@ -255,11 +277,13 @@ class ModelRunner:
 
     def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput]) -> torch.Tensor:
         """`input_ids` [num_tokens] with each PLACEHOLDER_TOKEN replaced, on the device, by the last token
-        sampled for its chunk's row (async scheduling: a chunk's last token may not have reached the host)."""
+        sampled for its chunk's row (async scheduling: a chunk's last known token may not have reached the
+        host; MTP drafts after it are placeholders too, filled by `MTPStep.draft`)."""
         where, rows, offset = [], [], 0
         for c in chunks:
-            if c.token_ids[-1] == PLACEHOLDER_TOKEN and not c.num_drafts:  # (MTP drafts are filled by MTPStep)
-                where.append(offset + c.num_tokens - 1)
+            last_known = c.num_tokens - 1 - c.num_drafts
+            if c.token_ids[last_known] == PLACEHOLDER_TOKEN:
+                where.append(offset + last_known)
                 rows.append(c.row)
             offset += c.num_tokens
         if where:

@@ -3,14 +3,15 @@ drafter's inputs out.
 
 `MTPStep` follows one step: `draft` (before the model: the speculating chunks' drafts, written into
 the step's input ids where their placeholders are), `catch_up` (after sampling: the MTP layer over
-every fed position, on the token that follows each), `drafts_on_host` and `remember` (at collect:
-the drafts as lists, and each sampling chunk's MTP output at its last kept position).
+every fed position, on the token that follows each), `remember` (after acceptance, on the device:
+each sampling chunk's MTP output at its last kept position) and `drafts_on_host` (at collect: the
+drafts as lists).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -67,16 +68,17 @@ class MTPStep:
         it = iter(host)
         return [next(it)[:c.num_drafts] if c.num_drafts else [] for c in self.chunks]
 
-    def remember(self, num_accepted: list[int]) -> None:
+    def remember(self, num_accepted: Union[list[int], torch.Tensor]) -> None:
         """Each sampling chunk's row keeps the MTP output at its last kept position: its last known token
-        and `num_accepted` accepted drafts in."""
+        and `num_accepted[i]` accepted drafts in (per chunk; a device tensor is read without a sync)."""
         starts = self._starts()
-        keep = [(c.row, starts[i] + c.num_tokens - 1 - c.num_drafts + num_accepted[i])
+        keep = [(i, c.row, starts[i] + c.num_tokens - 1 - c.num_drafts)
                 for i, c in enumerate(self.chunks) if c.sampling is not None]
         if keep:
-            rows = upload(torch.tensor([r for r, _ in keep], dtype=torch.int64), self.device)
-            at = upload(torch.tensor([q for _, q in keep], dtype=torch.int64), self.device)
-            self.drafter.remember(rows, self.outputs[at])
+            chunks, rows, base = (upload(torch.tensor(column, dtype=torch.int64), self.device) for column in zip(*keep))
+            accepted = (num_accepted if isinstance(num_accepted, torch.Tensor)
+                        else upload(torch.tensor(num_accepted, dtype=torch.int64), self.device))
+            self.drafter.remember(rows, self.outputs[base + accepted[chunks]])
 
     def _starts(self) -> list[int]:
         """Each chunk's first row in the step's token stream, then the stream's length."""

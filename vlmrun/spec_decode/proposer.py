@@ -3,8 +3,10 @@
 "ngram": `NgramProposer`, drafts made on the host. "mtp": `MTPDraftSlots`, which only reserves the
 drafts' places: the model runner drafts on the device with the checkpoint's MTP layer right before the
 verify pass (`vlmrun/spec_decode/mtp.py`), and a placeholder stands for each draft until then. What
-cannot verify drafts is refused where it is known: async scheduling by `EngineConfig`, a GDN backend that keeps no per-position states and a checkpoint without an MTP layer
-by `build_local_executor` / `build_model_runner`.
+cannot verify drafts is refused where it is known: a GDN backend that keeps no per-position states
+and a checkpoint without an MTP layer by `build_local_executor` / `build_model_runner`. Under async
+scheduling n-gram drafts are looked up once the request's last token is on the host; MTP drafts
+follow a placeholder for it (`Scheduler.must_wait`).
 """
 
 from __future__ import annotations

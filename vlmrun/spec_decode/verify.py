@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from vlmrun.host_to_device import upload
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.grammar import Masks
 
@@ -45,6 +46,21 @@ def position_rows(row: SamplingRow, drafts: Sequence[int], masks: Optional[Masks
     if masks is not None:
         rows = [r._replace(grammar=mask) for r, mask in zip(rows, masks, strict=True)]
     return [row] + rows
+
+
+def accepted_on_device(sampled: torch.Tensor, first_rows: Sequence[int], drafts: torch.Tensor,
+                       num_drafts: Sequence[int]) -> torch.Tensor:
+    """`count_accepted` of the speculating chunks on the device, without a sync: sampled [rows] the step's
+    sampled ids, first_rows[i] chunk i's first row in them, drafts [chunks, width] on the device (row i's
+    first num_drafts[i] are its drafts) -> [chunks] int64. The step's device writes that depend on
+    acceptance (GDN slots, MTP outputs, each row's last token) are queued with the step that way, in
+    step order, whenever the host reads the tokens (async scheduling)."""
+    width = drafts.shape[1]
+    at = (torch.tensor(first_rows, dtype=torch.int64)[:, None] + torch.arange(width)[None, :]).clamp_(
+        max=sampled.shape[0] - 1)  # [chunks, width] (past a chunk's drafts: masked out below)
+    valid = torch.arange(width)[None, :] < torch.tensor(num_drafts, dtype=torch.int64)[:, None]
+    matches = (sampled[upload(at, sampled.device)] == drafts) & upload(valid, sampled.device)
+    return matches.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
 def count_accepted(sampled: Sequence[int], drafts: Sequence[int]) -> int:

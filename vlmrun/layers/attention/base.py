@@ -56,9 +56,10 @@ class LinearAttentionBackend(LinearAttentionForward, ABC):
         Reads and writes the conv and recurrent state of each sequence's slot (`fb.state_slots`).
         """
 
-    def keep_accepted_states(self, metadata: Any, num_accepted: list[int]) -> None:
+    def keep_accepted_states(self, metadata: Any, num_accepted: Any) -> None:
         """After a step with drafts (`metadata`: that step's `fb.linear_attn_metadata`): each draft-carrying
-        sequence's slot gets the states after its last known token and its `num_accepted[i]` accepted drafts."""
+        sequence's slot gets the states after its last known token and its `num_accepted[i]` accepted drafts
+        (`num_accepted`: per sequence of the batch, a list or a device tensor the step computed)."""
         raise NotImplementedError(f"{type(self).__name__} does not keep per-position states for drafts")
 
 

@@ -24,12 +24,13 @@ on `fb.linear_attn_metadata`, so a flash-linear-attention backend can take the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, cast
+from typing import Optional, Union, cast
 
 import torch
 
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch
+from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
 from vlmrun.layers.gdn_ops import (
     causal_conv1d,
@@ -185,11 +186,14 @@ class TorchGDNBackend(LinearAttentionBackend):
         rec_state[group.slots] = rec
         return torch.stack(outs, dim=1).flatten(0, 1)  # [n * L, Hv, Dv]
 
-    def keep_accepted_states(self, metadata: GDNMetadata, num_accepted: list[int]) -> None:
+    def keep_accepted_states(self, metadata: GDNMetadata, num_accepted: Union[list[int], torch.Tensor]) -> None:
         """Slot of each verified sequence <- its states after position num_accepted[i] (its last known
-        token is position 0, each accepted draft one more)."""
+        token is position 0, each accepted draft one more; a device tensor is read without a sync)."""
         for group in metadata.verifies:
-            positions = torch.tensor([num_accepted[i] for i in group.batch_index], device=group.slots.device)
+            device = group.slots.device
+            accepted = num_accepted if isinstance(num_accepted, torch.Tensor) else upload(torch.tensor(num_accepted),
+                                                                                          device)
+            positions = accepted[upload(torch.tensor(group.batch_index, dtype=torch.int64), device)]
             seqs = torch.arange(group.slots.shape[0], device=group.slots.device)
             for layer_id, states in group.conv_states.items():
                 self.pool.conv_state[layer_id][group.slots] = states[seqs, positions]
