@@ -1,21 +1,28 @@
-"""Speculative decoding off and on, on the CPU: decode tokens/s at batch 1 and 16, mean accepted length.
+"""Speculative decoding off and on, on the CPU: decode tokens/s at batch 1 and 16, mean accepted length,
+and `vlmrun caption` images/s.
 
 Two engines over the bundled default model (`vlmrun-shapes-qwen3_5`, float32, a hybrid Gated
-DeltaNet model), one plain and one with n-gram speculative decoding (`--spec`, default
-{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
-in one process, run alternately (--rounds times each, the median reported). Each call captions
-generated shape scenes with the model's own prompt (`DESCRIBE_PROMPT`), greedy, two workloads:
-**captions** (up to --max-tokens, ending at EOS: 8 to 24 tokens) and **continued** (--max-tokens
-tokens, EOS ignored: after its caption the model goes on in the JSON of its training records).
+DeltaNet model with one MTP layer), one plain and one speculating (`--spec`, default
+{"method": "mtp", "num_speculative_tokens": 3}; n-gram drafts with e.g. `--spec '{"method": "ngram",
+"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'`), in one process,
+each measurement run as a back-to-back pair, off then on or on then off by turns (--rounds pairs,
+the median reported). Each call captions generated shape scenes with the model's own prompt (`DESCRIBE_PROMPT`), greedy, two workloads: **captions** (up to
+--max-tokens, ending at EOS: 8 to 24 tokens) and **continued** (--max-tokens tokens, EOS ignored:
+after its caption the model goes on in text it was never trained to write).
 **decode tokens/s**: the tokens after each request's first, over the time from the batch's last
 first token to its last finished request (`RequestOutput.metrics`; the prefill left out). The
 speculating engine's tokens must equal the plain one's (checked), and its mean accepted length
 (tokens per verify step: 1 + accepted drafts) and acceptance rate come from
-`RequestOutput.metrics.spec_decode`.
+`RequestOutput.metrics.spec_decode`. `--profile` adds where a batch-1 caption step's time goes
+(cProfile, ms per engine step in the model, the GDN layers, the MTP catch-up and drafts, ...).
 
-The bundled model has no MTP layer, so method "mtp" has no figure here.
+**caption images/s** (--caption-scenes N, 0 to skip): the caption job as `vlmrun caption FOLDER`
+runs it (`run_caption_job`: the folder walk, preprocessing workers, continuous batching, JSONL records
+written) over N generated scenes saved as PNG, with and without the same speculative_config,
+alternating (--rounds each), timed from the first input to the last record (the engine load not
+timed); the captions must be the same.
 
-    python -m bench.bench_spec_decode --rounds 3
+    OMP_NUM_THREADS=1 python -m bench.bench_spec_decode --rounds 5 --caption-scenes 256 --profile
 """
 
 from __future__ import annotations
@@ -23,15 +30,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import tempfile
+from pathlib import Path
 
 from bench.common import describe_run
 from testing.scene_drawing import render_scene
 from vlmrun import LLM, SamplingParams
+from vlmrun.default_model import default_model_path
+from vlmrun.layers.cpu_kernels import _cpu_model_name as cpu_model_name
 from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DEFAULT_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+ENGINE = {"dtype": "float32", "device": "cpu"}
 
 
 def caption_batch(llm: LLM, images: list, max_tokens: int,
@@ -53,32 +64,113 @@ def caption_batch(llm: LLM, images: list, max_tokens: int,
 WORKLOADS = {"captions": False, "continued": True}  # name -> ignore_eos
 
 
+def _order(r: int) -> tuple[str, str]:
+    return ("off", "on") if r % 2 == 0 else ("on", "off")
+
+
 def measure(engines: dict[str, LLM], args: argparse.Namespace) -> None:
     scenes = {batch: [render_scene(make_scene(11, batch * 100 + i)) for i in range(batch)] for batch in args.batches}
     for llm in engines.values():  # warm-up: first calls pack weights and fault memory in
         caption_batch(llm, scenes[args.batches[0]][:1], 8, ignore_eos=True)
     rates: dict[tuple[str, str, int], list[float]] = {}
     spec_stats: dict[tuple[str, int], SpecDecodeStats] = {}
+    first: dict[tuple[str, str, int], list[list[int]]] = {}  # round 0's tokens per (mode, workload, batch)
     for r in range(args.rounds):
-        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
-            for workload, ignore_eos in WORKLOADS.items():
-                for batch in args.batches:
+        for workload, ignore_eos in WORKLOADS.items():
+            for batch in args.batches:
+                for mode in _order(r):  # each pair back to back: a shared machine's load moves by the minute
                     tok_s, tokens, stats = caption_batch(engines[mode], scenes[batch], args.max_tokens, ignore_eos)
                     rates.setdefault((mode, workload, batch), []).append(tok_s)
-                    if mode == "on" and r == 0:
-                        spec_stats[(workload, batch)] = stats
-                        plain = caption_batch(engines["off"], scenes[batch], args.max_tokens, ignore_eos)[1]
-                        assert tokens == plain, "speculation changed a greedy token"
-    print(describe_run("bench.bench_spec_decode"))
-    print(f"speculative_config: {json.dumps(args.spec)}")
+                    if r == 0:
+                        first[(mode, workload, batch)] = tokens
+                        if mode == "on":
+                            spec_stats[(workload, batch)] = stats
     for workload in WORKLOADS:
         for batch in args.batches:
+            assert first[("on", workload, batch)] == first[("off", workload, batch)], "speculation changed a token"
             off, on = (statistics.median(rates[(mode, workload, batch)]) for mode in ("off", "on"))
             stats = spec_stats[(workload, batch)]
             print(f"{workload}, batch {batch}: off {off:.1f} decode tok/s; on {on:.1f} ({on / off:.2f}x); mean "
                   f"accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%} "
-                  f"({stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts, {stats.num_drafts} verify steps)",
-                  flush=True)
+                  f"({stats.num_accepted_tokens} of {stats.num_draft_tokens} drafts, {stats.num_drafts} "
+                  f"verify steps)", flush=True)
+
+
+# where a decode step's time goes (--profile): label -> (file suffix, function) of a cProfile entry
+PARTS = {
+    "engine step": ("vlmrun/engine/engine.py", "step"),
+    "model forward": ("vlmrun/executor/model_runner.py", "forward"),
+    "  GDN decode": ("vlmrun/layers/attention/torch_gdn_backend.py", "_decode"),
+    "  GDN verify (per position)": ("vlmrun/layers/attention/torch_gdn_backend.py", "_verify"),
+    "MTP catch-up": ("vlmrun/executor/mtp_steps.py", "catch_up"),
+    "MTP drafts": ("vlmrun/executor/mtp_steps.py", "draft"),
+    "sampling": ("vlmrun/layers/sampler.py", "sample"),
+    "collect (acceptance, GDN states kept)": ("vlmrun/executor/model_runner.py", "collect"),
+    "scheduler": ("vlmrun/engine/scheduler.py", "schedule"),
+}
+
+
+def profile_steps(engines: dict[str, LLM], args: argparse.Namespace) -> None:
+    """cProfile over --rounds batch-1 caption calls per engine: ms per engine step in each part (profiled
+    times: the profiler's own cost inflates the Python-heavy parts)."""
+    import cProfile
+    import pstats
+
+    images = [render_scene(make_scene(11, 100 + i)) for i in range(args.rounds)]
+    for mode, llm in engines.items():
+        caption_batch(llm, images[:1], 8, ignore_eos=True)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        tokens = sum(len(ids) for image in images for ids in caption_batch(llm, [image], args.max_tokens, False)[1])
+        profiler.disable()
+        table = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, tottime, cumtime, callers)
+        steps = next(v[0] for (f, _, fn), v in table.items() if f.endswith(PARTS["engine step"][0]) and fn == "step")
+        parts = []
+        for label, (suffix, name) in PARTS.items():
+            cum = sum(v[3] for (f, _, fn), v in table.items() if f.endswith(suffix) and fn == name)
+            parts.append(f"{label} {1000 * cum / steps:.2f}")
+        print(f"profile {mode}: {steps} engine steps for {tokens} tokens; ms per step: {'; '.join(parts)}", flush=True)
+
+
+def caption_job(folder: Path, out: Path, spec: dict | None,
+                max_tokens: int) -> tuple[float, dict[str, str], SpecDecodeStats | None]:
+    """One `vlmrun caption FOLDER --out OUT` run: images/s, each image's caption, the engine's counters."""
+    from vlmrun.jobs.config import CaptionJobConfig
+    from vlmrun.jobs.runner import run_caption_job
+
+    options = dict(ENGINE) if spec is None else {**ENGINE, "speculative_config": spec}
+    config = CaptionJobConfig(inputs=[str(folder)], model=str(default_model_path()), out=str(out),
+                              prompt=DESCRIBE_PROMPT, overwrite=True, progress=False,
+                              sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                              engine_options=options)
+    summary = run_caption_job(config)
+    assert summary.failed == 0 and summary.written > 0, summary
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    return summary.images_per_s, {r["image"]: r["caption"] for r in records}, summary.spec_decode
+
+
+def measure_caption_job(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "scenes"
+        folder.mkdir()
+        for i in range(args.caption_scenes):
+            render_scene(make_scene(12, i)).save(folder / f"scene_{i:04d}.png")
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        captions: dict[str, dict[str, str]] = {}
+        stats = None
+        for r in range(args.rounds):
+            for mode in _order(r):
+                rate, caps, counters = caption_job(folder, Path(tmp) / f"{mode}.jsonl",
+                                                   args.spec if mode == "on" else None, args.max_tokens)
+                rates[mode].append(rate)
+                captions.setdefault(mode, caps)
+                if mode == "on":
+                    stats = counters
+        assert captions["on"] == captions["off"], "speculation changed a caption"
+    off, on = (statistics.median(rates[mode]) for mode in ("off", "on"))
+    print(f"caption job, {args.caption_scenes} scenes: off {off:.2f} images/s; on {on:.2f} ({on / off:.2f}x); "
+          f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}; "
+          f"runs off {[round(x, 2) for x in rates['off']]}, on {[round(x, 2) for x in rates['on']]}", flush=True)
 
 
 def main() -> None:
@@ -87,12 +179,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--spec", type=json.loads, default=DEFAULT_SPEC, help="the speculative_config, as JSON")
+    parser.add_argument("--caption-scenes", type=int, default=0, help="scenes for the caption-job part (0: skip it)")
+    parser.add_argument("--profile", action="store_true", help="also: where a batch-1 step's time goes (cProfile)")
     args = parser.parse_args()
-    engines = {mode: LLM(None, dtype="float32", device="cpu", speculative_config=args.spec if mode == "on" else None)
-               for mode in ("off", "on")}
-    measure(engines, args)
-    for llm in engines.values():
-        llm.engine.shutdown()
+    print(describe_run("bench.bench_spec_decode"), "|", cpu_model_name(), flush=True)
+    print(f"speculative_config: {json.dumps(args.spec)}", flush=True)
+    if args.batches:
+        engines = {mode: LLM(None, speculative_config=args.spec if mode == "on" else None, **ENGINE)
+                   for mode in ("off", "on")}
+        measure(engines, args)
+        if args.profile:
+            profile_steps(engines, args)
+        for llm in engines.values():
+            llm.engine.shutdown()
+    if args.caption_scenes:
+        measure_caption_job(args)
 
 
 if __name__ == "__main__":

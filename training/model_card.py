@@ -60,7 +60,7 @@ The checkpoint carries one multi-token-prediction layer (`mtp_num_hidden_layers:
 `mtp.` as in the released Qwen3.5 checkpoints; HF transformers ignores them, vlmrun drafts with them):
 
 ```bash
-vlmrun caption IMAGES --speculative-config '{{"method": "mtp", "num_speculative_tokens": 2}}'
+vlmrun caption IMAGES --speculative-config '{{"method": "mtp", "num_speculative_tokens": 3}}'
 ```
 
 On {h['requests']} held-out requests (a caption, a JSON object and a question on each of {h['scenes']} scenes of
