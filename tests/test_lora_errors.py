@@ -106,3 +106,21 @@ def test_lora_request_fields():
         LoRARequest("a", 1, "")
     r = LoRARequest("a", 3, "/x")
     assert (r.name, r.adapter_id, r.path) == ("a", 3, "/x")
+
+
+def test_a_step_never_reads_an_adapter_from_disk(qwen3_dir, good, tmp_path):
+    """An adapter is read when its request is added; its host copy is kept until a step has put it in
+    a slot, past max_cpu_loras, so the folders can go once the requests are in (three adapters, one
+    slot, one host copy allowed)."""
+    good_dir, expected = good
+    llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_cpu_loras=1)
+    engine = llm.engine
+    prompt = engine.process({"prompt": "Name three colours.", "images": []})
+    for i, name in enumerate("abc"):
+        folder = shutil.copytree(good_dir, tmp_path / name)
+        engine.add_request(name, prompt, params(), LoRARequest(name, i + 1, str(folder)))
+        shutil.rmtree(folder)
+    results = {}
+    while engine.has_unfinished():
+        results.update((u.request_id, u.result) for u in engine.step() if u.finished)
+    assert {name: r.token_ids for name, r in results.items()} == {name: expected.token_ids for name in "abc"}

@@ -41,6 +41,9 @@ class LoRAManager:
         self.context = LoRAContext()
         self.targets = attach_lora(model, self.context, max_loras, max_lora_rank, device, dtype)
         self.loaded: OrderedDict[int, tuple[LoRARequest, MappedAdapter]] = OrderedDict()  # host copies, LRU order
+        # ids added for a request and not yet put in a slot by a step: their host copies are kept, so a
+        # step never reads an adapter from disk
+        self.pending: set[int] = set()
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.vision_of: dict[int, int] = {}  # slot -> id of its adapter when that adapts the vision tower
         self._lock = threading.Lock()
@@ -59,12 +62,16 @@ class LoRAManager:
                 raise LoRAError(f"LoRA adapter {request.lora_name!r}: lora_int_id {request.lora_int_id} is already "
                                 f"adapter {held[0].lora_name!r} ({held[0].lora_path})")
             self.loaded.move_to_end(request.lora_int_id)
+            self.pending.add(request.lora_int_id)
             return held[1]
         mapped = map_adapter(self.model, read_adapter(request.lora_name, request.lora_path), self.max_lora_rank,
                              self.dtype)
         self.loaded[request.lora_int_id] = (request, mapped)
-        if len(self.loaded) > self.max_cpu_loras:  # drop the least recently used host copy (a slot keeps its own)
-            self.loaded.popitem(last=False)
+        self.pending.add(request.lora_int_id)
+        if len(self.loaded) > self.max_cpu_loras:  # drop the least recently used host copy no step waits for
+            victim = next((i for i in self.loaded if i not in self.pending), None)  # (a slot keeps its own)
+            if victim is not None:
+                del self.loaded[victim]
         logger.info("LoRA adapter %r (id %d, rank %d) loaded from %s", request.lora_name, request.lora_int_id,
                     mapped.rank, request.lora_path)
         return mapped
@@ -72,6 +79,7 @@ class LoRAManager:
     def remove(self, lora_int_id: int) -> bool:
         """Forget an adapter (its slot is freed); whether it was loaded."""
         self.slot_of.pop(lora_int_id, None)
+        self.pending.discard(lora_int_id)
         return self.loaded.pop(lora_int_id, None) is not None
 
     def cache_tag(self, slot: int) -> str:
@@ -91,6 +99,8 @@ class LoRAManager:
                 self.slot_of.move_to_end(adapter_id)
                 continue
             self._write(self._free_slot(set(wanted)), request)
+        with self._lock:
+            self.pending.difference_update(wanted)
         return [NO_ADAPTER if r is None else self.slot_of[r.lora_int_id] for r in requests]
 
     def _free_slot(self, needed: set[int]) -> int:
