@@ -35,6 +35,9 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--fp8-kernel", default="dequantize", choices=["dequantize", "cuda"],
                    help="FP8 layers' GEMM: dequantize (the weight to the activation dtype, then a float GEMM: "
                         "any device) or cuda (FP8 GEMM with 1x128 activation quantization; opt-in, unverified)")
+    p.add_argument("--lora-kernel", default="torch", choices=["torch", "triton"],
+                   help="LoRA: the update of a batch of mixed adapters: torch (masked matmuls, any device) or "
+                        "triton (rows grouped by adapter, Triton kernels on CUDA; opt-in, unverified on a GPU)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
                    help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
     p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],
@@ -47,7 +50,8 @@ def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
             "linear_backend": args.linear_backend, "enforce_eager": args.enforce_eager,
             "async_scheduling": args.async_scheduling, "image_backend": args.image_backend,
             "preprocess_device": args.preprocess_device, "quantization": args.quantization,
-            "fp8_kernel": args.fp8_kernel, "speculative_config": args.speculative_config}
+            "fp8_kernel": args.fp8_kernel, "lora_kernel": args.lora_kernel,
+            "speculative_config": args.speculative_config}
 
 
 def json_object(text: str) -> dict[str, Any]:

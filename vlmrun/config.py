@@ -117,6 +117,9 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: Optional[int] = None
+    # A batch of mixed adapters' update: "torch" (masked matmuls, every device) or "triton" (rows grouped by
+    # slot, two Triton kernels; CUDA only, opt-in until a GPU run checks it). vlmrun/lora/triton_ops.py.
+    lora_kernel: str = "torch"
     # Stop strings cost work on every generated token: what one request may ask for
     # (`vlmrun.sampling_params.StopLimits`; the server answers 400 past them).
     max_stop_strings: int = 32
@@ -159,6 +162,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
+        if self.lora_kernel not in ("torch", "triton"):
+            raise ValueError(f"lora_kernel must be torch or triton, got {self.lora_kernel!r}")
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("enable_lora cannot be combined with speculative_config yet")
         if self.mm_processor_kwargs is not None:

@@ -71,8 +71,8 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
         keep_freed_memory()
     backend = make_attention_backend(model, caches, config, device)
     fuse_vision_attention(model, backend, caches)
-    lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, device, dtype, config.max_cpu_loras)
-            if config.enable_lora else None)
+    lora = (LoRAManager(model, config.max_loras, config.max_lora_rank, device, dtype, config.max_cpu_loras,
+                        kernel=config.lora_kernel) if config.enable_lora else None)
     vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), device, dtype, split_over, lora)
               if model.supports_images else None)
     return ModelRunner(model, caches, backend, vision, device, lora=lora,

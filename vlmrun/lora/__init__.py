@@ -6,6 +6,7 @@
 - `mapping.py`: those tensors laid out for this model's layers on this rank (fused q | k | v and
   gate | up parts, tensor-parallel slices, the scaling folded into B).
 - `layers.py`: the per-layer slot tensors and the batched update over rows of mixed adapters (torch ops).
+- `triton_ops.py`: that update as Triton kernels, rows grouped by slot (opt-in `lora_kernel="triton"`, CUDA).
 - `manager.py`: `LoRAManager`: adapters in a fixed number of slots with LRU eviction; each step
   binds the rows' slots to the layers.
 

@@ -13,6 +13,9 @@ delta = (x @ a.T) @ b.T is every part's update in two matmuls. A rank below the 
 adapters run as one pair of matmuls over all slots, each row keeping its own slot's share
 (`low_rank_update`): a gathered batched LoRA matmul in torch ops, no per-row gather or scatter.
 
+With `lora_kernel="triton"` (CUDA, opt-in) a batch of mixed adapters carries its rows grouped by slot
+instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot's update (`triton_ops`).
+
 `LoRABatch` holds the rows' slots of one forward; `LoRAContext` holds the batch of the forward that
 runs now. The model runner (text tokens) and the vision stage (patches) set it before each model
 call; it belongs to one model (`LoRAManager`), never to a module-global.
@@ -21,12 +24,13 @@ call; it belongs to one model (`LoRAManager`), never to a module-global.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 NO_ADAPTER = -1  # a row's slot when it runs the base model alone
+LORA_KERNELS = ("torch", "triton")  # the update of a mixed-adapter batch (`EngineConfig.lora_kernel`)
 
 
 @dataclass
@@ -35,10 +39,12 @@ class LoRABatch:
 
     `single`: the slot when every row has the same adapter (the update is two plain matmuls); otherwise
     `onehot` [num_rows, slots] (1 at each row's slot, a row of zeros for the base model) keeps, of the
-    update of every slot, each row's own: one pair of matmuls over all slots, no gather or scatter."""
+    update of every slot, each row's own: one pair of matmuls over all slots, no gather or scatter.
+    With the Triton kernel, `groups` (`triton_ops.SlotGroups`) replaces `onehot`: the rows grouped by slot."""
 
     single: Optional[int] = None
     onehot: Optional[torch.Tensor] = None  # [num_rows, slots] in the model's dtype (None when `single`)
+    groups: Optional[Any] = None  # `triton_ops.SlotGroups` (lora_kernel="triton", several slots), else None
 
     def onehot_rows(self, n: int) -> torch.Tensor:
         """`onehot` for a forward of n >= num_rows rows: a padded decode's extra rows (after the real ones)
@@ -49,14 +55,19 @@ class LoRABatch:
 
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device,
-                 dtype: torch.dtype) -> Optional["LoRABatch"]:
-        """Spans of `lengths[i]` consecutive rows running slot `slots[i]`; None when no span has an adapter."""
+                 dtype: torch.dtype, kernel: str = "torch") -> Optional["LoRABatch"]:
+        """Spans of `lengths[i]` consecutive rows running slot `slots[i]`; None when no span has an adapter.
+        `kernel`: "torch" (the masked update) or "triton" (the rows grouped by slot for `triton_ops`)."""
         if all(s == NO_ADAPTER for s in slots):
             return None
         row_slots = torch.repeat_interleave(torch.tensor(list(slots), dtype=torch.int64),
                                             torch.tensor(list(lengths), dtype=torch.int64))  # [num_rows]
         if len(set(slots)) == 1:
             return cls(single=slots[0])
+        if kernel == "triton":
+            from vlmrun.lora.triton_ops import SlotGroups
+
+            return cls(groups=SlotGroups.of_spans(slots, lengths, num_slots, device))
         onehot = torch.zeros(len(row_slots), num_slots + 1, dtype=dtype)  # column num_slots: the base model's
         onehot[torch.arange(len(row_slots)), row_slots.where(row_slots >= 0, num_slots)] = 1
         return cls(onehot=onehot[:, :num_slots].to(device))
@@ -115,8 +126,12 @@ class LinearLoRA:
         batch = self.context.batch
         if batch is None or self.a is None or (batch.single is not None and not self.filled[batch.single]):
             return y
-        out = low_rank_update(x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1]), self.a, self.b, batch)
-        return out.view(y.shape)
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [n, in], [n, out]
+        if batch.groups is not None:
+            from vlmrun.lora.triton_ops import add_to_rows
+
+            return add_to_rows(x2, y2, self.a, self.b, batch.groups).view(y.shape)
+        return low_rank_update(x2, y2, self.a, self.b, batch).view(y.shape)
 
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -160,6 +175,11 @@ class ExpertsLoRA:
         if batch is None or projection not in self.a \
                 or (batch.single is not None and not self.filled[projection][batch.single]):
             return y
+        if batch.groups is not None:
+            from vlmrun.lora.triton_ops import add_to_token_rows
+
+            return add_to_token_rows(x, y, self.a[projection][local], self.b[projection][local], batch.groups,
+                                     tokens, num_rows)
         if batch.single is None:
             batch.onehot_rows(num_rows)  # a padded decode's rows: covered before indexing by token
         return low_rank_update(x, y, self.a[projection][local], self.b[projection][local], batch, tokens)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from vlmrun.lora.layers import NO_ADAPTER, PROJECTIONS, ExpertsLoRA, LoRABatch, LoRAContext, attach_lora
+from vlmrun.lora.layers import LORA_KERNELS, NO_ADAPTER, PROJECTIONS, ExpertsLoRA, LoRABatch, LoRAContext, attach_lora
 from vlmrun.lora.mapping import MappedAdapter, map_adapter
 from vlmrun.lora.peft_files import LoRAError, read_adapter
 from vlmrun.lora.request import LoRARequest
@@ -29,9 +29,15 @@ logger = logging.getLogger(__name__)
 
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, device: torch.device,
-                 dtype: torch.dtype, max_cpu_loras: Optional[int] = None):
+                 dtype: torch.dtype, max_cpu_loras: Optional[int] = None, kernel: str = "torch"):
         if max_loras < 1 or max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
+        if kernel not in LORA_KERNELS:
+            raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {kernel!r}")
+        if kernel == "triton" and torch.device(device).type != "cuda":
+            raise ValueError(f"lora_kernel='triton' runs a Triton kernel on a CUDA device; this engine runs on "
+                             f"{device} (use lora_kernel='torch')")
+        self.kernel = kernel  # mixed-adapter batches: "torch" (masked matmuls) or "triton" (lora/triton_ops.py)
         self.model = model
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
@@ -131,7 +137,7 @@ class LoRAManager:
 
     def bind(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """The next forward's rows: spans of `lengths[i]` rows running slot `slots[i]`."""
-        self.context.batch = LoRABatch.of_spans(slots, lengths, self.max_loras, self.device, self.dtype)
+        self.context.batch = LoRABatch.of_spans(slots, lengths, self.max_loras, self.device, self.dtype, self.kernel)
 
     def unbind(self) -> None:
         self.context.batch = None
