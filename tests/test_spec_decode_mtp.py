@@ -12,6 +12,7 @@ drafts. (A random MTP layer's drafts are rejected: what happens after accepted d
 from __future__ import annotations
 
 import shutil
+import types
 
 import pytest
 import torch
@@ -134,3 +135,39 @@ def test_refused_without_an_mtp_layer(qwen3_5_dir, qwen3_dir):
             LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP))
     with pytest.raises(ValueError, match="prompt_lookup"):
         LLM(str(qwen3_5_dir), speculative_config={**MTP, "prompt_lookup_max": 3})
+
+
+def drafting_step(device: torch.device) -> tuple[MTPStep, torch.Tensor]:
+    """An MTPStep over a plain decode chunk and two speculating chunks whose drafter returns fixed drafts;
+    drafted, and its input ids [1 + 1 + 3 + 1 + 2] with the drafts written in."""
+
+    class FixedDrafter:
+        def draft(self, chunks, backend, device):
+            return torch.tensor([[7, 8, 9], [5, 6, 0]], dtype=torch.int64, device=device)
+
+    def chunk(row: int, drafts: int) -> ChunkInput:
+        n = 1 + drafts
+        return ChunkInput(row=row, start=4, token_ids=[1] + [-1] * drafts, positions=torch.zeros(3, n, dtype=torch.int64),
+                          kv_slots=torch.arange(n, dtype=torch.int64), mm_items=(), sampling=object(), num_drafts=drafts)
+
+    step = MTPStep(FixedDrafter(), [chunk(1, 0), chunk(2, 3), chunk(3, 2)], backend=None, device=device)
+    fb = types.SimpleNamespace(input_ids=torch.ones(1 + 4 + 3, dtype=torch.int64, device=device))
+    step.draft(fb, hybrid=False)
+    return step, fb.input_ids
+
+
+def test_drafts_reach_the_host_once():
+    """`drafts_on_host` (read at launch for grammar masks, again at collect) reads the drafts once and keeps them."""
+    step, input_ids = drafting_step(torch.device("cpu"))
+    assert input_ids.tolist() == [1, 1, 7, 8, 9, 1, 5, 6]
+    first = step.drafts_on_host()
+    assert first == [[], [7, 8, 9], [5, 6]]
+    assert step.drafts_on_host() is first
+
+
+@pytest.mark.gpu
+def test_drafts_copy_to_the_host_when_drafted():
+    """On CUDA the copy is queued right after drafting: a later write to the device tensor does not reach it."""
+    step, _ = drafting_step(torch.device("cuda"))
+    step.drafted.fill_(3)  # queued after the copy
+    assert step.drafts_on_host() == [[], [7, 8, 9], [5, 6]]

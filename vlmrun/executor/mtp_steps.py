@@ -4,13 +4,14 @@ drafter's inputs out.
 `MTPStep` follows one step: `draft` (before the model: the speculating chunks' drafts, written into
 the step's input ids where their placeholders are), `catch_up` (after sampling: the MTP layer over
 every fed position, on the token that follows each), `remember` (after acceptance, on the device:
-each sampling chunk's MTP output at its last kept position) and `drafts_on_host` (at collect: the
-drafts as lists).
+each sampling chunk's MTP output at its last kept position) and `drafts_on_host` (the drafts as lists:
+their copy to the host starts, without blocking, as soon as they are made, and the list is kept, so
+the grammar masks at launch and `collect` read them with one wait between them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -33,6 +34,9 @@ class MTPStep:
     tp: TensorParallel = SINGLE  # under tensor parallel, every rank feeds rank 0's drafts
     drafted: Optional[torch.Tensor] = None  # [speculating chunks, max drafts] int64 on the device
     outputs: Optional[torch.Tensor] = None  # [num_tokens, hidden]: the MTP layer's output at every fed position
+    # `drafted` on its way to the host (on CUDA: a pinned copy and the event after it), then as lists
+    _drafts_in_transit: Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]] = field(default=None, repr=False)
+    _host_drafts: Optional[list[list[int]]] = field(default=None, repr=False)
 
     def draft(self, fb: ForwardBatch, hybrid: bool) -> None:
         """Draft for every chunk with drafts and put them in `fb.input_ids` at the drafts' rows."""
@@ -48,6 +52,18 @@ class MTPStep:
         which = [(k, j) for k, i in enumerate(speculating) for j in range(self.chunks[i].num_drafts)]
         at = [upload(torch.tensor(index, dtype=torch.int64), self.device) for index in zip(*which)]
         fb.input_ids[upload(torch.tensor(where, dtype=torch.int64), self.device)] = self.drafted[at[0], at[1]]
+        self._start_host_copy()
+
+    def _start_host_copy(self) -> None:
+        """Start `drafted`'s copy to the host without waiting: on CUDA into pinned memory, queued right
+        after the drafting kernels (before the model's), with an event to wait on."""
+        if self.drafted.device.type != "cuda":
+            self._drafts_in_transit = (self.drafted, None)
+            return
+        host = self.drafted.to("cpu", non_blocking=True)  # [speculating chunks, max drafts], pinned
+        done = torch.cuda.Event()
+        done.record()
+        self._drafts_in_transit = (host, done)
 
     def catch_up(self, hidden: torch.Tensor, fb: ForwardBatch, sampled: Optional[torch.Tensor]) -> None:
         """The MTP layer over the step's fed positions; `sampled` [logits rows] the ids sampled at
@@ -63,10 +79,19 @@ class MTPStep:
         self.outputs = self.drafter.catch_up(hidden, next_ids, fb, self.backend, ends)
 
     def drafts_on_host(self) -> list[list[int]]:
-        """Per chunk its drafts (empty for a chunk without), read from the device."""
-        host = [] if self.drafted is None else self.drafted.tolist()
-        it = iter(host)
-        return [next(it)[:c.num_drafts] if c.num_drafts else [] for c in self.chunks]
+        """Per chunk its drafts (empty for a chunk without): the first call waits for their copy to the
+        host (only for the drafting, not for the model's forward queued after it); later calls cost nothing."""
+        if self._host_drafts is None:
+            rows: list[list[int]] = []
+            if self._drafts_in_transit is not None:
+                host, done = self._drafts_in_transit
+                if done is not None:
+                    done.synchronize()
+                rows = host.tolist()
+            it = iter(rows)
+            self._host_drafts = [next(it)[:c.num_drafts] if c.num_drafts else [] for c in self.chunks]
+            self._drafts_in_transit = None
+        return self._host_drafts
 
     def remember(self, num_accepted: Union[list[int], torch.Tensor]) -> None:
         """Each sampling chunk's row keeps the MTP output at its last kept position: its last known token
