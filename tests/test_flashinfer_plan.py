@@ -31,6 +31,7 @@ from vlmrun.layers.attention.flashinfer_backend import (
     PagedKVIndex,
     build_paged_kv_index,
     flashinfer_refusal,
+    verify_positions,
 )
 from vlmrun.layers.attention.kernels import BackendUnavailable, import_fla, import_flashinfer
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
@@ -123,6 +124,30 @@ def test_index_reads_what_the_torch_backend_reads(prefix_lens, extend_lens, padd
     torch.testing.assert_close(got[:real], expected[:real], atol=1e-5, rtol=1e-5)
     if padding:  # padding rows read the dummy page only
         assert index.kv_indices[-padding:].tolist() == [0] * padding
+
+
+@pytest.mark.parametrize("padding", [0, 1])
+def test_verify_step_as_decode_rows_reads_what_the_torch_backend_reads(padding):
+    """A verify step (last token + drafts per sequence, one sequence without drafts) planned as one
+    decode row per position: each row attends to its sequence up to itself, as the causal extend does."""
+    pool, rows, fb = make_batch([8, 13, 5], [4, 1, 3], padding)
+    fb.num_drafts_cpu = [3, 0, 2] + [0] * padding
+    backend = TorchAttnBackend(pool, rows)
+    fb.attn_backend = backend
+    layer = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(fb.num_tokens, n * HEAD_DIM, generator=gen) for n in (HEADS, KV_HEADS, KV_HEADS))
+    backend.prepare(fb)
+    expected = backend.forward(q, k, v, layer, fb).view(-1, HEADS, HEAD_DIM)
+
+    positions = verify_positions(fb)
+    assert positions is not None and positions[0].tolist() == [0] * 4 + [1] + [2] * 3 + [rows.dummy_row] * padding
+    assert positions[1] == [9, 10, 11, 12, 14, 6, 7, 8] + [1] * padding
+    index = build_paged_kv_index(rows.req_to_token, positions[0], positions[1], [1] * fb.num_tokens, PAGE)
+    got = reference_from_index(q.view(-1, HEADS, HEAD_DIM), pool, index, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got[:fb.num_tokens - padding], expected[:fb.num_tokens - padding], atol=1e-5, rtol=1e-5)
+    fb.num_drafts_cpu = None  # not a verify step
+    assert verify_positions(fb) is None
 
 
 def test_fast_backends_give_clear_errors_on_the_cpu():

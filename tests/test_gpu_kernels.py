@@ -175,6 +175,30 @@ def test_cuda_graphs_equal_eager(real_shape_dir, name):
         assert ok, f"{name} {label}: {what}"
 
 
+@needs_flashinfer
+def test_verify_cuda_graphs_equal_padded_eager_verify(real_shape_dir):
+    """Speculative decoding (n-gram drafts on repeating prompts) with verify steps replayed from CUDA
+    graphs (`verify_cuda_graphs=True`: FlashInfer plans a verify step as one decode row per position)
+    against the same steps run padded but eagerly: vLLM's rule, as graphs against eager decode."""
+    model_dir = real_shape_dir("qwen3_vl_2b")
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = ["one two three four one two three four one two three four one two three",
+               "red green blue red green blue red green blue red", "Describe the sea."]
+    options = {"attention_backend": "flashinfer", "speculative_config": spec}
+    graphs = cuda_llm(model_dir, "bfloat16", verify_cuda_graphs=True, **options)
+    runner = graphs.engine.runner.padded_decode
+    assert runner.verify_graphs and runner.graphs, "verify and decode graphs were captured"
+    eager = cuda_llm(model_dir, "bfloat16", **options)
+    assert not eager.engine.runner.padded_decode.verify_graphs
+    sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=TOPK)
+    ours = graphs.generate(prompts, sampling, use_tqdm=False)
+    for i, (g, e) in enumerate(zip(ours, eager.generate(prompts, sampling, use_tqdm=False))):
+        ok, what = first_divergence_ok_lists(g, e)
+        print(f"verify graphs vs padded eager, prompt {i}: {what}; drafts {g.metrics.spec_decode}")
+        assert ok, f"prompt {i}: {what}"
+    assert sum(o.metrics.spec_decode.num_draft_tokens for o in ours) > 0
+
+
 def test_fused_vision_attention_equals_reference():
     from vlmrun.models.blocks.vision_common import fused_varlen_attention, plan_segments, varlen_attention
 

@@ -27,6 +27,8 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--speculative-config", type=json_object, default=None, metavar="JSON",
                    help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (docs/spec_decode.md; default: off)')
+    p.add_argument("--verify-cuda-graphs", action="store_true",
+                   help="speculative decoding: replay verify steps from CUDA graphs too (opt-in, unverified on a GPU)")
     p.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "onednn"],
                    help="dense linears' GEMMs: onednn packs the weights once (auto: on the CPU)")
     p.add_argument("-q", "--quantization", default=None, choices=QUANTIZATION_METHODS,
@@ -51,7 +53,7 @@ def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
             "async_scheduling": args.async_scheduling, "image_backend": args.image_backend,
             "preprocess_device": args.preprocess_device, "quantization": args.quantization,
             "fp8_kernel": args.fp8_kernel, "lora_kernel": args.lora_kernel,
-            "speculative_config": args.speculative_config}
+            "speculative_config": args.speculative_config, "verify_cuda_graphs": args.verify_cuda_graphs}
 
 
 def json_object(text: str) -> dict[str, Any]:

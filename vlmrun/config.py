@@ -53,6 +53,9 @@ class EngineConfig:
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
     # add work; bench/bench_decode_padding.py). `eager_decode(device)` resolves it.
     enforce_eager: Optional[bool] = None
+    # Speculative decoding with CUDA graphs: also capture verify steps (rows of 1 + k tokens) per bucket.
+    # Off by default until a GPU run checks it (docs/gpu_checks.md); verify steps run padded, eagerly.
+    verify_cuda_graphs: bool = False
     # Async scheduling (vLLM's name): the engine plans and launches step N+1 while step N runs; step N's
     # sampled ids stay on the device and reach the host one step later (executor/overlap.py). Tokens
     # equal the synchronous engine's (with speculative decoding too: a request waits for its launched

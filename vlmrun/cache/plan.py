@@ -28,6 +28,10 @@ ACTIVATION_RESERVE_BYTES = 1 << 30  # CUDA: logits and vision activations of one
 FLASHINFER_FLOAT_WORKSPACE_BYTES = 256 << 20  # split-kv partial results
 FLASHINFER_INT_WORKSPACE_BYTES = 8 << 20  # the wrappers' plans (FlashInfer's own default size)
 LONGEST_CONTEXT = 262_144  # the longest max_model_len of the supported families: bounds the graphs' index buffers
+# speculative decoding's verify steps are captured in CUDA graphs (`verify_cuda_graphs`) for buckets of at
+# most this many tokens (rows x (1 + k)): each holds, per GDN layer, the states after every position of
+# its rows in the graphs' memory pool, and FlashInfer plans it as that many decode rows
+VERIFY_GRAPH_MAX_TOKENS = 256
 
 
 @dataclass
@@ -142,13 +146,15 @@ def flashinfer_reserve_bytes(config: EngineConfig) -> int:
 
     The float and int workspaces (one each), the 8 MiB int workspace each new wrapper allocates before
     it is handed the shared one (freed, kept by torch's allocator for the next), and the decode graphs'
-    static index buffers: one set for every page-table row (max_num_seqs + the dummy), each row's pages
-    at the longest context. "auto" counts: on CUDA it names FlashInfer once the GPU checks pass
+    static index buffers: one set for every page-table row (max_num_seqs + the dummy; with verify graphs at
+    least VERIFY_GRAPH_MAX_TOKENS rows), each row's pages at the longest context. "auto" counts: on CUDA it names FlashInfer once the GPU checks pass
     (`layers/attention/factory.py`), and the budget is planned before the backend is built.
     """
     if config.attention_backend not in ("auto", "flashinfer"):
         return 0
     rows = config.max_num_seqs + 1
+    if config.verify_cuda_graphs and config.speculative_config is not None:  # a verify graph's positions
+        rows = max(rows, VERIFY_GRAPH_MAX_TOKENS)
     pages_per_row = pages_needed(config.max_model_len or LONGEST_CONTEXT, config.page_size)
     index_bytes = 4 * (rows + 1 + rows * pages_per_row + rows)  # int32 indptr, page ids, last-page lengths
     return FLASHINFER_FLOAT_WORKSPACE_BYTES + 2 * FLASHINFER_INT_WORKSPACE_BYTES + index_bytes

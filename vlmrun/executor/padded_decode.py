@@ -7,9 +7,19 @@ token, page-table row `dummy_row` (all zeros: the dummy page), KV slot 0 (the du
 slot 0 (the dummy slot). Padding rows therefore read and write only the dummy page and the dummy
 GDN slot, never a live one. Their outputs are dropped.
 
+Speculative decoding's verify steps (every sequence feeds its last token and at most k drafts,
+`fb.num_drafts_cpu`) are a bucket shape too: b rows of exactly w = 1 + k positions, b * w tokens.
+A sequence with fewer drafts (or none: a plain decode in a verify step) is padded at its end with
+positions that feed token 0 and write KV slot 0 (the dummy page); they attend after the real
+positions, so no real position sees them, and the GDN state they leave is never kept (the slot
+takes the state after the accepted positions, `keep_accepted_states`, each padding row's the state
+after its position 0, in the dummy slot). Padding rows are as above with w positions each.
+
 With CUDA graphs (CUDA, `enforce_eager=False`, backends that support capture, a model without
-host syncs), each bucket's forward is captured once at start-up and replayed; otherwise the same
-padded batch runs eagerly (always on the CPU), so the padding logic is exercised everywhere.
+host syncs), each bucket's forward is captured once at start-up and replayed (verify buckets only
+with `verify_cuda_graphs=True`, up to `VERIFY_GRAPH_MAX_TOKENS` tokens: unverified on a GPU so far);
+otherwise the same padded batch runs eagerly (always on the CPU), so the padding logic is exercised
+everywhere.
 """
 
 from __future__ import annotations
@@ -21,8 +31,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from vlmrun.cache.plan import Caches
+from vlmrun.cache.plan import VERIFY_GRAPH_MAX_TOKENS, Caches
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
 
 logger = logging.getLogger(__name__)
@@ -51,17 +62,20 @@ def graph_capturable(model: nn.Module) -> bool:
 class DecodeInputs:
     """The static input buffers of padded decode steps, sized for the largest bucket."""
 
-    def __init__(self, max_batch: int, dummy_row: int, hybrid: bool, device: torch.device):
+    def __init__(self, max_batch: int, dummy_row: int, hybrid: bool, device: torch.device, width: int = 1):
         self.dummy_row = dummy_row
+        self.device = device
+        self.width = width  # positions per row of a verify step (1 + k); 1 without speculative decoding
         long = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(max_batch, **long)
-        self.positions = torch.zeros(3, max_batch, **long)
+        self.input_ids = torch.zeros(max_batch * width, **long)
+        self.positions = torch.zeros(3, max_batch * width, **long)
         self.req_pool_indices = torch.full((max_batch,), dummy_row, **long)
         self.seq_lens = torch.ones(max_batch, **long)
         self.prefix_lens = torch.zeros(max_batch, **long)
-        self.out_cache_loc = torch.full((max_batch,), PAD_KV_SLOT, **long)
+        self.out_cache_loc = torch.full((max_batch * width,), PAD_KV_SLOT, **long)
         self.state_slots = torch.full((max_batch,), PAD_GDN_SLOT, **long) if hybrid else None
         self.ones = torch.ones(max_batch, **long)  # every row feeds one token
+        self.widths = torch.full((max_batch,), width, **long)  # every row of a verify step feeds `width`
 
     def fill(self, fb: ForwardBatch, bucket: int) -> ForwardBatch:
         """Copy the decode batch `fb` into the buffers, pad it to `bucket` rows, return the padded batch."""
@@ -78,9 +92,7 @@ class DecodeInputs:
         self.prefix_lens[n:bucket].zero_()
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
         self.out_cache_loc[n:bucket].fill_(PAD_KV_SLOT)
-        if self.state_slots is not None:
-            self.state_slots[:n].copy_(fb.state_slots)
-            self.state_slots[n:bucket].fill_(PAD_GDN_SLOT)
+        self._fill_slots(fb, bucket)
         pad = bucket - n
         return ForwardBatch(
             mode=ForwardMode.DECODE,
@@ -99,54 +111,131 @@ class DecodeInputs:
             state_slots=None if self.state_slots is None else self.state_slots[:bucket],
         )
 
+    def fill_verify(self, fb: ForwardBatch, bucket: int) -> tuple[ForwardBatch, torch.Tensor]:
+        """Copy the verify step `fb` into the buffers as `bucket` rows of `width` positions each; return
+        the padded batch and, per token of `fb`, its row in the padded stream ([num_tokens] on the device)."""
+        n, w = fb.batch_size, self.width
+        lens = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64)  # [n] 1 + drafts each
+        firsts = torch.cumsum(lens, 0) - lens
+        real = (torch.repeat_interleave(torch.arange(n) * w, lens)
+                + torch.arange(int(lens.sum())) - torch.repeat_interleave(firsts, lens))  # [num_tokens]
+        real = upload(real, self.device)
+        tokens = bucket * w
+        self.input_ids[:tokens].zero_()
+        self.input_ids.index_copy_(0, real, fb.input_ids)
+        self.positions[:, :tokens].zero_()
+        self.positions.index_copy_(1, real, fb.positions)
+        self.out_cache_loc[:tokens].fill_(PAD_KV_SLOT)
+        self.out_cache_loc.index_copy_(0, real, fb.out_cache_loc)
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+        self.req_pool_indices[n:bucket].fill_(self.dummy_row)
+        self.prefix_lens[:n].copy_(fb.extend_prefix_lens)
+        self.prefix_lens[n:bucket].zero_()
+        torch.add(self.prefix_lens[:bucket], w, out=self.seq_lens[:bucket])
+        self._fill_slots(fb, bucket)
+        pad = bucket - n
+        prefixes = fb.extend_prefix_lens_cpu + [0] * pad
+        padded = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=self.input_ids[:tokens],
+            positions=self.positions[:, :tokens],
+            req_pool_indices=self.req_pool_indices[:bucket],
+            seq_lens=self.seq_lens[:bucket],
+            extend_prefix_lens=self.prefix_lens[:bucket],
+            extend_seq_lens=self.widths[:bucket],
+            out_cache_loc=self.out_cache_loc[:tokens],
+            seq_lens_cpu=[p + w for p in prefixes],
+            extend_prefix_lens_cpu=prefixes,
+            extend_seq_lens_cpu=[w] * bucket,
+            logits_indices=fb.logits_indices,
+            attn_backend=fb.attn_backend,
+            state_slots=None if self.state_slots is None else self.state_slots[:bucket],
+            num_drafts_cpu=[w - 1] * bucket,
+        )
+        return padded, real
+
+    def _fill_slots(self, fb: ForwardBatch, bucket: int) -> None:
+        if self.state_slots is not None:
+            self.state_slots[:fb.batch_size].copy_(fb.state_slots)
+            self.state_slots[fb.batch_size:bucket].fill_(PAD_GDN_SLOT)
+
 
 @dataclass
 class CapturedDecode:
     graph: Any  # torch.cuda.CUDAGraph
-    hidden: torch.Tensor  # [bucket, hidden]: the graph's output buffer
+    hidden: torch.Tensor  # [bucket * width, hidden]: the graph's output buffer
     attn_state: Any  # the backend's static metadata for this bucket
+    linear_state: Any = None  # the GDN backend's metadata at capture (a verify graph's per-position states)
 
 
 class PaddedDecodeRunner:
-    """Runs decode steps padded to buckets: from captured CUDA graphs, or eagerly."""
+    """Runs decode steps (and verify steps) padded to buckets: from captured CUDA graphs, or eagerly."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, caches: Caches, device: torch.device,
-                 use_cuda_graphs: bool):
+                 use_cuda_graphs: bool, num_speculative_tokens: int = 0, verify_cuda_graphs: bool = False):
         self.model = model
         self.backend = backend
         self.buckets = decode_buckets(caches.plan.max_num_seqs)
-        self.inputs = DecodeInputs(self.buckets[-1], caches.req_to_token.dummy_row, caches.gdn_pool is not None, device)
+        self.width = 1 + num_speculative_tokens  # a verify step's positions per row
+        self.max_context = caches.req_to_token.req_to_token.shape[1]  # positions a page-table row holds
+        self.inputs = DecodeInputs(self.buckets[-1], caches.req_to_token.dummy_row, caches.gdn_pool is not None,
+                                   device, self.width)
         self.graphs: dict[int, CapturedDecode] = {}
+        self.verify_graphs: dict[int, CapturedDecode] = {}
         if use_cuda_graphs:
-            self.capture()
+            self.capture(verify=verify_cuda_graphs and self.width > 1)
 
     def fits(self, fb: ForwardBatch) -> bool:
-        """A decode step of at most the largest bucket, with no image rows."""
-        return (fb.mode is ForwardMode.DECODE and fb.mm_mask is None
-                and bucket_for(fb.batch_size, self.buckets) is not None)
+        """A decode step, or a verify step of at most k drafts per sequence, of at most the largest
+        bucket, with no image rows."""
+        if fb.mm_mask is not None or bucket_for(fb.batch_size, self.buckets) is None:
+            return False
+        if fb.mode is ForwardMode.DECODE:
+            return True
+        return self.fits_verify(fb)
+
+    def fits_verify(self, fb: ForwardBatch) -> bool:
+        """Every sequence feeds its last token and its drafts (at most k), and `width` positions from
+        its prefix stay inside its page-table row."""
+        drafts = fb.num_drafts_cpu
+        return (drafts is not None and self.width > 1
+                and all(n == 1 + d and d < self.width for n, d in zip(fb.extend_seq_lens_cpu, drafts))
+                and max(fb.extend_prefix_lens_cpu) + self.width <= self.max_context)
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """The decode step `fb` -> hidden states [batch, hidden] of its real rows."""
+        """The decode or verify step `fb` -> hidden states [num_tokens, hidden] of its real tokens. A
+        verify step's GDN metadata (the states it keeps per position) is left on `fb` for
+        `keep_accepted_states`."""
         bucket = bucket_for(fb.batch_size, self.buckets)
-        padded = self.inputs.fill(fb, bucket)
-        captured = self.graphs.get(bucket)
+        if fb.mode is ForwardMode.DECODE:
+            padded, real = self.inputs.fill(fb, bucket), None
+            captured = self.graphs.get(bucket)
+        else:
+            padded, real = self.inputs.fill_verify(fb, bucket)
+            captured = self.verify_graphs.get(bucket)
         if captured is None:
             self.backend.prepare(padded)
             hidden = self.model(padded.input_ids, padded.positions, padded)
         else:
             self.backend.prepare_graph(captured.attn_state, padded)
+            padded.linear_attn_metadata = captured.linear_state
             captured.graph.replay()
             hidden = captured.hidden
-        return hidden[: fb.batch_size]
+        if real is None:
+            return hidden[: fb.batch_size]
+        fb.linear_attn_metadata = padded.linear_attn_metadata
+        return hidden.index_select(0, real)
 
     # ------------------------------------------------------------------ CUDA graphs
 
-    def capture(self) -> None:
-        """Capture one graph per bucket, largest first, sharing one memory pool."""
+    def capture(self, verify: bool) -> None:
+        """Capture one graph per bucket, verify buckets (the most tokens) first, largest first, sharing
+        one memory pool."""
         pool = None
-        for bucket in reversed(self.buckets):
-            state = self.backend.graph_metadata(bucket)
-            padded = self._all_padding(bucket)
+        shapes = [(True, b) for b in reversed(self.buckets) if b * self.width <= VERIFY_GRAPH_MAX_TOKENS] if verify else []
+        for is_verify, bucket in shapes + [(False, b) for b in reversed(self.buckets)]:
+            padded = self._all_padding(bucket, is_verify)
+            state = self.backend.graph_metadata(padded.num_tokens)
             self.backend.prepare_graph(state, padded)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -158,16 +247,19 @@ class PaddedDecodeRunner:
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(padded.input_ids, padded.positions, padded)
             pool = graph.pool()
-            self.graphs[bucket] = CapturedDecode(graph, hidden, state)
+            captured = CapturedDecode(graph, hidden, state, padded.linear_attn_metadata)
+            (self.verify_graphs if is_verify else self.graphs)[bucket] = captured
         torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        logger.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
+                    f"; verify graphs ({self.width} tokens a row) for {sorted(self.verify_graphs)}" if verify else "")
 
-    def _all_padding(self, bucket: int) -> ForwardBatch:
-        """A decode batch of `bucket` padding rows: what a graph is captured on."""
+    def _all_padding(self, bucket: int, verify: bool) -> ForwardBatch:
+        """A decode (or verify) batch of `bucket` padding rows: what a graph is captured on."""
         none = self.inputs.ones[:0]
         empty = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=none, positions=self.inputs.positions[:, :0], req_pool_indices=none,
-            seq_lens=none, extend_prefix_lens=none, extend_seq_lens=none, out_cache_loc=none, seq_lens_cpu=[],
-            extend_prefix_lens_cpu=[], extend_seq_lens_cpu=[], logits_indices=none, attn_backend=self.backend,
-            state_slots=None if self.inputs.state_slots is None else none)
-        return self.inputs.fill(empty, bucket)
+            mode=ForwardMode.EXTEND if verify else ForwardMode.DECODE, input_ids=none,
+            positions=self.inputs.positions[:, :0], req_pool_indices=none, seq_lens=none, extend_prefix_lens=none,
+            extend_seq_lens=none, out_cache_loc=none, seq_lens_cpu=[], extend_prefix_lens_cpu=[],
+            extend_seq_lens_cpu=[], logits_indices=none, attn_backend=self.backend,
+            state_slots=None if self.inputs.state_slots is None else none, num_drafts_cpu=[] if verify else None)
+        return self.inputs.fill_verify(empty, bucket)[0] if verify else self.inputs.fill(empty, bucket)

@@ -6,11 +6,16 @@ Each step is planned once (`prepare`) and run per layer (`forward`):
   - extend (prefill chunks, with or without a cached prefix, mixed with decodes): ragged queries
     over the paged KV with `BatchPrefillWithPagedKVCacheWrapper`, causal, bottom-right aligned, on
     FlashInfer's FA2 kernels on every GPU (`PREFILL_BACKEND`);
-  - decode: `BatchDecodeWithPagedKVCacheWrapper`, with tensor cores for GQA groups of 4 or more.
+  - decode: `BatchDecodeWithPagedKVCacheWrapper`, with tensor cores for GQA groups of 4 or more;
+  - verify (speculative decoding: every sequence feeds its last token and its drafts, nothing else):
+    the decode wrapper too, one decode row per fed position over the sequence's keys up to it
+    (`verify_positions`), so each position attends exactly as plain decode of its token would, and
+    the step has a decode's shape for its CUDA graph.
 `build_paged_kv_index` turns a batch into FlashInfer's CSR view of the cache (indptrs, page ids,
 last-page lengths) from host lengths plus one gather on the device: no device->host sync. It is
 plain torch, unit-tested on the CPU against the torch backend's view of the same batch.
-Decode CUDA graphs get a wrapper per batch size (`graph_metadata`), re-planned before each replay
+Decode CUDA graphs get a wrapper per batch size (`graph_metadata`; for a verify step, its rows x
+(1 + k) positions), re-planned before each replay
 (`prepare_graph`). Every wrapper shares one float workspace (zeroed, as FlashInfer requires) and one
 int workspace, and the graphs' wrappers share one set of static index buffers sized for the largest
 batch: a step plans and runs one wrapper, and only one graph replays at a time. The cache plan
@@ -29,6 +34,7 @@ import torch
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, pages_needed
 from vlmrun.cache.plan import FLASHINFER_FLOAT_WORKSPACE_BYTES, FLASHINFER_INT_WORKSPACE_BYTES
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import Attention, AttentionBackend
 from vlmrun.layers.attention.kernels import BackendUnavailable, import_flashinfer
 
@@ -74,6 +80,19 @@ def build_paged_kv_index(req_to_token: torch.Tensor, req_pool_indices: torch.Ten
         kv_last_page_len=torch.tensor([n - (p - 1) * page_size for n, p in zip(seq_lens, num_pages)],
                                       dtype=torch.int32),
     )
+
+
+def verify_positions(fb: ForwardBatch) -> Optional[tuple[torch.Tensor, list[int]]]:
+    """A verify step (`fb.num_drafts_cpu`; every sequence feeds its last token and its drafts) as one
+    decode row per fed position: (page-table row of each [num_tokens] on the device, keys each attends
+    to: its sequence up to and including itself). None for any other step."""
+    drafts = fb.num_drafts_cpu
+    if drafts is None or any(n != 1 + d for n, d in zip(fb.extend_seq_lens_cpu, drafts)):
+        return None
+    lens = fb.extend_seq_lens_cpu
+    rows = torch.repeat_interleave(fb.req_pool_indices, upload(torch.tensor(lens), fb.req_pool_indices.device),
+                                   output_size=sum(lens))
+    return rows, [p + j + 1 for p, n in zip(fb.extend_prefix_lens_cpu, lens) for j in range(n)]
 
 
 def _indptr(lengths: list[int]) -> torch.Tensor:
@@ -143,7 +162,7 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def prepare(self, fb: ForwardBatch) -> None:
         index = self._index(fb)
-        if fb.mode is ForwardMode.DECODE:
+        if fb.num_tokens == index.kv_last_page_len.shape[0]:  # one query a row: a decode, or a verify step
             self._plan_decode(self.decode, index)
             fb.attn_metadata = self.decode
             return
@@ -172,8 +191,8 @@ class FlashInferAttnBackend(AttentionBackend):
     def graph_metadata(self, batch_size: int) -> DecodeGraphState:
         """A decode wrapper over the first `batch_size` rows of the shared static index buffers, which
         keep their addresses across replays."""
-        if self.graph_buffers is None:
-            max_batch = self.req_to_token.shape[0]  # every page-table row, the dummy row included
+        if self.graph_buffers is None:  # every page-table row (the dummy row included), or a verify step's positions
+            max_batch = max(self.req_to_token.shape[0], batch_size)
             self.graph_buffers = GraphIndexBuffers.allocate(max_batch, self.max_pages_per_seq, self.device)
         buffers = self.graph_buffers
         if batch_size > buffers.kv_last_page_len.shape[0]:
@@ -193,6 +212,11 @@ class FlashInferAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ helpers
 
     def _index(self, fb: ForwardBatch) -> PagedKVIndex:
+        """The batch's CSR index; a verify step's has one decode row per fed position."""
+        positions = verify_positions(fb)
+        if positions is not None:
+            rows, seq_lens = positions
+            return build_paged_kv_index(self.req_to_token, rows, seq_lens, [1] * len(seq_lens), self.kv_pool.page_size)
         return build_paged_kv_index(self.req_to_token, fb.req_pool_indices, fb.seq_lens_cpu,
                                     fb.extend_seq_lens_cpu, self.kv_pool.page_size)
 

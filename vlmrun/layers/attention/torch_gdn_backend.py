@@ -16,7 +16,9 @@ states back:
     number of tokens; the states after every position are kept on the metadata (`VerifyGroup`) and
     `keep_accepted_states` writes the ones after the accepted positions into the slots, so the slot
     holds what plain decode of the accepted tokens leaves. (Memory: per GDN layer and such sequence,
-    1 + k conv and recurrent states, for the length of the step.)
+    1 + k conv and recurrent states, for the length of the step.) A verify step padded to a bucket
+    (executor/padded_decode.py: every sequence feeds the same number of tokens, in order) reads
+    `fb.state_slots` as they are, so the step can be captured in a CUDA graph.
 The per-step split is computed once in `prepare` from host lists (no device→host sync) and kept
 on `fb.linear_attn_metadata`, so a flash-linear-attention backend can take the same seam.
 """
@@ -55,8 +57,8 @@ class VerifyGroup:
 
     length: int
     slots: torch.Tensor  # [n] the sequences' GDN slots
-    rows: torch.Tensor  # [n * length] their rows in the token stream, sequence by sequence
-    batch_index: list[int]  # [n] the sequences' places in the step's batch
+    rows: Optional[torch.Tensor]  # [n * length] their rows in the token stream, sequence by sequence; None: all
+    batch_index: torch.Tensor  # [n] the sequences' places in the step's batch, on the device
     conv_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, length, conv_dim, K-1]
     recurrent_states: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, length, Hv, Dv, Dk]
 
@@ -98,11 +100,16 @@ class TorchGDNBackend(LinearAttentionBackend):
         device = fb.state_slots.device
 
         def slots_and_rows(n: int, seqs: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-            slots = fb.state_slots.index_select(0, torch.tensor([i for i, _ in seqs], device=device))
-            return slots, (torch.tensor([s for _, s in seqs])[:, None] + torch.arange(n)).flatten().to(device)
+            slots = fb.state_slots.index_select(0, upload(torch.tensor([i for i, _ in seqs]), device))
+            return slots, upload((torch.tensor([s for _, s in seqs])[:, None] + torch.arange(n)).flatten(), device)
 
         extends = [ExtendGroup(n, *slots_and_rows(n, seqs)) for n, seqs in by_length.items()]
-        verifies = [VerifyGroup(n, *slots_and_rows(n, seqs), [i for i, _ in seqs]) for n, seqs in verify_by_length.items()]
+        if len(verify_by_length) == 1 and len(next(iter(verify_by_length.values()))) == fb.batch_size:
+            n = next(iter(verify_by_length))  # every sequence verifies n tokens (a padded verify step)
+            verifies = [VerifyGroup(n, fb.state_slots, None, torch.arange(fb.batch_size, device=device))]
+        else:
+            verifies = [VerifyGroup(n, *slots_and_rows(n, seqs), upload(torch.tensor([i for i, _ in seqs]), device))
+                        for n, seqs in verify_by_length.items()]
         whole = len(decode_batch) == fb.batch_size  # a DECODE step
         rows = slots = None
         if decode_batch and whole:
@@ -137,6 +144,8 @@ class TorchGDNBackend(LinearAttentionBackend):
             out[group.rows] = o.flatten(0, 1)
 
         for verify in md.verifies:
+            if verify.rows is None:  # every sequence of the step
+                return self._verify(mixed_qkv, g, beta, conv_weight, verify, layer, conv_state, rec_state)
             out[verify.rows] = self._verify(mixed_qkv.index_select(0, verify.rows), g.index_select(0, verify.rows),
                                             beta.index_select(0, verify.rows), conv_weight, verify, layer, conv_state,
                                             rec_state)
@@ -188,13 +197,17 @@ class TorchGDNBackend(LinearAttentionBackend):
 
     def keep_accepted_states(self, metadata: GDNMetadata, num_accepted: Union[list[int], torch.Tensor]) -> None:
         """Slot of each verified sequence <- its states after position num_accepted[i] (its last known
-        token is position 0, each accepted draft one more; a device tensor is read without a sync)."""
+        token is position 0, each accepted draft one more; a device tensor is read without a sync).
+        Sequences past the end of `num_accepted` (a padded step's padding rows) keep position 0."""
+        if not metadata.verifies:
+            return
+        device = metadata.verifies[0].slots.device
+        accepted = num_accepted if isinstance(num_accepted, torch.Tensor) else upload(torch.tensor(num_accepted), device)
         for group in metadata.verifies:
-            device = group.slots.device
-            accepted = num_accepted if isinstance(num_accepted, torch.Tensor) else upload(torch.tensor(num_accepted),
-                                                                                          device)
-            positions = accepted[upload(torch.tensor(group.batch_index, dtype=torch.int64), device)]
-            seqs = torch.arange(group.slots.shape[0], device=group.slots.device)
+            n = group.slots.shape[0]
+            padded = torch.nn.functional.pad(accepted, (0, max(0, n - accepted.shape[0])))  # [>= batch]
+            positions = padded[group.batch_index]  # [n]
+            seqs = torch.arange(n, device=device)
             for layer_id, states in group.conv_states.items():
                 self.pool.conv_state[layer_id][group.slots] = states[seqs, positions]
             for layer_id, states in group.recurrent_states.items():
