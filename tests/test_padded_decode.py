@@ -97,9 +97,12 @@ def live_state_differences(engine) -> list[str]:
         eager_tokens = [s.sampled.token_id for s in runner.execute(inputs)]
     finally:
         runner.padded_decode = runner_padded
-    eager = snapshot(engine)
     assert padded_tokens == eager_tokens
-    page = engine.caches.plan.page_size
+    return live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
+
+
+def live_differences(padded: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], page: int) -> list[str]:
+    """Every KV slot outside the dummy page and every GDN slot but the dummy where two snapshots differ."""
     diffs = []
     for name in padded:
         if name in ("conv", "rec"):  # [layers, slots, ...]: slot 0 is the dummy

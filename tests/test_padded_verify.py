@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from tests.test_async_scheduling import assert_same, engine_options
-from tests.test_padded_decode import restore, snapshot
+from tests.test_padded_decode import live_differences, restore, snapshot
 from tests.test_spec_decode import SPEC, run, spec_scenario
 from tests.test_spec_decode_mtp import MTP, generate, mtp_dirs  # noqa: F401 (a fixture)
 from vlmrun import LLM, SamplingParams
@@ -105,18 +105,8 @@ def live_state_differences(engine) -> list[str]:
         eager_tokens = [[s.sampled.token_id] + [t.token_id for t in s.after_drafts] for s in runner.execute(inputs)]
     finally:
         runner.padded_decode = runner_padded
-    eager = snapshot(engine)
     assert padded_tokens == eager_tokens
-    page = engine.caches.plan.page_size
-    diffs = []
-    for name in padded:
-        if name in ("conv", "rec"):  # [layers, slots, ...]: slot 0 is the dummy
-            changed = ((padded[name] - eager[name]).abs() > 1e-4).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
-            diffs += [f"{name} slot {s}" for s in changed if s != 0]
-        else:  # [slots, kv_heads, head_dim]: page 0 is the dummy
-            changed = ((padded[name] - eager[name]).abs() > 1e-4).flatten(1).any(-1).nonzero().flatten().tolist()
-            diffs += [f"{name} slot {s}" for s in changed if s >= page]
-    return diffs
+    return live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
