@@ -183,3 +183,30 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         state = state + delta.unsqueeze(-1) * k_t
         out[:, :, t] = (state * q[:, :, t].unsqueeze(-2)).sum(dim=-1)
     return out.transpose(1, 2).contiguous().to(out_dtype), state
+
+
+def recurrent_gated_delta_rule_states(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, initial_state: torch.Tensor, state_dtype: torch.dtype, *,
+                                      use_qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """`recurrent_gated_delta_rule` that also returns the state after every token, rounded to
+    `state_dtype` after each as a state pool of that dtype holds it between decode steps (the next
+    token starts from the rounded state): the same values as T one-token calls, each from the state
+    the one before left. -> (out [N, T, Hv, Dv], states [N, T, Hv, Dv, Dk] in state_dtype)."""
+    out_dtype = q.dtype
+    q, k, v, g, beta = _heads_first_fp32(q, k, v, g, beta, use_qk_l2norm)
+    q = q / q.shape[-1] ** 0.5
+    n, heads, length, dk = k.shape
+    dv = v.shape[-1]
+    state = initial_state.to(torch.float32)  # [N, H, Dv, Dk]
+    out = torch.empty(n, heads, length, dv, dtype=torch.float32, device=q.device)
+    states = torch.empty(n, length, heads, dv, dk, dtype=state_dtype, device=q.device)
+    for t in range(length):
+        k_t = k[:, :, t].unsqueeze(-2)  # [N, H, 1, Dk]
+        state = state * g[:, :, t].exp()[..., None, None]
+        read = (state * k_t).sum(dim=-1)  # [N, H, Dv]
+        delta = (v[:, :, t] - read) * beta[:, :, t].unsqueeze(-1)  # [N, H, Dv]
+        state = state + delta.unsqueeze(-1) * k_t
+        out[:, :, t] = (state * q[:, :, t].unsqueeze(-2)).sum(dim=-1)
+        states[:, t] = state
+        state = states[:, t].to(torch.float32)
+    return out.transpose(1, 2).contiguous().to(out_dtype), states

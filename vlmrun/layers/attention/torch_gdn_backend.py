@@ -10,10 +10,11 @@ states back:
     the state the previous chunk left;
   - all sequences feeding one token (decodes) run together as one `recurrent_gated_delta_rule`
     step, gathered and scattered by slot;
-  - sequences with draft tokens (speculative decoding's verify pass, `fb.num_drafts_cpu`) run token
-    by token as that many decode steps would (`causal_conv1d_step`, then the recurrent rule on one
-    token, the state rounded to the pool's dtype after each), together when they feed the same
-    number of tokens; the states after every position are kept on the metadata (`VerifyGroup`) and
+  - sequences with draft tokens (speculative decoding's verify pass, `fb.num_drafts_cpu`) get the
+    values that many decode steps would give (the conv over all positions at once, each from the
+    window a decode step would see; the delta rule token by token, `recurrent_gated_delta_rule_states`,
+    the state rounded to the pool's dtype after each), together when they feed the same number of
+    tokens; the states after every position are kept on the metadata (`VerifyGroup`) and
     `keep_accepted_states` writes the ones after the accepted positions into the slots, so the slot
     holds what plain decode of the accepted tokens leaves. (Memory: per GDN layer and such sequence,
     1 + k conv and recurrent states, for the length of the step.) A verify step padded to a bucket
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union, cast
 
 import torch
+import torch.nn.functional as F
 
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch
@@ -39,6 +41,7 @@ from vlmrun.layers.gdn_ops import (
     causal_conv1d_step,
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_states,
     split_gdn_heads,
 )
 
@@ -172,28 +175,28 @@ class TorchGDNBackend(LinearAttentionBackend):
     def _verify(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 group: VerifyGroup, layer: LinearAttention, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:
-        """n sequences of `group.length` tokens, token by token as decode steps: x [n * L, conv_dim],
-        g/beta [n * L, Hv] -> [n * L, Hv, Dv]; keeps the states after every position on `group`."""
+        """n sequences of `group.length` tokens, with the values `group.length` decode steps would give:
+        x [n * L, conv_dim], g/beta [n * L, Hv] -> [n * L, Hv, Dv]; keeps the states after every
+        position on `group`. The conv runs over all positions at once (the window of position t: the
+        inputs before it as the conv state holds them, then its own); the delta rule token by token."""
         n, length = group.slots.shape[0], group.length
         x, g, beta = x.view(n, length, -1), g.view(n, length, -1), beta.view(n, length, -1)
-        conv = conv_state.index_select(0, group.slots)  # [n, conv_dim, K-1]
-        rec = rec_state.index_select(0, group.slots)  # [n, Hv, Dv, Dk]
-        outs, convs, recs = [], [], []
-        for t in range(length):
-            y, conv = causal_conv1d_step(x[:, t], conv_weight, conv)
-            conv = conv.to(conv_state.dtype)
-            q, k, v = split_gdn_heads(y, layer)  # [n, H, D] each
-            o, rec = recurrent_gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, t, None], beta[:, t, None],
-                                                rec)
-            rec = rec.to(rec_state.dtype)
-            outs.append(o[:, 0])
-            convs.append(conv)
-            recs.append(rec)
-        group.conv_states[layer.layer_id] = torch.stack(convs, dim=1)  # [n, L, conv_dim, K-1]
-        group.recurrent_states[layer.layer_id] = torch.stack(recs, dim=1)  # [n, L, Hv, Dv, Dk]
-        conv_state[group.slots] = conv
-        rec_state[group.slots] = rec
-        return torch.stack(outs, dim=1).flatten(0, 1)  # [n * L, Hv, Dv]
+        carried = conv_state.index_select(0, group.slots)  # [n, C, K-1]
+        history = torch.cat([carried, x.transpose(1, 2).to(conv_state.dtype)], dim=2)  # [n, C, K-1 + L]
+        kept = carried.shape[2]
+        before = history[..., :-1].unfold(2, kept, 1)  # [n, C, L, K-1]: the conv state before each position
+        windows = torch.cat([before.to(x.dtype), x.transpose(1, 2).unsqueeze(-1)], dim=-1)  # [n, C, L, K]
+        y = F.silu((windows.to(conv_weight.dtype) * conv_weight[:, None, :]).sum(dim=-1)).to(x.dtype)  # [n, C, L]
+        q, k, v = split_gdn_heads(y.transpose(1, 2).reshape(n * length, -1), layer)  # [n * L, H, D] each
+        o, states = recurrent_gated_delta_rule_states(
+            q.view(n, length, *q.shape[1:]), k.view(n, length, *k.shape[1:]), v.view(n, length, *v.shape[1:]),
+            g, beta, rec_state.index_select(0, group.slots), rec_state.dtype)
+        convs = history[..., 1:].unfold(2, kept, 1).transpose(1, 2)  # [n, L, C, K-1]: after each position
+        group.conv_states[layer.layer_id] = convs
+        group.recurrent_states[layer.layer_id] = states  # [n, L, Hv, Dv, Dk]
+        conv_state[group.slots] = convs[:, -1]
+        rec_state[group.slots] = states[:, -1]
+        return o.flatten(0, 1)  # [n * L, Hv, Dv]
 
     def keep_accepted_states(self, metadata: GDNMetadata, num_accepted: Union[list[int], torch.Tensor]) -> None:
         """Slot of each verified sequence <- its states after position num_accepted[i] (its last known
