@@ -157,6 +157,19 @@ def test_draft_grammar_masks_follow_the_drafts(qwen3_dir):
     assert isinstance(filled, FilledDraftGrammar) and len(filled.after_drafts([0, 0])) == 2
     with pytest.raises(ValueError, match="2 drafts"):
         filled.after_drafts([0])
+    # the walks were rolled back exactly: the request's own state goes on as an untouched one would
+    for token, words in zip(valid[1:4], masks_by_hand(engine, spec, valid[:1], valid[1:4])):
+        assert state.accept(token) and torch.equal(state.filled().words, words)
+
+    # drafts that end the grammar (its EOS accepted): rolled back too
+    red = StructuredOutputsParams(choice=["red", "blue"])
+    ended = engine.grammars.new_state(red)
+    finish = tokenizer.encode("red", add_special_tokens=False) + [engine.model_config.eos_token_ids[0]]
+    masks = DraftGrammar(ended).after_drafts(finish)
+    assert masks[-1] is None and not ended.is_terminated
+    for token in finish:
+        assert ended.accept(token)
+    assert ended.is_terminated
 
     # a reasoning gate: no mask while thinking, the close forced at the budget, then the grammar's masks
     choice = StructuredOutputsParams(choice=["red", "blue"], after_reasoning=True)
@@ -169,7 +182,16 @@ def test_draft_grammar_masks_follow_the_drafts(qwen3_dir):
     assert gate.phase == Phase.THINKING and gate.num_reasoning_tokens == 0  # untouched
     assert masks[0] is None  # still thinking after one token
     for j, mask in enumerate(masks[1:], start=2):  # the forced close, then the grammar's
-        replayed = replay(llm, choice, prompt, drafts[:j], budget=2)
-        words = torch.full((1, bitmask_words(engine.grammars.vocab_size)), -1, dtype=torch.int32)
-        replayed.fill_bitmask(words, 0)
-        assert mask is not None and torch.equal(mask.words, words[0]), j
+        assert mask is not None and torch.equal(mask.words, gate_words(replay(llm, choice, prompt, drafts[:j], budget=2))), j
+    # the gate goes on as an untouched one would (its phase, forced tokens and grammar rolled back)
+    for j, token in enumerate(drafts, start=1):
+        assert gate.accept(token)
+        assert torch.equal(gate_words(gate), gate_words(replay(llm, choice, prompt, drafts[:j], budget=2))), j
+    assert gate.phase == Phase.CONSTRAINED
+
+
+def gate_words(gate: ReasoningGate) -> torch.Tensor:
+    """The gate's next-token bitmask row (all ones while it thinks freely)."""
+    words = torch.full((1, bitmask_words(gate.vocab_size)), -1, dtype=torch.int32)
+    gate.fill_bitmask(words, 0)
+    return words[0]

@@ -2,10 +2,12 @@
 
 Position j of a verify pass (after the request's last token and drafts[:j]) is sampled as plain
 decode would sample it once drafts[:j] had been accepted, so it is masked by the grammar state after
-those drafts. `DraftGrammar.after_drafts` forks the request's grammar (a `GrammarState`, or a
-`ReasoningGate` in front of one), advances the fork over the drafts and takes each position's mask
-on the way; the request's own state is left as it is, and advances (in the engine) only over the
-tokens the step gives. A draft the grammar forbids is masked out at its own position, so the sampler
+those drafts. `DraftGrammar.after_drafts` advances the request's grammar (a `GrammarState`, or a
+`ReasoningGate` in front of one) over the drafts, takes each position's mask on the way, and restores
+it (xgrammar's rollback: cheap, where a fork copies the matcher's whole history); once it returns the
+request's state is as it was, and advances (in the engine) only over the tokens the step gives. The
+engine is single-threaded, so nothing sees the state in between. A draft the grammar forbids is masked
+out at its own position, so the sampler
 cannot pick it there and it is rejected; the positions behind it are never reached (their tokens are
 dropped) and sample unmasked, as do positions after a draft that ended the grammar. Under tensor
 parallelism the driver makes the masks (`DraftGrammar.filled`: the drafts are on the host there) and
@@ -24,18 +26,21 @@ Masks = list[Optional[FilledBitmask]]  # per position after a draft: its mask, N
 
 @dataclass(frozen=True)
 class DraftGrammar:
-    """A speculating request's grammar: the engine's `GrammarState` or `ReasoningGate`, never advanced here."""
+    """A speculating request's grammar: the engine's `GrammarState` or `ReasoningGate`, left as it was found."""
 
     state: Any
 
     def after_drafts(self, drafts: Sequence[int]) -> Masks:
         """The mask of positions 1 .. len(drafts): position j + 1 follows drafts[:j + 1]."""
-        fork = self.state.fork()
-        masks: Masks = []
-        reachable = True
-        for token in drafts:
-            reachable = reachable and fork.accept(token) and not fork.is_terminated
-            masks.append(fork.filled() if reachable and fork.constraining else None)
+        state, masks = self.state, []
+        checkpoint = state.checkpoint()
+        try:
+            reachable = True
+            for token in drafts:
+                reachable = reachable and state.accept(token) and not state.is_terminated
+                masks.append(state.filled() if reachable and state.constraining else None)
+        finally:
+            state.restore(checkpoint)
         return masks
 
     def filled(self, drafts: Sequence[int]) -> "FilledDraftGrammar":

@@ -16,8 +16,9 @@ characters into the JSON (which `json.loads` then refuses); such strings get an 
 `GrammarState` is one request's position in its grammar: `fill_bitmask` writes the allowed next
 tokens into a row of an int32 bitmask `[batch, ceil(vocab / 32)]` (bit j of word w allows token
 `32 w + j`), `accept` advances by a sampled token, `is_terminated` is true once the grammar ended
-with an EOS token, `fork` copies it (the verify pass of speculative decoding advances a copy over the
-drafts). Only the engine thread touches a state.
+with an EOS token, `checkpoint` / `restore` undo the steps taken in between (xgrammar's rollback: the
+verify pass of speculative decoding advances the request's own matcher over the drafts, then back).
+Only the engine thread touches a state.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class GrammarState:
     def __init__(self, matcher: Any, vocab_size: int):
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self._num_steps = 0  # tokens and strings accepted: what `restore` rolls back to a checkpoint
 
     def filled(self) -> "FilledBitmask":
         """The tokens allowed next, as a plain bitmask row (what a tensor-parallel rank samples with:
@@ -62,15 +64,25 @@ class GrammarState:
 
     def accept(self, token_id: int) -> bool:
         """Advance by `token_id`; False (state unchanged) when the grammar does not allow it."""
-        return bool(self._matcher.accept_token(token_id))
-
-    def fork(self) -> "GrammarState":
-        """An independent copy at this state (speculative decoding advances one over the drafts)."""
-        return GrammarState(self._matcher.fork(), self.vocab_size)
+        return self._stepped(self._matcher.accept_token(token_id))
 
     def accept_string(self, text: str) -> bool:
-        """Advance by `text` (not a token: what a reasoning-closing token carried past `</think>`)."""
-        return bool(self._matcher.accept_string(text))
+        """Advance by `text` (not a token: what a reasoning-closing token carried past `</think>`; one step)."""
+        return self._stepped(self._matcher.accept_string(text))
+
+    def checkpoint(self) -> int:
+        """This state, for `restore` (speculative decoding walks the request's own matcher over drafts)."""
+        return self._num_steps
+
+    def restore(self, checkpoint: int) -> None:
+        """Back to the state at `checkpoint`: the steps accepted since are rolled back."""
+        if self._num_steps > checkpoint:
+            self._matcher.rollback(self._num_steps - checkpoint)
+            self._num_steps = checkpoint
+
+    def _stepped(self, accepted: bool) -> bool:
+        self._num_steps += bool(accepted)
+        return bool(accepted)
 
     @property
     def constraining(self) -> bool:

@@ -90,7 +90,8 @@ class ReasoningGate:
     """One request's reasoning phase in front of its grammar (see the module docstring).
 
     Has the `GrammarState` interface the engine and the sampler use: `constraining` (False: the
-    sampler applies no mask this step), `fill_bitmask`, `filled`, `accept`, `is_terminated`, `fork`."""
+    sampler applies no mask this step), `fill_bitmask`, `filled`, `accept`, `is_terminated`, `checkpoint`
+    and `restore`."""
 
     markers: ReasoningMarkers
     grammar: Optional[GrammarState]
@@ -148,10 +149,19 @@ class ReasoningGate:
             return self._accept_opening(token_id)
         return self.grammar is None or self.grammar.accept(token_id)
 
-    def fork(self) -> "ReasoningGate":
-        """An independent copy in this phase, its grammar forked (speculative decoding advances one over drafts)."""
-        return dataclasses.replace(self, grammar=None if self.grammar is None else self.grammar.fork(),
-                                   _forced=list(self._forced))
+    def checkpoint(self) -> "GateCheckpoint":
+        """The phase and the grammar's state now, for `restore` (speculative decoding walks the request's
+        own gate over drafts, then back)."""
+        return GateCheckpoint(dataclasses.replace(self, _forced=list(self._forced)),
+                              None if self.grammar is None else self.grammar.checkpoint())
+
+    def restore(self, checkpoint: "GateCheckpoint") -> None:
+        """Back to `checkpoint` (once): the phase and its counters, and the grammar's steps rolled back."""
+        saved = checkpoint.gate
+        self.phase, self.num_reasoning_tokens, self._forced = saved.phase, saved.num_reasoning_tokens, saved._forced
+        self._after_forcing, self._tail = saved._after_forcing, saved._tail
+        if self.grammar is not None:
+            self.grammar.restore(checkpoint.grammar)
 
     @property
     def is_terminated(self) -> bool:
@@ -217,6 +227,14 @@ class ReasoningGate:
         else:
             self.phase = phase
             self._check_budget()
+
+
+@dataclass(frozen=True)
+class GateCheckpoint:
+    """`ReasoningGate.checkpoint`: a copy of the gate's fields (sharing its grammar) and the grammar's checkpoint."""
+
+    gate: ReasoningGate
+    grammar: Optional[int]
 
 
 def _only(bitmask: torch.Tensor, row: int, token_id: int) -> None:
