@@ -11,9 +11,10 @@ import httpx
 import pytest
 
 from testing.image_folders import write_images
+from tests.test_async_scheduling import engine_options
 from tests.test_server import tiny_engine
-from tests.test_spec_decode import SPEC, run, total
-from vlmrun import SamplingParams
+from tests.test_spec_decode import SPEC, run
+from vlmrun import LLM, SamplingParams
 from vlmrun.cli import main
 from vlmrun.jobs.progress import JobSummary, describe_spec_decode
 from vlmrun.server.launch import serve_in_thread
@@ -39,13 +40,41 @@ def test_stats_count_accepted_drafts_by_position():
 
 
 def test_engine_totals_are_the_sum_of_the_requests(qwen3_dir):
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 17, 24)]
-    outputs, stats = run(qwen3_dir, [REPEATING] * 3, params, SPEC)
-    requests = total(outputs)
-    assert stats.spec_decode == requests.merged(SpecDecodeStats(num_accepted_tokens_per_pos=[0, 0, 0]))
-    per_pos = stats.spec_decode.num_accepted_tokens_per_pos
-    assert len(per_pos) == 3 and sum(per_pos) == requests.num_accepted_tokens > 0
-    assert per_pos == sorted(per_pos, reverse=True)  # a draft is accepted only after the ones before it
+    """The engine's counters are its requests' counters summed (by hand here, not with `merged`), and a
+    request's per-position counts are its verify steps' accepted drafts counted by position (the steps
+    as `Scheduler.settle` saw them)."""
+    llm = LLM(str(qwen3_dir), **engine_options(qwen3_dir, speculative_config=SPEC))
+    steps: dict[str, list[tuple[int, int]]] = {}  # request id -> (drafts fed, drafts accepted) per verify step
+    settle = llm.engine.scheduler.settle
+
+    def recording_settle(chunk, num_accepted):
+        if chunk.draft_token_ids:
+            steps.setdefault(chunk.request.request_id, []).append((len(chunk.draft_token_ids), num_accepted))
+        return settle(chunk, num_accepted)
+
+    llm.engine.scheduler.settle = recording_settle
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 17, 12)]
+    prompts = [REPEATING, REPEATING[:-6], "one two one two three one two three four one two"]
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        engine = llm.engine.stats().spec_decode
+    finally:
+        llm.engine.shutdown()
+    k = SPEC["num_speculative_tokens"]
+    summed = [0] * k
+    for out in outputs:
+        mine = out.metrics.spec_decode
+        verify_steps = steps[f"{out.request_id}-0"]  # (n = 1: choice 0; each request speculated)
+        assert (mine.num_drafts, mine.num_draft_tokens, mine.num_accepted_tokens) == (
+            len(verify_steps), sum(d for d, _ in verify_steps), sum(a for _, a in verify_steps))
+        by_position = [sum(a > j for _, a in verify_steps) for j in range(max(d for d, _ in verify_steps))]
+        assert mine.num_accepted_tokens_per_pos == by_position
+        for j, count in enumerate(mine.num_accepted_tokens_per_pos):
+            summed[j] += count
+    assert engine.num_accepted_tokens_per_pos == summed and sum(summed) == engine.num_accepted_tokens > 0
+    assert len({tuple(out.metrics.spec_decode.num_accepted_tokens_per_pos) for out in outputs}) == 3  # all differ
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert getattr(engine, name) == sum(getattr(out.metrics.spec_decode, name) for out in outputs), name
     _, plain = run(qwen3_dir, [REPEATING], params[:1], None)
     assert plain.spec_decode is None
 
