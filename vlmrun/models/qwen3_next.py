@@ -11,7 +11,7 @@ forward is two matmuls and plain splits. Loads the HF layout (`model.*`, `lm_hea
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -71,16 +71,21 @@ class Qwen3NextForCausalLM(Model):
         """The grouped GDN projections' output features regrouped, in whatever format their linear method
         keeps them (`LinearMethod.regroup_output`: float or FP8 rows, int4 packed along the outputs)."""
         module, _, tensor_name = name.rpartition(".")
-        for suffix, fn in _GROUPED.items():
-            if module.endswith(suffix):
-                method = self.get_submodule(module).method
-                return method.regroup_output(tensor_name, materialize(tensor), lambda rows: fn(rows, self.config))
-        return tensor
+        fn = _ungrouping(module)
+        if fn is None:
+            return tensor
+        method = self.get_submodule(module).method
+        return method.regroup_output(tensor_name, materialize(tensor), lambda rows: fn(rows, self.config))
 
     def lora_output_rows(self, layer: str, rows: torch.Tensor) -> torch.Tensor:
         """A LoRA B of a grouped GDN projection regrouped as its weight is."""
-        fn = next((fn for suffix, fn in _GROUPED.items() if layer.endswith(suffix)), None)
+        fn = _ungrouping(layer)
         return rows if fn is None else fn(rows, self.config)
 
 
 _GROUPED = {"linear_attn.in_proj_qkvz": ungroup_qkvz, "linear_attn.in_proj_ba": ungroup_ba}
+
+
+def _ungrouping(module: str) -> Optional[Callable[[torch.Tensor, Any], torch.Tensor]]:
+    """The row reordering of a grouped GDN projection (`module` ends with its name), else None."""
+    return next((fn for suffix, fn in _GROUPED.items() if module.endswith(suffix)), None)

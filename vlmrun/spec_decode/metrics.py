@@ -12,6 +12,7 @@ the caption job's summary show.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import zip_longest
 
 
 @dataclass
@@ -43,9 +44,8 @@ class SpecDecodeStats:
 
     def merged(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
         """The counters of two choices of one request (or two engines) as one."""
-        mine, theirs = self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
-        width = max(len(mine), len(theirs))
-        per_pos = [(mine[j] if j < len(mine) else 0) + (theirs[j] if j < len(theirs) else 0) for j in range(width)]
+        per_pos = [a + b for a, b in zip_longest(self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos,
+                                                 fillvalue=0)]
         return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
                                self.num_accepted_tokens + other.num_accepted_tokens, per_pos)
 
