@@ -99,13 +99,20 @@ def test_lora_needs_enable_lora(qwen3_dir, good):
     assert "'a'" in out.error and "enable_lora" in out.error
 
 
-def test_lora_request_fields():
+def test_lora_request_as_a_vllm_script_writes_it():
+    """vLLM's LoRARequest: (name, id, path) by position or by vLLM's keywords, read back by the fields or
+    by vLLM's read-only names (`adapter_id`, `name`, `path`); base_model_name does not tell adapters apart."""
+    by_position = LoRARequest("sql", 7, "/adapters/sql")
+    by_keyword = LoRARequest(lora_name="sql", lora_int_id=7, lora_path="/adapters/sql", base_model_name="base")
+    assert by_position == by_keyword and hash(by_position) == hash(by_keyword)
+    for r in (by_position, by_keyword):
+        assert (r.lora_name, r.lora_int_id, r.lora_path) == ("sql", 7, "/adapters/sql")
+        assert (r.name, r.adapter_id, r.path) == (r.lora_name, r.lora_int_id, r.lora_path)
+    assert by_position != LoRARequest("sql", 8, "/adapters/sql")
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("a", 0, "/x")
     with pytest.raises(ValueError, match="lora_path is empty"):
         LoRARequest("a", 1, "")
-    r = LoRARequest("a", 3, "/x")
-    assert (r.name, r.adapter_id, r.path) == ("a", 3, "/x")
 
 
 def test_a_step_never_reads_an_adapter_from_disk(qwen3_dir, good, tmp_path):

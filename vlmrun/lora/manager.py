@@ -5,8 +5,8 @@ tensors on the host (up to `max_cpu_loras`, least recently used dropped first): 
 when a request arrives, so disk reads and checks stay off the step loop, and a bad adapter fails
 that request alone. `activate(requests)` gives each adapter of a step a slot: the one it holds, a
 free one, or the least recently used one no row of this step needs; it writes the adapter's tensors
-there (a host-to-device copy per adapted layer). `bind(slots, lengths)` / `unbind()` set the rows'
-slots on the `LoRAContext` the adapted layers read during the forward.
+there (a host-to-device copy per adapted layer). `bind(slots, lengths)` sets the rows' slots on the
+`LoRAContext` the adapted layers read during the forward.
 """
 
 from __future__ import annotations
@@ -82,12 +82,6 @@ class LoRAManager:
                     mapped.rank, request.lora_path)
         return mapped
 
-    def remove(self, lora_int_id: int) -> bool:
-        """Forget an adapter (its slot is freed); whether it was loaded."""
-        self.slot_of.pop(lora_int_id, None)
-        self.pending.discard(lora_int_id)
-        return self.loaded.pop(lora_int_id, None) is not None
-
     def cache_tag(self, slot: int) -> str:
         """The encoder-cache tag of the adapter in `slot`: its own when it changes the vision tower, else ""."""
         adapter_id = self.vision_of.get(slot)
@@ -138,6 +132,3 @@ class LoRAManager:
     def bind(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """The next forward's rows: spans of `lengths[i]` rows running slot `slots[i]`."""
         self.context.batch = LoRABatch.of_spans(slots, lengths, self.max_loras, self.device, self.dtype, self.kernel)
-
-    def unbind(self) -> None:
-        self.context.batch = None

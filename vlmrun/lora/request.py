@@ -24,6 +24,7 @@ class LoRARequest:
         if not self.lora_path:
             raise ValueError(f"LoRA adapter {self.lora_name!r}: lora_path is empty")
 
+    # vLLM's LoRARequest reads its fields under these names too; a vLLM script may use them (vlmrun does not)
     @property
     def adapter_id(self) -> int:
         return self.lora_int_id
@@ -35,7 +36,6 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
-
 
 
 def cache_salt(request: Optional[LoRARequest]) -> bytes:
