@@ -39,10 +39,11 @@ def test_kernels_equal_the_torch_update_under_the_triton_interpreter():
 def test_triton_kernel_is_refused_off_cuda_and_unknown_kernels_everywhere():
     with pytest.raises(ValueError, match="lora_kernel='triton' runs a Triton kernel on a CUDA device"):
         LoRAManager(nn.Module(), 2, 8, torch.device("cpu"), torch.float32, kernel="triton")
-    with pytest.raises(ValueError, match="lora_kernel must be one of torch, triton"):
-        LoRAManager(nn.Module(), 2, 8, torch.device("cpu"), torch.float32, kernel="cuda")
-    with pytest.raises(ValueError, match="lora_kernel must be torch or triton"):
+    with pytest.raises(ValueError, match="lora_kernel must be one of torch, triton, got 'punica'"):
         EngineConfig(lora_kernel="punica")
+    for bad in (dict(max_loras=0), dict(max_lora_rank=0)):
+        with pytest.raises(ValueError, match="max_loras and max_lora_rank must be >= 1"):
+            EngineConfig(enable_lora=True, **bad)
 
 
 def test_cli_flag_sets_the_engine_option():

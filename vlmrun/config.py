@@ -21,6 +21,7 @@ from vlmrun.quantization.config import QUANTIZATION_METHODS, QuantizationConfig,
 from vlmrun.spec_decode.config import SpeculativeConfig
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
+LORA_KERNELS = ("torch", "triton")  # the update of a batch of mixed LoRA adapters (`EngineConfig.lora_kernel`)
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -165,8 +166,8 @@ class EngineConfig:
         self.speculative_config = SpeculativeConfig.of(self.speculative_config)
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
-        if self.lora_kernel not in ("torch", "triton"):
-            raise ValueError(f"lora_kernel must be torch or triton, got {self.lora_kernel!r}")
+        if self.lora_kernel not in LORA_KERNELS:
+            raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.enable_lora and self.speculative_config is not None:
             raise ValueError("enable_lora cannot be combined with speculative_config yet")
         if self.mm_processor_kwargs is not None:

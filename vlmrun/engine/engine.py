@@ -224,6 +224,9 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if lora_request is not None:  # read and checked now, off the step loop; a ValueError naming a bad one
+            if not self.config.enable_lora:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without "
+                                 f"enable_lora=True")
             self.runner.add_lora(lora_request)
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
         params = params.tokenize_bad_words(self.tokenizer)  # once per request: the sampler bans by token ids

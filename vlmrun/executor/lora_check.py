@@ -23,8 +23,6 @@ from vlmrun.models.registry import build_for_checkpoint
 
 class LoRAChecker:
     def __init__(self, config: EngineConfig, model_config: ModelConfig):
-        if not config.enable_lora:
-            raise ValueError("the engine was started without enable_lora=True")
         self.max_rank = config.max_lora_rank
         self.model_config = model_config
         self.checked: set[LoRARequest] = set()

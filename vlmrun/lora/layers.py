@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 NO_ADAPTER = -1  # a row's slot when it runs the base model alone
-LORA_KERNELS = ("torch", "triton")  # the update of a mixed-adapter batch (`EngineConfig.lora_kernel`)
 
 
 @dataclass

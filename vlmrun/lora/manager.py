@@ -7,6 +7,8 @@ that request alone. `activate(requests)` gives each adapter of a step a slot: th
 free one, or the least recently used one no row of this step needs; it writes the adapter's tensors
 there (a host-to-device copy per adapted layer). `bind(slots, lengths)` sets the rows' slots on the
 `LoRAContext` the adapted layers read during the forward.
+
+The engine's options are checked by `EngineConfig`; the manager checks only what needs the device.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from vlmrun.lora.layers import LORA_KERNELS, NO_ADAPTER, PROJECTIONS, ExpertsLoRA, LoRABatch, LoRAContext, attach_lora
+from vlmrun.lora.layers import NO_ADAPTER, PROJECTIONS, ExpertsLoRA, LoRABatch, LoRAContext, attach_lora
 from vlmrun.lora.mapping import MappedAdapter, map_adapter
 from vlmrun.lora.peft_files import LoRAError, read_adapter
 from vlmrun.lora.request import LoRARequest
@@ -30,10 +32,6 @@ logger = logging.getLogger(__name__)
 class LoRAManager:
     def __init__(self, model: nn.Module, max_loras: int, max_lora_rank: int, device: torch.device,
                  dtype: torch.dtype, max_cpu_loras: Optional[int] = None, kernel: str = "torch"):
-        if max_loras < 1 or max_lora_rank < 1:
-            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {max_loras} and {max_lora_rank}")
-        if kernel not in LORA_KERNELS:
-            raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {kernel!r}")
         if kernel == "triton" and torch.device(device).type != "cuda":
             raise ValueError(f"lora_kernel='triton' runs a Triton kernel on a CUDA device; this engine runs on "
                              f"{device} (use lora_kernel='torch')")
