@@ -20,7 +20,8 @@ speculating engine's tokens must equal the plain one's (checked), and its mean a
 runs it (`run_caption_job`: the folder walk, preprocessing workers, continuous batching, JSONL records
 written) over N generated scenes saved as PNG, with and without the same speculative_config,
 alternating (--rounds each), timed from the first input to the last record (the engine load not
-timed); the captions must be the same.
+timed); the captions must be the same. `--caption-spec` gives the job its own speculative_config
+(e.g. with vLLM's `disable_by_batch_size`).
 
     OMP_NUM_THREADS=1 python -m bench.bench_spec_decode --rounds 5 --caption-scenes 256 --profile
 """
@@ -160,14 +161,16 @@ def measure_caption_job(args: argparse.Namespace) -> None:
         stats = None
         for r in range(args.rounds):
             for mode in _order(r):
+                spec = args.caption_spec or args.spec
                 rate, caps, counters = caption_job(folder, Path(tmp) / f"{mode}.jsonl",
-                                                   args.spec if mode == "on" else None, args.max_tokens)
+                                                   spec if mode == "on" else None, args.max_tokens)
                 rates[mode].append(rate)
                 captions.setdefault(mode, caps)
                 if mode == "on":
                     stats = counters
         assert captions["on"] == captions["off"], "speculation changed a caption"
     off, on = (statistics.median(rates[mode]) for mode in ("off", "on"))
+    print(f"caption job speculative_config: {json.dumps(args.caption_spec or args.spec)}")
     print(f"caption job, {args.caption_scenes} scenes: off {off:.2f} images/s; on {on:.2f} ({on / off:.2f}x); "
           f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}; "
           f"runs off {[round(x, 2) for x in rates['off']]}, on {[round(x, 2) for x in rates['on']]}", flush=True)
@@ -180,6 +183,9 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--spec", type=json.loads, default=DEFAULT_SPEC, help="the speculative_config, as JSON")
     parser.add_argument("--caption-scenes", type=int, default=0, help="scenes for the caption-job part (0: skip it)")
+    parser.add_argument("--caption-spec", type=json.loads, default=None,
+                        help="the caption job's speculative_config, as JSON (default: --spec), e.g. with "
+                             "disable_by_batch_size")
     parser.add_argument("--profile", action="store_true", help="also: where a batch-1 step's time goes (cProfile)")
     args = parser.parse_args()
     print(describe_run("bench.bench_spec_decode"), "|", cpu_model_name(), flush=True)
