@@ -4,8 +4,9 @@
 whether all passed: the op on random slots, ranks (zero-padded below the slot's, as the manager writes
 them), blocks (fused q | k | v parts), odd sizes, row spans of several adapters and of none, a slot's
 rows over several tiles, padding rows past the spans; `LinearLoRA.add` and `ExpertsLoRA.add` (an
-expert's routed tokens, a padded decode) through a `LoRABatch` made for each kernel. Rows without an
-adapter must come back bit for bit.
+expert's routed tokens, `ExpertsLoRA.select`) over a padded decode's rows through a `LoRABatch` made for
+each kernel and padded as the manager pads it (`LoRABatch.padded_to`). Rows without an adapter must come
+back bit for bit.
 
 Run as a script (tests/test_lora_triton.py does, with TRITON_INTERPRET=1 in its environment, so the
 interpreter is on before triton is imported) it runs the cases on the CPU and exits non-zero on a
@@ -65,20 +66,19 @@ def check_op(case: tuple, dtype: torch.dtype, device: str, seed: int) -> float:
     n = sum(lengths) + padding
     x = torch.randn(n, n_in, generator=g).to(device, dtype)
     y = torch.randn(n, n_out, generator=g).to(device, dtype)
-    want = low_rank_update(x, y, a, b, LoRABatch.of_spans(span_slots, lengths, slots, torch.device(device), dtype))
+    torch_batch = LoRABatch.of_spans(span_slots, lengths, slots, torch.device(device), dtype).padded_to(n)
+    want = low_rank_update(x, y, a, b, torch_batch)
     groups = SlotGroups.of_spans(span_slots, lengths, slots, torch.device(device))
     got = add_to_rows(x, y.clone(), a, b, groups)
-    plain = groups.row_slots.new_full((n,), NO_ADAPTER)
-    plain[:groups.row_slots.shape[0]] = groups.row_slots
-    untouched = plain == NO_ADAPTER
+    untouched = groups.padded_to(n).row_slots == NO_ADAPTER  # [n]: base-model and padding rows
     if not torch.equal(got[untouched], y[untouched]):
         return float("inf")
     return gap(got, want)
 
 
 def check_layers(dtype: torch.dtype, device: str, seed: int) -> float:
-    """`LinearLoRA.add` (x [2, n, in]) and `ExpertsLoRA.add` (one expert's routed tokens of a padded
-    decode) with a batch made for the Triton kernel against the same with the torch one."""
+    """`LinearLoRA.add` (x [3, 5, in]) and `ExpertsLoRA.add` (one expert's routed tokens) on the rows of a
+    padded decode, with a batch made for the Triton kernel against the same with the torch one."""
     slots, rank, n_in, n_out, experts = 3, 4, 24, 40, 2
     g = torch.Generator().manual_seed(seed)
     dev = torch.device(device)
@@ -91,18 +91,18 @@ def check_layers(dtype: torch.dtype, device: str, seed: int) -> float:
         ea, eb = random_slots(experts, rank, 1, n_in, n_out, dtype, g)
         moe.write(s, "down_proj", ea.to(dev), eb.permute(1, 0, 2).to(dev))
     linear.write(1, None, None)
-    spans_slots, lengths = [2, NO_ADAPTER, 0, 1, 2], [3, 2, 4, 1, 2]  # 12 rows, as [2, 6]
-    x = torch.randn(2, 6, n_in, generator=g).to(dev, dtype)
-    y = torch.randn(2, 6, n_out, generator=g).to(dev, dtype)
-    num_rows = 15  # a padded decode: rows 12..14 have no adapter
+    spans_slots, lengths = [2, NO_ADAPTER, 0, 1, 2], [3, 2, 4, 1, 2]  # 12 rows bound
+    num_rows = 15  # a padded decode: rows 12..14 have no adapter; the forward's rows as [3, 5]
+    x = torch.randn(3, 5, n_in, generator=g).to(dev, dtype)
+    y = torch.randn(3, 5, n_out, generator=g).to(dev, dtype)
     tokens = torch.tensor([0, 3, 5, 6, 8, 9, 11, 12, 14], device=dev)
     xs = torch.randn(len(tokens), n_in, generator=g).to(dev, dtype)
     ys = torch.randn(len(tokens), n_out, generator=g).to(dev, dtype)
     outs = {}
     for kernel in ("torch", "triton"):
-        context.batch = LoRABatch.of_spans(spans_slots, lengths, slots, dev, dtype, kernel)
+        context.batch = LoRABatch.of_spans(spans_slots, lengths, slots, dev, dtype, kernel).padded_to(num_rows)
         assert (context.batch.groups is not None) == (kernel == "triton")
-        outs[kernel] = (linear.add(x, y.clone()), moe.add("down_proj", 1, xs, ys.clone(), tokens, num_rows))
+        outs[kernel] = (linear.add(x, y.clone()), moe.add("down_proj", 1, xs, ys.clone(), moe.select(tokens)))
     context.batch = None
     return max(gap(got, want) for got, want in zip(outs["triton"], outs["torch"], strict=True))
 

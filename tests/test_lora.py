@@ -14,12 +14,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
 from testing.hf_reference import HFReference, HFResult
 from testing.lora_adapters import (EXPERT_PARAMETERS, TEXT_LINEARS, TEXT_ONLY_REGEX, VISION_REGEX, build_peft_adapter,
                                    peft_reference)
 from tests.test_engine_parity import TOPK, assert_matches, make_image, user
 from vlmrun import LLM, LoRARequest, SamplingParams
+from vlmrun.lora.layers import NO_ADAPTER, LoRABatch
+from vlmrun.lora.manager import LoRAManager
 
 ARCHS = ["qwen3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 MOE = {"qwen3_vl_moe", "qwen3_5_moe", "qwen3_next"}
@@ -101,19 +105,30 @@ def test_adapters_alone_and_mixed_equal_peft(setup):
         assert_matches(out, setup.expected[(name, case)], f"{name}/{case} in a mixed batch")
 
 
-def test_all_slots_in_one_step(request):
+def test_all_slots_in_one_step(request, monkeypatch):
     """Four slots: base and three adapters decode together in the same steps (one forward, the masked
-    all-slot update), decode padded to batch-size buckets as on CUDA (the padding rows get no adapter)."""
+    all-slot update), decode padded to batch-size buckets as on CUDA: seven sequences run as eight rows,
+    the padding row gets no adapter (the bound rows are padded as the model starts)."""
     setup = lora_setup(request, "qwen3_vl_moe")
     llm = LLM(str(setup.model_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=8,
               enforce_eager=False)
-    jobs = [(name, case) for name in ["base", *setup.adapters] for case in setup.cases]
+    padded: list[int] = []  # the row counts the bound batches were padded to
+    pad = LoRABatch.padded_to
+
+    def counted(batch: LoRABatch, num_rows: int) -> LoRABatch:
+        out = pad(batch, num_rows)
+        if out is not batch:
+            padded.append(num_rows)
+        return out
+
+    monkeypatch.setattr(LoRABatch, "padded_to", counted)
+    jobs = [(name, case) for name in ["base", *setup.adapters] for case in setup.cases][:7]
     outs = llm.chat([setup.cases[case] for _, case in jobs], params(), use_tqdm=False,
                     lora_request=[None if name == "base" else setup.request(name) for name, _ in jobs])
     for (name, case), out in zip(jobs, outs):
         assert_matches(out, setup.expected[(name, case)], f"{name}/{case}")
     assert len(llm.engine.runner.lora.slot_of) == len(setup.adapters)
-    assert llm.engine.runner.padded_decode is not None
+    assert llm.engine.runner.padded_decode is not None and 8 in padded, padded
 
 
 def test_prefix_cache_keys_include_the_adapter(request):
@@ -141,3 +156,24 @@ def test_vision_adapter_keys_the_encoder_cache(request):
                        setup.expected[(name, "image")], name)
     cache = llm.engine.runner.vision.cache
     assert cache.misses == 2, "one encoding with the vision adapter, one base encoding shared by the text-only adapter"
+
+
+def test_the_bound_rows_are_padded_once_as_the_model_starts():
+    """A padded decode picks its bucket after `bind` (inside the runner's forward): as the model's forward
+    starts, the manager pads the bound rows once to the forward's rows (the extra rows run no adapter), and
+    every layer of that forward reads the padded batch."""
+
+    class Probe(nn.Module):
+        def forward(self, input_ids: torch.Tensor, positions: object, fb: object) -> object:
+            return manager.context.batch
+
+    probe = Probe()
+    manager = LoRAManager(probe, 3, 4, torch.device("cpu"), torch.float32)
+    manager.bind([1, NO_ADAPTER, 0], [2, 1, 2])  # 5 rows
+    seen = probe(torch.zeros(8, dtype=torch.int64), None, None)
+    want = torch.zeros(8, 3)
+    want[0:2, 1] = want[3:5, 0] = 1
+    assert torch.equal(seen.onehot, want)
+    assert probe(torch.zeros(8, dtype=torch.int64), None, None) is seen  # already covers 8 rows: kept
+    manager.bind([2], [1])  # one adapter: no rows to pad
+    assert probe(torch.zeros(8, dtype=torch.int64), None, None).single == 2

@@ -224,16 +224,17 @@ class FusedExperts(nn.Module):
             rows = order[start:start + n]  # [n] assignment indices
             start += n
             tokens = rows // k
+            adapters = None if self.lora is None else self.lora.select(tokens)  # LoRA: the tokens' slots, once
             gate_up = self.expert_weight("gate_up_proj", local, x.dtype)  # [2I, H]
             xs = x[tokens]  # [n, H]
             h = F.linear(xs, gate_up)  # [n, 2I]
-            if self.lora is not None:
-                h = self.lora.add("gate_up_proj", local, xs, h, tokens, x.shape[0])
+            if adapters is not None:
+                h = self.lora.add("gate_up_proj", local, xs, h, adapters)
             gate, up = h.chunk(2, dim=-1)  # [n, I] each
             inner = self.act_fn(gate) * up
             y = F.linear(inner, self.expert_weight("down_proj", local, x.dtype))  # [n, H]
-            if self.lora is not None:
-                y = self.lora.add("down_proj", local, inner, y, tokens, x.shape[0])
+            if adapters is not None:
+                y = self.lora.add("down_proj", local, inner, y, adapters)
             # (index_put_ accumulating: the same sums, each token once per expert; index_add_ took ~60 ms a call
             # on the 2-core CPU whatever its size, torch 2.14, under load)
             out.index_put_((tokens,), y * flat_weights[rows, None], accumulate=True)

@@ -18,7 +18,9 @@ instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot
 
 `LoRABatch` holds the rows' slots of one forward; `LoRAContext` holds the batch of the forward that
 runs now. The model runner (text tokens) and the vision stage (patches) set it before each model
-call; it belongs to one model (`LoRAManager`), never to a module-global.
+call, and the manager pads it once to the forward's rows as the model starts (a padded decode's extra
+rows); it belongs to one model (`LoRAManager`), never to a module-global. An experts block takes, once
+per expert, the batch of its routed tokens (`LoRABatch.select`) for both projections.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from vlmrun.host_to_device import upload
+
 NO_ADAPTER = -1  # a row's slot when it runs the base model alone
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoRABatch:
-    """The adapter slot of each row of one forward.
+    """The adapter slot of each row of one forward (or of an expert's routed tokens: `select`).
 
     `single`: the slot when every row has the same adapter (the update is two plain matmuls); otherwise
     `onehot` [num_rows, slots] (1 at each row's slot, a row of zeros for the base model) keeps, of the
@@ -45,31 +49,40 @@ class LoRABatch:
     onehot: Optional[torch.Tensor] = None  # [num_rows, slots] in the model's dtype (None when `single`)
     groups: Optional[Any] = None  # `triton_ops.SlotGroups` (lora_kernel="triton", several slots), else None
 
-    def onehot_rows(self, n: int) -> torch.Tensor:
-        """`onehot` for a forward of n >= num_rows rows: a padded decode's extra rows (after the real ones)
-        get no adapter. Kept padded, so the experts of the same forward index their tokens in it."""
-        if self.onehot.shape[0] < n:
-            self.onehot = torch.nn.functional.pad(self.onehot, (0, 0, 0, n - self.onehot.shape[0]))
-        return self.onehot
-
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device,
                  dtype: torch.dtype, kernel: str = "torch") -> Optional["LoRABatch"]:
         """Spans of `lengths[i]` consecutive rows running slot `slots[i]`; None when no span has an adapter.
-        `kernel`: "torch" (the masked update) or "triton" (the rows grouped by slot for `triton_ops`)."""
+        `kernel`: "torch" (the masked update) or "triton" (the rows grouped by slot for `triton_ops`).
+        Built on the host, one upload (`vlmrun.host_to_device.upload`)."""
         if all(s == NO_ADAPTER for s in slots):
             return None
-        row_slots = torch.repeat_interleave(torch.tensor(list(slots), dtype=torch.int64),
-                                            torch.tensor(list(lengths), dtype=torch.int64))  # [num_rows]
         if len(set(slots)) == 1:
             return cls(single=slots[0])
         if kernel == "triton":
             from vlmrun.lora.triton_ops import SlotGroups
 
             return cls(groups=SlotGroups.of_spans(slots, lengths, num_slots, device))
-        onehot = torch.zeros(len(row_slots), num_slots + 1, dtype=dtype)  # column num_slots: the base model's
-        onehot[torch.arange(len(row_slots)), row_slots.where(row_slots >= 0, num_slots)] = 1
-        return cls(onehot=onehot[:, :num_slots].to(device))
+        row_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
+                                            torch.tensor(lengths, dtype=torch.int64))  # [num_rows]
+        onehot = (row_slots[:, None] == torch.arange(num_slots)).to(dtype)  # [num_rows, slots]; a base row: zeros
+        return cls(onehot=upload(onehot, device))
+
+    def padded_to(self, num_rows: int) -> "LoRABatch":
+        """This batch for a forward of `num_rows` >= its rows: the rows past them (a padded decode's, after the
+        real ones) run no adapter. The manager pads once per forward, before the model runs."""
+        if self.groups is not None:
+            return LoRABatch(groups=self.groups.padded_to(num_rows))
+        if self.onehot is None or self.onehot.shape[0] >= num_rows:
+            return self
+        return LoRABatch(onehot=torch.nn.functional.pad(self.onehot, (0, 0, 0, num_rows - self.onehot.shape[0])))
+
+    def select(self, tokens: torch.Tensor) -> "LoRABatch":
+        """The batch of rows `tokens` [n] of this forward (an expert's routed tokens): made once per expert,
+        read by both of its projections."""
+        if self.groups is not None:
+            return LoRABatch(groups=self.groups.select(tokens))
+        return self if self.onehot is None else LoRABatch(onehot=self.onehot[tokens])
 
 
 class LoRAContext:
@@ -79,16 +92,24 @@ class LoRAContext:
         self.batch: Optional[LoRABatch] = None
 
 
-def low_rank_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch,
-                    rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y [n, out] + each row's slot's (x @ A.T) @ B.T, with a [slots, k, in] and b [out, slots, k] (a slot's
-    k = its blocks * rank); `rows` [n]: the forward's rows x holds (all of them, in order, when None)."""
+def low_rank_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    batch: LoRABatch) -> torch.Tensor:
+    """y [n, out] + each row's slot's (x @ A.T) @ B.T in torch ops, with a [slots, k, in] and b [out, slots, k]
+    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single` or `onehot`)."""
     if batch.single is not None:
         return torch.addmm(y, x @ a[batch.single].T, b[:, batch.single].T)
     slots, k, n_in = a.shape
-    onehot = batch.onehot_rows(x.shape[0]) if rows is None else batch.onehot[rows]  # [n, slots]
-    xa = (x @ a.view(slots * k, n_in).T).view(-1, slots, k) * onehot[:, :, None]  # [n, slots, k]: own slot's only
+    xa = (x @ a.view(slots * k, n_in).T).view(-1, slots, k) * batch.onehot[:, :, None]  # [n, slots, k]: own slot's only
     return torch.addmm(y, xa.view(-1, slots * k), b.view(-1, slots * k).T)
+
+
+def add_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
+    """`low_rank_update`, or with grouped rows (`batch.groups`) the Triton kernels' (y written in place)."""
+    if batch.groups is not None:
+        from vlmrun.lora.triton_ops import add_to_rows
+
+        return add_to_rows(x, y, a, b, batch.groups)
+    return low_rank_update(x, y, a, b, batch)
 
 
 class LinearLoRA:
@@ -126,11 +147,7 @@ class LinearLoRA:
         if batch is None or self.a is None or (batch.single is not None and not self.filled[batch.single]):
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])  # [n, in], [n, out]
-        if batch.groups is not None:
-            from vlmrun.lora.triton_ops import add_to_rows
-
-            return add_to_rows(x2, y2, self.a, self.b, batch.groups).view(y.shape)
-        return low_rank_update(x2, y2, self.a, self.b, batch).view(y.shape)
+        return add_update(x2, y2, self.a, self.b, batch).view(y.shape)
 
 
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -166,22 +183,19 @@ class ExpertsLoRA:
             self.b[projection][:, :, slot].copy_(b)
         self.filled[projection][slot] = a is not None
 
-    def add(self, projection: str, local: int, x: torch.Tensor, y: torch.Tensor, tokens: torch.Tensor,
-            num_rows: int) -> torch.Tensor:
-        """y [n, out] + each routed token's adapter update for expert `local` (x [n, in]; tokens [n]: the
-        rows, of the forward's `num_rows`, the n assignments belong to)."""
+    def select(self, tokens: torch.Tensor) -> Optional[LoRABatch]:
+        """The adapters of an expert's routed tokens (`tokens` [n]: their rows of the forward), made once per
+        expert for both projections; None when no row has an adapter or no adapter adapts these experts."""
         batch = self.context.batch
-        if batch is None or projection not in self.a \
-                or (batch.single is not None and not self.filled[projection][batch.single]):
-            return y
-        if batch.groups is not None:
-            from vlmrun.lora.triton_ops import add_to_token_rows
+        return None if batch is None or not self.a else batch.select(tokens)
 
-            return add_to_token_rows(x, y, self.a[projection][local], self.b[projection][local], batch.groups,
-                                     tokens, num_rows)
-        if batch.single is None:
-            batch.onehot_rows(num_rows)  # a padded decode's rows: covered before indexing by token
-        return low_rank_update(x, y, self.a[projection][local], self.b[projection][local], batch, tokens)
+    def add(self, projection: str, local: int, x: torch.Tensor, y: torch.Tensor,
+            batch: LoRABatch) -> torch.Tensor:
+        """y [n, out] + each routed token's adapter update for expert `local` (x [n, in]; `batch`: the n
+        tokens' adapters, `select`)."""
+        if projection not in self.a or (batch.single is not None and not self.filled[projection][batch.single]):
+            return y
+        return add_update(x, y, self.a[projection][local], self.b[projection][local], batch)
 
 
 def attach_lora(model: nn.Module, context: LoRAContext, num_slots: int, max_rank: int,

@@ -6,7 +6,9 @@ when a request arrives, so disk reads and checks stay off the step loop, and a b
 that request alone. `activate(requests)` gives each adapter of a step a slot: the one it holds, a
 free one, or the least recently used one no row of this step needs; it writes the adapter's tensors
 there (a host-to-device copy per adapted layer). `bind(slots, lengths)` sets the rows' slots on the
-`LoRAContext` the adapted layers read during the forward.
+`LoRAContext` the adapted layers read during the forward; as the model's forward starts, the bound
+batch is padded once to its rows (a padded decode picks its bucket after `bind`, inside the runner's
+forward; the rows past the bound ones run no adapter).
 
 The engine's options are checked by `EngineConfig`; the manager checks only what needs the device.
 """
@@ -51,6 +53,7 @@ class LoRAManager:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> slot, LRU order
         self.vision_of: dict[int, int] = {}  # slot -> id of its adapter when that adapts the vision tower
         self._lock = threading.Lock()
+        model.register_forward_pre_hook(self._pad_to_forward)
 
     # ------------------------------------------------------------------ loading
 
@@ -130,3 +133,9 @@ class LoRAManager:
     def bind(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """The next forward's rows: spans of `lengths[i]` rows running slot `slots[i]`."""
         self.context.batch = LoRABatch.of_spans(slots, lengths, self.max_loras, self.device, self.dtype, self.kernel)
+
+    def _pad_to_forward(self, model: nn.Module, args: tuple) -> None:
+        """The model's forward pre-hook: the bound batch covers the forward's rows (`args[0]`: its input ids
+        [num_rows]), padded once here rather than by each layer."""
+        if self.context.batch is not None:
+            self.context.batch = self.context.batch.padded_to(args[0].shape[0])

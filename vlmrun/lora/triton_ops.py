@@ -13,7 +13,7 @@ Rows with no adapter belong to no group and are never read or written, so paddin
 rows cost nothing, and the work grows with the rows that have an adapter, not with the number of
 slots (unlike the masked torch update). Every k column of a slot is multiplied: a fused layer's
 off-block zeros of b are multiplied too, as in the torch update. The MoE experts' update uses the same
-kernels, grouping an expert's routed tokens by their rows' slots on the device (`add_to_token_rows`).
+kernels, grouping an expert's routed tokens by their rows' slots on the device (`SlotGroups.select`).
 
 Checked against the torch update on the CPU through Triton's interpreter (tests/lora_triton_check.py);
 not yet run on a GPU.
@@ -21,56 +21,68 @@ not yet run on a GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from vlmrun.host_to_device import upload
+
 BLOCK_M = 16  # rows of one tile (tl.dot's smallest size)
 BLOCK_IN = 64  # input features per step of the shrink
 BLOCK_OUT = 64  # output features per expand program
 
 
-@dataclass
+@dataclass(frozen=True)
 class SlotGroups:
     """A forward's rows grouped by adapter slot: slot s's rows are rows[starts[s] : starts[s] + counts[s]]."""
 
-    rows: torch.Tensor  # [rows with an adapter] int32, row indices, grouped by slot
+    rows: torch.Tensor  # [num_rows] int32, row indices grouped by slot (the rows of no slot first)
     starts: torch.Tensor  # [slots] int32
     counts: torch.Tensor  # [slots] int32
     max_count: int  # an upper bound of counts (sizes the grid without a device-to-host copy)
-    row_slots: torch.Tensor  # [num_rows] int64, each row's slot (-1: none); the experts group their tokens by it
+    row_slots: torch.Tensor  # [num_rows] int32, each row's slot (-1: none); an expert groups its tokens by it
 
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int,
                  device: torch.device) -> "SlotGroups":
-        """Spans of `lengths[i]` consecutive rows running slot `slots[i]` (-1: none), grouped on the host."""
-        members: list[list[int]] = [[] for _ in range(num_slots)]
-        row_slots: list[int] = []
-        start = 0
-        for slot, n in zip(slots, lengths, strict=True):
-            if slot >= 0:
-                members[slot].extend(range(start, start + n))
-            row_slots.extend([slot] * n)
-            start += n
-        counts = [len(m) for m in members]
-        starts = [sum(counts[:s]) for s in range(num_slots)]
-        host = torch.tensor([r for m in members for r in m] + starts + counts, dtype=torch.int32)
-        flat = host.to(device)
-        n_rows = sum(counts)
-        return cls(rows=flat[:n_rows], starts=flat[n_rows:n_rows + num_slots], counts=flat[n_rows + num_slots:],
-                   max_count=max(counts), row_slots=torch.tensor(row_slots, dtype=torch.int64).to(device))
+        """Spans of `lengths[i]` consecutive rows running slot `slots[i]` (-1: none), grouped on the host
+        and uploaded as one tensor (`vlmrun.host_to_device.upload`)."""
+        row_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int32),
+                                            torch.tensor(lengths, dtype=torch.int64))  # [num_rows]
+        rows, starts, counts = _group(row_slots, num_slots)
+        flat = upload(torch.cat([rows, starts, counts, row_slots]), device)
+        n, s = rows.shape[0], num_slots
+        return cls(rows=flat[:n], starts=flat[n:n + s], counts=flat[n + s:n + 2 * s], max_count=int(counts.max()),
+                   row_slots=flat[n + 2 * s:])
 
     @classmethod
     def of_row_slots(cls, row_slots: torch.Tensor, num_slots: int) -> "SlotGroups":
-        """Rows grouped by `row_slots` [n] (-1: none) on the device: no host sync (the grid covers n rows a slot)."""
-        order = row_slots.argsort(stable=True)  # the -1 rows first, then slot by slot
-        counts = torch.bincount(row_slots + 1, minlength=num_slots + 1)  # [slots + 1], the -1 rows at 0
-        ends = counts.cumsum(0)
-        return cls(rows=order.to(torch.int32), starts=(ends - counts)[1:].to(torch.int32),
-                   counts=counts[1:].to(torch.int32), max_count=row_slots.shape[0], row_slots=row_slots)
+        """Rows grouped by `row_slots` [n] (-1: none) on their device: no host sync (the grid covers n rows a slot)."""
+        rows, starts, counts = _group(row_slots, num_slots)
+        return cls(rows=rows, starts=starts, counts=counts, max_count=row_slots.shape[0], row_slots=row_slots)
+
+    def padded_to(self, num_rows: int) -> "SlotGroups":
+        """These groups for a forward of `num_rows` >= its rows: the rows past them (a padded decode's) in no group."""
+        pad = num_rows - self.row_slots.shape[0]
+        if pad <= 0:
+            return self
+        return replace(self, row_slots=torch.nn.functional.pad(self.row_slots, (0, pad), value=-1))
+
+    def select(self, tokens: torch.Tensor) -> "SlotGroups":
+        """The groups of rows `tokens` [n] of this forward (an expert's routed tokens), grouped on the device."""
+        return SlotGroups.of_row_slots(self.row_slots[tokens], self.starts.shape[0])
+
+
+def _group(row_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows [rows with an adapter] grouped by slot (ascending within one), starts [slots], counts [slots];
+    int32, on `row_slots`' device."""
+    order = row_slots.argsort(stable=True)  # the -1 rows first, then slot by slot
+    counts = torch.bincount(row_slots + 1, minlength=num_slots + 1)  # [slots + 1], the -1 rows at 0
+    ends = counts.cumsum(0)
+    return (order.to(torch.int32), (ends - counts)[1:].to(torch.int32), counts[1:].to(torch.int32))
 
 
 @triton.jit
@@ -151,13 +163,3 @@ def add_to_rows(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tens
         xa.stride(0), b.stride(0), b.stride(1), b.stride(2), y.stride(0), y.stride(1),
         BLOCK_M=BLOCK_M, BLOCK_OUT=BLOCK_OUT, BLOCK_K=block_k, PRECISION=precision)
     return y
-
-
-def add_to_token_rows(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, groups: SlotGroups,
-                      tokens: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """`add_to_rows` for an expert's routed tokens: x [n, in], y [n, out] hold rows `tokens` [n] of the
-    forward's `num_rows` (a padded decode's rows past the grouped ones have no adapter)."""
-    row_slots = groups.row_slots
-    if row_slots.shape[0] < num_rows:
-        row_slots = torch.nn.functional.pad(row_slots, (0, num_rows - row_slots.shape[0]), value=-1)
-    return add_to_rows(x, y, a, b, SlotGroups.of_row_slots(row_slots[tokens], a.shape[0]))
