@@ -100,7 +100,12 @@ class TensorParallelExecutor:
         return self.driver.make_generator(seed)
 
     def add_lora(self, request: LoRARequest) -> None:
-        """Check a LoRA adapter here (a bad one fails its request); the ranks read it before their next step."""
+        """Check a LoRA adapter here (a bad one fails its request); the ranks read it before their next step.
+
+        The checker skips an adapter it has seen, but every request is sent (the request's name, id and
+        folder, not the tensors): a rank's `LoRAManager.add` marks the adapter as awaited by a step and
+        refreshes its host copy's LRU place (reading it again if that copy was dropped), as one device's
+        `add` does for each request, so a rank's step never reads an adapter from disk."""
         if self._lora is None:
             self._lora = LoRAChecker(self.config, self.model_config)
         self._lora.check(request)
