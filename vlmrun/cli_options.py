@@ -10,6 +10,7 @@ import argparse
 import json
 from typing import Any
 
+from vlmrun.config import LORA_KERNELS
 from vlmrun.quantization.config import QUANTIZATION_METHODS
 
 
@@ -37,7 +38,7 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
     p.add_argument("--fp8-kernel", default="dequantize", choices=["dequantize", "cuda"],
                    help="FP8 layers' GEMM: dequantize (the weight to the activation dtype, then a float GEMM: "
                         "any device) or cuda (FP8 GEMM with 1x128 activation quantization; opt-in, unverified)")
-    p.add_argument("--lora-kernel", default="torch", choices=["torch", "triton"],
+    p.add_argument("--lora-kernel", default="torch", choices=LORA_KERNELS,
                    help="LoRA: the update of a batch of mixed adapters: torch (masked matmuls, any device) or "
                         "triton (rows grouped by adapter, Triton kernels on CUDA; opt-in, unverified on a GPU)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],

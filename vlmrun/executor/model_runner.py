@@ -108,9 +108,8 @@ class ModelRunner:
         """Nothing to end: the model runs in this process."""
 
     def add_lora(self, request: LoRARequest) -> None:
-        """Read and check a LoRA adapter now (kept on the host until a step puts it in a slot)."""
-        if self.lora is None:
-            raise ValueError(f"LoRA adapter {request.lora_name!r}: the engine was started without enable_lora=True")
+        """Read and check a LoRA adapter now (kept on the host until a step puts it in a slot; the engine
+        has refused it already when it was started without enable_lora)."""
         self.lora.add(request)
 
     def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
