@@ -1,0 +1,62 @@
+"""`ScheduledChunk`: one request's part of a step, as the scheduler picked it, and what the model runner
+gets of it (`to_input`: a `ChunkInput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from vlmrun.engine.request import Request
+from vlmrun.executor.step_input import ChunkInput, PromptLogprobTargets
+from vlmrun.layers.sampling_batch import SamplingRow
+from vlmrun.spec_decode.grammar import DraftGrammar
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # tokens already in the cache
+    num_tokens: int  # tokens fed this step (draft tokens included)
+    admitted: bool = False  # the request joined the running set this step (its page table row is new)
+    kv_slots: Optional[torch.Tensor] = None  # [num_tokens] int64 KV slots of the fed tokens, set by the scheduler
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: fed after the last known token
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def known_end(self) -> int:
+        """The end of the fed tokens the request has (the drafts come after it)."""
+        return self.end - len(self.draft_token_ids)
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last known token, so its logits give the next token."""
+        return self.known_end == self.request.num_tokens
+
+    def to_input(self) -> ChunkInput:
+        """What the model runner needs of this chunk."""
+        req = self.request
+        overlaps_prompt = req.prompt.mm_items and self.start < req.num_prompt_tokens
+        sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.sampling_outputs(), req.generator,
+                                req.eos_token_ids, req.sampling_grammar) if self.samples else None)
+        token_ids = req.token_ids_slice(self.start, self.known_end) + self.draft_token_ids
+        draft_grammar = DraftGrammar(req.grammar) if self.draft_token_ids and req.grammar is not None else None
+        return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=token_ids,
+                          positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
+                          mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
+                          prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids),
+                          draft_grammar=draft_grammar,
+                          next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0],
+                          lora=req.lora)
+
+    def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
+        """For a request with prompt logprobs: the prompt token after each fed token that has one."""
+        req, k = self.request, self.request.sampling_params.prompt_logprobs
+        last = min(self.end, req.num_prompt_tokens - 1)  # fed positions start .. last - 1 are followed by a prompt token
+        if k is None or self.start >= last:
+            return None
+        return PromptLogprobTargets(k, req.prompt_token_ids[self.start + 1:last + 1])
