@@ -58,6 +58,7 @@ class Request:
     first_token_time: Optional[float] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # per prompt position, when asked
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
+    speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
 
     @property

@@ -51,7 +51,13 @@ class ScheduledChunk:
                           prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids),
                           draft_grammar=draft_grammar,
                           next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0],
-                          lora=req.lora)
+                          lora=req.lora, feeds_drafter=self.feeds_drafter)
+
+    @property
+    def feeds_drafter(self) -> bool:
+        """MTP catches up over the chunk: its request speculates, or the chunk feeds prompt pages the prefix
+        cache may give a request that does (their MTP KV must be there)."""
+        return self.request.speculates or bool(self.request.page_keys and self.start < self.request.num_prompt_tokens)
 
     def prompt_logprob_targets(self) -> Optional[PromptLogprobTargets]:
         """For a request with prompt logprobs: the prompt token after each fed token that has one."""

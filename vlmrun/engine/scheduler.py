@@ -23,7 +23,8 @@ known token (`ScheduledChunk.draft_token_ids`, from the proposer, within the ste
 request's length limits); pages for them are taken only when free (drafts never preempt). After the
 step, `settle` counts as computed only the accepted positions: the KV the rejected drafts wrote stays
 in the request's pages, past its length, until later tokens overwrite it, and is never indexed (prompt
-pages only). Async scheduling: a request waits for its launched verify step (`must_wait`).
+pages only). Async scheduling: a request waits for its launched verify step (`must_wait`). A request
+added while more than `disable_by_batch_size` requests are enqueued never speculates (`add`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Scheduler:
         self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
         self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
         self.proposer = proposer  # speculative decoding's drafts; None: every decode feeds one token
+        # a request added while more than this many are enqueued never speculates (None: no limit)
+        self.disable_by_batch_size = None if proposer is None else proposer.disable_by_batch_size
         self.max_loras = max_loras  # LoRA: distinct adapters the running requests may use (None: LoRA off)
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None
@@ -71,8 +74,12 @@ class Scheduler:
         return self.allocator.num_usable_pages() * self.page_size
 
     def add(self, req: Request) -> None:
+        """Queue a new request; with speculative decoding, it speculates unless more than
+        `disable_by_batch_size` requests are enqueued (running + waiting) already."""
         if self.proposer is not None:
             req.spec_decode = SpecDecodeStats()
+            limit = self.disable_by_batch_size
+            req.speculates = limit is None or len(self.running) + len(self.waiting) <= limit
         self.waiting.append(req)
 
     def has_work(self) -> bool:
@@ -167,7 +174,8 @@ class Scheduler:
         if not req.num_pending_tokens:  # a prompt chunk is running: the next one follows it
             return False
         params, proposer = req.sampling_params, self.proposer
-        return bool(req.grammar is not None or params.reads_output_tokens or (proposer and not proposer.drafts_on_device)
+        return bool(req.grammar is not None or params.reads_output_tokens
+                or (proposer and req.speculates and not proposer.drafts_on_device)
                 or (params.max_tokens is not None and req.num_output_tokens >= params.max_tokens)
                 or req.num_tokens >= self.max_model_len)
 
@@ -178,7 +186,7 @@ class Scheduler:
         (penalties, bad words). A structured-output request gets them too (its verify positions are masked
         by its grammar after the drafts before them, `vlmrun/spec_decode/grammar.py`), unless the proposer
         cannot bring its drafts to the matcher (MTP under tensor parallelism)."""
-        if (self.proposer is None or n != 1 or not req.num_output_tokens
+        if (self.proposer is None or not req.speculates or n != 1 or not req.num_output_tokens
                 or req.num_computed_tokens != req.num_tokens - 1
                 or (self.proposer.drafts_on_device and req.sampling_params.reads_output_tokens)
                 or (req.grammar is not None and not self.proposer.drafts_grammar_rows)):

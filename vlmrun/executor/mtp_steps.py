@@ -3,7 +3,8 @@ drafter's inputs out.
 
 `MTPStep` follows one step: `draft` (before the model: the speculating chunks' drafts, written into
 the step's input ids where their placeholders are), `catch_up` (after sampling: the MTP layer over
-every fed position, on the token that follows each), `remember` (after acceptance, on the device:
+every fed position, on the token that follows each; a chunk whose request never drafts is left out,
+`ChunkInput.feeds_drafter`), `remember` (after acceptance, on the device:
 each sampling chunk's MTP output at its last kept position) and `drafts_on_host` (the drafts as lists:
 their copy to the host starts, without blocking, as soon as they are made, and the list is kept, so
 the grammar masks at launch and `collect` read them with one wait between them).
@@ -18,7 +19,7 @@ import torch
 
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.forward_batch import ForwardBatch
+from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -33,7 +34,8 @@ class MTPStep:
     device: torch.device
     tp: TensorParallel = SINGLE  # under tensor parallel, every rank feeds rank 0's drafts
     drafted: Optional[torch.Tensor] = None  # [speculating chunks, max drafts] int64 on the device
-    outputs: Optional[torch.Tensor] = None  # [num_tokens, hidden]: the MTP layer's output at every fed position
+    # [fed tokens of the chunks that feed the drafter, hidden]: the MTP layer's output at each
+    outputs: Optional[torch.Tensor] = None
     # `drafted` on its way to the host (on CUDA: a pinned copy and the event after it), then as lists
     _drafts_in_transit: Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]] = field(default=None, repr=False)
     _host_drafts: Optional[list[list[int]]] = field(default=None, repr=False)
@@ -76,7 +78,16 @@ class MTPStep:
                 torch.tensor([t for _, t in known], dtype=torch.int64), self.device)
         if sampled is not None:
             next_ids[fb.logits_indices] = sampled
-        self.outputs = self.drafter.catch_up(hidden, next_ids, fb, self.backend, ends)
+        fed = self._feeding()
+        if not fed:
+            self.outputs = None
+            return
+        if len(fed) < len(self.chunks):  # only the chunks whose requests draft (and prompts they may share)
+            starts = self._starts()
+            rows = [r for i in fed for r in range(starts[i], starts[i + 1])]
+            at = upload(torch.tensor(rows, dtype=torch.int64), self.device)  # [fed tokens]
+            hidden, next_ids, fb = hidden[at], next_ids[at], _select_chunks(fb, fed, at)
+        self.outputs = self.drafter.catch_up(hidden, next_ids, fb, self.backend, self._starts(fed)[1:])
 
     def drafts_on_host(self) -> list[list[int]]:
         """Per chunk its drafts (empty for a chunk without): the first call waits for their copy to the
@@ -96,18 +107,47 @@ class MTPStep:
     def remember(self, num_accepted: Union[list[int], torch.Tensor]) -> None:
         """Each sampling chunk's row keeps the MTP output at its last kept position: its last known token
         and `num_accepted[i]` accepted drafts in (per chunk; a device tensor is read without a sync)."""
-        starts = self._starts()
-        keep = [(i, c.row, starts[i] + c.num_tokens - 1 - c.num_drafts)
-                for i, c in enumerate(self.chunks) if c.sampling is not None]
+        fed = self._feeding()
+        starts = self._starts(fed)  # in `outputs`
+        keep = [(i, self.chunks[i].row, starts[k] + self.chunks[i].num_tokens - 1 - self.chunks[i].num_drafts)
+                for k, i in enumerate(fed) if self.chunks[i].sampling is not None]
         if keep:
             chunks, rows, base = (upload(torch.tensor(column, dtype=torch.int64), self.device) for column in zip(*keep))
             accepted = (num_accepted if isinstance(num_accepted, torch.Tensor)
                         else upload(torch.tensor(num_accepted, dtype=torch.int64), self.device))
             self.drafter.remember(rows, self.outputs[base + accepted[chunks]])
 
-    def _starts(self) -> list[int]:
-        """Each chunk's first row in the step's token stream, then the stream's length."""
+    def _feeding(self) -> list[int]:
+        """The chunks the MTP layer catches up over (`ChunkInput.feeds_drafter`)."""
+        return [i for i, c in enumerate(self.chunks) if c.feeds_drafter]
+
+    def _starts(self, which: Optional[list[int]] = None) -> list[int]:
+        """Each chunk's first row in the stream of their fed tokens, then the stream's length: of every chunk
+        (the step's token stream), or of the chunks `which` names."""
         starts = [0]
-        for c in self.chunks:
-            starts.append(starts[-1] + c.num_tokens)
+        for i in range(len(self.chunks)) if which is None else which:
+            starts.append(starts[-1] + self.chunks[i].num_tokens)
         return starts
+
+
+def _select_chunks(fb: ForwardBatch, chunks: list[int], rows: torch.Tensor) -> ForwardBatch:
+    """The step's batch cut to some of its chunks (`chunks`, their fed tokens at `rows` [n] of the stream),
+    unprepared: the MTP layer attends over those alone."""
+    at = upload(torch.tensor(chunks, dtype=torch.int64), fb.seq_lens.device)  # [chunks]
+    extend_lens = [fb.extend_seq_lens_cpu[i] for i in chunks]
+    out = ForwardBatch(
+        mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
+        input_ids=fb.input_ids[rows], positions=fb.positions[:, rows], req_pool_indices=fb.req_pool_indices[at],
+        seq_lens=fb.seq_lens[at], extend_prefix_lens=fb.extend_prefix_lens[at], extend_seq_lens=fb.extend_seq_lens[at],
+        out_cache_loc=fb.out_cache_loc[rows], seq_lens_cpu=[fb.seq_lens_cpu[i] for i in chunks],
+        extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[i] for i in chunks], extend_seq_lens_cpu=extend_lens,
+        logits_indices=fb.logits_indices[:0], attn_backend=fb.attn_backend)
+    if fb.state_slots is not None:  # a hybrid model's backend prepares its GDN half too
+        out.state_slots = fb.state_slots[at]
+    if fb.num_drafts_cpu is not None and any(fb.num_drafts_cpu[i] for i in chunks):
+        out.num_drafts_cpu = [fb.num_drafts_cpu[i] for i in chunks]
+    if fb.mm_mask is not None:  # the image rows of the kept tokens, in order
+        kept = torch.zeros_like(fb.mm_mask)
+        kept[rows] = True
+        out.mm_mask, out.mm_embeds = fb.mm_mask[rows], fb.mm_embeds[kept[fb.mm_mask]]
+    return out

@@ -48,6 +48,9 @@ class ChunkInput:
     # a chunk that stops before the request's last known token: the token after it (MTP drafting reads it)
     next_token_id: Optional[int] = None
     lora: Optional[LoRARequest] = None  # the request's LoRA adapter (None: the base model)
+    # MTP: the layer catches up over this chunk (False: its request never drafts, `Request.speculates`, and
+    # the prefix cache keeps none of these positions for a request that will)
+    feeds_drafter: bool = True
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,8 @@
 request's own prompt and output, `ngram.py`) also takes the n-gram sizes `prompt_lookup_min` /
 `prompt_lookup_max` (vLLM's defaults: both 5 when neither is given, the given one when one is).
 Method "mtp" drafts with the checkpoint's multi-token-prediction layer (`mtp.py`; Qwen3.5 and
-Qwen3-Next checkpoints that carry one).
+Qwen3-Next checkpoints that carry one). Both take `disable_by_batch_size` (vLLM's key): a request added
+while more than that many requests are enqueued (running + waiting) never speculates.
 """
 
 from __future__ import annotations
@@ -25,14 +26,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int  # k: drafts verified per step and request
     prompt_lookup_min: Optional[int] = None  # ngram: the shortest suffix n-gram looked up
     prompt_lookup_max: Optional[int] = None  # ngram: the longest, tried first
+    # a request added while more than this many are enqueued (running + waiting) never speculates; None: all do
+    disable_by_batch_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
-        k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        _check_count("num_speculative_tokens", self.num_speculative_tokens)
+        if self.disable_by_batch_size is not None:
+            _check_count("disable_by_batch_size", self.disable_by_batch_size)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if self.method != "ngram":
             if low is not None or high is not None:
@@ -43,8 +46,7 @@ class SpeculativeConfig:
             low = high = DEFAULT_PROMPT_LOOKUP
         low, high = (high if low is None else low), (low if high is None else high)
         for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+            _check_count(name, value)
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min={low} exceeds prompt_lookup_max={high}")
         object.__setattr__(self, "prompt_lookup_min", low)
@@ -67,3 +69,9 @@ class SpeculativeConfig:
             if required not in value:
                 raise ValueError(f"speculative_config: {required!r} is required")
         return cls(**value)
+
+
+def _check_count(name: str, value: Any) -> None:
+    """ValueError unless `value` is an integer >= 1 (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
