@@ -1,7 +1,8 @@
 """The CPU attention backend against the torch reference: same outputs, same KV pool writes.
 
 Batches mix prefills (one ending mid-page, one on a page boundary), chunks over a cached prefix,
-decodes alone and decodes mixed with prefills, and padding rows on the dummy row; pages are
+decodes alone and decodes mixed with prefills, and padding rows on the dummy row; speculative
+decoding's verify chunks (drafts of different lengths, beside decodes and prefill chunks); pages are
 scattered over the pool (tests/test_flashinfer_plan.py's `make_batch`). float32 and bfloat16.
 """
 
@@ -17,8 +18,9 @@ from vlmrun.layers.attention.factory import resolve_backend_name
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
 
-def run_backend(backend_cls, prefix_lens, extend_lens, padding, dtype, num_heads=HEADS):
+def run_backend(backend_cls, prefix_lens, extend_lens, padding, dtype, num_heads=HEADS, num_drafts=None):
     pool, rows, fb = make_batch(prefix_lens, extend_lens, padding, dtype=dtype)
+    fb.num_drafts_cpu = num_drafts
     backend = backend_cls(pool, rows)
     fb.attn_backend = backend
     layer = Attention(num_heads, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
@@ -49,6 +51,39 @@ def test_cpu_backend_equals_the_torch_backend(prefix_lens, extend_lens, padding,
     torch.testing.assert_close(got[:real].float(), expected[:real].float(), atol=tol, rtol=tol)
     assert torch.equal(got_pool.k_buffers[0], ref_pool.k_buffers[0])
     assert torch.equal(got_pool.v_buffers[0], ref_pool.v_buffers[0])
+
+
+@pytest.mark.parametrize("prefix_lens,extend_lens,num_drafts", [
+    ([5, 12, 3], [4, 4, 4], [3, 3, 3]),  # every sequence verifies 3 drafts
+    ([5, 12, 3, 20, 7], [4, 2, 3, 1, 1], [3, 1, 2, 0, 0]),  # drafts of different lengths beside plain decodes
+    ([8, 0, 13, 6, 14, 9], [7, 5, 4, 1, 2, 1], [0, 0, 3, 0, 1, 0]),  # verifies and decodes beside prefill chunks
+    ([0, 3], [3, 2], [2, 1]),  # verify chunks with no cached prefix or one token of it
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads", [HEADS, KV_HEADS])
+def test_verify_steps_equal_the_torch_backend(prefix_lens, extend_lens, num_drafts, dtype, num_heads):
+    """A verify chunk's positions attend as plain decode of each would: the reference runs them as an
+    extend (causal over the cached prefix), the CPU backend as query rows of one gather per sequence."""
+    got, got_pool, _ = run_backend(CpuAttnBackend, prefix_lens, extend_lens, 0, dtype, num_heads, num_drafts)
+    expected, ref_pool, _ = run_backend(TorchAttnBackend, prefix_lens, extend_lens, 0, dtype, num_heads)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+    assert torch.equal(got_pool.k_buffers[0], ref_pool.k_buffers[0])
+    assert torch.equal(got_pool.v_buffers[0], ref_pool.v_buffers[0])
+
+
+def test_a_verify_chunk_gathers_its_pages_once():
+    """Sequences are grouped by tokens fed, one gather row per sequence (not per position)."""
+    pool, rows, fb = make_batch([5, 12, 3, 20, 7, 8], [4, 2, 4, 1, 1, 6])
+    fb.num_drafts_cpu = [3, 1, 3, 0, 0, 0]
+    backend = CpuAttnBackend(pool, rows)
+    backend.prepare(fb)
+    md = fb.attn_metadata
+    assert {g.width: g.visible.shape[0] for g in md.decodes} == {4: 2, 2: 1, 1: 2}
+    assert {g.width: g.rows.tolist() for g in md.decodes} == {4: [0, 1, 2, 3, 6, 7, 8, 9], 2: [4, 5], 1: [10, 11]}
+    assert [(c.start, c.length) for c in md.prefills] == [(12, 6)]
+    four = next(g for g in md.decodes if g.width == 4)
+    assert four.visible.sum(-1).tolist() == [[6, 7, 8, 9], [4, 5, 6, 7]]  # position j sees prefix + j + 1 keys
 
 
 def test_auto_is_the_cpu_backend_on_the_cpu_only():
@@ -91,8 +126,8 @@ def record_step_kinds(backend) -> set[str]:
     def recording(fb):
         prepare(fb)
         md = fb.attn_metadata
-        if md.decode is not None:
-            seen.add("decode_step" if md.decode.rows is None else "decodes_beside_prefills")
+        for group in md.decodes:
+            seen.add("decode_step" if group.rows is None else "decodes_beside_prefills")
         if any(chunk.mask is not None for chunk in md.prefills):
             seen.add("chunk_over_prefix")
 

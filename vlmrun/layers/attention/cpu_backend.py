@@ -10,19 +10,21 @@ row. This backend splits the batch by what each sequence does this step:
   `index_select` (whole pages as rows: a memcpy each), and the query heads that share a
   KV head ride as that head's query rows (q [decodes, kv_heads, group, head_dim]), so one SDPA call
   over [decodes, kv_heads] needs no GQA expansion and a mask of [decodes, 1, 1, max_seq].
+- Speculative-decoding verify chunks (`fb.num_drafts_cpu`: a sequence's last token and its drafts)
+  run the same way, grouped by width (tokens fed): each sequence's pages are gathered once and its
+  positions, times the query heads of a KV head, are that head's query rows
+  (q [seqs, kv_heads, width * group, head_dim]); the mask lets position j see the keys before
+  prefix + j + 1 (the step wrote the chunk's k/v before attending), what plain decode of that token sees.
 - Prefill rows (a chunk of several tokens) run one sequence at a time on their own lengths. A
   chunk with no cached prefix attends to its own k/v rows of this step (no gather, no mask:
   `is_causal`); a chunk over a cached prefix gathers its pages and uses a bottom-right causal mask.
-- A speculative-decoding verify chunk (`fb.num_drafts_cpu`: its last token and drafts) joins the
-  decode rows, one row per position, each attending to its sequence up to itself (the step wrote
-  the chunk's k/v before attending), as plain decode would attend for that token.
 
 It reads and writes the same KV pool as the reference and is tested against it (tests/test_cpu_backend.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, cast
 
 import torch
@@ -35,11 +37,23 @@ from vlmrun.layers.attention.base import Attention, AttentionBackend
 
 @dataclass
 class DecodeGroup:
-    """The step's decode rows, attended together."""
+    """Sequences that each feed `width` tokens this step (plain decodes: 1; verify chunks: 1 + drafts),
+    attended together: each sequence's pages gathered once, its positions as query rows of one SDPA."""
 
-    rows: Optional[torch.Tensor]  # [num_decode] token row of each decode; None when every row decodes
-    page_ids: torch.Tensor  # [num_decode * max_pages] KV page of each page-sized run of key positions
-    mask: torch.Tensor  # [num_decode, 1, 1, max_seq] bool, True for a sequence's cached keys
+    width: int
+    # [seqs * width] token row of each fed position, sequence by sequence; None when the group is the whole step
+    rows: Optional[torch.Tensor]
+    page_ids: torch.Tensor  # [seqs * max_pages] KV page of each page-sized run of key positions
+    visible: torch.Tensor  # [seqs, width, max_seq] bool, True for the keys position j sees (< prefix + j + 1)
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # query heads per KV head -> SDPA mask
+
+    def mask(self, group: int) -> torch.Tensor:
+        """[seqs, 1, width * group, max_seq]: the mask of query rows laid out position-major, heads minor."""
+        if self.width == 1:
+            return self.visible[:, None]  # [seqs, 1, 1, max_seq]: broadcast over the group's heads
+        if group not in self.masks:
+            self.masks[group] = self.visible.repeat_interleave(group, dim=1)[:, None]
+        return self.masks[group]
 
 
 @dataclass
@@ -55,7 +69,7 @@ class PrefillChunk:
 
 @dataclass
 class CpuAttnMetadata:
-    decode: Optional[DecodeGroup]
+    decodes: list[DecodeGroup]  # one per width
     prefills: list[PrefillChunk]
 
 
@@ -67,49 +81,39 @@ class CpuAttnBackend(AttentionBackend):
 
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
-        verifies = fb.num_drafts_cpu or [0] * fb.batch_size
-        decode_idx = [i for i, n in enumerate(extend_lens) if n == 1 or verifies[i]]
+        drafts = fb.num_drafts_cpu or [0] * fb.batch_size
         starts = [0]
         for n in extend_lens:
             starts.append(starts[-1] + n)
-        decode = (None if not decode_idx else self._decode_group(fb, decode_idx, starts) if not any(verifies)
-                  else self._verify_group(fb, decode_idx, starts))
-        prefill_idx = [i for i, n in enumerate(extend_lens) if n > 1 and not verifies[i]]
+        by_width: dict[int, list[int]] = {}  # tokens fed -> sequences that decode or verify
+        prefill_idx = []
+        for i, n in enumerate(extend_lens):
+            if n == 1 or drafts[i]:
+                by_width.setdefault(n, []).append(i)
+            else:
+                prefill_idx.append(i)
+        whole_step = not prefill_idx and len(by_width) == 1
+        decodes = [self._decode_group(fb, idx, width, starts, whole_step) for width, idx in by_width.items()]
         rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
-        fb.attn_metadata = CpuAttnMetadata(decode, prefills)
+        fb.attn_metadata = CpuAttnMetadata(decodes, prefills)
 
-    def _decode_group(self, fb: ForwardBatch, idx: list[int], starts: list[int]) -> DecodeGroup:
-        seq_lens = [fb.seq_lens_cpu[i] for i in idx]
-        max_pages = -(-max(seq_lens) // self.page_size)
-        max_seq = max_pages * self.page_size
-        all_decode = len(idx) == fb.batch_size
-        sel = None if all_decode else torch.tensor(idx, device=fb.seq_lens.device)
+    def _decode_group(self, fb: ForwardBatch, idx: list[int], width: int, starts: list[int],
+                      whole_step: bool) -> DecodeGroup:
+        """Sequences `idx`, each feeding `width` tokens (`whole_step`: they are every sequence of the step)."""
+        max_seq = -(-max(fb.seq_lens_cpu[i] for i in idx) // self.page_size) * self.page_size
+        device = fb.seq_lens.device
+        sel = None if whole_step else torch.tensor(idx, device=device)
         req_rows = fb.req_pool_indices if sel is None else fb.req_pool_indices[sel]
         page_ids = (self.req_to_token[req_rows, :max_seq:self.page_size] // self.page_size).flatten()
         lens = fb.seq_lens if sel is None else fb.seq_lens[sel]
-        mask = torch.arange(max_seq, device=lens.device)[None, :] < lens.clamp(min=1)[:, None]  # [num_decode, max_seq]
-        token_rows = None if all_decode else torch.tensor([starts[i] for i in idx], device=fb.seq_lens.device)
-        return DecodeGroup(token_rows, page_ids, mask[:, None, None, :])
-
-    def _verify_group(self, fb: ForwardBatch, idx: list[int], starts: list[int]) -> DecodeGroup:
-        """Decode rows for sequences `idx`, one per fed token (a verify chunk's positions, a decode's one)."""
-        req_rows = fb.req_pool_indices.tolist()  # host values (this backend is the CPU's)
-        token_rows, rows, seq_lens = [], [], []
-        for i in idx:
-            for j in range(fb.extend_seq_lens_cpu[i]):
-                token_rows.append(starts[i] + j)
-                rows.append(req_rows[i])
-                seq_lens.append(fb.extend_prefix_lens_cpu[i] + j + 1)
-        max_seq = -(-max(seq_lens) // self.page_size) * self.page_size
-        device = fb.seq_lens.device
-        page_ids = (self.req_to_token[torch.tensor(rows, device=device), :max_seq:self.page_size] // self.page_size)
-        lens = torch.tensor(seq_lens, device=device)
-        mask = torch.arange(max_seq, device=device)[None, :] < lens[:, None]  # [rows, max_seq]
-        every_row = len(token_rows) == starts[-1]
-        return DecodeGroup(None if every_row else torch.tensor(token_rows, device=device), page_ids.flatten(),
-                           mask[:, None, None, :])
+        first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
+        sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
+        visible = torch.arange(max_seq, device=device)[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
+        token_rows = None if whole_step else torch.tensor([starts[i] + j for i in idx for j in range(width)],
+                                                          device=device)
+        return DecodeGroup(width, token_rows, page_ids, visible)
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
@@ -128,25 +132,27 @@ class CpuAttnBackend(AttentionBackend):
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         self.kv_pool.write(layer.layer_id, fb.out_cache_loc, k, v)
         k_pool, v_pool = self.kv_pool.k_buffers[layer.layer_id], self.kv_pool.v_buffers[layer.layer_id]
-        if md.decode is not None and md.decode.rows is None:  # a pure decode step
-            return self._decode(q, k_pool, v_pool, layer, md.decode).view(num_tokens, -1)
+        if len(md.decodes) == 1 and md.decodes[0].rows is None:  # every sequence feeds as many tokens
+            return self._decode(q, k_pool, v_pool, layer, md.decodes[0]).view(num_tokens, -1)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-        if md.decode is not None:
-            out.index_copy_(0, md.decode.rows, self._decode(q.index_select(0, md.decode.rows), k_pool, v_pool,
-                                                             layer, md.decode))
+        for group in md.decodes:
+            out.index_copy_(0, group.rows, self._decode(q.index_select(0, group.rows), k_pool, v_pool, layer, group))
         for chunk in md.prefills:
             out[chunk.start:chunk.start + chunk.length] = self._prefill(q, k, v, k_pool, v_pool, layer, chunk)
         return out.view(num_tokens, -1)
 
     def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: Attention,
                 group: DecodeGroup) -> torch.Tensor:
-        # q: [num_decode, num_heads, head_dim] -> [num_decode, num_heads, head_dim]
-        n = q.shape[0]
-        k_all = self._gather(k_pool, group.page_ids, n, q.dtype)  # [num_decode, kv_heads, max_seq, head_dim]
+        # q: [seqs * width, num_heads, head_dim] -> [seqs * width, num_heads, head_dim]
+        n, width, group_size = q.shape[0] // group.width, group.width, layer.num_heads // layer.num_kv_heads
+        k_all = self._gather(k_pool, group.page_ids, n, q.dtype)  # [seqs, kv_heads, max_seq, head_dim]
         v_all = self._gather(v_pool, group.page_ids, n, q.dtype)
-        q_grouped = q.view(n, layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim)
-        out = F.scaled_dot_product_attention(q_grouped, k_all, v_all, attn_mask=group.mask, scale=layer.scaling)
-        return out.view(n, layer.num_heads, layer.head_dim)
+        q_rows = q.view(n, width, layer.num_kv_heads, group_size, layer.head_dim).transpose(1, 2)
+        q_rows = q_rows.reshape(n, layer.num_kv_heads, width * group_size, layer.head_dim)  # position-major rows
+        out = F.scaled_dot_product_attention(q_rows, k_all, v_all, attn_mask=group.mask(group_size),
+                                             scale=layer.scaling)  # [seqs, kv_heads, width * group, head_dim]
+        out = out.view(n, layer.num_kv_heads, width, group_size, layer.head_dim).transpose(1, 2)
+        return out.reshape(n * width, layer.num_heads, layer.head_dim)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                  v_pool: torch.Tensor, layer: Attention, chunk: PrefillChunk) -> torch.Tensor:
