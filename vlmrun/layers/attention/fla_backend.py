@@ -6,7 +6,13 @@ Same seam and same results as `TorchGDNBackend` (the reference it is tested agai
     `cu_seqlens`, then `chunk_gated_delta_rule` with `cu_seqlens`, each starting from the states
     gathered from the sequences' slots and returning the final states, written back;
   - decode: `causal_conv1d_update` and `fused_recurrent_gated_delta_rule` over one token per
-    sequence, states gathered and written back by slot (static shapes: CUDA-graph capturable).
+    sequence, states gathered and written back by slot (static shapes: CUDA-graph capturable);
+  - a step with draft tokens (speculative decoding's verify pass, `fb.num_drafts_cpu`) runs whole on
+    the reference, a `TorchGDNBackend` over the same pool (torch ops, on CUDA): it keeps the conv and
+    recurrent states after every position of each draft-carrying sequence and `keep_accepted_states`
+    puts those after the accepted positions into the slots. FLA 0.6's kernels return only a
+    sequence's final state. Such a step's other sequences (decodes, prefill chunks) run there too.
+    The pool's layout is the reference's: a step on either backend starts from the states the other left.
 FLA keeps the last K conv inputs where the pool keeps K-1: the oldest column is padded with zeros
 on the way in (the kernel shifts it out) and dropped on the way out. The recurrent state is
 float32 in the pool's [Hv, Dv, Dk] layout (FLA's `state_v_first`).
@@ -20,7 +26,7 @@ kernel). Nothing else is copied: the dtype casts are no-ops for the float32 pool
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import Any, Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
+from vlmrun.layers.attention.torch_gdn_backend import GDNMetadata, TorchGDNBackend
 from vlmrun.layers.gdn_ops import split_gdn_heads
 
 
@@ -39,6 +46,8 @@ class FLAMetadata:
 
 
 class FLAGDNBackend(LinearAttentionBackend):
+    verifies_drafts = True  # steps with drafts run on `self.reference`
+
     def __init__(self, pool: GDNPool):
         from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -46,15 +55,26 @@ class FLAGDNBackend(LinearAttentionBackend):
         self.pool = pool
         self._conv, self._conv_update = causal_conv1d, causal_conv1d_update
         self._chunk, self._recurrent = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        self.reference = TorchGDNBackend(pool)  # serves the steps with drafts (verify passes)
 
     def prepare(self, fb: ForwardBatch) -> None:
         if fb.state_slots is None:
             raise ValueError("a hybrid model's ForwardBatch needs state_slots (the GDN slot of each sequence)")
-        fb.linear_attn_metadata = gdn_varlen_metadata(fb)
+        if fb.num_drafts_cpu is not None and any(fb.num_drafts_cpu):
+            self.reference.prepare(fb)  # its GDNMetadata on fb: `forward` and `keep_accepted_states` follow it
+        else:
+            fb.linear_attn_metadata = gdn_varlen_metadata(fb)
+
+    def keep_accepted_states(self, metadata: Any, num_accepted: Any) -> None:
+        """A verify step's (the reference's metadata); a step without drafts kept nothing."""
+        if isinstance(metadata, GDNMetadata):
+            self.reference.keep_accepted_states(metadata, num_accepted)
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv]."""
+        if isinstance(fb.linear_attn_metadata, GDNMetadata):  # a step with drafts, prepared by the reference
+            return self.reference.forward(mixed_qkv, g, beta, conv_weight, layer, fb)
         md = cast(FLAMetadata, fb.linear_attn_metadata)
         slots = fb.state_slots  # [batch]
         conv_state = self.pool.conv_state[layer.layer_id]  # [slots, conv_dim, K-1]
