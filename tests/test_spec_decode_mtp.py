@@ -152,7 +152,7 @@ def drafting_step(device: torch.device) -> tuple[MTPStep, torch.Tensor]:
 
     step = MTPStep(FixedDrafter(), [chunk(1, 0), chunk(2, 3), chunk(3, 2)], backend=None, device=device)
     fb = types.SimpleNamespace(input_ids=torch.ones(1 + 4 + 3, dtype=torch.int64, device=device))
-    step.draft(fb, hybrid=False)
+    step.draft(fb)
     return step, fb.input_ids
 
 

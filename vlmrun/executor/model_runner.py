@@ -127,9 +127,9 @@ class ModelRunner:
             self.lora.bind(lora_slots, [c.num_tokens for c in chunks])
         mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device, self.tp)
         if mtp is not None:
-            mtp.draft(fb, hybrid=self.caches.gdn_pool is not None)
+            mtp.draft(fb)
         hidden = self.forward(fb)  # [num_tokens, hidden]
-        linear_metadata = fb.linear_attn_metadata  # a verify step's GDN states per position (before MTP's catch-up)
+        linear_metadata = fb.linear_attn_metadata  # a verify step's GDN states per position (its padded batch's)
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
         rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None

@@ -17,7 +17,6 @@ from typing import Optional, Union
 
 import torch
 
-from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.host_to_device import upload
@@ -40,13 +39,12 @@ class MTPStep:
     _drafts_in_transit: Optional[tuple[torch.Tensor, Optional[torch.cuda.Event]]] = field(default=None, repr=False)
     _host_drafts: Optional[list[list[int]]] = field(default=None, repr=False)
 
-    def draft(self, fb: ForwardBatch, hybrid: bool) -> None:
+    def draft(self, fb: ForwardBatch) -> None:
         """Draft for every chunk with drafts and put them in `fb.input_ids` at the drafts' rows."""
         speculating = [i for i, c in enumerate(self.chunks) if c.num_drafts]
         if not speculating:
             return
-        drafting = [DraftingChunk(c.row, c.start, c.num_drafts, c.kv_slots, c.positions,
-                                  gdn_slot_for_row(c.row) if hybrid else None)
+        drafting = [DraftingChunk(c.row, c.start, c.num_drafts, c.kv_slots, c.positions)
                     for c in (self.chunks[i] for i in speculating)]
         self.drafted = self.tp.broadcast_from_first(self.drafter.draft(drafting, self.backend, self.device))
         starts = self._starts()
@@ -142,8 +140,6 @@ def _select_chunks(fb: ForwardBatch, chunks: list[int], rows: torch.Tensor) -> F
         out_cache_loc=fb.out_cache_loc[rows], seq_lens_cpu=[fb.seq_lens_cpu[i] for i in chunks],
         extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[i] for i in chunks], extend_seq_lens_cpu=extend_lens,
         logits_indices=fb.logits_indices[:0], attn_backend=fb.attn_backend)
-    if fb.state_slots is not None:  # a hybrid model's backend prepares its GDN half too
-        out.state_slots = fb.state_slots[at]
     if fb.num_drafts_cpu is not None and any(fb.num_drafts_cpu[i] for i in chunks):
         out.num_drafts_cpu = [fb.num_drafts_cpu[i] for i in chunks]
     if fb.mm_mask is not None:  # the image rows of the kept tokens, in order

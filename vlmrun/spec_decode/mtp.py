@@ -30,6 +30,7 @@ import torch
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
+from vlmrun.layers.attention.hybrid_backend import full_attention
 from vlmrun.loader import iter_lazy_weights
 from vlmrun.models.base import Model
 from vlmrun.models.blocks.hybrid_decoder import HybridTextModel
@@ -49,7 +50,6 @@ class DraftingChunk:
     num_drafts: int
     kv_slots: torch.Tensor  # [1 + num_drafts] int64 KV slots of its fed tokens (CPU)
     positions: torch.Tensor  # [3, 1 + num_drafts] int64 M-RoPE positions of its fed tokens (CPU)
-    state_slot: Optional[int]  # its GDN slot (hybrid models), else None
 
 
 class MTPDrafter:
@@ -70,8 +70,8 @@ class MTPDrafter:
                  backend: AttentionBackend, chunk_ends: Sequence[int]) -> torch.Tensor:
         """hidden [T, h] (the model's), next_ids [T] (the token after each fed position) -> the layer's
         output [T, h]; writes its KV at the step's slots. `chunk_ends`: each chunk's end row in the stream."""
-        if fb.attn_metadata is None:  # the padded decode path prepared a copy of `fb`
-            backend.prepare(fb)
+        if fb.attn_metadata is None:  # the padded decode path prepared a copy of `fb` (or a cut batch)
+            full_attention(backend).prepare(fb)  # (the layer has no GDN half: a verify step's GDN metadata stays)
         embeds = self.text.embed_tokens(next_ids)  # [T, h]
         if fb.mm_mask is not None:  # the next row's spliced image embedding, inside a chunk
             embeds = self._image_rows_shifted(embeds, fb, chunk_ends)
@@ -129,10 +129,8 @@ class MTPDrafter:
             extend_prefix_lens=up([s - 1 for s in seq_lens]), extend_seq_lens=up([1] * n),
             out_cache_loc=torch.stack([c.kv_slots[offset] for c in chunks]).to(device),
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[s - 1 for s in seq_lens], extend_seq_lens_cpu=[1] * n,
-            logits_indices=torch.zeros(0, dtype=torch.int64, device=device), attn_backend=backend)
-        if chunks[0].state_slot is not None:  # a hybrid model's backend prepares its GDN half too
-            fb.state_slots = up([c.state_slot for c in chunks])
-        backend.prepare(fb)
+            logits_indices=torch.zeros(0, dtype=torch.int64, device=device), attn_backend=full_attention(backend))
+        fb.attn_backend.prepare(fb)
         return fb
 
 

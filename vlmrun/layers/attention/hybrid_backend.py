@@ -16,6 +16,12 @@ from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttentionBackend
 
 
+def full_attention(backend: AttentionBackend) -> AttentionBackend:
+    """The backend of `backend`'s full-attention layers: itself, or a hybrid backend's `full` (what a
+    module with only full-attention layers, such as an MTP layer, prepares and runs on)."""
+    return backend.full if isinstance(backend, HybridAttnBackend) else backend
+
+
 class HybridAttnBackend(AttentionBackend):
     def __init__(self, full: AttentionBackend, linear: LinearAttentionBackend):
         self.full = full
