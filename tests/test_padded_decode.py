@@ -132,12 +132,16 @@ def test_padding_rows_never_write_live_state(request, arch, monkeypatch):
     assert live_state_differences(decoding_engine(model_dir)) == []
 
     # The check catches padding that writes live state: point the padding rows at live slots.
-    engine = decoding_engine(model_dir)
+    assert_live_padding_caught(decoding_engine(model_dir), live_state_differences, monkeypatch)
+
+
+def assert_live_padding_caught(engine, differences, monkeypatch) -> None:
+    """Point the padding at request "0"'s first KV page and GDN slot: `differences(engine)` must name them."""
     live = engine.requests["0"]
     monkeypatch.setattr(padded_decode, "PAD_KV_SLOT", live.pages[0] * engine.caches.plan.page_size)
     if engine.caches.gdn_pool is not None:
         monkeypatch.setattr(padded_decode, "PAD_GDN_SLOT", live.req_pool_idx + 1)
-    diffs = live_state_differences(engine)
+    diffs = differences(engine)
     assert any(d.startswith("k") for d in diffs), diffs
     if engine.caches.gdn_pool is not None:
         assert any(d.startswith(("conv", "rec")) for d in diffs), diffs

@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 
 from tests.test_async_scheduling import assert_same, engine_options
-from tests.test_padded_decode import live_differences, restore, snapshot
+from tests.test_padded_decode import assert_live_padding_caught, live_differences, restore, snapshot
 from tests.test_spec_decode import SPEC, run, spec_scenario
 from tests.test_spec_decode_mtp import MTP, generate, mtp_dirs  # noqa: F401 (a fixture)
 from vlmrun import LLM, SamplingParams
-from vlmrun.executor import padded_decode
 from vlmrun.executor.padded_decode import DecodeInputs
 
 
@@ -116,12 +115,4 @@ def test_verify_padding_never_writes_live_state(request, arch, monkeypatch, padd
     assert padded_verify_steps[-1] == (3, 4)
 
     # The check catches padding that writes live state: point the padding at live slots.
-    engine = verifying_engine(model_dir)
-    live = engine.requests["0"]
-    monkeypatch.setattr(padded_decode, "PAD_KV_SLOT", live.pages[0] * engine.caches.plan.page_size)
-    if engine.caches.gdn_pool is not None:
-        monkeypatch.setattr(padded_decode, "PAD_GDN_SLOT", live.req_pool_idx + 1)
-    diffs = live_state_differences(engine)
-    assert any(d.startswith("k") for d in diffs), diffs
-    if engine.caches.gdn_pool is not None:
-        assert any(d.startswith(("conv", "rec")) for d in diffs), diffs
+    assert_live_padding_caught(verifying_engine(model_dir), live_state_differences, monkeypatch)
