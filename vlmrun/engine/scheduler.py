@@ -46,7 +46,8 @@ from vlmrun.spec_decode.proposer import Proposer
 
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
-                 snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None):
+                 snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None,
+                 disable_by_batch_size: Optional[int] = None):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -63,7 +64,7 @@ class Scheduler:
         self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
         self.proposer = proposer  # speculative decoding's drafts; None: every decode feeds one token
         # a request added while more than this many are enqueued never speculates (None: no limit)
-        self.disable_by_batch_size = None if proposer is None else proposer.disable_by_batch_size
+        self.disable_by_batch_size = disable_by_batch_size
         self.max_loras = max_loras  # LoRA: distinct adapters the running requests may use (None: LoRA off)
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None

@@ -9,19 +9,17 @@ token). On the host, one backward scan over the tokens: O(length x n).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
 
 
 class NgramProposer:
     drafts_on_device = False  # the drafts are real token ids, on the host
     drafts_grammar_rows = True  # a request with a grammar gets them (masked after each by its grammar)
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int,
-                 disable_by_batch_size: Optional[int] = None):
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
-        self.disable_by_batch_size = disable_by_batch_size  # SpeculativeConfig's (read by the scheduler)
 
     def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
         """At most min(k, max_drafts) draft tokens to follow `token_ids` (the prompt and output so far)."""

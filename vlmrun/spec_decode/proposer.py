@@ -6,8 +6,8 @@ verify pass (`vlmrun/spec_decode/mtp.py`), and a placeholder stands for each dra
 cannot verify drafts is refused where it is known: a GDN backend that keeps no per-position states
 and a checkpoint without an MTP layer by `build_local_executor` / `build_model_runner`. Under async
 scheduling n-gram drafts are looked up once the request's last token is on the host; MTP drafts
-follow a placeholder for it (`Scheduler.must_wait`). Both carry `disable_by_batch_size`, which the
-scheduler takes when it is built and applies when a request is added (`Request.speculates`).
+follow a placeholder for it (`Scheduler.must_wait`). `disable_by_batch_size` is the scheduler's: it
+applies it when a request is added (`Request.speculates`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,9 @@ class MTPDraftSlots:
 
     drafts_on_device = True
 
-    def __init__(self, num_speculative_tokens: int, drafts_grammar_rows: bool = True,
-                 disable_by_batch_size: Optional[int] = None):
+    def __init__(self, num_speculative_tokens: int, drafts_grammar_rows: bool = True):
         self.k = num_speculative_tokens
         self.drafts_grammar_rows = drafts_grammar_rows
-        self.disable_by_batch_size = disable_by_batch_size  # SpeculativeConfig's (read by the scheduler)
 
     def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
         return [PLACEHOLDER_TOKEN] * max(0, min(self.k, max_drafts))
@@ -44,7 +42,5 @@ def build_proposer(config: EngineConfig) -> Optional[Proposer]:
     if spec is None:
         return None
     if spec.method == "mtp":
-        return MTPDraftSlots(spec.num_speculative_tokens, drafts_grammar_rows=config.tensor_parallel_size == 1,
-                             disable_by_batch_size=spec.disable_by_batch_size)
-    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-                         disable_by_batch_size=spec.disable_by_batch_size)
+        return MTPDraftSlots(spec.num_speculative_tokens, drafts_grammar_rows=config.tensor_parallel_size == 1)
+    return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
