@@ -22,7 +22,7 @@ the states after the accepted positions, the MTP layer's kept outputs, `last_tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -129,7 +129,6 @@ class ModelRunner:
         if mtp is not None:
             mtp.draft(fb)
         hidden = self.forward(fb)  # [num_tokens, hidden]
-        linear_metadata = fb.linear_attn_metadata  # a verify step's GDN states per position (its padded batch's)
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
         rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None
@@ -151,11 +150,11 @@ class ModelRunner:
             self.tp.broadcast_from_first(output.token_ids)
         if mtp is not None:
             mtp.catch_up(hidden, fb, output.token_ids)
-        self.settle_on_device(chunks, output.token_ids, linear_metadata, mtp)
+        self.settle_on_device(chunks, output.token_ids, fb, mtp)
         output.start_transfer()
         return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, mtp)
 
-    def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, linear_metadata: Any,
+    def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, fb: ForwardBatch,
                          mtp: Optional[MTPStep]) -> None:
         """What acceptance decides on the device, queued with the step itself (`accepted_on_device`, no
         sync): each verified GDN slot takes the states after its accepted positions, each sampling row's
@@ -177,7 +176,7 @@ class ModelRunner:
             accepted[self.upload(torch.tensor(speculating, dtype=torch.int64))] = accepted_on_device(
                 sampled, [first_rows[i] for i in speculating], drafts, [chunks[i].num_drafts for i in speculating])
             if self.attn_backend.linear is not None:  # GDN slots: the states after the accepted positions
-                self.attn_backend.linear.keep_accepted_states(linear_metadata, accepted)
+                self.attn_backend.linear.keep_accepted_states(fb.linear_attn_metadata, accepted)
         if mtp is not None:
             mtp.remember(accepted)
         if self.feeds_placeholders:  # one upload: [3, sampling chunks] page-table row, chunk, first sampled row
