@@ -181,6 +181,11 @@ class EngineConfig:
         return self.max_loras if self.enable_lora else None
 
     @property
+    def disable_by_batch_size(self) -> Optional[int]:
+        """speculative_config's `disable_by_batch_size`; None without speculation or a limit."""
+        return None if self.speculative_config is None else self.speculative_config.disable_by_batch_size
+
+    @property
     def gdn_state_torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.gdn_state_dtype]
 

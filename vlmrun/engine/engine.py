@@ -112,11 +112,9 @@ class Engine:
         self.max_model_len = self.caches.plan.max_model_len
         self._log_memory_plan()
         self.prefix_cache = self._make_prefix_cache()
-        spec = config.speculative_config
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
-                                   snapshot_interval=config.prefix_snapshot_interval,
-                                   proposer=build_proposer(config), max_loras=config.lora_slots,
-                                   disable_by_batch_size=None if spec is None else spec.disable_by_batch_size)
+                                   snapshot_interval=config.prefix_snapshot_interval, proposer=build_proposer(config),
+                                   max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size)
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
                                         self.model_config.eos_token_ids)
