@@ -67,6 +67,8 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     threshold = pack_threshold(config.linear_backend, device, next(model.parameters()).dtype)
     if threshold is not None:
         pack_linear_weights(model, threshold)
+        if drafter is not None:  # the MTP layer's linears by the same rule
+            pack_linear_weights(drafter.mtp, threshold)
     if device.type == "cpu" and config.keep_freed_memory:
         keep_freed_memory()
     backend = make_attention_backend(model, caches, config, device)

@@ -11,8 +11,8 @@ The choices, each read from `CpuFeatures` and a table of measurements keyed by c
 (BENCHMARKS.md, "CPU kernel choices", names the machine each figure came from):
 - `pack_threshold`: which dense linears run from oneDNN-packed weights (`layers/packed_linear.py`)
   instead of `F.linear` (the reference). "auto" packs only where a measurement says it wins: oneDNN's
-  call costs ~30 us more than F.linear's on AVX2, so there a weight smaller than the threshold stays
-  unpacked; a capability or dtype nobody measured keeps the reference. An explicit "onednn" packs
+  call costs ~25-30 us more than F.linear's (AVX2, AVX-512 float32), so a weight smaller than the
+  threshold stays unpacked; a capability or dtype nobody measured keeps the reference. An explicit "onednn" packs
   every linear, and where the CPU cannot run it is a ValueError naming what is missing.
 - `patch_embed_as_gemm`: the vision patch embed as one GEMM or as the conv HF runs (float32 on the CPU;
   `models/blocks/vision_common.py`); the GEMM won in half precision on every ISA measured.
@@ -29,13 +29,15 @@ import torch
 
 # (capability, dtype) -> the fewest weight elements a dense linear needs for "auto" to pack it: where
 # packed oneDNN GEMMs beat F.linear. Missing: never packed by "auto" (not measured, or slower).
-# AVX512: a 2-core AMD EPYC with AVX-512 (avx512_bf16, no AMX), bench/bench_cpu_kernels.py at hidden
-# 512: packed 1.4-1.6x faster at decode size in float32, 1.2x in bfloat16 (small weights not measured
-# there). AVX2: a 2-core AMD EPYC without AVX-512, bench/bench_cpu_kernels.py --shapes: packed takes
-# 0.27-0.88x F.linear's time from 1,024 x 512 weights up at 8-32 rows, 1.4-5x it for 384 x 128 ones
-# (BENCHMARKS.md, "CPU kernel choices").
+# oneDNN's call costs ~25-30 us more than F.linear's, so small weights lose at decode sizes on every
+# CPU measured (bench/bench_cpu_kernels.py --shapes; BENCHMARKS.md, "CPU kernel choices"): AVX2, a
+# 2-core AMD EPYC without AVX-512: packed takes 0.27-0.88x F.linear's time from 1,024 x 512 weights up
+# at 8-32 rows, 1.4-5x it for 384 x 128 ones; AVX512 float32, a 2-core Intel Xeon: 0.48-0.90x from
+# 1,024 x 512 up at 8-32 rows, 1.2-4x for 384 x 128 and 128 x 384 (a 2-core AMD EPYC with AVX-512 ran
+# hidden-512 shapes packed 1.4-1.6x faster at decode size). bfloat16 (AVX512): packed at every size,
+# F.linear has no fast bf16 GEMM for small ones (the Xeon: the bundled model's decode step 0.83-0.98x).
 PACK_THRESHOLD: dict[tuple[str, torch.dtype], int] = {
-    ("AVX512", torch.float32): 0,
+    ("AVX512", torch.float32): 512 * 512,
     ("AVX512", torch.bfloat16): 0,
     ("AVX2", torch.float32): 512 * 512,
 }
