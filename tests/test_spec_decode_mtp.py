@@ -7,6 +7,8 @@ included; and the n-gram scenario of tests/test_spec_decode.py (images, chunked 
 prefix hits with GDN snapshots, greedy and seeded rows, n > 1) gives plain decode's tokens with MTP
 drafts. (A random MTP layer's drafts are rejected: what happens after accepted drafts is checked on
 `MTPStep.remember`, which picks the output a request drafts from next.)
+The bundled model's trained layer, whose drafts are accepted in part, runs the snapshot-boundary scenario
+of tests/test_spec_decode.py (images, prompts ending on and one past a GDN snapshot point, prefix hits).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+from testing.scene_drawing import render_scene
 from testing.tiny_models import HYBRID_ARCHS
 from testing.tiny_mtp import MTPReference, add_mtp_layer
 from tests.test_async_scheduling import (KV_TOKENS, MAX_NUM_SEQS, SNAPSHOTS, assert_pools_empty, assert_same,
@@ -26,8 +29,11 @@ from tests.test_spec_decode import VL_ARCHS, run, spec_scenario
 from vlmrun import LLM, SamplingParams
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token
 from vlmrun.config import CacheShape
+from vlmrun.default_model import default_model_path
 from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.step_input import ChunkInput
+from vlmrun.layers.cpu_kernels import cpu_features
+from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
 from vlmrun.spec_decode.mtp import with_mtp_layer
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
@@ -104,6 +110,54 @@ def test_mtp_drafts_equal_the_layer_run_by_transformers(arch, mtp_dirs):
     for row, start, drafts in made:  # (each chunk's request: whichever of the two its drafts match)
         expected = [reference.drafts(seq[:start + 1], len(drafts)) for seq in sequences if start + 1 < len(seq)]
         assert drafts in expected, (row, start, drafts, expected)
+
+
+def test_mtp_layer_packed_by_the_models_rule(mtp_dirs):
+    """linear_backend="onednn" packs the MTP layer's linears as it packs the model's; the packed layer
+    drafts what the unpacked one drafts, and the tokens stay plain decode's."""
+    missing = cpu_features().cannot_pack(torch.float32)
+    if missing:
+        pytest.skip(missing)
+    model_dir = mtp_dirs["qwen3_5"]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    seen = {}
+    for backend in ("torch", "onednn"):
+        llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP, linear_backend=backend))
+        drafter = llm.engine.runner.drafter
+        assert drafter.mtp.fc.weight.is_mkldnn == (backend == "onednn")
+        made: list[list[int]] = []
+        draft = drafter.draft
+        drafter.draft = lambda chunks, *args: made.append(draft(chunks, *args)) or made[-1]
+        outputs = llm.generate(["one two three four one two three four"], params, use_tqdm=False)
+        seen[backend] = ([o.token_ids for o in outputs], [d.tolist() for d in made])
+        llm.engine.shutdown()
+    assert seen["onednn"] == seen["torch"] and len(seen["torch"][1]) >= 3
+
+
+def test_trained_mtp_drafts_partly_rejected_after_a_snapshot_boundary():
+    """The bundled model's trained MTP layer (drafts accepted and rejected, not only rejected as a random
+    layer's are) on requests with an image whose prompts end on a GDN snapshot point and one token past
+    it; each runs twice, the second from the first's snapshot and MTP KV (a prefix hit). Every answer
+    equals plain decode's, with its logprobs."""
+    model_dir = default_model_path()
+    scenes = [render_scene(make_scene(11, i)) for i in range(2)]
+    options = dict(prefix_snapshot_interval=16, max_num_batched_tokens=64)
+    llm = LLM(str(model_dir), **mtp_options(model_dir, **options))
+    candidates = [[{"prompt": DESCRIBE_PROMPT + " " + "." * n, "images": [scene]} for n in range(16)] for scene in scenes]
+    prompts = [next(p for p in candidates[r] if len(llm.engine.process(p).token_ids) % 16 == r) for r in (0, 1)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts for _ in range(2)]
+    llm.engine.shutdown()
+
+    llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP, **options))
+    spec = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts for _ in range(2)]
+    hits = llm.engine.stats().prefix_hit_tokens
+    assert hits == len(plain[2].prompt_token_ids) - 1  # the second prompt's full pages, from their snapshot
+    assert_pools_empty(llm.engine)
+    assert_same(plain, spec)
+    for out in spec:
+        stats = out.metrics.spec_decode
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
 
 
 def test_remember_picks_the_last_kept_position():
