@@ -168,8 +168,6 @@ class EngineConfig:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and {self.max_lora_rank}")
         if self.lora_kernel not in LORA_KERNELS:
             raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
-        if self.enable_lora and self.speculative_config is not None:
-            raise ValueError("enable_lora cannot be combined with speculative_config yet")
         if self.mm_processor_kwargs is not None:
             check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
         if self.gdn_state_dtype not in _DTYPES:

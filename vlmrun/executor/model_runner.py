@@ -124,7 +124,7 @@ class ModelRunner:
         lora_slots = None if self.lora is None else self.lora.activate([c.lora for c in chunks])
         self.embed_images(fb, chunks, lora_slots)
         if self.lora is not None:  # each row's adapter slot, read by the adapted layers of this forward
-            self.lora.bind(lora_slots, [c.num_tokens for c in chunks])
+            self.lora.bind(lora_slots, self.rows_per_chunk(fb, chunks))
         mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device, self.tp)
         if mtp is not None:
             mtp.draft(fb)
@@ -239,6 +239,13 @@ class ModelRunner:
             return self.padded_decode.run(fb)
         self.attn_backend.prepare(fb)
         return self.model(fb.input_ids, fb.positions, fb)
+
+    def rows_per_chunk(self, fb: ForwardBatch, chunks: list[ChunkInput]) -> list[int]:
+        """Each chunk's rows in the forward that runs `fb`: its tokens, or in a verify step run padded
+        `width` rows (its tokens, then the padding of its row, which runs its adapter and is dropped)."""
+        if self.padded_decode is not None and fb.mode is not ForwardMode.DECODE and self.padded_decode.fits(fb):
+            return [self.padded_decode.width] * len(chunks)
+        return [c.num_tokens for c in chunks]
 
     def build_forward_batch(self, chunks: list[ChunkInput]) -> ForwardBatch:
         """The step's ForwardBatch from the chunks alone: no cache or model is touched."""
