@@ -2,9 +2,10 @@
 
 Rows of the base model and of several adapters (more than the slots: they take turns) decode with
 drafts accepted whole, in part and not at all (tests/test_spec_decode.py's `OracleDrafts`, from the
-same engine's plain decode): the tokens and logprobs are plain decode's. Eagerly, and padded as on
-CUDA, where a verify step lays each sequence out in 1 + k rows (its row's padding runs its adapter);
-and with the MTP layer of a hybrid checkpoint drafting beside the adapted model.
+same engine's plain decode): the tokens and logprobs are plain decode's. Eagerly (with async
+scheduling too), and padded as on CUDA, where a verify step lays each sequence out in 1 + k rows (the
+row's padding runs its adapter); and with the MTP layer of a hybrid checkpoint drafting beside the
+adapted model.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ def jobs_of(setup) -> tuple[list, list]:
             [None if name == "base" else setup.request(name) for name, _ in jobs])
 
 
-@pytest.mark.parametrize("arch, enforce_eager", [("qwen3_vl", True), ("qwen3_5", False), ("qwen3_vl_moe", False)])
-def test_adapted_rows_with_drafts_equal_plain_decode(request, arch, enforce_eager, padded_verify_steps):
+@pytest.mark.parametrize("arch, enforce_eager, async_scheduling",
+                         [("qwen3_vl", True, False), ("qwen3_5", False, False), ("qwen3_vl_moe", False, False),
+                          ("qwen3", True, True)])
+def test_adapted_rows_with_drafts_equal_plain_decode(request, arch, enforce_eager, async_scheduling,
+                                                     padded_verify_steps):
     setup = lora_setup(request, arch)
     prompts, loras = jobs_of(setup)
     options = dict(dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
-                   enforce_eager=enforce_eager)
+                   enforce_eager=enforce_eager, async_scheduling=async_scheduling)
     plain = LLM(str(setup.model_dir), **options).chat(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     references = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]
     assert len({tuple(r) for r in references}) == len(references)  # every adapter answers its own way
