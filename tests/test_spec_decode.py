@@ -364,6 +364,8 @@ def test_speculative_config_follows_vllm_names_and_defaults():
     spec = SpeculativeConfig.of({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (4, 4)
     assert EngineConfig(speculative_config=SPEC).speculative_config == SpeculativeConfig(**SPEC)
+    for alias in ("qwen3_next_mtp", "qwen3_5_mtp"):  # the Qwen model cards' vLLM commands pass the first
+        assert SpeculativeConfig.of({"method": alias, "num_speculative_tokens": 2}) == SpeculativeConfig("mtp", 2)
     bad = [({"method": "eagle", "num_speculative_tokens": 2}, "method"),
            ({"method": "ngram"}, "num_speculative_tokens"),
            ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

@@ -6,8 +6,10 @@
 request's own prompt and output, `ngram.py`) also takes the n-gram sizes `prompt_lookup_min` /
 `prompt_lookup_max` (vLLM's defaults: both 5 when neither is given, the given one when one is).
 Method "mtp" drafts with the checkpoint's multi-token-prediction layer (`mtp.py`; Qwen3.5 and
-Qwen3-Next checkpoints that carry one). Both take `disable_by_batch_size` (vLLM's key): a request added
-while more than that many requests are enqueued (running + waiting) never speculates.
+Qwen3-Next checkpoints that carry one); vLLM's per-family names for it, "qwen3_next_mtp" (what the Qwen
+model cards' vLLM commands pass, for Qwen3-Next and Qwen3.5 alike) and "qwen3_5_mtp", are read as
+"mtp", as vLLM reads them. Both take `disable_by_batch_size` (vLLM's key): a request added while more
+than that many requests are enqueued (running + waiting) never speculates.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 SPECULATIVE_METHODS = ("ngram", "mtp")
+MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's older per-family names of method "mtp"
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
 
 
@@ -30,9 +33,11 @@ class SpeculativeConfig:
     disable_by_batch_size: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.method in MTP_ALIASES:
+            object.__setattr__(self, "method", "mtp")
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                             f"got {self.method!r}")
+            raise ValueError(f"speculative_config: method must be one of "
+                             f"{', '.join(SPECULATIVE_METHODS + MTP_ALIASES)}, got {self.method!r}")
         _check_count("num_speculative_tokens", self.num_speculative_tokens)
         if self.disable_by_batch_size is not None:
             _check_count("disable_by_batch_size", self.disable_by_batch_size)
