@@ -21,9 +21,11 @@ runs it (`run_caption_job`: the folder walk, preprocessing workers, continuous b
 written) over N generated scenes saved as PNG, with and without the same speculative_config,
 alternating (--rounds each), timed from the first input to the last record (the engine load not
 timed); the captions must be the same. `--caption-spec` gives the job its own speculative_config
-(e.g. with vLLM's `disable_by_batch_size`).
+(e.g. with vLLM's `disable_by_batch_size`); `--caption-folder DIR` captions DIR instead (assets/images:
+the main job of `make demo`). `--batches` with no sizes skips the decode part.
 
     OMP_NUM_THREADS=1 python -m bench.bench_spec_decode --rounds 5 --caption-scenes 256 --profile
+    OMP_NUM_THREADS=1 python -m bench.bench_spec_decode --rounds 7 --batches --caption-folder assets/images
 """
 
 from __future__ import annotations
@@ -152,10 +154,11 @@ def caption_job(folder: Path, out: Path, spec: dict | None,
 
 def measure_caption_job(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp) / "scenes"
-        folder.mkdir()
-        for i in range(args.caption_scenes):
-            render_scene(make_scene(12, i)).save(folder / f"scene_{i:04d}.png")
+        folder = args.caption_folder or Path(tmp) / "scenes"
+        if args.caption_folder is None:
+            folder.mkdir()
+            for i in range(args.caption_scenes):
+                render_scene(make_scene(12, i)).save(folder / f"scene_{i:04d}.png")
         rates: dict[str, list[float]] = {"off": [], "on": []}
         captions: dict[str, dict[str, str]] = {}
         stats = None
@@ -171,7 +174,8 @@ def measure_caption_job(args: argparse.Namespace) -> None:
         assert captions["on"] == captions["off"], "speculation changed a caption"
     off, on = (statistics.median(rates[mode]) for mode in ("off", "on"))
     print(f"caption job speculative_config: {json.dumps(args.caption_spec or args.spec)}")
-    print(f"caption job, {args.caption_scenes} scenes: off {off:.2f} images/s; on {on:.2f} ({on / off:.2f}x); "
+    what = str(args.caption_folder) if args.caption_folder else f"{args.caption_scenes} scenes"
+    print(f"caption job, {what}: off {off:.2f} images/s; on {on:.2f} ({on / off:.2f}x); "
           f"mean accepted length {stats.mean_accepted_length:.2f}, acceptance {stats.acceptance_rate:.0%}; "
           f"runs off {[round(x, 2) for x in rates['off']]}, on {[round(x, 2) for x in rates['on']]}", flush=True)
 
@@ -180,9 +184,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 16], help="(none: skip the decode part)")
     parser.add_argument("--spec", type=json.loads, default=DEFAULT_SPEC, help="the speculative_config, as JSON")
     parser.add_argument("--caption-scenes", type=int, default=0, help="scenes for the caption-job part (0: skip it)")
+    parser.add_argument("--caption-folder", type=Path, default=None,
+                        help="the caption-job part captions this folder instead of generated scenes "
+                             "(assets/images: the main job's sample images)")
     parser.add_argument("--caption-spec", type=json.loads, default=None,
                         help="the caption job's speculative_config, as JSON (default: --spec), e.g. with "
                              "disable_by_batch_size")
@@ -198,7 +205,7 @@ def main() -> None:
             profile_steps(engines, args)
         for llm in engines.values():
             llm.engine.shutdown()
-    if args.caption_scenes:
+    if args.caption_scenes or args.caption_folder:
         measure_caption_job(args)
 
 
