@@ -125,9 +125,14 @@ def test_mtp_layer_packed_by_the_models_rule(mtp_dirs):
         llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP, linear_backend=backend))
         drafter = llm.engine.runner.drafter
         assert drafter.mtp.fc.weight.is_mkldnn == (backend == "onednn")
-        made: list[list[int]] = []
+        made: list[torch.Tensor] = []  # each verify step's drafts
         draft = drafter.draft
-        drafter.draft = lambda chunks, *args: made.append(draft(chunks, *args)) or made[-1]
+
+        def recording_draft(*args, draft=draft, made=made):
+            made.append(draft(*args))
+            return made[-1]
+
+        drafter.draft = recording_draft
         outputs = llm.generate(["one two three four one two three four"], params, use_tqdm=False)
         seen[backend] = ([o.token_ids for o in outputs], [d.tolist() for d in made])
         llm.engine.shutdown()
@@ -143,7 +148,8 @@ def test_trained_mtp_drafts_partly_rejected_after_a_snapshot_boundary():
     scenes = [render_scene(make_scene(11, i)) for i in range(2)]
     options = dict(prefix_snapshot_interval=16, max_num_batched_tokens=64)
     llm = LLM(str(model_dir), **mtp_options(model_dir, **options))
-    candidates = [[{"prompt": DESCRIBE_PROMPT + " " + "." * n, "images": [scene]} for n in range(16)] for scene in scenes]
+    candidates = [[{"prompt": DESCRIBE_PROMPT + " " + "." * n, "images": [scene]} for n in range(16)]
+                  for scene in scenes]  # per scene, prompts of 16 successive lengths
     prompts = [next(p for p in candidates[r] if len(llm.engine.process(p).token_ids) % 16 == r) for r in (0, 1)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
     plain = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts for _ in range(2)]

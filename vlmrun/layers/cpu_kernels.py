@@ -12,8 +12,8 @@ The choices, each read from `CpuFeatures` and a table of measurements keyed by c
 - `pack_threshold`: which dense linears run from oneDNN-packed weights (`layers/packed_linear.py`)
   instead of `F.linear` (the reference). "auto" packs only where a measurement says it wins: oneDNN's
   call costs ~25-30 us more than F.linear's (AVX2, AVX-512 float32), so a weight smaller than the
-  threshold stays unpacked; a capability or dtype nobody measured keeps the reference. An explicit "onednn" packs
-  every linear, and where the CPU cannot run it is a ValueError naming what is missing.
+  threshold stays unpacked; a capability or dtype nobody measured keeps the reference. An explicit
+  "onednn" packs every linear, and where the CPU cannot run it is a ValueError naming what is missing.
 - `patch_embed_as_gemm`: the vision patch embed as one GEMM or as the conv HF runs (float32 on the CPU;
   `models/blocks/vision_common.py`); the GEMM won in half precision on every ISA measured.
 """
