@@ -26,6 +26,10 @@ the main job of `make demo`). `--batches` with no sizes skips the decode part.
 
     OMP_NUM_THREADS=1 python -m bench.bench_spec_decode --rounds 5 --caption-scenes 256 --profile
     OMP_NUM_THREADS=1 python -m bench.bench_spec_decode --rounds 7 --batches --caption-folder assets/images
+
+`--device cuda` runs both engines on the GPU (the same bundled model and its trained MTP layer: where
+a decode step is launch- or memory-bound, as the issue expects speculation to pay), `--verify-cuda-graphs`
+adds the opt-in verify graphs to the speculating engine.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import torch
+
 from bench.common import describe_run
 from testing.scene_drawing import render_scene
 from vlmrun import LLM, SamplingParams
@@ -45,7 +51,6 @@ from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 DEFAULT_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
-ENGINE = {"dtype": "float32", "device": "cpu"}
 
 
 def caption_batch(llm: LLM, images: list, max_tokens: int,
@@ -135,13 +140,19 @@ def profile_steps(engines: dict[str, LLM], args: argparse.Namespace) -> None:
         print(f"profile {mode}: {steps} engine steps for {tokens} tokens; ms per step: {'; '.join(parts)}", flush=True)
 
 
-def caption_job(folder: Path, out: Path, spec: dict | None,
+def engine_options(args: argparse.Namespace) -> dict:
+    """The engines' options: float32 on --device (the CPU by default), verify CUDA graphs when asked."""
+    options = {"dtype": "float32", "device": args.device}
+    return {**options, "verify_cuda_graphs": True} if args.verify_cuda_graphs else options
+
+
+def caption_job(folder: Path, out: Path, engine: dict, spec: dict | None,
                 max_tokens: int) -> tuple[float, dict[str, str], SpecDecodeStats | None]:
     """One `vlmrun caption FOLDER --out OUT` run: images/s, each image's caption, the engine's counters."""
     from vlmrun.jobs.config import CaptionJobConfig
     from vlmrun.jobs.runner import run_caption_job
 
-    options = dict(ENGINE) if spec is None else {**ENGINE, "speculative_config": spec}
+    options = dict(engine) if spec is None else {**engine, "speculative_config": spec}
     config = CaptionJobConfig(inputs=[str(folder)], model=str(default_model_path()), out=str(out),
                               prompt=DESCRIBE_PROMPT, overwrite=True, progress=False,
                               sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
@@ -165,7 +176,7 @@ def measure_caption_job(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             for mode in _order(r):
                 spec = args.caption_spec or args.spec
-                rate, caps, counters = caption_job(folder, Path(tmp) / f"{mode}.jsonl",
+                rate, caps, counters = caption_job(folder, Path(tmp) / f"{mode}.jsonl", engine_options(args),
                                                    spec if mode == "on" else None, args.max_tokens)
                 rates[mode].append(rate)
                 captions.setdefault(mode, caps)
@@ -193,12 +204,16 @@ def main() -> None:
     parser.add_argument("--caption-spec", type=json.loads, default=None,
                         help="the caption job's speculative_config, as JSON (default: --spec), e.g. with "
                              "disable_by_batch_size")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the engines' device)")
+    parser.add_argument("--verify-cuda-graphs", action="store_true",
+                        help="CUDA: the speculating engine replays verify steps from CUDA graphs (opt-in)")
     parser.add_argument("--profile", action="store_true", help="also: where a batch-1 step's time goes (cProfile)")
     args = parser.parse_args()
-    print(describe_run("bench.bench_spec_decode"), "|", cpu_model_name(), flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else cpu_model_name()
+    print(describe_run("bench.bench_spec_decode"), "|", device, flush=True)
     print(f"speculative_config: {json.dumps(args.spec)}", flush=True)
     if args.batches:
-        engines = {mode: LLM(None, speculative_config=args.spec if mode == "on" else None, **ENGINE)
+        engines = {mode: LLM(None, speculative_config=args.spec if mode == "on" else None, **engine_options(args))
                    for mode in ("off", "on")}
         measure(engines, args)
         if args.profile:
