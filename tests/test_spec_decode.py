@@ -151,14 +151,18 @@ def test_partly_accepted_drafts_on_every_architecture(arch, request):
         assert engine_stats.num_preemptions > 0
 
 
-def test_partly_rejected_drafts_after_a_snapshot_boundary(qwen3_5_dir):
+@pytest.mark.parametrize("arch, mode", [("qwen3_5", {}), ("qwen3_5", {"enforce_eager": False}),
+                                        ("qwen3_5", {"async_scheduling": True}), ("qwen3_5_moe", {})])
+def test_partly_rejected_drafts_after_a_snapshot_boundary(arch, mode, request):
     """Hybrid requests with an image: one whose prompt ends on a page boundary (a GDN snapshot point:
     the snapshot is taken from the slot right before the first verify pass), one whose prompt ends one
     token past it (its first chunk is cut there for the snapshot); each decodes with drafts accepted and
     rejected across page boundaries, then runs again: the second restores the snapshot (a prefix hit)
-    and verifies from it. Every answer equals plain decode's."""
-    options = dict(prefix_snapshot_interval=16, max_num_batched_tokens=64)
-    llm = LLM(str(qwen3_5_dir), **engine_options(qwen3_5_dir, **options))
+    and verifies from it. Every answer equals plain decode's; eagerly, with verify steps padded (as on
+    CUDA) and with async scheduling."""
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    options = dict(prefix_snapshot_interval=16, max_num_batched_tokens=64, **mode)
+    llm = LLM(str(model_dir), **engine_options(model_dir, **options))
     image = make_sample_images()[0]
     candidates = [{"prompt": "Describe it" + "." * n, "images": [image]} for n in range(20)]
     lengths = [len(llm.engine.process(p).token_ids) for p in candidates]
@@ -168,7 +172,7 @@ def test_partly_rejected_drafts_after_a_snapshot_boundary(qwen3_5_dir):
     llm.engine.shutdown()
     references = [out.prompt_token_ids + out.token_ids for out in plain]
 
-    llm = LLM(str(qwen3_5_dir), **engine_options(qwen3_5_dir, speculative_config=SPEC, **options))
+    llm = LLM(str(model_dir), **engine_options(model_dir, speculative_config=SPEC, **options))
     llm.engine.scheduler.proposer = OracleDrafts(references, 3, llm.engine.model_config.text_config.vocab_size)
     spec = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts for _ in range(2)]
     hits = llm.engine.stats().prefix_hit_tokens

@@ -139,14 +139,15 @@ def test_mtp_layer_packed_by_the_models_rule(mtp_dirs):
     assert seen["onednn"] == seen["torch"] and len(seen["torch"][1]) >= 3
 
 
-def test_trained_mtp_drafts_partly_rejected_after_a_snapshot_boundary():
+@pytest.mark.parametrize("mode", [{}, {"enforce_eager": False}, {"async_scheduling": True}])
+def test_trained_mtp_drafts_partly_rejected_after_a_snapshot_boundary(mode):
     """The bundled model's trained MTP layer (drafts accepted and rejected, not only rejected as a random
     layer's are) on requests with an image whose prompts end on a GDN snapshot point and one token past
     it; each runs twice, the second from the first's snapshot and MTP KV (a prefix hit). Every answer
-    equals plain decode's, with its logprobs."""
+    equals plain decode's, with its logprobs; eagerly, padded (as on CUDA) and with async scheduling."""
     model_dir = default_model_path()
     scenes = [render_scene(make_scene(11, i)) for i in range(2)]
-    options = dict(prefix_snapshot_interval=16, max_num_batched_tokens=64)
+    options = dict(prefix_snapshot_interval=16, max_num_batched_tokens=64, **mode)
     llm = LLM(str(model_dir), **mtp_options(model_dir, **options))
     candidates = [[{"prompt": DESCRIBE_PROMPT + " " + "." * n, "images": [scene]} for n in range(16)]
                   for scene in scenes]  # per scene, prompts of 16 successive lengths
