@@ -19,7 +19,8 @@ import openai
 import pytest
 
 from tests.test_engine_parity import make_image
-from tests.test_run_batch import ENGINE_FLAGS, _chat_line, _completion_line, _comparable, _outputs, _write_lines
+from tests.test_run_batch import (ENGINE_FLAGS, _chat_line, _completion_line, _outputs, _write_lines,
+                                  assert_same_answer)
 from tests.test_server import MODEL, engine, server, client, tiny_engine  # noqa: F401 (fixtures)
 from tests.test_server_vllm_cli import (LARGE_IMAGE, MARK, flagged, post, serve_args,  # noqa: F401 (fixture)
                                         user)
@@ -295,27 +296,8 @@ def test_run_batch(qwen3_vl_dir, tmp_path, server):
     for line in lines:
         got = answers[line["custom_id"]]["response"]["body"]
         want = post(server, line["url"], line["body"]).json()
-        assert without_logprobs(got) == without_logprobs(want)
-        assert logprob_values(got) == pytest.approx(logprob_values(want), abs=1e-4)
+        assert_same_answer(got, want, 1e-4, line["custom_id"])
     assert answers["echo"]["response"]["body"]["choices"][0]["text"].startswith("Once upon a time")
     before = out.read_bytes()
     assert main(["run-batch", "-i", str(src), "-o", str(out), *flags]) == 0
     assert out.read_bytes() == before
-
-
-def without_logprobs(body: dict) -> dict:
-    """A response body without what differs between two runs (ids, times) and without its logprob values."""
-    choices = [{k: v for k, v in c.items() if k != "logprobs"} for c in body["choices"]]
-    return {**_comparable(body), "choices": choices}
-
-
-def logprob_values(body: dict) -> list[float]:
-    """Every logprob value of a response's choices, in order (the first of an echoed prompt has none)."""
-    values: list[float] = []
-    for choice in body["choices"]:
-        lp = choice["logprobs"]
-        if "content" in lp:
-            values += [t["logprob"] for t in lp["content"]]
-        else:
-            values += [v for v in lp["token_logprobs"] if v is not None]
-    return values
