@@ -4,8 +4,8 @@ Rows of the base model and of several adapters (more than the slots: they take t
 drafts accepted whole, in part and not at all (tests/test_spec_decode.py's `OracleDrafts`, from the
 same engine's plain decode): the tokens and logprobs are plain decode's. Eagerly (with async
 scheduling too), and padded as on CUDA, where a verify step lays each sequence out in 1 + k rows (the
-row's padding runs its adapter); and with the MTP layer of a hybrid checkpoint drafting beside the
-adapted model.
+row's padding runs its adapter); under tensor parallelism (TP=2 against TP=1's plain decode); and with
+the MTP layer of a hybrid checkpoint drafting beside the adapted model.
 """
 
 from __future__ import annotations
@@ -67,3 +67,22 @@ def test_mtp_drafts_beside_an_adapted_model(request, tmp_path):
             prompts, GREEDY, use_tqdm=False, lora_request=loras)
         assert_same(plain, spec)
         assert total(spec).num_draft_tokens > len(prompts)
+
+
+def test_tensor_parallel_adapted_rows_with_drafts(request):
+    """TP=2 (gloo, one process per rank): each rank verifies the drafts through its slices of the
+    adapters; the tokens equal TP=1's plain decode, logprobs within TP's summation noise."""
+    setup = lora_setup(request, "qwen3_5_moe")
+    prompts, loras = jobs_of(setup)
+    options = dict(dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
+    plain = LLM(str(setup.model_dir), **options).chat(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    references = [o.prompt_token_ids + o.outputs[0].token_ids for o in plain]
+    llm = LLM(str(setup.model_dir), tensor_parallel_size=2, speculative_config=SPEC, **options)
+    try:
+        llm.engine.scheduler.proposer = OracleDrafts(references, 3, llm.engine.model_config.text_config.vocab_size)
+        spec = llm.chat(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    finally:
+        llm.engine.shutdown()
+    assert_same(plain, spec, logprob_tol=1e-4)
+    stats = total(spec)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
