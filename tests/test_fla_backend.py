@@ -27,13 +27,20 @@ def _installed(distribution: str) -> bool:
         return False
 
 
-pytestmark = pytest.mark.skipif(not (_installed("fla-core") and _installed("triton")),
-                                reason="flash-linear-attention / triton not installed")
+needs_fla_and_triton = pytest.mark.skipif(not (_installed("fla-core") and _installed("triton")),
+                                          reason="flash-linear-attention / triton not installed")
+pytestmark = needs_fla_and_triton
+
+
+def run_interpreter_check(module: str) -> str:
+    """`python -m module` in a process of its own (the Triton interpreter is chosen before triton is
+    imported): its stdout; the test fails with the end of its output when it fails."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", module], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def test_fla_backend_equals_the_torch_reference_under_the_triton_interpreter():
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.fla_interpret_check"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "outputs max|fla - torch|" in proc.stdout
+    assert "outputs max|fla - torch|" in run_interpreter_check("tests.fla_interpret_check")
