@@ -14,7 +14,8 @@ first token to its last finished request (`RequestOutput.metrics`; the prefill l
 speculating engine's tokens must equal the plain one's (checked), and its mean accepted length
 (tokens per verify step: 1 + accepted drafts) and acceptance rate come from
 `RequestOutput.metrics.spec_decode`. `--profile` adds where a batch-1 caption step's time goes
-(cProfile, ms per engine step in the model, the GDN layers, the MTP catch-up and drafts, ...).
+(cProfile, ms per engine step in the model, the GDN layers, the MTP catch-up and drafts, ...);
+`--step-times` the same parts timed with perf_counter around each, without a profiler.
 
 **caption images/s** (--caption-scenes N, 0 to skip): the caption job as `vlmrun caption FOLDER`
 runs it (`run_caption_job`: the folder walk, preprocessing workers, continuous batching, JSONL records
@@ -35,16 +36,25 @@ adds the opt-in verify graphs to the speculating engine.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import statistics
 import tempfile
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from bench.common import describe_run
 from testing.scene_drawing import render_scene
 from vlmrun import LLM, SamplingParams
+from vlmrun.engine.engine import Engine
+from vlmrun.engine.scheduler import Scheduler
+from vlmrun.executor.model_runner import ModelRunner
+from vlmrun.executor.mtp_steps import MTPStep
+from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
+from vlmrun.layers.sampler import Sampler
 from vlmrun.default_model import default_model_path
 from vlmrun.layers.cpu_kernels import _cpu_model_name as cpu_model_name
 from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
@@ -104,40 +114,82 @@ def measure(engines: dict[str, LLM], args: argparse.Namespace) -> None:
                   f"verify steps)", flush=True)
 
 
-# where a decode step's time goes (--profile): label -> (file suffix, function) of a cProfile entry
+# where a decode step's time goes (--profile, --step-times): label -> (class, method), cumulative times
 PARTS = {
-    "engine step": ("vlmrun/engine/engine.py", "step"),
-    "model forward": ("vlmrun/executor/model_runner.py", "forward"),
-    "  GDN decode": ("vlmrun/layers/attention/torch_gdn_backend.py", "_decode"),
-    "  GDN verify (per position)": ("vlmrun/layers/attention/torch_gdn_backend.py", "_verify"),
-    "MTP catch-up": ("vlmrun/executor/mtp_steps.py", "catch_up"),
-    "MTP drafts": ("vlmrun/executor/mtp_steps.py", "draft"),
-    "sampling": ("vlmrun/layers/sampler.py", "sample"),
-    "collect (acceptance, GDN states kept)": ("vlmrun/executor/model_runner.py", "collect"),
-    "scheduler": ("vlmrun/engine/scheduler.py", "schedule"),
+    "engine step": (Engine, "step"),
+    "model forward": (ModelRunner, "forward"),
+    "  GDN decode": (TorchGDNBackend, "_decode"),
+    "  GDN verify (per position)": (TorchGDNBackend, "_verify"),
+    "MTP catch-up": (MTPStep, "catch_up"),
+    "MTP drafts": (MTPStep, "draft"),
+    "sampling": (Sampler, "sample"),
+    "collect (acceptance, GDN states kept)": (ModelRunner, "collect"),
+    "scheduler": (Scheduler, "schedule"),
 }
 
 
-def profile_steps(engines: dict[str, LLM], args: argparse.Namespace) -> None:
-    """cProfile over --rounds batch-1 caption calls per engine: ms per engine step in each part (profiled
-    times: the profiler's own cost inflates the Python-heavy parts)."""
+def profiled_parts(run: Callable[[], None]) -> dict[str, tuple[int, float]]:
+    """`run()` under cProfile: label -> (calls, seconds inside) of each part (the profiler's own cost
+    inflates the Python-heavy parts)."""
     import cProfile
     import pstats
 
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    table = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, tottime, cumtime, callers)
+    parts = {}
+    for label, (owner, name) in PARTS.items():
+        code = inspect.unwrap(getattr(owner, name)).__code__
+        calls, _, _, cumtime, _ = table.get((code.co_filename, code.co_firstlineno, code.co_name), (0, 0, 0, 0.0, {}))
+        parts[label] = (calls, cumtime)
+    return parts
+
+
+def timed_parts(run: Callable[[], None]) -> dict[str, tuple[int, float]]:
+    """`run()` with each part's method wrapped in a perf_counter pair (no profiler): label -> (calls,
+    seconds inside)."""
+    totals = {label: [0, 0.0] for label in PARTS}
+    originals = {label: owner.__dict__[name] for label, (owner, name) in PARTS.items()}
+
+    def timing(method: Callable, total: list) -> Callable:
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                total[0] += 1
+                total[1] += time.perf_counter() - start
+        return timed
+
+    for label, (owner, name) in PARTS.items():
+        setattr(owner, name, timing(originals[label], totals[label]))
+    try:
+        run()
+    finally:
+        for label, (owner, name) in PARTS.items():
+            setattr(owner, name, originals[label])
+    return {label: (calls, seconds) for label, (calls, seconds) in totals.items()}
+
+
+def step_parts(engines: dict[str, LLM], args: argparse.Namespace, profiled: bool) -> None:
+    """Over --rounds batch-1 caption calls per engine: ms per engine step in each part, under cProfile
+    (--profile) or timed without it (--step-times)."""
     images = [render_scene(make_scene(11, 100 + i)) for i in range(args.rounds)]
     for mode, llm in engines.items():
         caption_batch(llm, images[:1], 8, ignore_eos=True)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        tokens = sum(len(ids) for image in images for ids in caption_batch(llm, [image], args.max_tokens, False)[1])
-        profiler.disable()
-        table = pstats.Stats(profiler).stats  # (file, line, function) -> (calls, primitive calls, tottime, cumtime, callers)
-        steps = next(v[0] for (f, _, fn), v in table.items() if f.endswith(PARTS["engine step"][0]) and fn == "step")
-        parts = []
-        for label, (suffix, name) in PARTS.items():
-            cum = sum(v[3] for (f, _, fn), v in table.items() if f.endswith(suffix) and fn == name)
-            parts.append(f"{label} {1000 * cum / steps:.2f}")
-        print(f"profile {mode}: {steps} engine steps for {tokens} tokens; ms per step: {'; '.join(parts)}", flush=True)
+        tokens = 0
+
+        def run() -> None:
+            nonlocal tokens
+            tokens = sum(len(ids) for image in images for ids in caption_batch(llm, [image], args.max_tokens, False)[1])
+
+        parts = (profiled_parts if profiled else timed_parts)(run)
+        steps = parts["engine step"][0]
+        cells = "; ".join(f"{label} {1000 * seconds / steps:.2f}" for label, (_, seconds) in parts.items())
+        print(f"{'profile' if profiled else 'step times'} {mode}: {steps} engine steps for {tokens} tokens; "
+              f"ms per step: {cells}", flush=True)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -208,6 +260,8 @@ def main() -> None:
     parser.add_argument("--verify-cuda-graphs", action="store_true",
                         help="CUDA: the speculating engine replays verify steps from CUDA graphs (opt-in)")
     parser.add_argument("--profile", action="store_true", help="also: where a batch-1 step's time goes (cProfile)")
+    parser.add_argument("--step-times", action="store_true",
+                        help="also: where a batch-1 step's time goes, timed without a profiler")
     args = parser.parse_args()
     device = torch.cuda.get_device_name() if args.device == "cuda" else cpu_model_name()
     print(describe_run("bench.bench_spec_decode"), "|", device, flush=True)
@@ -217,7 +271,9 @@ def main() -> None:
                    for mode in ("off", "on")}
         measure(engines, args)
         if args.profile:
-            profile_steps(engines, args)
+            step_parts(engines, args, profiled=True)
+        if args.step_times:
+            step_parts(engines, args, profiled=False)
         for llm in engines.values():
             llm.engine.shutdown()
     if args.caption_scenes or args.caption_folder:
