@@ -21,10 +21,19 @@ states to, tensors with one state per sequence. So a step moves each sequence's 
 times per layer — gathered from the pool, through the kernel, written back — where a kernel that
 reads and writes the pool by slot would move it once (vLLM and SGLang carry such a fork of this
 kernel). Nothing else is copied: the dtype casts are no-ops for the float32 pool.
+
+Pinned configs (`pin_fla_configs`, on when `VLMRUN_FLA_PINNED_CONFIGS=1`): FLA's Triton kernels are
+autotuned, so their first call per shape compiles every candidate config, ~92 compiles for the 8
+autotuned kernels of the forward path per dtype and GDN shape (minutes of a GPU run). Pinned, each
+autotuner keeps one config (`PINNED_CONFIGS`, for the forward path; any other FLA kernel its first
+candidate), and Triton compiles it once per specialization without benchmarking. The GPU checks and
+benchmark pin; an engine without the variable autotunes as FLA does.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, cast
 
@@ -52,6 +61,8 @@ class FLAGDNBackend(LinearAttentionBackend):
         from fla.modules.causal_conv1d import causal_conv1d, causal_conv1d_update
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
+        if os.environ.get(PIN_CONFIGS_ENV) == "1":
+            pin_fla_configs()
         self.pool = pool
         self._conv, self._conv_update = causal_conv1d, causal_conv1d_update
         self._chunk, self._recurrent = chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
@@ -111,3 +122,84 @@ def gdn_varlen_metadata(fb: ForwardBatch) -> FLAMetadata:
     cu = torch.zeros(fb.batch_size + 1, dtype=torch.int64)
     cu[1:] = torch.tensor(fb.extend_seq_lens_cpu, dtype=torch.int64).cumsum(0)
     return FLAMetadata(decode=False, cu_seqlens=cu.to(fb.input_ids.device), cu_seqlens_cpu=cu)
+
+
+PIN_CONFIGS_ENV = "VLMRUN_FLA_PINNED_CONFIGS"
+PIN_CANDIDATES_ATTR = "vlmrun_candidates"  # an autotuner's own configs, kept on it when pinned
+# kernel -> (constexpr kwargs, num_warps, num_stages): one of FLA 0.6's own candidates on Hopper for
+# each autotuned kernel the forward path runs (`causal_conv1d`, `causal_conv1d_update`,
+# `chunk_gated_delta_rule`; `fused_recurrent_gated_delta_rule` is not autotuned). Picked for
+# occupancy at decode's batch sizes, not measured: the first GPU run reports the speed they give.
+PINNED_CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
+    "causal_conv1d_fwd_kernel": ({"BD": 64}, 4, 3),
+    "causal_conv1d_update_kernel": ({"BD": 64}, 4, 3),
+    "l2norm_fwd_kernel": ({"BT": 16}, 4, 3),
+    "chunk_local_cumsum_scalar_kernel": ({}, 2, 3),
+    "chunk_gated_delta_rule_fwd_kkt_solve_kernel": ({"BK": 64}, 4, 3),
+    "recompute_w_u_fwd_kernel": ({}, 4, 3),
+    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": ({"BV": 32}, 4, 2),
+    "chunk_fwd_kernel_o": ({"BK": 64, "BV": 64}, 4, 3),
+}
+
+
+def pin_fla_configs(pins: Optional[dict[str, tuple[dict[str, int], int, int]]] = None) -> dict[str, str]:
+    """Leave every Triton autotuner of FLA's loaded modules one config: its pin in `pins`
+    (default `PINNED_CONFIGS`), which must be one of its candidates, else its first candidate.
+    Returns kernel -> "pinned" | "first candidate". Nothing changes when a pin is refused; a later
+    call chooses again among the original candidates. Imports the GDN kernels first."""
+    import fla.modules.causal_conv1d  # noqa: F401  (their modules define the autotuners)
+    import fla.ops.gated_delta_rule  # noqa: F401
+    from triton.runtime.autotuner import Autotuner
+
+    pins = PINNED_CONFIGS if pins is None else pins
+    chosen: dict[int, tuple[Any, list[Any], list[Any]]] = {}  # id -> (autotuner, its candidates, its one config)
+    done: dict[str, str] = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla.") or module is None:
+            continue
+        for obj in list(vars(module).values()):
+            for tuner in _autotuners(obj, Autotuner):
+                kernel = _kernel_name(tuner)
+                candidates = getattr(tuner, PIN_CANDIDATES_ATTR, None) or list(tuner.configs)
+                if kernel in pins:
+                    chosen[id(tuner)] = (tuner, candidates, [_matching_config(candidates, kernel, *pins[kernel])])
+                    done[kernel] = "pinned"
+                else:
+                    chosen[id(tuner)] = (tuner, candidates, candidates[:1])
+                    done.setdefault(kernel, "first candidate")
+    missing = sorted(set(pins) - {k for k, how in done.items() if how == "pinned"})
+    if missing:
+        raise ValueError(f"FLA has no autotuned kernel named {missing}: update PINNED_CONFIGS")
+    for tuner, candidates, one in chosen.values():
+        setattr(tuner, PIN_CANDIDATES_ATTR, candidates)
+        tuner.configs = one
+    return done
+
+
+def _autotuners(obj: Any, autotuner_cls: type) -> list[Any]:
+    """The autotuners in a kernel's wrapper chain (heuristics -> autotune -> jit, any order)."""
+    found = []
+    for _ in range(8):  # a chain is two or three deep, then the Python function (no .fn)
+        if isinstance(obj, autotuner_cls):
+            found.append(obj)
+        obj = getattr(obj, "fn", None)
+        if obj is None:
+            break
+    return found
+
+
+def _kernel_name(tuner: Any) -> str:
+    fn = tuner.fn
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__name__", repr(fn))
+
+
+def _matching_config(candidates: list[Any], kernel: str, kwargs: dict[str, int], num_warps: int,
+                     num_stages: int) -> Any:
+    for config in candidates:
+        if config.kwargs == kwargs and config.num_warps == num_warps and config.num_stages == num_stages:
+            return config
+    listed = [(c.kwargs, c.num_warps, c.num_stages) for c in candidates]
+    raise ValueError(f"the pinned config {(kwargs, num_warps, num_stages)} of FLA's {kernel} is not one of its "
+                     f"candidates {listed}")
