@@ -2,9 +2,9 @@
 
 Three figures per model, both sides measured in the same run, bf16:
 
-- **decode** tokens/s at batch 1: one 448x448 image + prompt, `t(N+1 tokens) - t(1 token)` over N
-  tokens (median of --repeats, a fresh image each run so no cache hides the prefill), and its
-  fraction of the bandwidth floor: the bytes one decode step must read (every text-stack weight once,
+- **decode** tokens/s at batch 1 (and at each of --decode-batches): B requests of one 448x448 image +
+  prompt, `t(N+1 tokens) - t(1 token)` over N tokens (median of --repeats, fresh images each run so
+  no cache hides the prefill), B tokens per step; at batch 1 also its fraction of the bandwidth floor: the bytes one decode step must read (every text-stack weight once,
   the LM head, the KV of the context, GDN state read and written) over the device-to-device copy
   bandwidth measured on this GPU in the same run;
 - **caption**: R requests of one SxS image + prompt, T output tokens each (EOS ignored), images/s;
@@ -14,8 +14,10 @@ HF is driven as its users run it: `AutoProcessor` with the checkpoint's default 
 (the torchvision `Qwen2VLImageProcessor`), `apply_chat_template(..., tokenize=True)` on the whole
 batch (left padding), one `generate` call, SDPA attention; flash-linear-attention is used by HF's
 Qwen3.5 layers when it is installed. vlmrun runs `LLM.generate` with its defaults on CUDA (or the
-kernels the command line names), and as the side `vlmrun-fast` with the CUDA fast path (FlashInfer,
-flash-linear-attention, decode CUDA graphs) over them.
+kernels the command line names), as the side `vlmrun-fast` with the CUDA fast path (FlashInfer,
+flash-linear-attention, decode CUDA graphs) over them, and as `vlmrun-torch` with the torch backends. With `VLMRUN_FLA_PINNED_CONFIGS=1` FLA's
+kernels run one pinned config each, for HF's side too (`fla_backend.pin_fla_configs`). Sections run
+in the order decode, caption, TTFT; past --time-limit-s the rest are skipped (their row says so).
 
     python -m bench.bench_gpu --models qwen3_vl_2b qwen3_5_27b_4l --out bench_gpu.jsonl
 """
@@ -24,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -38,11 +42,14 @@ import torch
 from PIL import Image
 
 from vlmrun.cli_options import add_kernel_args, kernel_options
+from vlmrun.layers.attention.fla_backend import PIN_CONFIGS_ENV, pin_fla_configs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "shared" / "configs"
 PROMPT = "Describe the image."
-SIDES = ("vlmrun", "vlmrun-fast", "HF")
-FAST_KERNELS = {"attention_backend": "flashinfer", "gdn_backend": "fla"}  # the vlmrun-fast side's, over the command line's
+SIDES = ("vlmrun", "vlmrun-fast", "vlmrun-torch", "HF")
+# the kernels of the sides that name them, over the command line's: the fast path, the torch path
+SIDE_KERNELS = {"vlmrun-fast": {"attention_backend": "flashinfer", "gdn_backend": "fla"},
+                "vlmrun-torch": {"attention_backend": "torch", "gdn_backend": "torch"}}
 # name: (published config file, text layers kept or None for all)
 MODELS: dict[str, tuple[str, int | None]] = {
     "qwen3_vl_2b": ("Qwen3-VL-2B-Instruct.json", None),
@@ -210,11 +217,25 @@ class Seeds:
         return list(range(self.next - n, self.next))
 
 
-def measure_decode(side, seeds: Seeds, tokens: int, repeats: int) -> dict:
-    one = [timed(lambda s=s: side.run([random_image(448, s)], 1)) for s in seeds.take(repeats + 1)][1:]
-    many = [timed(lambda s=s: side.run([random_image(448, s)], tokens + 1)) for s in seeds.take(repeats + 1)][1:]
+def measure_decode(side, seeds: Seeds, tokens: int, repeats: int, batch: int = 1) -> dict:
+    """Batch 1's keys are decode_step_ms / decode_tok_s; batch B's end in _b{B}."""
+    def run(n: int) -> float:
+        images = [random_image(448, s) for s in seeds.take(batch)]
+        return timed(lambda: side.run(images, n))
+
+    one = [run(1) for _ in range(repeats + 1)][1:]
+    many = [run(tokens + 1) for _ in range(repeats + 1)][1:]
     step = (statistics.median(many) - statistics.median(one)) / tokens
-    return {"decode_step_ms": step * 1e3, "decode_tok_s": 1 / step, "prefill_1_token_s": statistics.median(one)}
+    tag = "" if batch == 1 else f"_b{batch}"
+    return {f"decode_step_ms{tag}": step * 1e3, f"decode_tok_s{tag}": batch / step,
+            f"prefill_1_token_s{tag}": statistics.median(one)}
+
+
+def measure_decode_batches(side, seeds: Seeds, args: argparse.Namespace) -> dict:
+    row: dict = {}
+    for batch in args.decode_batches:
+        row.update(measure_decode(side, seeds, args.decode_tokens, args.repeats, batch))
+    return row
 
 
 def measure_caption(side, seeds: Seeds, requests: int, side_px: int, tokens: int) -> dict:
@@ -247,21 +268,20 @@ def profile_decode(side, seeds: Seeds, tokens: int = 32) -> dict:
 
 # section -> its measurement of one side (the side, its image seeds, the command line)
 SECTIONS: dict[str, Callable[[Any, Seeds, argparse.Namespace], dict]] = {
-    "ttft": lambda side, seeds, args: measure_ttft(side, seeds, args.repeats),
-    "decode": lambda side, seeds, args: measure_decode(side, seeds, args.decode_tokens, args.repeats),
+    "decode": measure_decode_batches,
     "caption": lambda side, seeds, args: measure_caption(side, seeds, args.caption_requests, args.caption_px,
                                                          args.caption_tokens),
+    "ttft": lambda side, seeds, args: measure_ttft(side, seeds, args.repeats),
     "profile": lambda side, seeds, args: profile_decode(side, seeds),
 }
 
 
 def side_kernels(side_name: str, args: argparse.Namespace) -> dict[str, Any]:
-    """A vlmrun side's engine options: the command line's kernels, with the fast path's over them for vlmrun-fast."""
-    options = kernel_options(args)
-    return {**options, **FAST_KERNELS} if side_name == "vlmrun-fast" else options
+    """A vlmrun side's engine options: the command line's kernels, with the side's own over them."""
+    return {**kernel_options(args), **SIDE_KERNELS.get(side_name, {})}
 
 
-def bench_model(name: str, args, bandwidth: float, log) -> None:
+def bench_model(name: str, args, bandwidth: float, log, deadline: float) -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         model_dir = build_checkpoint(name, Path(tmp), args.configs, args.layers, args.device)
         for side_name in args.sides:
@@ -276,6 +296,9 @@ def bench_model(name: str, args, bandwidth: float, log) -> None:
                         else HFSide(model_dir, args.device))
                 for what, measure in SECTIONS.items():
                     if what not in args.sections:
+                        continue
+                    if time.monotonic() > deadline:
+                        row[f"{what}_skipped"] = f"past --time-limit-s {args.time_limit_s}"
                         continue
                     try:
                         row.update(measure(side, seeds, args))
@@ -302,10 +325,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sides", nargs="+", default=["vlmrun", "HF"], choices=list(SIDES))
-    parser.add_argument("--sections", nargs="+", default=["ttft", "decode", "caption"],
-                        choices=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
     parser.add_argument("--configs", type=Path, default=CONFIGS)
     parser.add_argument("--decode-tokens", type=int, default=256)
+    parser.add_argument("--decode-batches", nargs="+", type=int, default=[1], help="decode tokens/s at these batch sizes")
+    parser.add_argument("--time-limit-s", type=float, default=None, help="skip the sections that would start later")
     parser.add_argument("--caption-requests", type=int, default=256)
     parser.add_argument("--caption-px", type=int, default=448)
     parser.add_argument("--caption-tokens", type=int, default=128)
@@ -317,6 +341,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per model and side")
     add_kernel_args(parser)  # vlmrun's kernels: --attention-backend flashinfer --gdn-backend fla for the fast path
     args = parser.parse_args()
+    deadline = time.monotonic() + (args.time_limit_s or float("inf"))
+    if os.environ.get(PIN_CONFIGS_ENV) == "1" and importlib.util.find_spec("fla"):
+        pin_fla_configs()  # before either side runs FLA's kernels (HF's Qwen3.5 layers use them too)
 
     bandwidth = copy_bandwidth()
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
@@ -334,7 +361,7 @@ def main() -> None:
                 f.write(json.dumps({**header, **row}) + "\n")
 
     for name in args.models:
-        bench_model(name, args, bandwidth, log)
+        bench_model(name, args, bandwidth, log, deadline)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,25 @@
-"""The GPU acceptance run: every GPU check and benchmark of vlmrun, in two parts of under ten minutes each.
+"""The GPU acceptance run: vlmrun's GPU speed figures and checks in ONE device call of under ten minutes.
 
-On the lent GPU machine (torch, triton, nvcc; no registry), from the repository root, with the
-wheels of `bench/gpu_wheels.sh` carried in `.whl/`:
+On the lent GPU machine (torch, triton; no registry; nvcc is not needed), from the repository root,
+carrying `.whl` (bench/gpu_wheels.sh: the wheels the machine lacks and FlashInfer's kernels built
+ahead for sm_90a) and `.cache/gpu_carry` (the Triton cache a previous call brought back, if any):
 
-    python3 -m bench.gpu_acceptance --part 1 --commit SHA --out $OUT
-    python3 -m bench.gpu_acceptance --part 2 --commit SHA --out $OUT
+    python3 -m bench.gpu_acceptance --commit SHA --out $OUT
 
-A part checks `nvcc --version` first (FlashInfer 0.6 compiles each kernel with it at first use),
-installs the wheels into a target folder (`--site`), then runs its checks one after the other: each
-a command with its own time limit, its output in `<log-dir>/<check>.log`. FlashInfer's JIT cache
-is kept in `.flashinfer/` of the checkout (ignored), so a later part on the same machine reuses the
-kernels compiled before. A part stops starting checks when too little of its `--budget` is left for
-the next one (it is reported "not run"). The results of every part run in the same log folder are
-merged into `report.md` (pass / fail per check; each benchmark figure with the device, date and
-commit) and `report.json`; `--out` receives those two and `logs.tar.gz` (three files: a device
-call brings back at most eight).
+It installs the wheels once into a target folder (`--site`), then runs bench/gpu_checks.py's plan:
+setup (the Triton cache restored, every FlashInfer module loaded from the kernel wheel), speed
+(bench/bench_gpu.py per model: fast path, torch path, HF side by side), the fast path's correctness,
+then the rest as time allows: each check a command with its own time limit, its output in
+`<log-dir>/<check>.log`. Planned checks (tiers 0-2) run with what is left of `--budget` when that is
+less than their limit; a tier-3 check starts only when its whole limit fits; a check not started is
+reported "not run". At the end the Triton cache is packed for the next call and one report is
+written whose first section is the speed table (each figure with device, date and commit), then
+pass / fail per check: `--out` receives report.md, report.json, logs.tar.gz and triton_cache.tar.gz.
 
-`--dry-run` (any machine, no CUDA needed) lists what a part would run and checks that every test
-file, test function, script, benchmark model and config it names exists; tests/test_gpu_acceptance.py
-runs it, so the list cannot rot. The checks are listed in bench/gpu_checks.py, the report is written
-by bench/gpu_report.py. Only the standard library is imported: the wheels are not importable until
-the script has installed them.
+`--dry-run` (any machine, no CUDA) prints the plan with its time limits, checks that the planned
+limits fit the call's budget and that every test, script, benchmark model and config named exists;
+tests/test_gpu_acceptance.py runs it in CI, so the plan cannot rot. Only the standard library is
+imported here: the wheels are not importable until the script has installed them.
 """
 
 from __future__ import annotations
@@ -34,108 +33,98 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Optional
 
 from bench.gpu_checks import (
+    CALL_BUDGET_S,
+    CHECK_ENV,
     CHECKS,
-    DEVICE_CALL_S,
+    HARVEST,
     INSTALL_TIMEOUT_S,
-    NVCC_TIMEOUT_S,
-    PARTS,
+    KILL_GRACE_S,
     PYTHON,
+    REPORT_SECONDS,
     ROOT,
-    SETUP_SECONDS,
+    TIERS,
     Check,
     missing_names,
-    part_time_limit,
+    plan_seconds,
 )
-from bench.gpu_report import (
-    Result,
-    closing_line,
-    export,
-    load_report,
-    markdown,
-    ordered_names,
-    outcome,
-    read_figures,
-)
-
+from bench.gpu_report import Result, closing_line, export, markdown, outcome, read_figures
 
 # ------------------------------------------------------------------ the dry run
 
 
-def dry_run(parts: list[int]) -> int:
+def dry_run(checks: list[Check], budget: int) -> int:
     problems = []
-    for check in CHECKS:
-        if check.part not in parts:
-            continue
-        print(f"[part {check.part}] {check.name} (limit {check.timeout_s} s): {check.what}")
+    print(f"one device call: `{PYTHON} -m bench.gpu_acceptance --commit SHA --out $OUT`, budget {budget} s "
+          f"(a device command may run 600 s)")
+    print(f"[{TIERS[0]}] install (limit {INSTALL_TIMEOUT_S} s): the carried wheels into --site, once")
+    for check in checks:
+        print(f"[{TIERS[check.tier]}] {check.name} (limit {check.timeout_s} s): {check.what}")
         print("    " + shlex.join(check.command))
-        for name in missing_names(check):
-            problems.append(f"{check.name}: {name} does not exist")
-    for part in parts:
-        limit = part_time_limit(part)
-        print(f"part {part}: time limits add up to {limit} s")
-        if limit > DEVICE_CALL_S:
-            problems.append(f"part {part}: its time limits add up to {limit} s, over a {DEVICE_CALL_S} s device call")
+        problems += [f"{check.name}: {name} does not exist" for name in missing_names(check)]
+    print(f"[report] {HARVEST.name}, report.md, logs (limit {REPORT_SECONDS} s)")
+    total = plan_seconds(checks)
+    print(f"planned (install, tiers 0-2, report): their limits add up to {total} s of the {budget} s budget; "
+          f"tier 3 runs in what they leave")
+    if total > budget:
+        problems.append(f"the planned checks' limits add up to {total} s, over the call's {budget} s")
     for problem in problems:
         print("MISSING " + problem)
     return 1 if problems else 0
 
 
-# ------------------------------------------------------------------ running a part
+# ------------------------------------------------------------------ the call
 
 
-def run_part(args: argparse.Namespace) -> int:
+def run_call(args: argparse.Namespace, checks: list[Check]) -> int:
+    start = time.monotonic()
+    deadline = start + args.budget
     log_dir = args.log_dir.resolve()
     log_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.budget
+    (log_dir / "bench.jsonl").unlink(missing_ok=True)
     env = child_env(args.site)
-    report = load_report(log_dir / "report.json")
-    report.update(run_info(args))
-    results = {r["name"]: r for r in report.get("checks", [])}
-    nvcc = Check("nvcc", args.part, "CUDA compiler (FlashInfer compiles its kernels with it at first use)",
-                 ["nvcc", "--version"], NVCC_TIMEOUT_S)
-    results["nvcc"] = asdict(run_check(nvcc, log_dir, env))
-    results["install"] = asdict(install_wheels(args.wheels, args.site, log_dir, args.part))
-    checks = [c for c in CHECKS if c.part == args.part and (not args.checks or c.name in args.checks)]
+    results: list[Result] = [install_wheels(args.wheels, args.site, log_dir)]
     for check in checks:
-        left = deadline - time.monotonic() - SETUP_SECONDS
-        if left < min(check.timeout_s, 30):
-            results[check.name] = asdict(Result(check.name, check.part, check.what, "not run", 0.0,
-                                                f"{left:.0f} s of the part's budget left", ""))
+        left = int(deadline - time.monotonic() - REPORT_SECONDS)  # a check's kill grace comes out of the slack to 600 s
+        if check.tier == 3 and left < check.timeout_s or left < min(check.timeout_s, 20):
+            results.append(Result(check.name, check.tier, check.what, "not run", 0.0,
+                                  f"{max(left, 0)} s of the call's budget left", ""))
             continue
-        results[check.name] = asdict(run_check(check, log_dir, env, min(check.timeout_s, int(left))))
-    report["checks"] = [results[n] for n in ordered_names(results)]
-    report["figures"] = read_figures(log_dir / "bench.jsonl", report["commit"])
+        results.append(run_check(check, log_dir, env, min(check.timeout_s, left)))
+    if args.out:
+        harvest = replace(HARVEST, command=[part.format(out=args.out) for part in HARVEST.command])
+        results.append(run_check(harvest, log_dir, env))
+    report = {**run_info(args), "seconds": round(time.monotonic() - start), "checks": [asdict(r) for r in results],
+              "figures": read_figures(log_dir / "bench.jsonl", commit(args.commit))}
     (log_dir / "report.json").write_text(json.dumps(report, indent=1))
     (log_dir / "report.md").write_text(markdown(report))
     if args.out:
         export(log_dir, args.out)
     print((log_dir / "report.md").read_text(), flush=True)
-    part_results = [results[name] for name in ("nvcc", "install", *(c.name for c in checks))]
-    return 0 if all(r["status"] == "passed" for r in part_results) else 1
+    return 0 if all(r.status == "passed" for r in results if r.tier <= 2) else 1
 
 
 def child_env(site: Path) -> dict[str, str]:
-    """The checks' environment: the installed wheels and the checkout importable, HF offline,
-    FlashInfer's JIT cache in the checkout, unbuffered output."""
+    """The checks' environment: the installed wheels and the checkout importable, HF offline, FlashInfer
+    without JIT, FLA pinned, the Triton cache at its fixed folder, unbuffered output."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", FLASHINFER_WORKSPACE_BASE=str(ROOT / ".flashinfer"),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **CHECK_ENV)
     return env
 
 
-def install_wheels(wheels: Path, site: Path, log_dir: Path, part: int) -> Result:
+def install_wheels(wheels: Path, site: Path, log_dir: Path) -> Result:
     found = sorted(wheels.glob("*.whl"))
-    check = Check("install", part, f"{len(found)} wheels from {wheels} into {site}",
+    check = Check("install", 0, f"{len(found)} wheels from {wheels} into {site}",
                   [PYTHON, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                    "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, found)], INSTALL_TIMEOUT_S)
     if not found:
-        return Result(check.name, part, check.what, "failed", 0.0, f"no wheels in {wheels} (bench/gpu_wheels.sh)", "")
+        return Result(check.name, 0, check.what, "failed", 0.0, f"no wheels in {wheels} (bench/gpu_wheels.sh)", "")
     result = run_check(check, log_dir, dict(os.environ))
     write_layout_hook(site)
     return result
@@ -188,25 +177,25 @@ def run_check(check: Check, log_dir: Path, env: dict[str, str], timeout_s: Optio
             proc = subprocess.Popen(command, cwd=ROOT, env={**env, **check.env}, stdout=out, stderr=subprocess.STDOUT)
         except FileNotFoundError as exc:
             out.write(f"{exc}\n")
-            return Result(check.name, check.part, check.what, "failed", 0.0, str(exc), log.name)
+            return Result(check.name, check.tier, check.what, "failed", 0.0, str(exc), log.name)
         timed_out = wait_or_interrupt(proc, timeout_s)
     seconds = time.monotonic() - start
     text = log.read_text(errors="replace")
     summary = closing_line(text)
     status = "timeout" if timed_out else outcome(proc.returncode, summary, is_pytest="pytest" in command)
     print(f"   {status} in {seconds:.0f} s: {summary}", flush=True)
-    return Result(check.name, check.part, check.what, status, round(seconds, 1), summary, log.name)
+    return Result(check.name, check.tier, check.what, status, round(seconds, 1), summary, log.name)
 
 
 def wait_or_interrupt(proc: subprocess.Popen, timeout_s: int) -> bool:
-    """Wait for `proc`; past `timeout_s` interrupt it, then kill it 15 s later. True when it timed out."""
+    """Wait for `proc`; past `timeout_s` interrupt it, then kill it KILL_GRACE_S later. True when it timed out."""
     try:
         proc.wait(timeout=timeout_s)
         return False
     except subprocess.TimeoutExpired:
         proc.send_signal(signal.SIGINT)
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=KILL_GRACE_S)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -215,7 +204,7 @@ def wait_or_interrupt(proc: subprocess.Popen, timeout_s: int) -> bool:
 
 def run_info(args: argparse.Namespace) -> dict:
     return {"device": device_name(), "date": datetime.date.today().isoformat(), "commit": commit(args.commit),
-            "python": sys.version.split()[0]}
+            "python": sys.version.split()[0], "budget_s": args.budget}
 
 
 def device_name() -> str:
@@ -246,22 +235,21 @@ def commit(given: Optional[str]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", type=int, choices=PARTS, help="which part to run (each under ten minutes)")
-    parser.add_argument("--dry-run", action="store_true", help="list what would run and check it exists (no CUDA)")
-    parser.add_argument("--log-dir", type=Path, default=ROOT / "gpu_report", help="logs and the merged report")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan and check it (no CUDA)")
+    parser.add_argument("--log-dir", type=Path, default=ROOT / "gpu_report", help="logs and the report")
     parser.add_argument("--wheels", type=Path, default=ROOT / ".whl", help="the wheels of bench/gpu_wheels.sh")
     parser.add_argument("--site", type=Path, default=Path("/tmp/site"), help="where the wheels are installed")
-    parser.add_argument("--out", type=Path, default=None, help="copy report.md, report.json, logs.tar.gz here")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="report.md, report.json, logs.tar.gz and triton_cache.tar.gz go here")
     parser.add_argument("--commit", default=None, help="the checkout's commit (default: git's, where .git is)")
-    parser.add_argument("--budget", type=int, default=570, help="seconds a part may take, all checks together")
+    parser.add_argument("--budget", type=int, default=CALL_BUDGET_S, help="seconds the whole call may take")
     parser.add_argument("--checks", nargs="+", choices=[c.name for c in CHECKS],
-                        help="run only these checks of the part (a rerun); nvcc and the install always run")
+                        help="run only these checks (a rerun); the install always runs")
     args = parser.parse_args()
+    checks = [c for c in CHECKS if not args.checks or c.name in args.checks]
     if args.dry_run:
-        return dry_run([args.part] if args.part else PARTS)
-    if args.part is None:
-        parser.error("--part is required (or --dry-run)")
-    return run_part(args)
+        return dry_run(checks, args.budget)
+    return run_call(args, checks)
 
 
 if __name__ == "__main__":
