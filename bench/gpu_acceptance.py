@@ -67,6 +67,11 @@ def dry_run(checks: list[Check], budget: int) -> int:
         print("    " + shlex.join(check.command))
         problems += [f"{check.name}: {name} does not exist" for name in missing_names(check)]
     print(f"[report] {HARVEST.name}, report.md, logs (limit {REPORT_SECONDS} s)")
+    travels = carried_bytes()
+    if travels is not None:
+        print(f"[carry] the tree, .whl and .cache/gpu_carry: {travels / 2**20:.1f} MiB of the {CARRY_LIMIT_MIB} MiB a call carries")
+        if travels > CARRY_LIMIT_MIB * 2**20:
+            problems.append(f"{travels / 2**20:.1f} MiB would travel, over {CARRY_LIMIT_MIB} MiB")
     total = plan_seconds(checks)
     print(f"planned (install, tiers 0-2, report): their limits add up to {total} s of the {budget} s budget; "
           f"tier 3 runs in what they leave")
@@ -75,6 +80,23 @@ def dry_run(checks: list[Check], budget: int) -> int:
     for problem in problems:
         print("MISSING " + problem)
     return 1 if problems else 0
+
+
+CARRY_LIMIT_MIB = 64
+CARRIED = [".whl", ".cache/gpu_carry"]  # the ignored folders the call carries
+
+
+def carried_bytes() -> Optional[int]:
+    """What a device call from this checkout carries: git's tracked files, the untracked ones it does
+    not ignore, and the carried folders. None where git is not there."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.split(b"\0")
+    except (FileNotFoundError, subprocess.CalledProcessError):
+        return None
+    files = [ROOT / name.decode() for name in listed if name]
+    files += [p for folder in CARRIED for p in (ROOT / folder).rglob("*")]
+    return sum(p.stat().st_size for p in files if p.is_file() and not p.is_symlink())
 
 
 # ------------------------------------------------------------------ the call

@@ -3,8 +3,8 @@
 Triton compiles FLA's kernels at first use (about a second each, in the engine's process) and
 caches them under `TRITON_CACHE_DIR`; the device machine starts bare, so each call compiled them
 again. Here the acceptance run (bench/gpu_acceptance.py) uses a fixed cache folder
-(`CACHE_DIR`: the cache's group files hold absolute paths) with `TRITON_STORE_BINARY_ONLY=1`
-(the binaries, not the IRs), and
+(`CACHE_DIR`, bench/gpu_checks.py's: the cache's group files hold absolute paths) with
+`TRITON_STORE_BINARY_ONLY=1` (the binaries, not the IRs), and
 
   - `harvest`, at the end of a call, packs that folder into one archive under `$OUT`
     (`triton_cache.tar.gz`), its first member `triton_key.json`: the `triton_key()` the binaries
@@ -29,16 +29,12 @@ import os
 import tarfile
 from pathlib import Path
 
+from bench.gpu_checks import TRITON_CACHE_DIR as CACHE_DIR  # fixed on every device call
+
 ROOT = Path(__file__).resolve().parents[1]
-CACHE_DIR = Path("/tmp/vlmrun_triton_cache")  # fixed on every device call
 CARRIED = ROOT / ".cache" / "gpu_carry" / "triton_cache.tar.gz"  # ignored by git (.cache/); named in `carry`
 KEY_MEMBER = "triton_key.json"
 CACHE_PREFIX = "cache/"
-
-
-def cache_env(cache_dir: Path = CACHE_DIR) -> dict[str, str]:
-    """The environment every check runs with, so Triton reads and writes the carried cache."""
-    return {"TRITON_CACHE_DIR": str(cache_dir), "TRITON_STORE_BINARY_ONLY": "1"}
 
 
 def machine_key() -> dict[str, str]:
