@@ -325,7 +325,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--sides", nargs="+", default=["vlmrun", "HF"], choices=list(SIDES))
-    parser.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS))
+    parser.add_argument("--sections", nargs="+", default=["decode", "caption", "ttft"], choices=list(SECTIONS))
     parser.add_argument("--configs", type=Path, default=CONFIGS)
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--decode-batches", nargs="+", type=int, default=[1], help="decode tokens/s at these batch sizes")
