@@ -30,7 +30,7 @@ def watched_run(self, *args, **kwargs):
     fn = self.fn
     while hasattr(fn, "fn"):
         fn = fn.fn
-    SEEN.setdefault(fn.__name__, set()).add(tuple((tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
+    SEEN.setdefault(f"{fn.__module__}.{fn.__name__}", set()).add(tuple((tuple(sorted(c.kwargs.items())), c.num_warps, c.num_stages)
                                                   for c in self.configs))
     return interpret._run(self, *args, **kwargs)
 
@@ -38,7 +38,7 @@ def watched_run(self, *args, **kwargs):
 def refusals() -> list[str]:
     """Problems with the refusals (empty when both bad pins are refused)."""
     problems = []
-    kernel = "chunk_fwd_kernel_o"
+    kernel = "fla.ops.common.chunk_o.chunk_fwd_kernel_o"
     for bad, what in [({kernel: ({"BK": 48, "BV": 48}, 4, 3)}, "not one of its candidates"),
                       ({"no_such_kernel": ({}, 4, 3)}, "no autotuned kernel named")]:
         try:

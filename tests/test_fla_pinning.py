@@ -14,4 +14,5 @@ pytestmark = needs_fla_and_triton
 def test_every_autotuned_fla_kernel_runs_on_its_one_pinned_config():
     out = run_interpreter_check("tests.fla_pin_check")
     assert "8 autotuned kernels ran, each on one config" in out, out
-    assert "chunk_gated_delta_rule_fwd_kernel_h_blockdim64: ran with [1] config(s) (its pin)" in out
+    assert ("fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64: ran with [1] config(s) "
+            "(its pin)") in out

@@ -130,23 +130,23 @@ PIN_CANDIDATES_ATTR = "vlmrun_candidates"  # an autotuner's own configs, kept on
 # each autotuned kernel the forward path runs (`causal_conv1d`, `causal_conv1d_update`,
 # `chunk_gated_delta_rule`; `fused_recurrent_gated_delta_rule` is not autotuned). Picked for
 # occupancy at decode's batch sizes, not measured: the first GPU run reports the speed they give.
-PINNED_CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {
-    "causal_conv1d_fwd_kernel": ({"BD": 64}, 4, 3),
-    "causal_conv1d_update_kernel": ({"BD": 64}, 4, 3),
-    "l2norm_fwd_kernel": ({"BT": 16}, 4, 3),
-    "chunk_local_cumsum_scalar_kernel": ({}, 2, 3),
-    "chunk_gated_delta_rule_fwd_kkt_solve_kernel": ({"BK": 64}, 4, 3),
-    "recompute_w_u_fwd_kernel": ({}, 4, 3),
-    "chunk_gated_delta_rule_fwd_kernel_h_blockdim64": ({"BV": 32}, 4, 2),
-    "chunk_fwd_kernel_o": ({"BK": 64, "BV": 64}, 4, 3),
+PINNED_CONFIGS: dict[str, tuple[dict[str, int], int, int]] = {  # by module and name: names repeat across FLA
+    "fla.modules.causal_conv1d.ops.causal_conv1d_fwd_kernel": ({"BD": 64}, 4, 3),
+    "fla.modules.causal_conv1d.ops.causal_conv1d_update_kernel": ({"BD": 64}, 4, 3),
+    "fla.modules.norm.l2norm.l2norm_fwd_kernel": ({"BT": 16}, 4, 3),
+    "fla.ops.utils.cumsum.chunk_local_cumsum_scalar_kernel": ({}, 2, 3),
+    "fla.ops.gated_delta_rule.chunk_fwd.chunk_gated_delta_rule_fwd_kkt_solve_kernel": ({"BK": 64}, 4, 3),
+    "fla.ops.gated_delta_rule.wy_fast.recompute_w_u_fwd_kernel": ({}, 4, 3),
+    "fla.ops.common.chunk_delta_h.chunk_gated_delta_rule_fwd_kernel_h_blockdim64": ({"BV": 32}, 4, 2),
+    "fla.ops.common.chunk_o.chunk_fwd_kernel_o": ({"BK": 64, "BV": 64}, 4, 3),
 }
 
 
 def pin_fla_configs(pins: Optional[dict[str, tuple[dict[str, int], int, int]]] = None) -> dict[str, str]:
     """Leave every Triton autotuner of FLA's loaded modules one config: its pin in `pins`
     (default `PINNED_CONFIGS`), which must be one of its candidates, else its first candidate.
-    Returns kernel -> "pinned" | "first candidate". Nothing changes when a pin is refused; a later
-    call chooses again among the original candidates. Imports the GDN kernels first."""
+    Returns kernel (module.name) -> "pinned" | "first candidate". Nothing changes when a pin is
+    refused; a later call chooses again among the original candidates. Imports the GDN kernels first."""
     import fla.modules.causal_conv1d  # noqa: F401  (their modules define the autotuners)
     import fla.ops.gated_delta_rule  # noqa: F401
     from triton.runtime.autotuner import Autotuner
@@ -189,10 +189,11 @@ def _autotuners(obj: Any, autotuner_cls: type) -> list[Any]:
 
 
 def _kernel_name(tuner: Any) -> str:
+    """The kernel's module and name, e.g. fla.ops.common.chunk_o.chunk_fwd_kernel_o."""
     fn = tuner.fn
     while hasattr(fn, "fn"):
         fn = fn.fn
-    return getattr(fn, "__name__", repr(fn))
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__name__', repr(fn))}"
 
 
 def _matching_config(candidates: list[Any], kernel: str, kwargs: dict[str, int], num_warps: int,
