@@ -5,18 +5,21 @@ FlashInfer 0.6 compiles each attention module with nvcc at first use: minutes pe
 for on every shape the GPU checks and the benchmark run, here, and packs them as a
 `flashinfer_jit_cache` wheel into `.whl/` beside the other wheels (bench/gpu_wheels.sh runs it):
 
-    python -m bench.flashinfer_aot                      # build what is missing, pack .whl/flashinfer_jit_cache-*.whl
-    python -m bench.flashinfer_aot --plan               # the modules and why (no flashinfer needed)
-    python -m bench.flashinfer_aot --verify --site DIR  # DIR holds the installed wheels: load each module, no JIT
+    PYTHONPATH=FI_SITE:. python -m bench.flashinfer_aot    # build what is missing, pack .whl/flashinfer_jit_cache-*.whl
+    python -m bench.flashinfer_aot --plan                  # the modules and why (no flashinfer needed)
+    PYTHONPATH=SITE:. python -m bench.flashinfer_aot --verify  # SITE holds the installed wheels: load each, no JIT
+
+(FI_SITE: a folder flashinfer-python 0.6.4 is installed in, not the venv; SITE: where the GPU run
+installed the carried wheels.)
 
 How FlashInfer finds them: `JitSpec.build_and_load` loads `<AOT_DIR>/<uri>/<uri>.so` when that file
 exists, and `flashinfer.jit.env` takes AOT_DIR from an importable `flashinfer_jit_cache` module whose
-`__version__` starts with flashinfer's own version (`get_jit_cache_dir()`). The modules link only
-libcudart, libcuda, libstdc++ and libc (apache-tvm-ffi's ABI: no torch, no Python), so the GPU
-machine's torch does not matter. No GPU is needed to build: `FLASHINFER_CUDA_ARCH_LIST="9.0a"` picks
+`__version__` starts with flashinfer's own version (`get_jit_cache_dir()`). The modules need only
+libcudart.so.13, libstdc++, libgcc_s and libc (apache-tvm-ffi's ABI: no torch, no Python; glibc 2.14
+and GLIBCXX 3.4.29 at most), so the GPU machine's torch does not matter. No GPU is needed to build: `FLASHINFER_CUDA_ARCH_LIST="9.0a"` picks
 the target and an empty stub `libcuda.so` (soname libcuda.so.1), passed by
-`FLASHINFER_EXTRA_LDFLAGS=-L<dir>`, satisfies the link's `-lcuda` (the driver's library is loaded
-there). Builds run one nvcc job at a time, niced, in `--build-dir` (ninja skips what is up to date).
+`FLASHINFER_EXTRA_LDFLAGS=-L<dir>`, satisfies the link's `-lcuda` (the linker drops it as unused:
+the modules do not even name libcuda). Builds run one nvcc job at a time, niced, in `--build-dir` (ninja skips what is up to date).
 
 Which modules (`needed_modules`): every full-attention shape of the published configs the checks
 and the benchmark build models from (tests/configs/) and the kernel test's own GQA-4 batches, in
@@ -24,8 +27,8 @@ bf16 with int32 indices, no sliding window, no soft cap, no RoPE in the kernel:
   - `prefill` (FA2, `flashinfer_backend.PREFILL_BACKEND`): every head_dim; it also serves decode on
     tensor cores (GQA groups of `TENSOR_CORE_MIN_GROUP` or more);
   - `decode` (CUDA cores): every head_dim with a smaller group.
-The planning and packing need the standard library only; building needs flashinfer-python
-(`--flashinfer-site`: a folder it is installed in, e.g. by bench/gpu_wheels.sh) and nvcc.
+The planning and packing need the standard library only; building needs flashinfer-python, nvcc
+and CUDA's headers and libcudart (`cudart_dir`).
 """
 
 from __future__ import annotations
@@ -35,12 +38,11 @@ import base64
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
