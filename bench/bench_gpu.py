@@ -35,7 +35,7 @@ import time
 import traceback
 from datetime import date
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -231,11 +231,13 @@ def measure_decode(side, seeds: Seeds, tokens: int, repeats: int, batch: int = 1
             f"prefill_1_token_s{tag}": statistics.median(one)}
 
 
-def measure_decode_batches(side, seeds: Seeds, args: argparse.Namespace) -> dict:
-    row: dict = {}
+def measure_decode_batches(side, seeds: Seeds, args: argparse.Namespace) -> Iterator[dict]:
+    """Each batch size's figures as soon as they are measured; past the deadline the rest are skipped."""
     for batch in args.decode_batches:
-        row.update(measure_decode(side, seeds, args.decode_tokens, args.repeats, batch))
-    return row
+        if time.monotonic() > args.deadline:
+            yield {f"decode_b{batch}_skipped": f"past --time-limit-s {args.time_limit_s}"}
+            continue
+        yield measure_decode(side, seeds, args.decode_tokens, args.repeats, batch)
 
 
 def measure_caption(side, seeds: Seeds, requests: int, side_px: int, tokens: int) -> dict:
@@ -266,13 +268,13 @@ def profile_decode(side, seeds: Seeds, tokens: int = 32) -> dict:
     return {"profile_" + k: v for k, v in counts.items()}
 
 
-# section -> its measurement of one side (the side, its image seeds, the command line)
-SECTIONS: dict[str, Callable[[Any, Seeds, argparse.Namespace], dict]] = {
+# section -> its measurement of one side (the side, its image seeds, the command line): figures as they come
+SECTIONS: dict[str, Callable[[Any, Seeds, argparse.Namespace], Iterable[dict]]] = {
     "decode": measure_decode_batches,
-    "caption": lambda side, seeds, args: measure_caption(side, seeds, args.caption_requests, args.caption_px,
-                                                         args.caption_tokens),
-    "ttft": lambda side, seeds, args: measure_ttft(side, seeds, args.repeats),
-    "profile": lambda side, seeds, args: profile_decode(side, seeds),
+    "caption": lambda side, seeds, args: [measure_caption(side, seeds, args.caption_requests, args.caption_px,
+                                                          args.caption_tokens)],
+    "ttft": lambda side, seeds, args: [measure_ttft(side, seeds, args.repeats)],
+    "profile": lambda side, seeds, args: [profile_decode(side, seeds)],
 }
 
 
@@ -281,7 +283,7 @@ def side_kernels(side_name: str, args: argparse.Namespace) -> dict[str, Any]:
     return {**kernel_options(args), **SIDE_KERNELS.get(side_name, {})}
 
 
-def bench_model(name: str, args, bandwidth: float, log, deadline: float) -> None:
+def bench_model(name: str, args, bandwidth: float, log) -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         model_dir = build_checkpoint(name, Path(tmp), args.configs, args.layers, args.device)
         for side_name in args.sides:
@@ -297,11 +299,12 @@ def bench_model(name: str, args, bandwidth: float, log, deadline: float) -> None
                 for what, measure in SECTIONS.items():
                     if what not in args.sections:
                         continue
-                    if time.monotonic() > deadline:
+                    if time.monotonic() > args.deadline:
                         row[f"{what}_skipped"] = f"past --time-limit-s {args.time_limit_s}"
                         continue
                     try:
-                        row.update(measure(side, seeds, args))
+                        for figures in measure(side, seeds, args):
+                            row.update(figures)
                     except Exception:  # one failed section must not lose the others
                         row[f"{what}_error"] = traceback.format_exc(limit=6)
                         print(row[f"{what}_error"], flush=True)
@@ -315,6 +318,10 @@ def bench_model(name: str, args, bandwidth: float, log, deadline: float) -> None
             except Exception:
                 row["error"] = traceback.format_exc(limit=8)
                 print(row["error"], flush=True)
+            except KeyboardInterrupt:  # the acceptance run's time limit: keep what was measured
+                row["error"] = "interrupted (time limit)"
+                log(row)
+                raise
             gc.collect()  # free one side's weights and cache before the other loads
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -341,7 +348,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="append one JSON line per model and side")
     add_kernel_args(parser)  # vlmrun's kernels: --attention-backend flashinfer --gdn-backend fla for the fast path
     args = parser.parse_args()
-    deadline = time.monotonic() + (args.time_limit_s or float("inf"))
+    args.deadline = time.monotonic() + (args.time_limit_s or float("inf"))
     if os.environ.get(PIN_CONFIGS_ENV) == "1" and importlib.util.find_spec("fla"):
         pin_fla_configs()  # before either side runs FLA's kernels (HF's Qwen3.5 layers use them too)
 
@@ -361,7 +368,7 @@ def main() -> None:
                 f.write(json.dumps({**header, **row}) + "\n")
 
     for name in args.models:
-        bench_model(name, args, bandwidth, log, deadline)
+        bench_model(name, args, bandwidth, log)
 
 
 if __name__ == "__main__":
