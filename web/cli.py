@@ -20,7 +20,7 @@ def web(args: argparse.Namespace) -> int:
         from vlmrun.server.cli import engine_config
 
         try:
-            resolve_model(args.model)
+            resolve_model(args.model, announce=False)
             config = engine_config(args)
         except (FileNotFoundError, ValueError) as exc:  # no model; a bad option value (--limit-mm-per-prompt, ...)
             print(f"vlmrun web: {exc}", file=sys.stderr)
