@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -100,24 +102,29 @@ def test_serve_refuses_a_busy_port_before_loading_the_model() -> None:
 def test_serve_says_what_it_loads_and_serves_and_that_the_model_is_the_bundled_one() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "vlmrun.cli", "serve", "--port", "0", "--log-level", "warning"],
                             env=_env(), cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr], daemon=True).start()
+    seen: list[str] = []
     try:
         deadline = time.monotonic() + 240
         url = None
         while url is None and time.monotonic() < deadline:
-            line = proc.stderr.readline()
-            if not line:
-                break
-            lines.append(line)
+            try:
+                line = lines.get(timeout=1)
+            except queue.Empty:
+                if proc.poll() is not None:
+                    break
+                continue
+            seen.append(line)
             found = re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)
             url = found.group(1) if found else None
-        assert url, "".join(lines)[-3000:]
+        assert url, "".join(seen)[-3000:]
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
             assert json.load(r)["data"][0]["id"] == "vlmrun-shapes-qwen3_5"
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    text = "".join(lines)
+    text = "".join(seen)
     assert text.count("bundled 3M-parameter shapes model") == 1
     assert "vlmrun: loading" in text and re.search(r"vlmrun: loaded .* in [\d.]+ s", text)
-    assert "vlmrun-shapes-qwen3_5" in [line for line in lines if "serving" in line][0]
+    assert "vlmrun-shapes-qwen3_5" in [line for line in seen if "serving" in line][0]
