@@ -94,6 +94,17 @@ def test_the_sliders_start_from_the_generation_config() -> None:
     assert plain["top-k"].value == 5 and plain["temperature"].value == FALLBACK_SAMPLING["temperature"]
 
 
+def test_a_greedy_checkpoint_starts_the_temperature_at_zero(tmp_path: Path) -> None:
+    from vlmrun.default_model import default_model_path
+    from vlmrun.web.app import checkpoint_sampling_defaults
+
+    assert checkpoint_sampling_defaults(default_model_path(), {})["temperature"] == 0.0  # do_sample: false
+    (tmp_path / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.6}')
+    assert checkpoint_sampling_defaults(tmp_path, {"temperature": 0.6, "top_k": 20}) == {"temperature": 0.6, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text('{"do_sample": true}')
+    assert checkpoint_sampling_defaults(tmp_path, {}) == {}
+
+
 def test_the_page_says_when_it_runs_the_bundled_shapes_model() -> None:
     shapes = _components(build_demo(ChatClient("http://127.0.0.1:9"), model=MODEL_DIR_NAME))
     assert "shapes model" in shapes["model-note"].value and "--model" in shapes["model-note"].value

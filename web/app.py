@@ -13,6 +13,7 @@ answers; else the photos.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, AsyncIterator, Optional
@@ -68,6 +69,22 @@ def slider_defaults(sampling_defaults: Optional[dict[str, Any]]) -> dict[str, An
     `vlmrun.generation_config.read_sampling_defaults` gives them), else `FALLBACK_SAMPLING`."""
     given = sampling_defaults or {}
     return {name: given.get(name, value) for name, value in FALLBACK_SAMPLING.items()}
+
+
+def checkpoint_sampling_defaults(model_path: Path, sampling_defaults: dict[str, Any]) -> dict[str, Any]:
+    """The sliders' defaults for a checkpoint: its sampling defaults (`ModelConfig.sampling_defaults`), and
+    temperature 0 (greedy) where its generation_config.json says `do_sample: false` and sets no temperature
+    (the bundled shapes model: its captions are exact greedy)."""
+    defaults = dict(sampling_defaults)
+    config = Path(model_path) / "generation_config.json"
+    if "temperature" not in defaults and config.is_file():
+        try:
+            greedy = json.loads(config.read_text(encoding="utf-8")).get("do_sample") is False
+        except (OSError, ValueError):
+            greedy = False
+        if greedy:
+            defaults["temperature"] = 0.0
+    return defaults
 
 
 def build_demo(client: ChatClient, model: Optional[str] = None, examples_dir: Path = ASSETS,

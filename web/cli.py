@@ -26,7 +26,7 @@ def web(args: argparse.Namespace) -> int:
         except (FileNotFoundError, ValueError) as exc:  # no model; a bad option value (--limit-mm-per-prompt, ...)
             print(f"vlmrun web: {exc}", file=sys.stderr)
             return 2
-    from vlmrun.web.app import ASSETS, build_demo, theme
+    from vlmrun.web.app import ASSETS, build_demo, checkpoint_sampling_defaults, theme
     from vlmrun.web.client import ChatClient
 
     engine = server = None
@@ -37,7 +37,8 @@ def web(args: argparse.Namespace) -> int:
             from vlmrun.server.settings import ServerSettings
 
             engine = build_engine(config, resolve_model(args.model, announce=False))
-            defaults = engine.engine.model_config.sampling_defaults
+            model_config = engine.engine.model_config
+            defaults = checkpoint_sampling_defaults(model_config.path, model_config.sampling_defaults)
             server = serve_in_thread(engine, ServerSettings(served_model_name=served_name(args.model)))
             client = ChatClient(server.base_url)
         else:
