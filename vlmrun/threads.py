@@ -29,10 +29,11 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "VLMRUN_NUM_THREADS"
 USER_POOL_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the user sized torch's pool: leave it
-# Parameters one more thread needs before it pays: below this a model runs on one thread. Measured on a
-# 2-core AMD EPYC (BENCHMARKS.md, "Threads on the CPU"): the bundled 3 M-parameter model captions its
-# sample images no faster on two threads when the machine is idle, and several times slower on two when
-# another process keeps a core busy.
+# Parameters one more thread needs before it pays: below this a model runs on one thread. On a 2-core AMD
+# EPYC shared with other work the bundled 3 M-parameter model captioned its sample images ~10x faster on
+# one thread than on torch's default two (BENCHMARKS.md, "Threads on the CPU"). The step of 50 M is a
+# judgement, not a measured crossover: a model that size has GEMMs of a few thousand columns, where a
+# second thread's fork/join is small against the work; re-measure on a quiet machine.
 PARAMS_PER_THREAD = 50_000_000
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = Path("/proc/self/cgroup")
