@@ -12,7 +12,7 @@ from tests.doc_symbols import DocChecker
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted(["README.md", "BENCHMARKS.md",
-               *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")),
+               *(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").rglob("*.md")),
                *(p.relative_to(ROOT).as_posix() for p in (ROOT / "assets" / "model").glob("*/README.md"))])
 
 # One stale reference of each kind, each on a line of its own.

@@ -10,8 +10,11 @@ import argparse
 import json
 from typing import Any
 
-from vlmrun.config import LORA_KERNELS
 from vlmrun.quantization.config import QUANTIZATION_METHODS
+
+# EngineConfig's LORA_KERNELS (vlmrun/config.py imports torch: the names are repeated here, and
+# tests/test_cli_startup.py checks they agree).
+LORA_KERNELS = ("torch", "triton")
 
 
 def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -43,6 +46,10 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                         "triton (rows grouped by adapter, Triton kernels on CUDA; opt-in, unverified on a GPU)")
     p.add_argument("--image-backend", default="auto", choices=["auto", "torchvision", "pil"],
                    help="image resize as transformers' torchvision (auto: when it imports) or PIL processor")
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N",
+                   help="CPU threads for the engine's steps (default: chosen from the CPUs this process may use "
+                        "(affinity, cgroup quota) and the model's size; or VLMRUN_NUM_THREADS; an OMP_NUM_THREADS "
+                        "of yours is kept)")
     p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],
                    help="resize and normalise images on the CPU or on the engine's GPU (torchvision backend)")
 
@@ -54,7 +61,19 @@ def kernel_options(args: argparse.Namespace) -> dict[str, Any]:
             "async_scheduling": args.async_scheduling, "image_backend": args.image_backend,
             "preprocess_device": args.preprocess_device, "quantization": args.quantization,
             "fp8_kernel": args.fp8_kernel, "lora_kernel": args.lora_kernel,
-            "speculative_config": args.speculative_config, "verify_cuda_graphs": args.verify_cuda_graphs}
+            "speculative_config": args.speculative_config, "verify_cuda_graphs": args.verify_cuda_graphs,
+            "num_threads": args.threads}
+
+
+def positive_int(text: str) -> int:
+    """A command-line count >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -49,6 +49,10 @@ class EngineConfig:
     # On the CPU: glibc's malloc keeps freed blocks for reuse instead of unmapping them, so a step does
     # not fault its activations in again (executor/cpu_malloc.py; process-wide). False leaves malloc as is.
     keep_freed_memory: bool = True
+    # On the CPU: torch's thread count for the engine's steps. None: chosen from the cores the process may
+    # use (affinity, cgroup quota) and the model's size, unless VLMRUN_NUM_THREADS or OMP_NUM_THREADS
+    # says (vlmrun/threads.py); N: exactly N.
+    num_threads: Optional[int] = None
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
     # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
@@ -135,6 +139,9 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.num_threads is not None and (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                                             or self.num_threads < 1):
+            raise ValueError(f"num_threads must be None or an integer >= 1, got {self.num_threads!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

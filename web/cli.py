@@ -1,6 +1,7 @@
 """`vlmrun web`: the Gradio demo, against a running server (`--server URL`) or a model loaded in
 this process (`--model M`, or the bundled default model when neither is given), served by an
 in-process OpenAI-compatible server on a free loopback port, so both modes run the same client code.
+With the model in this process the sampling sliders start from its generation config.
 """
 
 from __future__ import annotations
@@ -20,26 +21,29 @@ def web(args: argparse.Namespace) -> int:
         from vlmrun.server.cli import engine_config
 
         try:
-            resolve_model(args.model)
+            resolve_model(args.model, announce=False)
             config = engine_config(args)
         except (FileNotFoundError, ValueError) as exc:  # no model; a bad option value (--limit-mm-per-prompt, ...)
             print(f"vlmrun web: {exc}", file=sys.stderr)
             return 2
-    from vlmrun.web.app import ASSETS, build_demo, theme
+    from vlmrun.web.app import ASSETS, build_demo, checkpoint_sampling_defaults, theme
     from vlmrun.web.client import ChatClient
 
     engine = server = None
+    defaults = None  # the sliders' start: the checkpoint's generation config when the model runs here
     try:
         if config is not None:
             from vlmrun.server.launch import build_engine, serve_in_thread
             from vlmrun.server.settings import ServerSettings
 
-            engine = build_engine(config)
+            engine = build_engine(config, resolve_model(args.model, announce=False))
+            model_config = engine.engine.model_config
+            defaults = checkpoint_sampling_defaults(model_config.path, model_config.sampling_defaults)
             server = serve_in_thread(engine, ServerSettings(served_model_name=served_name(args.model)))
             client = ChatClient(server.base_url)
         else:
             client = ChatClient(args.server, api_key=args.api_key)
-        demo = build_demo(client)
+        demo = build_demo(client, sampling_defaults=defaults)
         demo.queue(default_concurrency_limit=args.concurrency)
         demo.launch(server_name=args.host, server_port=args.port, theme=theme(), ssr_mode=False,
                     allowed_paths=[str(ASSETS)], share=False)

@@ -1,6 +1,8 @@
 """The demo's conversation: a list of turns, rendered for the Chatbot and for the server.
 
-A `Turn` is one user message (text and any number of image or video files) and the answer so far.
+A `Turn` is one user message (text and any number of image or video files) and the answer so far, or
+the error that ended it: a failed turn stays in the conversation, its error shown as the answer and
+naming the user's file (`explain_error`), and is not sent to the server again.
 The Chatbot shows the media from their files; the server receives them as base64 data URIs (images
 as `image_url` items, videos as `video_url` items), so the demo works against any OpenAI-compatible
 server, local or not, without sharing a filesystem.
@@ -21,6 +23,7 @@ class Turn:
     text: str
     images: list[str] = field(default_factory=list)  # file paths (images and videos)
     answer: str = ""
+    error: str = ""  # why the server could not answer (shown in the conversation; the turn is not sent again)
 
 
 def image_data_uri(path: str) -> str:
@@ -51,6 +54,7 @@ def to_openai(turns: list[Turn], system_prompt: str = "") -> list[dict[str, Any]
     messages: list[dict[str, Any]] = []
     if system_prompt.strip():
         messages.append({"role": "system", "content": system_prompt.strip()})
+    turns = sent_turns(turns)
     for i, turn in enumerate(turns):
         content: list[dict[str, Any]] = [media_part(p) for p in turn.images]
         content.append({"type": "text", "text": turn.text})
@@ -60,15 +64,20 @@ def to_openai(turns: list[Turn], system_prompt: str = "") -> list[dict[str, Any]
     return messages
 
 
+def sent_turns(turns: list[Turn]) -> list[Turn]:
+    """The turns the server sees: all but the failed ones."""
+    return [t for t in turns if not t.error]
+
+
 def to_chatbot(turns: list[Turn]) -> list[dict[str, Any]]:
-    """Chatbot messages: each image as its own file message, then the text, then the answer."""
+    """Chatbot messages: each image as its own file message, then the text, then the answer (or the error)."""
     shown: list[dict[str, Any]] = []
     for turn in turns:
         for path in turn.images:
             shown.append({"role": "user", "content": {"path": path}})
         if turn.text:
             shown.append({"role": "user", "content": turn.text})
-        shown.append({"role": "assistant", "content": turn.answer})
+        shown.append({"role": "assistant", "content": f"⚠️ {turn.error}" if turn.error else turn.answer})
     return shown
 
 
@@ -86,11 +95,12 @@ _MEDIA_REF = re.compile(r"\b(image|video) (\d+) \(data URI \(\d+ chars\)\)")
 
 
 def explain_error(error: str, turns: list[Turn]) -> tuple[str, set[str]]:
-    """The server's error with each "image N (data URI (...))" / "video N (...)" named by its uploaded
-    file, and the paths of the files it names. The server numbers images and videos apart, in the
-    order `to_openai` sends them."""
-    files = {"image": [p for t in turns for p in t.images if not is_video_file(p)],
-             "video": [p for t in turns for p in t.images if is_video_file(p)]}
+    """The server's error with each "image N (data URI (...))" / "video N (...)" replaced by the name of
+    the file the user uploaded (and "data URI" by "file": the user sent a file), and the paths of the
+    files it names. The server numbers images and videos apart, in the order `to_openai` sends them."""
+    sent = sent_turns(turns)
+    files = {"image": [p for t in sent for p in t.images if not is_video_file(p)],
+             "video": [p for t in sent for p in t.images if is_video_file(p)]}
     named: set[str] = set()
 
     def name(match: re.Match) -> str:
@@ -99,9 +109,12 @@ def explain_error(error: str, turns: list[Turn]) -> tuple[str, set[str]]:
             return match.group(0)
         path = files[kind][number - 1]
         named.add(path)
-        return f"{kind} {number} ({Path(path).name!r})"
+        return repr(Path(path).name)
 
-    return _MEDIA_REF.sub(name, error), named
+    text = _MEDIA_REF.sub(name, error)
+    if named:
+        text = re.sub(r"\bdata URI\b", "the file", text)
+    return text, named
 
 
 def without_files(message: Any, paths: set[str]) -> dict[str, Any]:

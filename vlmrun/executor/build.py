@@ -39,6 +39,7 @@ from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.spec_decode.mtp import MTPDrafter, build_mtp_drafter, with_mtp_layer
+from vlmrun.threads import apply_cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     split_over = tp if tp is not None and config.mm_encoder_tp_mode == "data" else None
     if device.type == "cpu":
         logger.info("CPU: %s", cpu_features().describe())
+        apply_cpu_threads(config.num_threads, model, ranks=tp.size if tp is not None else 1)
     threshold = pack_threshold(config.linear_backend, device, next(model.parameters()).dtype)
     if threshold is not None:
         pack_linear_weights(model, threshold)

@@ -28,13 +28,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for what a request leaves out: auto (the checkpoint's "
                         "generation_config.json), vllm (none: SamplingParams' own), or a folder holding one")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "float", "half"),
+                   help="weights and activations (auto: float32 on the CPU; the checkpoint's bf16 / fp16 on CUDA)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when there is one, else the CPU), cpu, cuda or cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + answer in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="requests decoded together")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens one engine step may run")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="KV cache budget in bytes (default: 2 GiB on the CPU; on CUDA from --gpu-memory-utilization)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the engine may use")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the engine's sampling generator: unseeded sampled requests repeat from a fresh start")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -49,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '\'{"max_pixels": 401408}\' (min_pixels, max_pixels, fps); a request\'s own override them')
     p.add_argument("--max-images-per-request", type=int, default=None,
                    help='images one request may carry (default 32; the same as --limit-mm-per-prompt \'{"image": N}\')')
-    p.add_argument("--max-image-pixels", type=int, default=None)
+    p.add_argument("--max-image-pixels", type=int, default=None, help="images with more pixels are refused")
     p.add_argument("--max-video-frames", type=int, default=None, help="frames sampled from one video (default 768)")
     p.add_argument("--max-video-tokens", type=int, default=None,
                    help="LLM tokens of all videos of one request (default 65536)")
@@ -194,23 +197,35 @@ def serve(args: argparse.Namespace) -> int:
     try:  # what the command line got wrong, before any model is loaded
         settings = server_settings(args)
         config = engine_config(args)
-        resolve_model(config.model)
+        model = resolve_model(config.model, announce=False)
         if config.chat_template is not None:
             load_chat_template(config.chat_template)
     except (FileNotFoundError, ValueError) as exc:
         print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
+    from vlmrun.server.launch import PortInUse, bind_socket, build_engine, run_server
 
-    from vlmrun.server.app import create_app
-    from vlmrun.server.launch import build_engine
-
-    engine = build_engine(config)
+    try:  # the port before the model: a busy port fails at once, not after loading
+        sock = bind_socket(args.host, args.port)
+    except PortInUse as exc:
+        print(f"vlmrun serve: {exc}", file=sys.stderr)
+        return 2
     try:
-        app = create_app(engine, settings)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        engine = build_engine(config, model)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        from vlmrun.server.app import create_app
+
+        sock.listen(2048)  # from here connections wait in the backlog for uvicorn
+        address = f"http://{args.host}:{sock.getsockname()[1]}"
+        print(f"vlmrun serve: serving {model} as {settings.served_model_name!r} on {address} "
+              f"(OpenAI API at {address}/v1)", file=sys.stderr, flush=True)
+        run_server(create_app(engine, settings), sock, log_level=args.log_level)
     finally:
         engine.shutdown()
+        sock.close()
     return 0
 
 
@@ -220,7 +235,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="HF checkpoint directory or hub id, as `vllm serve MODEL` takes it (or --model)")
     add_engine_args(p)
     add_server_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level")
     p.set_defaults(func=serve)

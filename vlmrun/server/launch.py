@@ -1,14 +1,21 @@
 """Running the server: in the foreground (`vlmrun serve`) or in a background thread (`ServerThread`,
 used by the tests and by `vlmrun web --model`).
+
+The port is bound before the model loads (`bind_socket`: a busy port is an error at once, not after a
+load of minutes) and handed to uvicorn afterwards (`run_server`); until then connections are refused.
+`build_engine` says on stderr what it loads and how long it took (a ticking line on a terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, TextIO
 
 from vlmrun.config import EngineConfig
 from vlmrun.engine.async_engine import AsyncEngine
@@ -16,9 +23,71 @@ from vlmrun.engine.engine import Engine
 from vlmrun.server.settings import ServerSettings
 
 
-def build_engine(config: EngineConfig) -> AsyncEngine:
-    """Load the model and start the engine thread."""
-    return AsyncEngine(Engine(config)).start()
+class PortInUse(OSError):
+    """The address the server was asked to listen on cannot be bound (in use, or not this host's)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`:`port` (0: a free port), not yet listening; PortInUse saying what to do
+    when the port is taken or the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise PortInUse(f"port {port} on {host} is already in use (another server?): stop it, or choose "
+                            f"another with --port") from None
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def run_server(app: Any, sock: socket.socket, log_level: str = "info") -> None:
+    """uvicorn serving `app` on the bound `sock` in the foreground, until Ctrl-C / SIGTERM."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+@contextlib.contextmanager
+def loading_line(what: str, stream: Optional[TextIO] = None) -> Iterator[None]:
+    """'vlmrun: loading WHAT ...' on stderr, ticking the seconds on a terminal, then how long it took."""
+    out = stream if stream is not None else sys.stderr
+    start = time.monotonic()
+    done = threading.Event()
+    tty = out.isatty()
+    out.write(f"vlmrun: loading {what} ..." + ("" if tty else "\n"))
+    out.flush()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            out.write(f"\rvlmrun: loading {what} ... {time.monotonic() - start:.0f} s")
+            out.flush()
+
+    ticker = threading.Thread(target=tick, name="vlmrun-loading", daemon=True) if tty else None
+    if ticker is not None:
+        ticker.start()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        done.set()
+        if ticker is not None:
+            ticker.join()
+        verb = "loaded" if ok else "failed to load"
+        out.write(f"{chr(13) if tty else ''}vlmrun: {verb} {what} in {time.monotonic() - start:.1f} s\n")
+        out.flush()
+
+
+def build_engine(config: EngineConfig, model: Optional[str] = None) -> AsyncEngine:
+    """Load the model (`model`: its name for the progress line) and start the engine thread."""
+    with loading_line(model or config.model or "the bundled default model"):
+        engine = Engine(config)
+    return AsyncEngine(engine).start()
 
 
 @dataclass
@@ -40,10 +109,7 @@ class ServerThread:
     def start(self, timeout: float = 30.0) -> "ServerThread":
         import uvicorn
 
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
+        sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         self._sock = sock
         config = uvicorn.Config(self.app, log_level=self.log_level, lifespan="on", timeout_graceful_shutdown=5)
