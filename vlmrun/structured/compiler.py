@@ -6,8 +6,8 @@ EOS ids that end a grammar. `compile(spec)` returns the compiled grammar for the
 compiling it on first use; an LRU keyed by (kind, text, whitespace flag) keeps it, bounded by
 `cache_size` entries and by `cache_bytes` of compiled grammars (xgrammar's own size count: a
 100k-choice enum compiles to hundreds of MB, so a count alone bounds nothing). The grammar is also
-pinned on the spec it was compiled for, so the engine thread never compiles again a grammar the
-server compiled, however soon the cache evicts it. `compile` is safe to call from any thread (the server compiles in its thread pool, so
+pinned to the spec object it was compiled for (while that object lives: a weak reference), so the
+engine thread never compiles again a grammar the server compiled, however soon the cache evicts it. `compile` is safe to call from any thread (the server compiles in its thread pool, so
 the engine thread finds the grammar cached): the lock guards only the cache, a grammar compiles
 outside it, once, and a thread asking for a grammar still compiling waits for that one.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -134,13 +135,15 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
+        # id(spec) -> (a weak reference to it, its cache key when compiled, the grammar): `_pin`
+        self._pins: dict[int, tuple[Any, tuple, Any]] = {}
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec` (cached); StructuredOutputError when it does not compile."""
-        pinned = spec.pinned_grammar(self)
+        key = spec.cache_key
+        pinned = self._pinned(spec, key)
         if pinned is not None:
             return pinned
-        key = spec.cache_key
         with self._lock:
             entry = self._cache.get(key)
             owner = entry is None
@@ -169,16 +172,31 @@ class GrammarCompiler:
         entry.done.wait()
         if entry.error is not None:
             raise entry.error
-        spec.pin_grammar(self, entry.grammar)
+        self._pin(spec, key, entry.grammar)
         return entry.grammar
 
     def is_cached(self, spec: StructuredOutputsParams) -> bool:
         """Whether `compile(spec)` returns at once (pinned, or compiled and cached)."""
-        if spec.pinned_grammar(self) is not None:
+        key = spec.cache_key
+        if self._pinned(spec, key) is not None:
             return True
         with self._lock:
-            entry = self._cache.get(spec.cache_key)
+            entry = self._cache.get(key)
         return entry is not None and entry.done.is_set() and entry.error is None
+
+    def _pinned(self, spec: StructuredOutputsParams, key: tuple) -> Any:
+        """The grammar pinned to this very spec object, unless its constraint changed since."""
+        pin = self._pins.get(id(spec))
+        if pin is None or pin[0]() is not spec or pin[1] != key:
+            return None
+        return pin[2]
+
+    def _pin(self, spec: StructuredOutputsParams, key: tuple, grammar: Any) -> None:
+        """Keep `grammar` for `spec` while the spec object lives (the request holding it uses it)."""
+        ident = id(spec)
+        if ident not in self._pins:
+            weakref.finalize(spec, self._pins.pop, ident, None)
+        self._pins[ident] = (weakref.ref(spec), key, grammar)
 
     @property
     def cached_bytes(self) -> int:

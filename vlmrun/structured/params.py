@@ -25,7 +25,7 @@ the request is queued), and raise the same error.
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -47,8 +47,6 @@ class StructuredOutputsParams:
     json_object: Optional[bool] = None
     disable_any_whitespace: bool = True
     after_reasoning: bool = False
-    # (compiler, cache key, compiled grammar) once compiled: what the engine thread uses, cache or no cache
-    _pinned: Optional[tuple[Any, Any, Any]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -103,17 +101,6 @@ class StructuredOutputsParams:
         if kind == "json_object":
             return ""
         return getattr(self, kind)
-
-    def pinned_grammar(self, compiler: Any) -> Any:
-        """The grammar `compiler` compiled for this spec, or None."""
-        pinned = self._pinned
-        if pinned is None or pinned[0] is not compiler or pinned[1] != self.cache_key:  # changed since
-            return None
-        return pinned[2]
-
-    def pin_grammar(self, compiler: Any, grammar: Any) -> None:
-        """Keep `grammar` (compiled by `compiler`) with this spec, for the request's own use."""
-        self._pinned = (compiler, self.cache_key, grammar)
 
     @property
     def cache_key(self) -> tuple[str, str, bool]:
