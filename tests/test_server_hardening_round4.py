@@ -5,7 +5,7 @@
   past that); a compile whose client left before it started never starts; the grammar cache is
   bounded in bytes, and the engine thread never compiles a grammar the server compiled.
 - Prompt text that can never fit the context is a 400 before it is tokenized (/tokenize, completions,
-  chat); /tokenize refuses a lone surrogate with a 400.
+  chat); the memory of a large body is handed back after it; /tokenize refuses a lone surrogate.
 - `bad_words`: capped (400), tokenized before the engine thread sees them.
 - Non-finite logprobs are JSON `null` (collected and streamed), never NaN or a 500.
 - Tool calls: a key given twice and parallel calls read the same streamed and collected.
@@ -254,6 +254,20 @@ def test_a_realistic_huge_tokenize_body_is_refused_at_once(server, http):
     assert_error(r, 400, param="prompt", code="context_length_exceeded")
     assert time.monotonic() - started < 5
     assert http.post("/tokenize", json={"prompt": "Hello"}).json()["count"] >= 1
+
+
+def test_the_memory_of_a_large_body_is_handed_back(server, http):
+    trimmer = server.app.state.vlmrun.trimmer
+    if trimmer._libc is None:
+        pytest.skip("glibc only")
+    time.sleep(trimmer.delay_s + trimmer.min_interval_s + 0.3)  # a trim earlier tests asked for is done
+    before = trimmer.trims
+    assert http.post("/tokenize", json={"prompt": "small"}).status_code == 200
+    time.sleep(trimmer.delay_s + 0.3)
+    assert trimmer.trims == before  # small bodies cost nothing
+    body = json.dumps({"prompt": "x" * (9 << 20)})
+    assert http.post("/tokenize", content=body, headers={"content-type": "application/json"}).status_code == 400
+    _wait_for(lambda: trimmer.trims == before + 1, timeout=10)
 
 
 def test_tokenize_refuses_a_lone_surrogate(http):

@@ -24,6 +24,7 @@ from vlmrun.sampling_params import StopLimits
 from vlmrun.server.errors import bad_request, model_not_found, queue_full
 from vlmrun.server.media import MediaPolicy, MediaResolver
 from vlmrun.server.grammar_pool import GrammarPool
+from vlmrun.server.memory import MemoryTrimmer
 from vlmrun.server.metrics import ServerMetrics
 from vlmrun.server.prompt_bounds import PromptBounds
 from vlmrun.server.protocol import RequestLimits
@@ -80,6 +81,7 @@ class ServerState:
     admission: Admission
     limits: RequestLimits
     grammars: GrammarPool  # client constraints compile here, never in the light or media pool
+    trimmer: MemoryTrimmer  # hands the memory of large bodies back after them
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -108,7 +110,8 @@ class ServerState:
         compiler = engine.engine.grammars
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
                                settings.max_pending_grammars, settings.grammar_timeout_s)
-        return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars)
+        return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars,
+                   MemoryTrimmer(media_pool))
 
     @property
     def model_name(self) -> str:

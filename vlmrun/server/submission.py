@@ -124,7 +124,10 @@ async def parse_body(state: ServerState, request: Request, parse: Callable[[dict
     """The request body read (capped, JSON only) and parsed by `parse` in a pool (400 if invalid)."""
     raw = await read_json_body(request, state.settings.max_request_bytes)
     request.state.large_body = len(raw) > LIGHT_BODY_BYTES
-    return await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=request.state.large_body)
+    try:
+        return await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=request.state.large_body)
+    finally:
+        state.trimmer.after_body(len(raw))  # parsed (or refused): its buffers are going
 
 
 def large_body(request: Request) -> bool:
@@ -147,6 +150,10 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
                              heavy)
         try:
             items = await until_done_or_disconnected(request, work)
+        except BaseException:
+            if heavy:  # media refused half-way leave buffers behind: hand them back
+                state.trimmer.schedule()
+            raise
         finally:
             cancel.set()  # done, or nobody is waiting for it any more
         gone = threading.Event()  # set when the client leaves: its compile, if not started, never starts
