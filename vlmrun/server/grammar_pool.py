@@ -14,6 +14,8 @@ bodies and tokenizes text, nor on the engine thread. Bounds, each checked before
   not started at all.
 
 A grammar already compiled (cached, or pinned on its spec) costs nothing here: no thread, no count.
+After a compile of at least `TRIM_SOURCE_CHARS`, `after_large_compile` runs on the event loop (the
+server hands the compile's transient memory back to the kernel, `memory.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from vlmrun.server.errors import APIError, bad_request
 from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
 
 
+TRIM_SOURCE_CHARS = 16 * 1024
+
+
 class CompileSkipped(Exception):
     """The client left before its compile started: nothing was compiled."""
 
@@ -34,9 +39,10 @@ class CompileSkipped(Exception):
 class GrammarPool:
     def __init__(self, compile_spec: Callable[[StructuredOutputsParams], Any],
                  is_cached: Callable[[StructuredOutputsParams], bool], workers: int = 2, max_pending: int = 8,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, after_large_compile: Optional[Callable[[], None]] = None):
         self.compile_spec = compile_spec
         self.is_cached = is_cached
+        self.after_large_compile = after_large_compile
         self.max_pending = max_pending
         self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="vlmrun-grammar")
@@ -71,6 +77,9 @@ class GrammarPool:
         except asyncio.CancelledError:
             cancel.set()  # the client left: a compile not started yet never starts
             raise
+        finally:
+            if self.after_large_compile is not None and len(spec.source) >= TRIM_SOURCE_CHARS:
+                self.after_large_compile()
 
     def _run(self, spec: StructuredOutputsParams, cancel: threading.Event) -> None:
         try:

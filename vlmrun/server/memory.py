@@ -5,7 +5,8 @@ their join, the parsed JSON strings: transient blocks that glibc's malloc keeps 
 engine even asks it to keep every freed block, `executor/cpu_malloc.py`), so a few hostile bodies
 would raise the server's RSS for good; so would the buffers of media refused half-way (a video's
 container opened, then refused for its size). Once a body of at least `TRIM_BODY_BYTES` is parsed
-(or refused), and after media preparation that failed, `delay_s` later (the request has let go of
+(or one of `TRIM_REFUSED_BYTES` refused: hostile bodies of a few MB parse into 100k strings), and
+after media preparation that failed, `delay_s` later (the request has let go of
 it by then) `malloc_trim(0)` returns the free pages of every arena, in a pool thread and at most once
 per `min_interval_s` (the engine's own freed blocks go too, and its next step faults them in again:
 a cost paid only after large bodies). A no-op where the C library is not glibc.
@@ -24,6 +25,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 TRIM_BODY_BYTES = 8 << 20
+TRIM_REFUSED_BYTES = 1 << 20
 
 
 def _glibc() -> Optional[Any]:
@@ -45,9 +47,9 @@ class MemoryTrimmer:
         self._last = 0.0
         self.trims = 0  # malloc_trim calls made (for tests and logs)
 
-    def after_body(self, size: int) -> None:
-        """Called on the event loop once a request body of `size` bytes was parsed (or refused)."""
-        if size >= TRIM_BODY_BYTES:
+    def after_body(self, size: int, refused: bool = False) -> None:
+        """Called on the event loop once a request body of `size` bytes was parsed, or `refused`."""
+        if size >= (TRIM_REFUSED_BYTES if refused else TRIM_BODY_BYTES):
             self.schedule()
 
     def schedule(self) -> None:

@@ -108,10 +108,11 @@ class ServerState:
                                sampling_defaults=engine.engine.model_config.sampling_defaults, grammar=grammar_limits,
                                prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len))
         compiler = engine.engine.grammars
+        trimmer = MemoryTrimmer(media_pool)
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
-                               settings.max_pending_grammars, settings.grammar_timeout_s)
+                               settings.max_pending_grammars, settings.grammar_timeout_s, trimmer.schedule)
         return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars,
-                   MemoryTrimmer(media_pool))
+                   trimmer)
 
     @property
     def model_name(self) -> str:

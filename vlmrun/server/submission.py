@@ -125,9 +125,12 @@ async def parse_body(state: ServerState, request: Request, parse: Callable[[dict
     raw = await read_json_body(request, state.settings.max_request_bytes)
     request.state.large_body = len(raw) > LIGHT_BODY_BYTES
     try:
-        return await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=request.state.large_body)
-    finally:
-        state.trimmer.after_body(len(raw))  # parsed (or refused): its buffers are going
+        parsed = await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=request.state.large_body)
+    except BaseException:
+        state.trimmer.after_body(len(raw), refused=True)  # its buffers are going
+        raise
+    state.trimmer.after_body(len(raw))
+    return parsed
 
 
 def large_body(request: Request) -> bool:
