@@ -282,8 +282,8 @@ def main() -> None:
         print(json.dumps(report))
         return
     for p in report["phases"]:
-        print(f"{p['phase']:>8}: {p['requests']:5d} normal requests, p50 {p['p50_ms']:8.1f} ms, p99 {p['p99_ms']:8.1f} ms, "
-              f"max {p['max_ms']} ms, changed {p['changed']}, failed {p['failed']}")
+        print(f"{p['phase']:>8}: {p['requests']:5d} normal requests, p50 {p['p50_ms']:8.1f} ms, "
+              f"p99 {p['p99_ms']:8.1f} ms, max {p['max_ms']} ms, changed {p['changed']}, failed {p['failed']}")
     r = report["rss_mb"]
     print(f"server RSS: before {r['before']} MB, peak {r['peak']} MB, after {r['after']} MB "
           f"({(r['after'] - r['before']) / max(r['before'], 1):+.1%})")
