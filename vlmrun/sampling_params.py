@@ -2,19 +2,16 @@
 
 Names and defaults follow the ones users of OpenAI-style servers and vLLM expect:
 
-- `temperature` below `GREEDY_EPS` (1e-5) means greedy decoding; `top_p`, `top_k` and `min_p`
-  are then ignored.
-- `top_k` 0 or -1 turns top-k off; `top_p` 1.0 and `min_p` 0.0 are off too.
+- `temperature` below `GREEDY_EPS` (1e-5): greedy (`top_p`, `top_k`, `min_p` then ignored); `top_k`
+  0 or -1 turns top-k off; `top_p` 1.0 and `min_p` 0.0 are off too.
 - `repetition_penalty` (HF/vLLM semantics) looks at prompt + output tokens;
   `presence_penalty` / `frequency_penalty` (OpenAI semantics) look at output tokens only.
-- `max_tokens` None means "until the context is full"; the engine caps it by the model length.
-- `min_tokens`: EOS and `stop_token_ids` cannot be sampled, and stop strings are not checked,
-  until that many tokens were generated.
+- `max_tokens` None: until the context is full. `min_tokens`: EOS and `stop_token_ids` cannot be sampled, and stop
+  strings are not checked, until that many tokens were generated.
 - `logprobs`: how many top log-probabilities to return per generated token (at most
   `MAX_LOGPROBS`; the chosen token is always added, so a dict holds `logprobs` or `logprobs + 1`
   entries); None returns none.
-- `stop`: strings that end generation; the returned text stops before the stop string unless
-  `include_stop_str_in_output`.
+- `stop`: strings that end generation (the text stops before one unless `include_stop_str_in_output`).
 - `structured_outputs`: a `vlmrun.structured.StructuredOutputsParams` (or a dict of its fields):
   the output must match a JSON schema, any JSON object, a regex, one of some strings or an EBNF
   grammar. The shape is checked here; the engine compiles it before queueing the request. A
@@ -29,10 +26,10 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   before the penalties. `allowed_token_ids` (a non-empty list): every other token gets `-inf`.
   `bad_words` (a list of words): the engine tokenizes each word once, alone and after a space (the
   spaced form kept when it starts with another token and has as many tokens, as vLLM does:
-  `tokenize_bad_words`), and the sampler bans a word's last token whenever its other tokens are the
-  latest output tokens, so no bad word is completed. Token ids past the vocabulary are refused by
-  `check_token_ids`, which the engine calls (it knows the vocabulary size). The sampler's docstring
-  says where these come among the other transforms.
+  `tokenize_bad_words`; the server tokenizes them before submitting, so the engine's call is free),
+  and the sampler bans a word's last token whenever its other tokens are the latest output tokens.
+  At most `MAX_BAD_WORDS` words of `MAX_BAD_WORD_CHARS` characters each (each costs every step).
+  Token ids past the vocabulary are refused by `check_token_ids`, which the engine calls.
 - `prompt_logprobs` (vLLM's): for every prompt token after the first, its logprob and the top
   `prompt_logprobs` (at most `MAX_LOGPROBS`) at its position; the first position is None. Such a
   request takes no prefix-cache hit (its prompt's logits must be computed), as in vLLM.
@@ -40,8 +37,7 @@ Names and defaults follow the ones users of OpenAI-style servers and vLLM expect
   `max_model_len` (the engine applies it, and refuses a cut through an image).
 - `output_kind` (vLLM's `RequestOutputKind`): CUMULATIVE or FINAL_ONLY (both give the whole output:
   `LLM` returns finished requests, the server streams its own deltas); DELTA is refused.
-- `detokenize` False: no text, token ids only (stop strings then need text: refused, as vLLM).
-  `spaces_between_special_tokens` (default True): the detokenizer's option of that name.
+- `detokenize` False: token ids only (stop strings then refused); `spaces_between_special_tokens`.
 - `seed`: a seeded request draws from its own generator, so it yields the same tokens whatever
   batch it shares. Seeds are 64-bit signed integers (vLLM's range); choice i of an n-choice
   request draws with `seed + i`, wrapped into that range (`choices`).
@@ -51,9 +47,8 @@ becomes an empty list), numbers (floats as float, integers as int, numpy scalars
 raises `SamplingParamError` (a ValueError) naming the bad field and what it allows: wrong types
 (a string temperature, a bool `n`, a float token id) are refused, never coerced.
 
-`StopLimits` bounds what one request may ask of the stop-string matcher (how many stop strings,
-how long, how many stop token ids); the engine's front doors (server, `LLM`) check it with the
-limits of `EngineConfig`.
+`StopLimits` bounds what one request may ask of the stop-string matcher (stop strings, their length,
+stop token ids); the front doors (server, `LLM`) check it with the limits of `EngineConfig`.
 """
 
 from __future__ import annotations
@@ -71,6 +66,7 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top log-probabilities one token may return (vLLM's default max_logprobs)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
 TOKEN_ID_MAX = 2**63 - 1  # stop token ids must fit an int64 tensor
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 256  # bad_words: how many, how long each
 
 
 class RequestOutputKind(IntEnum):
@@ -199,7 +195,7 @@ class SamplingParams:
         """A copy with `bad_words_token_ids` filled by `tokenizer` (a Hugging Face tokenizer), or self
         without bad words. vLLM's rule: each word (leading spaces stripped) as it reads at the start of
         a text, and after a space when that form starts with another token and has as many tokens."""
-        if not self.bad_words:
+        if not self.bad_words or self.bad_words_token_ids:  # none, or tokenized already (by the server)
             return self
         sequences: list[list[int]] = []
         for word in self.bad_words:
@@ -229,8 +225,11 @@ class SamplingParams:
         but repeat. The one place a request fans out into choices (`LLM`, the server)."""
         if self.n == 1:
             return [self]
-        return [dataclasses.replace(self, n=1, seed=None if self.seed is None else
-                                    (self.seed + i - SEED_MIN) % 2**64 + SEED_MIN) for i in range(self.n)]
+        out = [dataclasses.replace(self, n=1, seed=None if self.seed is None else
+                                   (self.seed + i - SEED_MIN) % 2**64 + SEED_MIN) for i in range(self.n)]
+        for choice in out:  # bad words tokenized already stay so
+            choice.bad_words_token_ids = self.bad_words_token_ids
+        return out
 
 
 @dataclass(frozen=True)
@@ -388,6 +387,11 @@ def _bad_words(words: Any) -> Optional[list[str]]:
     if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
         raise SamplingParamError("bad_words", f"bad_words must be a list of words (strings with a non-space "
                                               f"character), got {_short_repr(words)}")
+    longest = max(map(len, words), default=0)
+    if len(words) > MAX_BAD_WORDS or longest > MAX_BAD_WORD_CHARS:
+        raise SamplingParamError("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "
+                                              f"{MAX_BAD_WORD_CHARS} characters each; got {len(words):,} words, "
+                                              f"the longest of {longest:,} characters")
     return list(words)
 
 

@@ -26,9 +26,11 @@ from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
 from vlmrun.server.chat_prompt import ChatPromptOptions, echo_text, response_role, special_tokens_around
 from vlmrun.server.errors import bad_request
+from vlmrun.server.prompt_bounds import is_heavy_text, message_text_chars
 from vlmrun.server.protocol import ChatRequest, parse_chat_request
 from vlmrun.server.state import ServerState
-from vlmrun.server.submission import merge_batch, parse_body, record, respond_collected, stream_response, submit
+from vlmrun.server.submission import (large_body, merge_batch, parse_body, record, respond_collected,
+                                      stream_response, submit)
 from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
 from vlmrun.structured import StructuredOutputsParams
 
@@ -41,6 +43,8 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     _check_tool_choice(state, req)
     ticket = state.admission.admit(req.params.n)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
+    heavy = (has_media(req.messages) or large_body(request)
+             or is_heavy_text(message_text_chars(req.messages), req.params.bad_words))
 
     prompt_text = ""
 
@@ -54,7 +58,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
-                       "messages", heavy=has_media(req.messages), lora=lora)
+                       "messages", heavy=heavy, lora=lora)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("chatcmpl", rid)

@@ -6,7 +6,10 @@
 - Tool calls (when the parser is given the request's tools): each `<tool_call>…</tool_call>` block
   whose body `tool_calls.read_call` reads becomes a call; other text stays content. A call shows as
   soon as its name is known, and its arguments grow as they are written (a block cut off by the end
-  of the output stays the call it had become, with the arguments as far as they went).
+  of the output stays the call it had become, with the arguments as far as they went). Beside calls,
+  the content's trailing whitespace (the newlines between parallel calls) is dropped; a stream holds
+  trailing whitespace back until more content follows or the answer ends without a call, so streamed
+  and collected content are the same.
 
 `ChatOutputParser.feed(delta)` returns what became certain with that delta: a tail that might
 still turn into a marker (`</think>`, `<tool_call>`, `</tool_call>`) or a call not yet named is held
@@ -120,6 +123,8 @@ class ChatOutputParser:
                 return out
         if self.tools:
             self._split_calls(rest, final, out)
+            if out.calls or not final:  # with calls, no trailing whitespace; while streaming, held back
+                out.content = out.content.rstrip()
         else:
             out.content = rest
         return out

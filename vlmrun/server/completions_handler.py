@@ -24,9 +24,11 @@ from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.processors.chat import check_unicode
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
+from vlmrun.server.prompt_bounds import is_heavy_text
 from vlmrun.server.protocol import CompletionRequest, parse_completion_request
 from vlmrun.server.state import ServerState
-from vlmrun.server.submission import merge_batch, parse_body, record, respond_collected, stream_response, submit
+from vlmrun.server.submission import (large_body, merge_batch, parse_body, record, respond_collected,
+                                      stream_response, submit)
 
 _RESERVED_TOKENS = ("<|image_pad|>", "<|video_pad|>")
 
@@ -39,6 +41,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     n = req.params.n
     ticket = state.admission.admit(n * len(req.prompts))
     rid = f"cmpl-{uuid.uuid4().hex}"
+    heavy = large_body(request) or is_heavy_text(sum(len(p) for p in req.prompts), req.params.bad_words)
     prompts: list[ProcessedPrompt] = []
 
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
@@ -48,7 +51,7 @@ async def completions(state: ServerState, request: Request) -> Response:
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
-                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=False, lora=lora)
+                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=heavy, lora=lora)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("cmpl", rid)

@@ -41,10 +41,11 @@ from vlmrun.server.body_fields import is_int, opt_bool, opt_float, opt_int, opt_
 from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
+from vlmrun.server.prompt_bounds import PromptBounds, message_text_chars
 from vlmrun.server.tool_calls import check_tools, forced_tools
 from vlmrun.server.vllm_fields import (OutputExtras, echo_prompt_logprobs, vllm_output_extras, vllm_sampling_fields,
                                        with_generation_defaults)
-from vlmrun.structured import StructuredOutputError, StructuredOutputsParams
+from vlmrun.structured import GrammarLimits, StructuredOutputError, StructuredOutputsParams
 
 MAX_JSON_DEPTH = 64  # arrays / objects nested deeper than this are refused (a real request nests < 10)
 MAX_TEMPERATURE = 2.0  # OpenAI's range
@@ -53,11 +54,24 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class RequestLimits:
-    """What one request may ask for: `max_n` choices, stop strings / ids within `stop`; defaults for the rest."""
+    """What one request may ask for: `max_n` choices, stop strings / ids within `stop`, an output constraint
+    within `grammar`, prompt text within `prompt` (None: unchecked here); defaults for the rest."""
 
     max_n: int
     stop: StopLimits = field(default_factory=StopLimits)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the checkpoint's generation_config
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    prompt: Optional[PromptBounds] = None
+
+    def check_prompt_chars(self, chars: int, params: SamplingParams, param: str) -> None:
+        """400 when `chars` characters of prompt text can never fit the context (before tokenizing)."""
+        if self.prompt is not None:
+            self.prompt.check(chars, params.truncate_prompt_tokens is not None, param)
+
+    def check_prompt_size(self, prompt: Union[str, list[int]], params: SamplingParams, param: str) -> None:
+        """400 when a completion prompt (text or token ids) can never fit the context."""
+        if self.prompt is not None:
+            self.prompt.check_prompt(prompt, params.truncate_prompt_tokens is not None, param)
 
 
 @dataclass
@@ -132,12 +146,16 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     if max_tokens is None:
         max_tokens = opt_int(body, "max_tokens", None, lo=1)
     tools, tool_choice = check_tools(body)
-    structured = _structured_outputs(body)
+    structured = _structured_outputs(body, limits)
     forced = forced_tools(tools, tool_choice)
+    if forced and len(json.dumps(forced)) > limits.grammar.max_source_chars:  # a grammar is compiled from them
+        raise bad_request(f"the tools a tool_choice forces are {len(json.dumps(forced)):,} characters of JSON; at "
+                          f"most {limits.grammar.max_source_chars:,} are allowed", param="tools")
     if forced and structured is not None:
         raise bad_request("'tool_choice' 'required' or a named function cannot be combined with "
                           "response_format / structured outputs", param="tool_choice")
     params = _sampling_params(body, limits, max_tokens, top if logprobs else None, structured)
+    limits.check_prompt_chars(message_text_chars(messages), params, "messages")
     prompt = chat_prompt_options(body)
     return ChatRequest(model=opt_model(body), messages=messages, params=params, stream=opt_bool(body, "stream", False),
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top, prompt=prompt,
@@ -156,7 +174,9 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     max_tokens = opt_int(body, "max_tokens", 16, lo=0 if echo else 1)
     extras = vllm_output_extras(body, chat=False)  # the body as sent: a streamed prompt_logprobs is a 400
     body = echo_prompt_logprobs(body, echo, logprobs)
-    params = _sampling_params(body, limits, max(max_tokens, 1), logprobs, _structured_outputs(body))
+    params = _sampling_params(body, limits, max(max_tokens, 1), logprobs, _structured_outputs(body, limits))
+    for p in prompts:
+        limits.check_prompt_size(p, params, "prompt")
     best_of = opt_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
@@ -224,8 +244,9 @@ _GUIDED_FIELDS = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_c
                   ("guided_grammar", "grammar"))
 
 
-def _structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParams]:
-    """The request's one output constraint (see the module docstring), shape-checked; None without one."""
+def _structured_outputs(body: dict[str, Any], limits: RequestLimits) -> Optional[StructuredOutputsParams]:
+    """The request's one output constraint (see the module docstring), shape- and size-checked; None
+    without one."""
     given: list[tuple[str, Any]] = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -240,7 +261,9 @@ def _structured_outputs(body: dict[str, Any]) -> Optional[StructuredOutputsParam
         return None
     param, value = given[0]
     try:
-        return StructuredOutputsParams.of(value)
+        spec = StructuredOutputsParams.of(value)
+        limits.grammar.check(spec)
+        return spec
     except StructuredOutputError as exc:
         raise bad_request(str(exc), param=param) from None
 

@@ -3,12 +3,15 @@ logprobs in both formats, usage.
 
 Everything here is a pure function of collected output; the handlers decide when to send what.
 A token's text in logprobs is `tokenizer.decode([token_id])` (a token that is part of a multi-byte
-character decodes to U+FFFD; its `bytes` are then those of that replacement text).
+character decodes to U+FFFD; its `bytes` are then those of that replacement text). A logprob JSON
+cannot hold is written as vLLM writes it: -inf as -9999.0, NaN and +inf (a model gone wrong) as null,
+in collected answers and streams alike (`json_logprob`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -85,8 +88,8 @@ def chat_logprobs(token_ids: list[int], logprobs: list[dict[int, float]], top: i
         text = token_text(tid)
         ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
         content.append({
-            "token": text, "logprob": _finite(lp.get(tid)), "bytes": list(text.encode("utf-8")),
-            "top_logprobs": [{"token": token_text(t), "logprob": _finite(v),
+            "token": text, "logprob": json_logprob(lp.get(tid)), "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": token_text(t), "logprob": json_logprob(v),
                               "bytes": list(token_text(t).encode("utf-8"))} for t, v in ranked],
         })
     return {"content": content, "refusal": None}
@@ -106,17 +109,20 @@ def completion_logprobs(token_ids: list[int], logprobs: list[Optional[dict[int, 
             token_lps.append(None)
             tops.append(None)
             continue
-        token_lps.append(_finite(lp.get(tid)))
+        token_lps.append(json_logprob(lp.get(tid)))
         ranked = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-        tops.append({token_text(t): _finite(v) for t, v in ranked})
+        tops.append({token_text(t): json_logprob(v) for t, v in ranked})
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _finite(value: Optional[float]) -> float:
-    """JSON has no -inf: clamp impossible tokens to a very negative finite number."""
+def json_logprob(value: Optional[float]) -> Optional[float]:
+    """A logprob as JSON holds it: -inf (an impossible token) clamped to -9999.0, NaN and +inf null."""
     if value is None:
         return -9999.0
-    return max(float(value), -9999.0)
+    value = float(value)
+    if math.isnan(value) or value == math.inf:
+        return None
+    return max(value, -9999.0)
 
 
 # ---------------------------------------------------------------------------- chat
@@ -143,7 +149,7 @@ def chat_message(c: ChoiceState) -> dict[str, Any]:
     if c.parsed is None:
         return {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []}
     calls = [call.to_openai() for call in c.parsed.calls]
-    content = c.parsed.content.strip() if calls else c.parsed.content
+    content = c.parsed.content  # beside calls, without trailing whitespace (`chat_output.py`)
     message = {"role": "assistant", "content": content or (None if calls else ""), "refusal": None,
                "tool_calls": calls}
     if c.parsed.reasoning:

@@ -41,6 +41,11 @@ class ServerSettings:
         tool_call_parser, one of TOOL_CALL_PARSERS. "required", a named function and "none" need neither.
     lora_modules: LoRA adapters by name (vLLM's --lora-modules): a request's `model` naming one runs it;
         /v1/models lists them with the served model as parent.
+    max_grammar_chars / max_grammar_choices: the largest output constraint a request may send (its text;
+        a `choice`'s strings), refused with a 400 before it compiles (`vlmrun.structured.GrammarLimits`).
+    grammar_workers / max_pending_grammars / grammar_timeout_s: the threads compiling constraints (their
+        own: never the pools that parse and tokenize), how many compiles may be queued or running (one
+        more is a 429), how long a client waits for its compile (then a 400) (`grammar_pool.py`).
     """
 
     served_model_name: str
@@ -61,6 +66,11 @@ class ServerSettings:
     tool_call_parser: Optional[str] = None
     trust_request_chat_template: bool = False
     lora_modules: dict[str, str] = field(default_factory=dict)  # --lora-modules: adapter name -> PEFT folder
+    max_grammar_chars: int = 64 * 1024
+    max_grammar_choices: int = 1024
+    grammar_workers: int = 2
+    max_pending_grammars: int = 8
+    grammar_timeout_s: float = 30.0
 
     def lora_request(self, name: str) -> LoRARequest:
         """The `LoRARequest` of a `--lora-modules` adapter (ids 1, 2, ... in the order given)."""
@@ -68,7 +78,8 @@ class ServerSettings:
                            base_model_name=self.served_model_name)
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes"):
+        for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes",
+                     "max_grammar_chars", "max_grammar_choices", "grammar_workers", "max_pending_grammars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
         if self.max_queued_requests < 0:
@@ -81,6 +92,8 @@ class ServerSettings:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice (--enable-auto-tool-choice) needs a tool_call_parser "
                              f"(--tool-call-parser {' | '.join(TOOL_CALL_PARSERS)})")
+        if self.grammar_timeout_s <= 0:
+            raise ValueError("ServerSettings.grammar_timeout_s must be > 0")
         if self.url_timeout_s <= 0:
             raise ValueError("ServerSettings.url_timeout_s must be > 0")
         if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()

@@ -1,9 +1,11 @@
 """What one server instance holds (kept in `app.state.vlmrun`, never in module globals).
 
 `ServerState` bundles the async engine, the settings, the server's own `Processor` (local paths
-and URLs off: the `MediaResolver` hands it bytes), the preprocessing thread pool, the metrics,
-the admission counter that turns a full queue into 429, and the per-request limits (`max_n`, the
-engine's stop-string limits) the request parser applies.
+and URLs off: the `MediaResolver` hands it bytes; its videos bounded by the context too), the thread
+pools (media, light, and the `GrammarPool` that compiles output constraints), the metrics, the
+admission counter that turns a full queue into 429, and the per-request limits (`max_n`, the engine's
+stop-string limits, the constraint sizes, the prompt text that can fit the context) the request
+parser applies.
 """
 
 from __future__ import annotations
@@ -15,15 +17,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
-from vlmrun.processors import Processor
+from vlmrun.processors import Processor, ProcessorLimits
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import StopLimits
 from vlmrun.server.errors import bad_request, model_not_found, queue_full
 from vlmrun.server.media import MediaPolicy, MediaResolver
+from vlmrun.server.grammar_pool import GrammarPool
+from vlmrun.server.memory import MemoryTrimmer
 from vlmrun.server.metrics import ServerMetrics
+from vlmrun.server.prompt_bounds import PromptBounds
 from vlmrun.server.protocol import RequestLimits
 from vlmrun.server.settings import ServerSettings
+from vlmrun.structured import GrammarLimits
 
 T = TypeVar("T")
 
@@ -74,6 +80,8 @@ class ServerState:
     metrics: ServerMetrics
     admission: Admission
     limits: RequestLimits
+    grammars: GrammarPool  # client constraints compile here, never in the light or media pool
+    trimmer: MemoryTrimmer  # hands the memory of large bodies back after them
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -81,7 +89,8 @@ class ServerState:
         base = engine.engine.processor
         limits = dataclasses.replace(base.limits, allow_local_paths=False, allow_remote_urls=False,
                                      max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes),
-                                     max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes))
+                                     max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes),
+                                     max_video_tokens=_video_token_budget(base.limits))
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
                               device=base.device, source=base.source, video_processor=base.video_processor,
                               video_prompt=base.video_prompt, mm_processor_kwargs=base.mm_processor_kwargs)
@@ -94,9 +103,16 @@ class ServerState:
         metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)
         media_pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-media")
         light_pool = ThreadPoolExecutor(LIGHT_WORKERS, thread_name_prefix="vlmrun-light")
+        grammar_limits = GrammarLimits(settings.max_grammar_chars, settings.max_grammar_choices)
         limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config),
-                               sampling_defaults=engine.engine.model_config.sampling_defaults)
-        return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits)
+                               sampling_defaults=engine.engine.model_config.sampling_defaults, grammar=grammar_limits,
+                               prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len))
+        compiler = engine.engine.grammars
+        trimmer = MemoryTrimmer(media_pool)
+        grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
+                               settings.max_pending_grammars, settings.grammar_timeout_s, trimmer.schedule)
+        return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars,
+                   trimmer)
 
     @property
     def model_name(self) -> str:
@@ -119,3 +135,13 @@ class ServerState:
     def shutdown_pools(self) -> None:
         for pool in (self.media_pool, self.light_pool):
             pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.shutdown()
+
+
+def _video_token_budget(limits: ProcessorLimits) -> int:
+    """The video tokens one request may have: the processor's limit, and never more than a prompt may hold
+    (the context), so a video that could never run is refused from its container's metadata, before a
+    frame is decoded."""
+    if limits.max_prompt_tokens is None:
+        return limits.max_video_tokens
+    return max(1, min(limits.max_video_tokens, limits.max_prompt_tokens))

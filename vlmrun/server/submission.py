@@ -2,12 +2,15 @@
 
 One request goes: body read on the event loop (JSON only: 415; capped: 413) → JSON parse +
 validation in a thread pool (400) → model check (404) → admission (429) → image fetch +
-preprocessing + chat template in a thread pool (400; stopped at the next image when the client
-leaves) → `AsyncEngine.submit` (400 for what the engine refuses, e.g. a prompt longer than the
+preprocessing + chat template + `bad_words` tokenized in a thread pool (400; stopped at the next
+image when the client leaves) → the output constraint compiled in the `GrammarPool` (not started
+when the client has left) → `AsyncEngine.submit` (400 for what the engine refuses, e.g. a prompt longer than the
 context; 503 if the engine is gone) → a streamed (SSE) or a collected answer. From submission on,
-every exit path aborts what is unfinished and releases the admission. Two pools: large bodies and
-requests with images or videos run in the media pool, everything else in the light pool, so a small
-request never waits behind another client's image decoding.
+every exit path aborts what is unfinished and releases the admission. Two pools: large bodies,
+large texts and requests with images or videos run in the media pool, everything else in the light
+pool, so a small request never waits behind another client's image decoding or megabytes of text;
+constraints compile in a third (`grammar_pool.py`). Nothing a client sends is tokenized or compiled
+on the engine thread.
 
 What differs per route (preparing the prompts, the response bodies and stream chunks) is in
 `chat_handler.py` and `completions_handler.py`.
@@ -120,7 +123,19 @@ class Submitted:
 async def parse_body(state: ServerState, request: Request, parse: Callable[[dict[str, Any], int], Any]) -> Any:
     """The request body read (capped, JSON only) and parsed by `parse` in a pool (400 if invalid)."""
     raw = await read_json_body(request, state.settings.max_request_bytes)
-    return await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=len(raw) > LIGHT_BODY_BYTES)
+    request.state.large_body = len(raw) > LIGHT_BODY_BYTES
+    try:
+        parsed = await state.in_pool(lambda: parse(parse_json(raw), state.limits), heavy=request.state.large_body)
+    except BaseException:
+        state.trimmer.after_body(len(raw), refused=True)  # its buffers are going
+        raise
+    state.trimmer.after_body(len(raw))
+    return parsed
+
+
+def large_body(request: Request) -> bool:
+    """Whether the request's body (read by `parse_body`) was large: its preparation goes to the media pool."""
+    return bool(getattr(request.state, "large_body", False))
 
 
 Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams]]]
@@ -133,11 +148,20 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
     client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image."""
     cancel = threading.Event()
     try:
-        work = state.in_pool(lambda: _input_errors_as_400(lambda: _compile_grammars(state, prepare(cancel))), heavy)
+        tokenizer = state.processor.tokenizer
+        work = state.in_pool(lambda: _input_errors_as_400(lambda: _tokenize_bad_words(prepare(cancel), tokenizer)),
+                             heavy)
         try:
             items = await until_done_or_disconnected(request, work)
+        except BaseException:
+            if heavy:  # media refused half-way leave buffers behind: hand them back
+                state.trimmer.schedule()
+            raise
         finally:
             cancel.set()  # done, or nobody is waiting for it any more
+        gone = threading.Event()  # set when the client leaves: its compile, if not started, never starts
+        # the choices of one request share their constraint
+        await until_done_or_disconnected(request, state.grammars.compile(items[0][1].structured_outputs, gone))
         items = _truncate_prompts(items, state.engine.engine.max_model_len)
         _check_context(items, state.engine.engine.max_model_len)
         group = await state.engine.submit(rid, items, lora)
@@ -181,12 +205,18 @@ def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_mode
                               code="context_length_exceeded")
 
 
-def _compile_grammars(state: ServerState, items: list[tuple[ProcessedPrompt, SamplingParams]]) -> list[
-        tuple[ProcessedPrompt, SamplingParams]]:
-    """Compile the requests' grammars here, off the engine thread (StructuredOutputError if bad)."""
-    for _, params in items[:1]:  # the choices of one request share their constraint
-        state.engine.compile_structured(params)
-    return items
+def _tokenize_bad_words(items: list[tuple[ProcessedPrompt, SamplingParams]],
+                        tokenizer: Any) -> list[tuple[ProcessedPrompt, SamplingParams]]:
+    """The items with their `bad_words` tokenized here, in a pool (once per distinct params: the choices
+    of a request share them), so that the engine's own `tokenize_bad_words` finds them done."""
+    done: dict[int, SamplingParams] = {}
+    out = []
+    for prompt, params in items:
+        key = id(params)
+        if key not in done:
+            done[key] = params.tokenize_bad_words(tokenizer)
+        out.append((prompt, done[key]))
+    return out
 
 
 def _input_errors_as_400(prepare: Callable[[], Any]) -> Any:

@@ -19,13 +19,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vlmrun.processors import InputError
+from vlmrun.processors.chat import check_unicode
 from vlmrun.server.chat_handler import has_media, render_chat
 from vlmrun.server.chat_prompt import ChatPromptOptions, special_tokens_around
 from vlmrun.server.errors import bad_request
 from vlmrun.server.body_fields import opt_bool, opt_model
+from vlmrun.server.prompt_bounds import is_heavy_text, message_text_chars
 from vlmrun.server.protocol import RequestLimits, parse_chat_request
 from vlmrun.server.state import ServerState
-from vlmrun.server.submission import parse_body
+from vlmrun.server.submission import large_body, parse_body
 
 @dataclass
 class TokenizeRequest:
@@ -53,6 +55,12 @@ def parse_tokenize_request(body: dict[str, Any], limits: RequestLimits) -> Token
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise bad_request("'prompt' must be a string (a chat goes in 'messages')", param="prompt")
+        if limits.prompt is not None:  # a text that could never run is not tokenized (the routes' 400)
+            limits.prompt.check(len(body["prompt"]), truncating=False, param="prompt")
+        try:
+            check_unicode(body["prompt"], "the prompt")
+        except InputError as exc:  # a lone surrogate: a 400, as the generation routes answer
+            raise bad_request(str(exc), param="prompt") from None
         return TokenizeRequest(model, body["prompt"], add_special_tokens=opt_bool(body, "add_special_tokens", True),
                                return_token_strs=token_strs)
     chat = parse_chat_request(body, limits)  # the chat route's rules (and refusals) for messages, tools, template
@@ -73,9 +81,10 @@ async def tokenize(state: ServerState, request: Request) -> Response:
     tokenizer = state.processor.tokenizer
     if req.prompt is not None:
         ids = await state.in_pool(lambda: tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens),
-                                  heavy=False)
+                                  heavy=large_body(request) or is_heavy_text(len(req.prompt), None))
     else:
-        ids = await state.in_pool(lambda: _chat_token_ids(state, req), heavy=has_media(req.messages))
+        heavy = has_media(req.messages) or large_body(request) or is_heavy_text(message_text_chars(req.messages), None)
+        ids = await state.in_pool(lambda: _chat_token_ids(state, req), heavy=heavy)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -85,14 +94,19 @@ async def tokenize(state: ServerState, request: Request) -> Response:
 async def detokenize(state: ServerState, request: Request) -> Response:
     req: DetokenizeRequest = await parse_body(state, request, parse_detokenize_request)
     state.check_model(req.model)
+    text = await state.in_pool(lambda: _decode(state, req.tokens), heavy=large_body(request))
+    return JSONResponse({"prompt": text})
+
+
+def _decode(state: ServerState, tokens: list[int]) -> str:
+    """The text of `tokens` (in a pool: a long list is checked and decoded off the event loop)."""
     tokenizer = state.processor.tokenizer
     vocab = max(len(tokenizer), state.engine.engine.model_config.text_config.vocab_size)
-    unknown = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    unknown = next((t for t in tokens if not 0 <= t < vocab), None)
     if unknown is not None:
         raise bad_request(f"'tokens' holds {unknown}, not a token id of this model (0 to {vocab - 1})",
                           param="tokens")
-    text = await state.in_pool(lambda: tokenizer.decode(req.tokens), heavy=False)
-    return JSONResponse({"prompt": text})
+    return tokenizer.decode(tokens)
 
 
 def _chat_token_ids(state: ServerState, req: TokenizeRequest) -> list[int]:

@@ -189,7 +189,9 @@ def read_call(body: str, tools: Sequence[dict[str, Any]] = (), closed: bool = Tr
     Qwen3's JSON body: the arguments are the raw text of its `"arguments"` object, streamable once
     `"name"` is read and the object has begun; a closed body that is not valid JSON is still the call
     its streamed start announced, with the arguments as far as they went. A body with the arguments
-    as a JSON string (or before the name) is a call only when closed. Qwen3.5's XML body: the
+    as a JSON string (or before the name) is a call only when closed. A key given twice counts the
+    first time, streamed or not (the stream has announced the first name by the time a second one
+    could be read). Qwen3.5's XML body: the
     arguments object is written a parameter at a time (a value ends only at `</parameter>`), an
     XML-style parameter being JSON unless `tools` declares it a string (then its raw text)."""
     text = body.lstrip()
@@ -204,7 +206,7 @@ def _read_json_call(text: str, closed: bool) -> Optional[CallText]:
     members, pending = _json_members(text)
     if closed:
         try:
-            obj = json.loads(text)
+            obj = json.loads(text, object_pairs_hook=_first_wins)
         except ValueError:
             obj = None
         if isinstance(obj, dict):
@@ -226,6 +228,14 @@ def _read_json_call(text: str, closed: bool) -> Optional[CallText]:
     if not closed:
         partial = partial[:len(partial) - held_back(partial, CALL_CLOSE)].rstrip()
     return CallText(name, partial)
+
+
+def _first_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose repeated keys keep their first value (as `_json_members` reads them)."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        obj.setdefault(key, value)
+    return obj
 
 
 def _streamed_name(text: str, members: dict[str, tuple[int, int]], pending: Optional[tuple[str, int]]) -> Optional[str]:

@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 from vlmrun.server.body_fields import opt_bool
 from vlmrun.server.errors import APIError, bad_request
-from vlmrun.server.responses import ChoiceState, TokenText, sse, usage
+from vlmrun.server.responses import ChoiceState, TokenText, json_logprob, sse, usage
 
 
 def vllm_sampling_fields(body: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +163,7 @@ def vllm_prompt_logprobs(logprobs: Optional[list[Optional[dict[int, float]]]], t
             out.append(None)
             continue
         ranked = sorted(position.items(), key=lambda kv: -kv[1])
-        out.append({str(t): {"logprob": max(lp, -9999.0), "rank": i + 1 if i < top else None,
+        out.append({str(t): {"logprob": json_logprob(lp), "rank": i + 1 if i < top else None,
                              "decoded_token": token_text.decoded(t)} for i, (t, lp) in enumerate(ranked)})
     return out
 

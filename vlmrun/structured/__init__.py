@@ -9,10 +9,12 @@
 - `ReasoningGate` (`reasoning.py`): in front of a request's matcher when its constraint holds only
   after `<think>…</think>` (`after_reasoning`) or its reasoning has a budget: no mask and no
   matcher advance while the model thinks.
+- `GrammarLimits` (`limits.py`): how large a client's constraint may be before anything compiles it.
 
 xgrammar is imported only when the first grammar is compiled.
 """
 
+from vlmrun.structured.limits import GrammarLimits
 from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
 
-__all__ = ["StructuredOutputError", "StructuredOutputsParams"]
+__all__ = ["GrammarLimits", "StructuredOutputError", "StructuredOutputsParams"]

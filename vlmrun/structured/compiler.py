@@ -3,8 +3,11 @@
 `GrammarCompiler` is built per engine from its tokenizer, the width of the model's logits (which
 may exceed the tokenizer's vocabulary: padded embeddings; the extra ids are never allowed) and the
 EOS ids that end a grammar. `compile(spec)` returns the compiled grammar for the spec's text,
-compiling it on first use; an LRU of `cache_size` entries keyed by (kind, text, whitespace flag)
-keeps it. `compile` is safe to call from any thread (the server compiles in its thread pool, so
+compiling it on first use; an LRU keyed by (kind, text, whitespace flag) keeps it, bounded by
+`cache_size` entries and by `cache_bytes` of compiled grammars (xgrammar's own size count: a
+100k-choice enum compiles to hundreds of MB, so a count alone bounds nothing). The grammar is also
+pinned to the spec object it was compiled for (while that object lives: a weak reference), so the
+engine thread never compiles again a grammar the server compiled, however soon the cache evicts it. `compile` is safe to call from any thread (the server compiles in its thread pool, so
 the engine thread finds the grammar cached): the lock guards only the cache, a grammar compiles
 outside it, once, and a thread asking for a grammar still compiling waits for that one.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -34,6 +38,7 @@ import torch
 
 from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
 
+DEFAULT_CACHE_BYTES = 256 * 1024 * 1024  # compiled grammars the cache may hold
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")  # "[07:00:00] /project/cpp/x.cc:83: " in xgrammar errors
 ANY_JSON_OBJECT = '{"type": "object"}'
 
@@ -113,30 +118,38 @@ class _Entry:
     done: threading.Event = field(default_factory=threading.Event)
     grammar: Any = None
     error: Optional[StructuredOutputError] = None
+    size: int = 0  # bytes, counted in the cache's total once compiled
 
 
 class GrammarCompiler:
     """Specs -> compiled grammars for one tokenizer (see the module docstring)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 256):
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], cache_size: int = 256,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.cache_size = cache_size
+        self.cache_bytes = cache_bytes
+        self._bytes = 0  # of the compiled grammars in the cache
         self._lock = threading.Lock()
         self._compiler: Any = None  # xgrammar.GrammarCompiler, made on first use
         self._cache: OrderedDict[tuple, _Entry] = OrderedDict()
+        # id(spec) -> (a weak reference to it, its cache key when compiled, the grammar): `_pin`
+        self._pins: dict[int, tuple[Any, tuple, Any]] = {}
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of `spec` (cached); StructuredOutputError when it does not compile."""
         key = spec.cache_key
+        pinned = self._pinned(spec, key)
+        if pinned is not None:
+            return pinned
         with self._lock:
             entry = self._cache.get(key)
             owner = entry is None
             if owner:
                 entry = self._cache[key] = _Entry()
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
+                self._evict()
                 if self._compiler is None:
                     self._compiler = self._xgrammar_compiler()
             else:
@@ -144,6 +157,11 @@ class GrammarCompiler:
         if owner:
             try:
                 entry.grammar = self._compile(spec)
+                with self._lock:
+                    if self._cache.get(key) is entry:
+                        entry.size = _grammar_bytes(entry.grammar)
+                        self._bytes += entry.size
+                        self._evict()
             except StructuredOutputError as exc:
                 entry.error = exc
                 with self._lock:
@@ -154,7 +172,43 @@ class GrammarCompiler:
         entry.done.wait()
         if entry.error is not None:
             raise entry.error
+        self._pin(spec, key, entry.grammar)
         return entry.grammar
+
+    def is_cached(self, spec: StructuredOutputsParams) -> bool:
+        """Whether `compile(spec)` returns at once (pinned, or compiled and cached)."""
+        key = spec.cache_key
+        if self._pinned(spec, key) is not None:
+            return True
+        with self._lock:
+            entry = self._cache.get(key)
+        return entry is not None and entry.done.is_set() and entry.error is None
+
+    def _pinned(self, spec: StructuredOutputsParams, key: tuple) -> Any:
+        """The grammar pinned to this very spec object, unless its constraint changed since."""
+        pin = self._pins.get(id(spec))
+        if pin is None or pin[0]() is not spec or pin[1] != key:
+            return None
+        return pin[2]
+
+    def _pin(self, spec: StructuredOutputsParams, key: tuple, grammar: Any) -> None:
+        """Keep `grammar` for `spec` while the spec object lives (the request holding it uses it)."""
+        ident = id(spec)
+        if ident not in self._pins:
+            weakref.finalize(spec, self._pins.pop, ident, None)
+        self._pins[ident] = (weakref.ref(spec), key, grammar)
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the compiled grammars the cache holds."""
+        return self._bytes
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries past `cache_size` entries or `cache_bytes` (the newest
+        entry stays, whatever its size: the request that asked for it holds it anyway). Under the lock."""
+        while len(self._cache) > 1 and (len(self._cache) > self.cache_size or self._bytes > self.cache_bytes):
+            _, old = self._cache.popitem(last=False)
+            self._bytes -= old.size
 
     def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher at the start of `spec`'s grammar."""
@@ -224,6 +278,14 @@ def strict_json_strings(schema_text: str) -> str:
 def choice_grammar(choices: Sequence[str]) -> str:
     """EBNF for exactly one of `choices` (JSON string escapes are xgrammar's string escapes)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _grammar_bytes(grammar: Any) -> int:
+    """The compiled grammar's size as xgrammar counts it (its token masks dominate)."""
+    try:
+        return int(grammar.memory_size_bytes)
+    except (AttributeError, TypeError, ValueError):  # an older xgrammar: counted as one byte
+        return 1
 
 
 def _clean(exc: BaseException) -> str:

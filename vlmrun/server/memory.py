@@ -1,0 +1,73 @@
+"""The memory of a large request body handed back to the kernel after it: `MemoryTrimmer`.
+
+A body of megabytes (a 50 MB prompt, base64 images) passes through the server as received chunks,
+their join, the parsed JSON strings: transient blocks that glibc's malloc keeps once freed (the CPU
+engine even asks it to keep every freed block, `executor/cpu_malloc.py`), so a few hostile bodies
+would raise the server's RSS for good; so would the buffers of media refused half-way (a video's
+container opened, then refused for its size). Once a body of at least `TRIM_BODY_BYTES` is parsed
+(or one of `TRIM_REFUSED_BYTES` refused: hostile bodies of a few MB parse into 100k strings), and
+after media preparation that failed, `delay_s` later (the request has let go of
+it by then) `malloc_trim(0)` returns the free pages of every arena, in a pool thread and at most once
+per `min_interval_s` (the engine's own freed blocks go too, and its next step faults them in again:
+a cost paid only after large bodies). A no-op where the C library is not glibc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import platform
+import time
+from concurrent.futures import Executor
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+TRIM_BODY_BYTES = 8 << 20
+TRIM_REFUSED_BYTES = 1 << 20
+
+
+def _glibc() -> Optional[Any]:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
+class MemoryTrimmer:
+    def __init__(self, pool: Executor, delay_s: float = 0.5, min_interval_s: float = 1.0):
+        self.pool = pool
+        self.delay_s = delay_s
+        self.min_interval_s = min_interval_s
+        self._libc = _glibc()
+        self._scheduled = False
+        self._last = 0.0
+        self.trims = 0  # malloc_trim calls made (for tests and logs)
+
+    def after_body(self, size: int, refused: bool = False) -> None:
+        """Called on the event loop once a request body of `size` bytes was parsed, or `refused`."""
+        if size >= (TRIM_REFUSED_BYTES if refused else TRIM_BODY_BYTES):
+            self.schedule()
+
+    def schedule(self) -> None:
+        """On the event loop: trim soon (once the request that called it has let go of its memory)."""
+        if self._libc is None or self._scheduled:
+            return
+        self._scheduled = True
+        wait = max(self.delay_s, self._last + self.min_interval_s - time.monotonic())
+        asyncio.get_running_loop().call_later(wait, self._start)
+
+    def _start(self) -> None:
+        self._scheduled = False
+        self._last = time.monotonic()
+        try:
+            self.pool.submit(self._trim)
+        except RuntimeError:  # the pool is shut down: the server is stopping
+            pass
+
+    def _trim(self) -> None:
+        self._libc.malloc_trim(0)
+        self.trims += 1
