@@ -43,6 +43,7 @@ class RoutedRows:
     ends: torch.Tensor  # [num_local] int32, expert e's rows are [ends[e-1], ends[e])
     local: Optional[torch.Tensor]  # [N] bool, held by this rank (None: every expert is local)
     slots: torch.Tensor  # [T, k] int64, where each token's j-th smallest expert's row sorted to
+    token_weights: torch.Tensor  # [T, k] the routing weight of each token's j-th smallest expert
 
     @classmethod
     def sort(cls, expert_ids: torch.Tensor, weights: torch.Tensor, first_local: int, num_local: int,
@@ -62,16 +63,17 @@ class RoutedRows:
         bounds = torch.arange(num_local, device=experts.device, dtype=experts.dtype)
         ends = torch.searchsorted(experts, bounds, right=True).to(torch.int32)  # [num_local]
         slots = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
-        return cls(tokens=order // k, weights=weights.gather(1, by_id).flatten()[order], experts=experts, ends=ends,
-                   local=None if local is None else local[order], slots=slots.view(num_tokens, k))
+        token_weights = weights.gather(1, by_id)  # [T, k]
+        return cls(tokens=order // k, weights=token_weights.flatten()[order], experts=experts, ends=ends,
+                   local=None if local is None else local[order], slots=slots.view(num_tokens, k),
+                   token_weights=token_weights)
 
     def combine(self, y: torch.Tensor) -> torch.Tensor:
-        """y [N, H] (sorted rows, weighted) -> [T, H]: each token's rows added in expert order, one after the
-        other from zero (the per-expert loop's sums, bit for bit; no scatter, so no atomics on CUDA)."""
-        per_token = y[self.slots]  # [T, k, H]
-        out = torch.zeros_like(per_token[:, 0])
-        for j in range(per_token.shape[1]):
-            out = out + per_token[:, j]
+        """y [N, H] (sorted rows) -> [T, H]: each token's rows times their routing weights, added in expert order
+        one after the other from zero (the per-expert loop's sums, bit for bit; no scatter: no atomics on CUDA)."""
+        out = y.new_zeros(self.slots.shape[0], y.shape[1])
+        for j in range(self.slots.shape[1]):
+            out = out + y.index_select(0, self.slots[:, j]) * self.token_weights[:, j, None]
         return out
 
 

@@ -238,7 +238,7 @@ class FusedExperts(nn.Module):
 
     def _forward_grouped(self, x: torch.Tensor, routed: RoutedRows) -> Optional[torch.Tensor]:
         """Every assignment at once, no host sync (`grouped_linear`); None where that does not fit."""
-        xs = x[routed.tokens]  # [N, H], sorted by expert
+        xs = x.index_select(0, routed.tokens)  # [N, H], sorted by expert
         h = grouped_linear(xs, self.stacked_weight("gate_up_proj", x.dtype), routed)  # [N, 2I]
         if h is None:
             return None
@@ -246,10 +246,9 @@ class FusedExperts(nn.Module):
         y = grouped_linear(self.act_fn(gate) * up, self.stacked_weight("down_proj", x.dtype), routed)  # [N, H]
         if y is None:
             return None
-        y = y * routed.weights[:, None]
         if routed.local is not None:  # another rank's experts: no contribution here
             y = torch.where(routed.local[:, None], y, 0.0)
-        return routed.combine(y)  # [T, H]: each token's experts summed in expert order, as the loop does
+        return routed.combine(y)  # [T, H]: weighted, each token's experts summed in expert order, as the loop does
 
     def _forward_per_expert(self, x: torch.Tensor, routed: RoutedRows) -> torch.Tensor:
         """The loop over experts: one gathered matmul pair per expert that received tokens, after reading the
