@@ -6,13 +6,14 @@ ones CUDA runs when FlashInfer / FLA are absent), decode padded to batch-size bu
 `ModelRunner.launch` runs under `LaunchSyncGuard` (tests/launch_sync_guard.py: which tensors would
 be on the device, and what would make the host wait for them); the steps cover prefill with images
 (VL models), plain decode with greedy + logprobs and seeded top-p / top-k sampling with penalties,
-n-gram speculative decoding, and LoRA. On a GPU, `test_no_sync_on_cuda` runs the same steps under
+n-gram and MTP speculative decoding, and LoRA. On a GPU, `test_no_sync_on_cuda` runs the same steps under
 `torch.cuda.set_sync_debug_mode("error")`.
 """
 
 from __future__ import annotations
 
 import collections
+import shutil
 from typing import Any
 
 import pytest
@@ -26,11 +27,19 @@ from vlmrun.executor.model_runner import ModelRunner
 ARCHS = ["qwen3", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"]
 VL = {"qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"}
 MOE = {"qwen3_vl_moe", "qwen3_5_moe", "qwen3_next"}
+HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]  # the architectures with an MTP layer
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MTP = {"method": "mtp", "num_speculative_tokens": 3}
 AS_ON_CUDA = dict(attention_backend="torch", gdn_backend="torch", enforce_eager=False)
 EXPERT_LORA = ("LoRA on MoE experts runs the per-expert loop, which reads each expert's row count on the host "
                "(vlmrun/layers/moe.py `_forward_per_expert`): `ExpertsLoRA` (vlmrun/lora/layers.py) adapts one "
                "expert's rows at a time and has no grouped form yet")
+
+
+MTP_UPLOADS = ("MTP drafting builds its inputs with blocking copies: vlmrun/spec_decode/mtp.py `MTPDrafter.draft` "
+               "(`torch.tensor(..., device=device)` of the rows and the active chunks), `_step_batch` (`up` and the "
+               "positions / KV slots `.to(device)`), `_image_rows_shifted` (a `torch.tensor(..., device=)` index): "
+               "`vlmrun.host_to_device.upload` would queue them")
 
 
 class GuardedLaunches:
@@ -92,6 +101,17 @@ def test_no_sync_in_launch(request, monkeypatch, arch):
 def test_no_sync_in_launch_speculative(request, monkeypatch, arch):
     """n-gram drafts verified in the launch: acceptance settles on the device."""
     guarded = run_guarded(monkeypatch, request.getfixturevalue(f"{arch}_dir"), arch, speculative_config=NGRAM)
+    assert not guarded.syncs, f"{arch}: syncs inside launch:\n{guarded.report()}"
+
+
+@pytest.mark.xfail(strict=True, reason=MTP_UPLOADS)
+@pytest.mark.parametrize("arch", HYBRID)
+def test_no_sync_in_launch_mtp(request, monkeypatch, tmp_path, arch):
+    """The MTP layer drafts on the device inside the launch (async scheduling)."""
+    from testing.tiny_mtp import add_mtp_layer
+
+    model_dir = add_mtp_layer(shutil.copytree(request.getfixturevalue(f"{arch}_dir"), tmp_path / "model"))
+    guarded = run_guarded(monkeypatch, model_dir, arch, speculative_config=MTP, async_scheduling=True)
     assert not guarded.syncs, f"{arch}: syncs inside launch:\n{guarded.report()}"
 
 
