@@ -155,3 +155,29 @@ def test_no_sync_on_cuda(request, monkeypatch, arch):
     outs = llm.chat([c for c in chats for _ in sampling()], sampling() * len(chats), use_tqdm=False)
     assert all(o.error is None and o.token_ids for o in outs), [o.error for o in outs]
     assert len(launches) > len(outs)
+
+
+def test_the_guard_rule():
+    """What the guard counts as device-resident and as a sync, on plain tensors."""
+    state = torch.arange(6.0)  # made before: runner state, on the device
+    chunk = {"positions": torch.arange(4)}  # came in through the chunks: host metadata
+    device = torch.device("cpu")
+    cases = {
+        "host reads of host data": (lambda: (chunk["positions"].tolist(), torch.tensor([1, 2]).sum().item()), 0),
+        "read of state": (lambda: state.sum().item(), 1),
+        "bool of a value computed from state": (lambda: bool((state > 2).any()), 1),
+        "non-blocking upload": (lambda: torch.tensor([1, 2]).to(device, non_blocking=True), 0),
+        "blocking upload": (lambda: torch.tensor([1, 2]).to(device), 1),
+        "factory on the device, then read": (lambda: torch.zeros(2, device=device).tolist(), 1),
+        "boolean mask of state": (lambda: state[state > 2], 1),
+        "host index into state": (lambda: state[torch.tensor([0, 1])], 1),
+        "uploaded index into state": (lambda: state[torch.tensor([0, 1]).to(device, non_blocking=True)], 0),
+        "copy to host, blocking": (lambda: torch.empty(6).copy_(state), 1),
+        "state down, non-blocking": (lambda: state.to("cpu", non_blocking=True), 0),
+        "bincount of state": (lambda: torch.bincount(state.long()), 1),
+    }
+    for name, (fn, expected) in cases.items():
+        guard = LaunchSyncGuard(chunk, raise_on_sync=False)
+        with guard:
+            fn()
+        assert len(guard.syncs) == expected, f"{name}: {guard.syncs}"
