@@ -12,7 +12,8 @@ import torch
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`host` (a CPU tensor) on `device`: queued behind the device's work on CUDA, a plain move elsewhere."""
+    """`host` (a CPU tensor) on `device`: queued behind the device's work on CUDA, a plain move elsewhere
+    (non-blocking there too, as on CUDA: on the CPU the tensor itself)."""
     if device.type != "cuda":
-        return host.to(device)
+        return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)

@@ -17,8 +17,12 @@ them). With `tp.expert_parallel` each rank holds `E / size` whole experts instea
 the assignments routed to them. The shared expert is sliced either way; the block sums experts
 and shared expert on this rank and all-reduces once.
 
-The expert loop is the torch reference: one host sync per layer (the per-expert token counts), one
-gathered matmul pair per expert that received tokens. A fused grouped-GEMM kernel replaces it on GPU.
+Routing runs on the device with no host sync (`vlmrun.layers.grouped_matmul`): the (token, expert)
+assignments are sorted by expert there and every expert's rows go through one grouped matmul per
+projection (torch's grouped GEMM on the CPU and on CUDA bfloat16 sm90/sm100; elsewhere, for
+decode-sized batches, a gathered batched matmul). The per-expert loop, which reads each expert's row
+count on the host, remains for quantized experts, LoRA on the experts, and batches too large for the
+gathered fallback.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
+from vlmrun.layers.grouped_matmul import RoutedRows, grouped_linear, grouped_mm_sync_free
 from vlmrun.layers.linear import ReplicatedLinear, copy_checked, named_specs
 from vlmrun.layers.linear_method import UNQUANTIZED, LinearMethod, ParamSpec
 from vlmrun.loader import materialize
@@ -55,8 +60,6 @@ class FusedExperts(nn.Module):
     The weights' format is `self.method`'s (`vlmrun.layers.linear_method`): each projection keeps the
     method's tensors with a leading expert dim; `forward` takes one expert's [out, in] weights from
     `method.dequantize` (the tensors themselves when unquantized)."""
-
-    cuda_graph_capturable = False  # forward reads per-expert token counts on the host
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str = "silu",
                  tp: TensorParallel = SINGLE):
@@ -207,23 +210,60 @@ class FusedExperts(nn.Module):
         params = {name: getattr(self, expert_param_name(projection, name))[local] for name in self.param_names[projection]}
         return self.method.dequantize(params, dtype)
 
+    def stacked_weight(self, projection: str, dtype: torch.dtype) -> torch.Tensor:
+        """All local experts' [E_local, out, in] weights of `projection` (an unquantized method: the parameter)."""
+        params = {name: getattr(self, expert_param_name(projection, name)) for name in self.param_names[projection]}
+        return self.method.dequantize(params, dtype)
+
+    @property
+    def cuda_graph_capturable(self) -> bool:
+        """No host read in forward: unquantized experts where torch's grouped GEMM runs sync-free (CUDA
+        bfloat16 on compute capability 9.x / 10.x, the CPU). LoRA on experts loops over them (the engine
+        captures no graphs with LoRA)."""
+        if self.method.quantized:
+            return False
+        weight = self.gate_up_proj  # [E_local, 2I, H]
+        per_16_bytes = 16 // weight.element_size()
+        return (grouped_mm_sync_free(weight.device, weight.dtype)
+                and self.hidden % per_16_bytes == 0 and self.intermediate % per_16_bytes == 0)
+
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids, weights: [T, k] -> [T, H]
-        k = expert_ids.shape[1]
-        flat = expert_ids.flatten()  # [T*k], token-major
-        order = flat.argsort(stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # the one host sync
-        flat_weights = weights.flatten()
+        routed = RoutedRows.sort(expert_ids, weights, self.experts.start, self.experts.length, self.num_experts)
+        if not self.method.quantized and (self.lora is None or self.lora.select(routed.tokens) is None):
+            out = self._forward_grouped(x, routed)
+            if out is not None:
+                return out
+        return self._forward_per_expert(x, routed)
+
+    def _forward_grouped(self, x: torch.Tensor, routed: RoutedRows) -> Optional[torch.Tensor]:
+        """Every assignment at once, no host sync (`grouped_linear`); None where that does not fit."""
+        xs = x.index_select(0, routed.tokens)  # [N, H], sorted by expert
+        h = grouped_linear(xs, self.stacked_weight("gate_up_proj", x.dtype), routed)  # [N, 2I]
+        if h is None:
+            return None
+        gate, up = h.chunk(2, dim=-1)  # [N, I] each
+        y = grouped_linear(self.act_fn(gate) * up, self.stacked_weight("down_proj", x.dtype), routed)  # [N, H]
+        if y is None:
+            return None
+        if routed.local is not None:  # another rank's experts: no contribution here
+            y = torch.where(routed.local[:, None], y, 0.0)
+        return routed.combine(y)  # [T, H]: weighted, each token's experts summed in expert order, as the loop does
+
+    def _forward_per_expert(self, x: torch.Tensor, routed: RoutedRows) -> torch.Tensor:
+        """The loop over experts: one gathered matmul pair per expert that received tokens, after reading the
+        per-expert counts on the host (a sync on CUDA). Runs for quantized experts (each dequantized alone),
+        LoRA on the experts (`ExpertsLoRA` adapts one expert's rows at a time), and batches too large for
+        `grouped_linear`'s gathered fallback."""
         out = torch.zeros_like(x)
+        ends = routed.ends.tolist()  # the host sync
         start = 0
-        for e, n in enumerate(counts):
-            local = self.local_expert(e)
-            if n == 0 or local is None:
-                start += n
+        for local, end in enumerate(ends):
+            if end == start:
                 continue
-            rows = order[start:start + n]  # [n] assignment indices
-            start += n
-            tokens = rows // k
+            tokens = routed.tokens[start:end]  # [n]
+            scale = routed.weights[start:end, None]
+            start = end
             adapters = None if self.lora is None else self.lora.select(tokens)  # LoRA: the tokens' slots, once
             gate_up = self.expert_weight("gate_up_proj", local, x.dtype)  # [2I, H]
             xs = x[tokens]  # [n, H]
@@ -237,7 +277,7 @@ class FusedExperts(nn.Module):
                 y = self.lora.add("down_proj", local, inner, y, adapters)
             # (index_put_ accumulating: the same sums, each token once per expert; index_add_ took ~60 ms a call
             # on the 2-core CPU whatever its size, torch 2.14, under load)
-            out.index_put_((tokens,), y * flat_weights[rows, None], accumulate=True)
+            out.index_put_((tokens,), y * scale, accumulate=True)
         return out
 
 

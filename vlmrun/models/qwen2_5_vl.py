@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
+from vlmrun.host_to_device import upload
 from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
@@ -153,15 +154,15 @@ class Qwen2_5_VisionTower(nn.Module):
         grids = grid_list(grid_thw)
         layout = build_vision_layout(grids, self.merge, self.window_units)
         device = pixel_values.device
-        token_order = layout.token_order.to(device)
+        token_order = upload(layout.token_order, device)
         x = self.patch_embed(pixel_values)[token_order]  # [N, dim], window order
-        pos_hw = vision_rope_positions(grids, self.merge)[layout.token_order]  # [N, 2], window order
-        cos, sin = self.rotary_pos_emb(pos_hw.to(device))  # [N, head_dim] each
+        pos_hw = vision_rope_positions(grids, self.merge)[layout.token_order]  # [N, 2], window order (host)
+        cos, sin = self.rotary_pos_emb(upload(pos_hw, device))  # [N, head_dim] each
         windows, frames = plan_segments(layout.window_lens, device), frame_segments(grids, device)
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in self.fullatt_blocks else windows, cos, sin)
         merged = self.merger(x)  # [num_units, out], window order
-        return merged[torch.argsort(layout.unit_order).to(device)]  # image order
+        return merged[upload(torch.argsort(layout.unit_order), device)]  # image order
 
 
 # ----------------------------------------------------------------------------------------------

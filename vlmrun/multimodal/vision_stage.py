@@ -7,6 +7,8 @@ r-th, r+size-th, ...) and gathers the others' embeddings, so each rank caches th
 image's embedding, so an image split across prefill chunks is encoded once. With LoRA, an image of a
 request whose adapter changes the vision tower is encoded with that adapter's slot bound and cached
 under its hash and the adapter's tag (`ChunkSpan.cache_tag`); other requests share the base embeddings.
+Nothing here waits for the device: pixels and the token mask go up with `upload` (pinned, non-blocking),
+and the image grids stay on the host, where the tower plans its segments and positions from them.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from vlmrun.cache.encoder_cache import EncoderCache, ImageEmbedding
+from vlmrun.host_to_device import upload
 from vlmrun.parallel import TensorParallel
 
 
@@ -65,7 +68,7 @@ class VisionStage:
             if entry.deepstack is not None:
                 deepstack.append(entry.deepstack[:, lo - item.offset: hi - item.offset])
         return VisionInputs(
-            mm_mask=mask.to(self.device, non_blocking=True),
+            mm_mask=upload(mask, self.device),
             mm_embeds=torch.cat(embeds),
             deepstack_embeds=torch.cat(deepstack, dim=1) if deepstack else None,
         )
@@ -99,8 +102,8 @@ class VisionStage:
 
     def _run_encoder(self, items: list) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """One batched encoder call -> per item (embeds [length, hidden], deepstack [k, length, hidden] | None)."""
-        pixels = torch.cat([it.pixel_values for it in items]).to(self.device, self.dtype)  # [patches, patch_dim]
-        grid = torch.tensor([list(it.grid_thw) for it in items], dtype=torch.int64, device=self.device)
+        pixels = upload(torch.cat([it.pixel_values for it in items]), self.device).to(self.dtype)  # [patches, patch_dim]
+        grid = [tuple(int(n) for n in it.grid_thw) for it in items]  # on the host, where the tower plans with it
         out = self.model.encode_images(pixels, grid)
         counts = [it.length for it in items]
         embeds = out.embeds.split(counts)

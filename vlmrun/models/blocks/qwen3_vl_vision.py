@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vlmrun.host_to_device import upload
 from vlmrun.layers.activation import get_act_fn
 from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.rotary import rope_parameters
@@ -37,7 +38,7 @@ def interpolate_pos_embed(table: torch.Tensor, grids: list[tuple[int, int, int]]
     side = int(table.shape[0] ** 0.5)
     device = table.device
     rc = vision_rope_positions(grids, merge, device)  # [num_patches, 2] (row, col)
-    sizes = torch.cat([torch.tensor([[h, w]], device=device).expand(t * h * w, 2) for t, h, w in grids])
+    sizes = upload(torch.cat([torch.tensor([[h, w]]).expand(t * h * w, 2) for t, h, w in grids]), device)
     src = rc.float() * (side - 1) / (sizes - 1).clamp(min=1)  # [num_patches, 2] fractional table coords
     lo = src.floor()
     frac = src - lo  # [num_patches, 2]

@@ -5,6 +5,8 @@
   (the parameter keeps the Conv3d shape, so checkpoint names and shapes load unchanged).
 - `VisionRotaryEmbedding` + `vision_rope_positions`: 2-D (h, w) rotary for patches laid out in
   spatial-merge-block order.
+- `plan_segments` / `frame_segments`: the attention segments, planned on the host from the grid (a
+  host list) and uploaded without blocking, so the tower reads nothing back from the device.
 - `VisionAttention` and `varlen_attention`: non-causal attention restricted to each image (frame);
   `fused_varlen_attention` (torch's flash-attention varlen kernel, CUDA fp16/bf16) takes its place
   with the CUDA fast path (`use_fused_vision_attention`).
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmrun.host_to_device import upload
 from vlmrun.layers.cpu_kernels import patch_embed_as_gemm
 from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.rotary import apply_rotary
@@ -35,7 +38,8 @@ class VisionEmbeddings:
 
 
 def grid_list(grid_thw: GridTHW) -> list[tuple[int, int, int]]:
-    """Normalize grid_thw ([n, 3] tensor or sequence of triples) to a host list of int triples."""
+    """Normalize grid_thw ([n, 3] tensor or sequence of triples) to a host list of int triples (the engine
+    passes host triples: a grid tensor on the device would be read back here, a sync)."""
     rows = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
     return [(int(t), int(h), int(w)) for t, h, w in rows]
 
@@ -63,10 +67,15 @@ def plan_segments(lengths: list[int], device: torch.device | None = None) -> Seg
         if n > 0:
             starts_by_length.setdefault(n, []).append(start)
         start += n
-    runs = [(n, (torch.tensor(starts)[:, None] + torch.arange(n)).flatten().to(device))
+    runs = [(n, _to(device, (torch.tensor(starts)[:, None] + torch.arange(n)).flatten()))
             for n, starts in starts_by_length.items()]
-    cu = F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    cu = _to(device, F.pad(torch.tensor(lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)))
     return Segments(cu, max(lengths, default=0), runs)
+
+
+def _to(device: torch.device | None, host: torch.Tensor) -> torch.Tensor:
+    """A host-planned tensor on `device` (None: stays on the host), uploaded without blocking."""
+    return host if device is None else upload(host, device)
 
 
 def frame_segments(grids: list[tuple[int, int, int]], device: torch.device | None = None) -> Segments:

@@ -1,0 +1,114 @@
+"""Grouped matmuls for MoE experts: rows sorted by expert, no host read of how many each expert got.
+
+`RoutedRows.sort` turns a step's routing (top-k expert ids and weights per token) into its assignments
+sorted by local expert, entirely on the device: the stable argsort keeps each expert's tokens in token
+order, and `ends[e]` (where expert e's rows end) comes from a `searchsorted` over the sorted ids, so no
+count is read on the host (`torch.bincount` would read the largest id back on CUDA). `combine` adds
+each token's rows back in expert order (a gather and k adds: deterministic, no scatter).
+
+`grouped_linear(x, weight, routed)` multiplies each sorted row by its expert's [out, in] weight:
+
+- `torch._grouped_mm` (torch's grouped GEMM) wherever it runs without reading the offsets on the host
+  (`grouped_mm_syncs_free`): on the CPU for every float dtype (there it runs one `mm` per expert over
+  its slice of rows: the same products as a per-expert `F.linear`), and on CUDA for bfloat16 on
+  compute capability 9.x / 10.x (its CUTLASS kernel). Elsewhere on CUDA torch's fallback copies the
+  offsets to the host; its kernels also want 16-byte aligned rows (`in` a multiple of 16 bytes).
+- otherwise, for up to `GATHER_BUDGET` weight elements, each row's expert weight gathered and one
+  batched matmul ([N, 1, in] @ [N, in, out]): sync-free, decode-sized batches.
+- otherwise `grouped_linear` returns None and the caller runs its per-expert loop (which reads the
+  counts on the host: prefill-sized batches on GPUs / dtypes torch's grouped GEMM does not cover).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+GATHER_BUDGET = 1 << 25  # weight elements the gathered fallback may materialize (N * out * in)
+FAST_CUDA_MAJORS = (9, 10)  # compute capabilities where torch's grouped GEMM has its CUTLASS kernel
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """A forward's (token, expert) assignments sorted by this rank's experts (stable: token order inside one).
+
+    Assignments to experts another rank holds (expert parallelism) sort last, past `ends[-1]`: their
+    rows are computed by no expert, and `local` masks them out."""
+
+    tokens: torch.Tensor  # [N] int64, the token of each sorted assignment (N = T * k)
+    weights: torch.Tensor  # [N] its routing weight (x's dtype)
+    experts: torch.Tensor  # [N] int64, its local expert (num_local for another rank's expert)
+    ends: torch.Tensor  # [num_local] int32, expert e's rows are [ends[e-1], ends[e])
+    local: Optional[torch.Tensor]  # [N] bool, held by this rank (None: every expert is local)
+    slots: torch.Tensor  # [T, k] int64, where each token's j-th smallest expert's row sorted to
+    token_weights: torch.Tensor  # [T, k] the routing weight of each token's j-th smallest expert
+
+    @classmethod
+    def sort(cls, expert_ids: torch.Tensor, weights: torch.Tensor, first_local: int, num_local: int,
+             num_experts: int) -> "RoutedRows":
+        """expert_ids, weights: [T, k] -> the T * k assignments sorted by local expert (this rank holds experts
+        [first_local, first_local + num_local) of `num_experts`), on their device."""
+        num_tokens, k = expert_ids.shape
+        expert_ids, by_id = expert_ids.sort(dim=1)  # each token's experts ascending, as `combine` adds them
+        local_ids = expert_ids.flatten() - first_local  # [N], token-major
+        local = None
+        if num_local < num_experts:  # expert parallelism: the others' assignments sort last
+            held = (local_ids >= 0) & (local_ids < num_local)
+            local_ids = torch.where(held, local_ids, num_local)
+            local = held
+        order = local_ids.argsort(stable=True)  # [N] assignments grouped by expert
+        experts = local_ids[order]
+        bounds = torch.arange(num_local, device=experts.device, dtype=experts.dtype)
+        ends = torch.searchsorted(experts, bounds, right=True).to(torch.int32)  # [num_local]
+        slots = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
+        token_weights = weights.gather(1, by_id)  # [T, k]
+        return cls(tokens=order // k, weights=token_weights.flatten()[order], experts=experts, ends=ends,
+                   local=None if local is None else local[order], slots=slots.view(num_tokens, k),
+                   token_weights=token_weights)
+
+    def combine(self, y: torch.Tensor) -> torch.Tensor:
+        """y [N, H] (sorted rows) -> [T, H]: each token's rows times their routing weights, added in expert order
+        one after the other from zero (the per-expert loop's sums, bit for bit; no scatter: no atomics on CUDA)."""
+        out = y.new_zeros(self.slots.shape[0], y.shape[1])
+        for j in range(self.slots.shape[1]):
+            out = out + y.index_select(0, self.slots[:, j]) * self.token_weights[:, j, None]
+        return out
+
+
+def grouped_mm_sync_free(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `torch._grouped_mm` with offsets runs here without reading them on the host."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if device.type == "cuda" and dtype == torch.bfloat16 and torch.version.hip is None:
+        return torch.cuda.get_device_capability(device)[0] in FAST_CUDA_MAJORS
+    return False
+
+
+def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch's grouped GEMM takes rows and weights whose inner stride is a whole 16 bytes."""
+    per_16_bytes = 16 // x.element_size()
+    return (x.is_contiguous() and weight.is_contiguous() and x.shape[1] % per_16_bytes == 0
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routed: RoutedRows) -> Optional[torch.Tensor]:
+    """x [N, in] (rows sorted as `routed`) @ their experts' weight [E_local, out, in] -> [N, out]; None when
+    neither sync-free way fits here (the caller loops over experts). Rows of other ranks' experts: garbage
+    (grouped GEMM) or expert 0's product (gathered); the caller masks them with `routed.local`."""
+    if x.shape[0] == 0:
+        return x.new_zeros(0, weight.shape[1])
+    if grouped_mm_sync_free(x.device, x.dtype) and x.dtype == weight.dtype and _aligned(x, weight):
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=routed.ends)
+    if x.shape[0] * weight.shape[1] * weight.shape[2] <= GATHER_BUDGET:
+        return gathered_linear(x, weight, routed)
+    return None
+
+
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, routed: RoutedRows) -> torch.Tensor:
+    """The fallback: each row's expert weight gathered ([N, out, in]), one batched matmul -> [N, out]."""
+    experts = routed.experts.clamp(max=weight.shape[0] - 1)  # another rank's rows: any expert, masked later
+    return torch.bmm(x.unsqueeze(1), weight[experts].transpose(1, 2).to(x.dtype)).squeeze(1)
