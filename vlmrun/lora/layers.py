@@ -10,8 +10,10 @@ costs one attribute check per call. A linear layer keeps, per slot,
 where the blocks are its checkpoint parts (q | k | v, gate | up; one block for an unfused layer): part
 p's A fills rows [p * rank, p * rank + r) of a, its B those columns of its own output rows of b, so
 delta = (x @ a.T) @ b.T is every part's update in two matmuls. A rank below the slot's is zero-padded. Rows of different
-adapters run as one pair of matmuls over all slots, each row keeping its own slot's share
-(`low_rank_update`): a gathered batched LoRA matmul in torch ops, no per-row gather or scatter.
+adapters run one pair of matmuls per slot present in the batch, and each row takes its own slot's result by
+selection (`low_rank_update`: torch.where on the slot's rows), never by multiplying the other slots' results by
+zero: 0 x NaN is NaN, so one adapter's non-finite values (or a row's x @ A of another slot's overflowing) would
+reach every row. What one row's adapter makes stays in that row.
 
 With `lora_kernel="triton"` (CUDA, opt-in) a batch of mixed adapters carries its rows grouped by slot
 instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot's update (`triton_ops`).
@@ -41,19 +43,20 @@ class LoRABatch:
     """The adapter slot of each row of one forward (or of an expert's routed tokens: `select`).
 
     `single`: the slot when every row has the same adapter (the update is two plain matmuls); otherwise
-    `onehot` [num_rows, slots] (1 at each row's slot, a row of zeros for the base model) keeps, of the
-    update of every slot, each row's own: one pair of matmuls over all slots, no gather or scatter.
-    With the Triton kernel, `groups` (`triton_ops.SlotGroups`) replaces `onehot`: the rows grouped by slot."""
+    `slots` (the distinct slots the rows run, base-model rows aside) and `owns` [len(slots), num_rows, 1]
+    (True on slot slots[i]'s rows): each slot's update is computed over all rows and kept on its own rows only.
+    With the Triton kernel, `groups` (`triton_ops.SlotGroups`) replaces them: the rows grouped by slot."""
 
     single: Optional[int] = None
-    onehot: Optional[torch.Tensor] = None  # [num_rows, slots] in the model's dtype (None when `single`)
+    slots: tuple[int, ...] = ()  # the slots of a mixed batch's rows (host ints), without NO_ADAPTER
+    owns: Optional[torch.Tensor] = None  # [len(slots), num_rows, 1] bool: row r runs slots[i] (None when `single`)
     groups: Optional[Any] = None  # `triton_ops.SlotGroups` (lora_kernel="triton", several slots), else None
 
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device,
                  dtype: torch.dtype, kernel: str = "torch") -> Optional["LoRABatch"]:
         """Spans of `lengths[i]` consecutive rows running slot `slots[i]`; None when no span has an adapter.
-        `kernel`: "torch" (the masked update) or "triton" (the rows grouped by slot for `triton_ops`).
+        `kernel`: "torch" (an update per slot, selected by row) or "triton" (the rows grouped by slot for `triton_ops`).
         Built on the host, one upload (`vlmrun.host_to_device.upload`)."""
         if all(s == NO_ADAPTER for s in slots):
             return None
@@ -65,24 +68,26 @@ class LoRABatch:
             return cls(groups=SlotGroups.of_spans(slots, lengths, num_slots, device))
         row_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
                                             torch.tensor(lengths, dtype=torch.int64))  # [num_rows]
-        onehot = (row_slots[:, None] == torch.arange(num_slots)).to(dtype)  # [num_rows, slots]; a base row: zeros
-        return cls(onehot=upload(onehot, device))
+        present = tuple(sorted(set(slots) - {NO_ADAPTER}))
+        owns = row_slots[None, :, None] == torch.tensor(present)[:, None, None]  # [len(present), num_rows, 1]
+        return cls(slots=present, owns=upload(owns, device))
 
     def padded_to(self, num_rows: int) -> "LoRABatch":
         """This batch for a forward of `num_rows` >= its rows: the rows past them (a padded decode's, after the
         real ones) run no adapter. The manager pads once per forward, before the model runs."""
         if self.groups is not None:
             return LoRABatch(groups=self.groups.padded_to(num_rows))
-        if self.onehot is None or self.onehot.shape[0] >= num_rows:
+        if self.owns is None or self.owns.shape[1] >= num_rows:
             return self
-        return LoRABatch(onehot=torch.nn.functional.pad(self.onehot, (0, 0, 0, num_rows - self.onehot.shape[0])))
+        return LoRABatch(slots=self.slots,
+                         owns=torch.nn.functional.pad(self.owns, (0, 0, 0, num_rows - self.owns.shape[1])))
 
     def select(self, tokens: torch.Tensor) -> "LoRABatch":
         """The batch of rows `tokens` [n] of this forward (an expert's routed tokens): made once per expert,
         read by both of its projections."""
         if self.groups is not None:
             return LoRABatch(groups=self.groups.select(tokens))
-        return self if self.onehot is None else LoRABatch(onehot=self.onehot[tokens])
+        return self if self.owns is None else LoRABatch(slots=self.slots, owns=self.owns[:, tokens])
 
 
 class LoRAContext:
@@ -95,12 +100,15 @@ class LoRAContext:
 def low_rank_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     batch: LoRABatch) -> torch.Tensor:
     """y [n, out] + each row's slot's (x @ A.T) @ B.T in torch ops, with a [slots, k, in] and b [out, slots, k]
-    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single` or `onehot`)."""
+    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single`, or `slots` and `owns`).
+
+    A mixed batch: per slot present, the update of every row (rows are independent through both matmuls),
+    kept on that slot's rows by torch.where, so nothing of one slot's result reaches another slot's row."""
     if batch.single is not None:
         return torch.addmm(y, x @ a[batch.single].T, b[:, batch.single].T)
-    slots, k, n_in = a.shape
-    xa = (x @ a.view(slots * k, n_in).T).view(-1, slots, k) * batch.onehot[:, :, None]  # [n, slots, k]: own slot's only
-    return torch.addmm(y, xa.view(-1, slots * k), b.view(-1, slots * k).T)
+    for i, slot in enumerate(batch.slots):
+        y = torch.where(batch.owns[i], torch.addmm(y, x @ a[slot].T, b[:, slot].T), y)  # [n, out]
+    return y
 
 
 def add_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
