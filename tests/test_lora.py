@@ -106,8 +106,8 @@ def test_adapters_alone_and_mixed_equal_peft(setup):
 
 
 def test_all_slots_in_one_step(request, monkeypatch):
-    """Four slots: base and three adapters decode together in the same steps (one forward, the masked
-    all-slot update), decode padded to batch-size buckets as on CUDA: seven sequences run as eight rows,
+    """Four slots: base and three adapters decode together in the same steps (one forward, each slot's update
+    on its own rows), decode padded to batch-size buckets as on CUDA: seven sequences run as eight rows,
     the padding row gets no adapter (the bound rows are padded as the model starts)."""
     setup = lora_setup(request, "qwen3_vl_moe")
     llm = LLM(str(setup.model_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=8,

@@ -105,7 +105,8 @@ def test_a_nan_request_leaves_other_requests_alone(request, adapters, arch, back
 
 def test_a_non_finite_slot_reaches_only_its_own_rows():
     """The mixed-adapter update keeps each row's own slot: slot 1 all NaN, slot 2 so large that x @ A
-    overflows; the rows of slot 0 and of no adapter are exactly their own update."""
+    overflows; the rows of slot 0 and of no adapter are exactly their own update (the forward's rows, and
+    an expert's routed tokens)."""
     gen = torch.Generator().manual_seed(0)
     n_in, n_out, k, slots = 8, 6, 4, 3
     a = torch.randn(slots, k, n_in, generator=gen)
@@ -119,3 +120,9 @@ def test_a_non_finite_slot_reaches_only_its_own_rows():
     torch.testing.assert_close(out[[0, 4]], own[[0, 4]], rtol=0, atol=0)
     torch.testing.assert_close(out[2], y[2], rtol=0, atol=0)
     assert out[1].isnan().all()
+    # an experts block's routed tokens (slots known on the device only): rows 4, 1, 2, 3 of the forward
+    tokens = torch.tensor([4, 1, 2, 3])
+    routed = low_rank_update(x[tokens], y[tokens], a, b, batch.select(tokens))
+    torch.testing.assert_close(routed[0], own[4], rtol=0, atol=0)
+    torch.testing.assert_close(routed[2], y[2], rtol=0, atol=0)
+    assert routed[1].isnan().all()

@@ -10,10 +10,12 @@ costs one attribute check per call. A linear layer keeps, per slot,
 where the blocks are its checkpoint parts (q | k | v, gate | up; one block for an unfused layer): part
 p's A fills rows [p * rank, p * rank + r) of a, its B those columns of its own output rows of b, so
 delta = (x @ a.T) @ b.T is every part's update in two matmuls. A rank below the slot's is zero-padded. Rows of different
-adapters run one pair of matmuls per slot present in the batch, and each row takes its own slot's result by
-selection (`low_rank_update`: torch.where on the slot's rows), never by multiplying the other slots' results by
-zero: 0 x NaN is NaN, so one adapter's non-finite values (or a row's x @ A of another slot's overflowing) would
-reach every row. What one row's adapter makes stays in that row.
+adapters run one pair of matmuls per slot present, on that slot's rows only (gathered by index, updated
+with the addmm a batch of that adapter alone runs, copied back: `low_rank_update`); an experts block's
+routed tokens, whose slots are known on the device only, keep each slot's result by torch.where. A row
+never meets another slot's values: multiplying the other slots' results by a 0/1 mask, as this did, made
+0 x NaN = NaN, so one adapter's non-finite values (or a row's x @ A of another slot overflowing) reached
+every row. What one row's adapter makes stays in that row.
 
 With `lora_kernel="triton"` (CUDA, opt-in) a batch of mixed adapters carries its rows grouped by slot
 instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot's update (`triton_ops`).
@@ -43,13 +45,16 @@ class LoRABatch:
     """The adapter slot of each row of one forward (or of an expert's routed tokens: `select`).
 
     `single`: the slot when every row has the same adapter (the update is two plain matmuls); otherwise
-    `slots` (the distinct slots the rows run, base-model rows aside) and `owns` [len(slots), num_rows, 1]
-    (True on slot slots[i]'s rows): each slot's update is computed over all rows and kept on its own rows only.
-    With the Triton kernel, `groups` (`triton_ops.SlotGroups`) replaces them: the rows grouped by slot."""
+    `slots` (the distinct slots the rows run, base-model rows aside) and, per slot, its rows: `rows[i]`
+    (their indices, known on the host when the rows are bound: each slot's update runs on its own rows,
+    gathered) or, for an expert's routed tokens (`select`, rows known on the device only), `owns[i]` (a
+    mask: the update runs over all rows and is kept on the slot's only). With the Triton kernel, `groups`
+    (`triton_ops.SlotGroups`) replaces them: the rows grouped by slot."""
 
     single: Optional[int] = None
     slots: tuple[int, ...] = ()  # the slots of a mixed batch's rows (host ints), without NO_ADAPTER
     owns: Optional[torch.Tensor] = None  # [len(slots), num_rows, 1] bool: row r runs slots[i] (None when `single`)
+    rows: Optional[tuple[torch.Tensor, ...]] = None  # per slot [its rows] int64; None for an expert's tokens
     groups: Optional[Any] = None  # `triton_ops.SlotGroups` (lora_kernel="triton", several slots), else None
 
     @classmethod
@@ -70,7 +75,11 @@ class LoRABatch:
                                             torch.tensor(lengths, dtype=torch.int64))  # [num_rows]
         present = tuple(sorted(set(slots) - {NO_ADAPTER}))
         owns = row_slots[None, :, None] == torch.tensor(present)[:, None, None]  # [len(present), num_rows, 1]
-        return cls(slots=present, owns=upload(owns, device))
+        rows = [owns[i, :, 0].nonzero().flatten() for i in range(len(present))]
+        flat = upload(torch.cat([owns.flatten().to(torch.int64), *rows]), device)  # one upload
+        owns_dev = flat[:owns.numel()].view(owns.shape).bool()
+        ends = torch.tensor([owns.numel()] + [len(r) for r in rows]).cumsum(0).tolist()
+        return cls(slots=present, owns=owns_dev, rows=tuple(flat[ends[i]:ends[i + 1]] for i in range(len(present))))
 
     def padded_to(self, num_rows: int) -> "LoRABatch":
         """This batch for a forward of `num_rows` >= its rows: the rows past them (a padded decode's, after the
@@ -79,7 +88,7 @@ class LoRABatch:
             return LoRABatch(groups=self.groups.padded_to(num_rows))
         if self.owns is None or self.owns.shape[1] >= num_rows:
             return self
-        return LoRABatch(slots=self.slots,
+        return LoRABatch(slots=self.slots, rows=self.rows,
                          owns=torch.nn.functional.pad(self.owns, (0, 0, 0, num_rows - self.owns.shape[1])))
 
     def select(self, tokens: torch.Tensor) -> "LoRABatch":
@@ -100,15 +109,23 @@ class LoRAContext:
 def low_rank_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     batch: LoRABatch) -> torch.Tensor:
     """y [n, out] + each row's slot's (x @ A.T) @ B.T in torch ops, with a [slots, k, in] and b [out, slots, k]
-    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single`, or `slots` and `owns`).
+    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single`, or `slots` with `rows` or `owns`).
 
-    A mixed batch: per slot present, the update of every row (rows are independent through both matmuls),
-    kept on that slot's rows by torch.where, so nothing of one slot's result reaches another slot's row."""
+    A mixed batch, per slot present: its rows gathered, updated as a batch of that adapter alone would be
+    (the same addmm), and copied back (`rows`); or, for an expert's tokens, the update of every row (rows
+    are independent through both matmuls) kept on the slot's rows by torch.where (`owns`). Either way no
+    slot's values meet another slot's row (a 0/1 mask multiplied in would: 0 x NaN is NaN)."""
     if batch.single is not None:
         return torch.addmm(y, x @ a[batch.single].T, b[:, batch.single].T)
+    out = y
     for i, slot in enumerate(batch.slots):
-        y = torch.where(batch.owns[i], torch.addmm(y, x @ a[slot].T, b[:, slot].T), y)  # [n, out]
-    return y
+        if batch.rows is None:
+            out = torch.where(batch.owns[i], torch.addmm(out, x @ a[slot].T, b[:, slot].T), out)  # [n, out]
+            continue
+        rows = batch.rows[i]  # [m]
+        own = torch.addmm(y.index_select(0, rows), x.index_select(0, rows) @ a[slot].T, b[:, slot].T)  # [m, out]
+        out = y.index_copy(0, rows, own) if out is y else out.index_copy_(0, rows, own)
+    return out
 
 
 def add_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
