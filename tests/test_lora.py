@@ -106,8 +106,8 @@ def test_adapters_alone_and_mixed_equal_peft(setup):
 
 
 def test_all_slots_in_one_step(request, monkeypatch):
-    """Four slots: base and three adapters decode together in the same steps (one forward, the masked
-    all-slot update), decode padded to batch-size buckets as on CUDA: seven sequences run as eight rows,
+    """Four slots: base and three adapters decode together in the same steps (one forward, each slot's update
+    on its own rows), decode padded to batch-size buckets as on CUDA: seven sequences run as eight rows,
     the padding row gets no adapter (the bound rows are padded as the model starts)."""
     setup = lora_setup(request, "qwen3_vl_moe")
     llm = LLM(str(setup.model_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=8,
@@ -171,9 +171,9 @@ def test_the_bound_rows_are_padded_once_as_the_model_starts():
     manager = LoRAManager(probe, 3, 4, torch.device("cpu"), torch.float32)
     manager.bind([1, NO_ADAPTER, 0], [2, 1, 2])  # 5 rows
     seen = probe(torch.zeros(8, dtype=torch.int64), None, None)
-    want = torch.zeros(8, 3)
-    want[0:2, 1] = want[3:5, 0] = 1
-    assert torch.equal(seen.onehot, want)
+    want = torch.zeros(2, 8, 1, dtype=torch.bool)  # slots 0 and 1
+    want[1, 0:2] = want[0, 3:5] = True
+    assert seen.slots == (0, 1) and torch.equal(seen.owns, want)
     assert probe(torch.zeros(8, dtype=torch.int64), None, None) is seen  # already covers 8 rows: kept
     manager.bind([2], [1])  # one adapter: no rows to pad
     assert probe(torch.zeros(8, dtype=torch.int64), None, None).single == 2

@@ -80,9 +80,10 @@ def test_unknown_model_is_404(client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
-def test_lora_modules_flag():
-    args = argparse.Namespace(lora_modules=["a=/x", '{"name": "b", "path": "/y"}'], enable_lora=True)
-    assert lora_modules(args) == {"a": "/x", "b": "/y"}
+def test_lora_modules_flag(setup):
+    x, y = str(setup.adapters["all"]), str(setup.adapters["rs_regex"])  # each read and checked at start-up
+    args = argparse.Namespace(lora_modules=[f"a={x}", json.dumps({"name": "b", "path": y})], enable_lora=True)
+    assert lora_modules(args) == {"a": x, "b": y}
     for bad in (["a"], ["a=/x", "a=/y"]):
         with pytest.raises(ValueError, match="--lora-modules"):
             lora_modules(argparse.Namespace(lora_modules=bad, enable_lora=True))

@@ -64,11 +64,13 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 class LazyTensor:
     """A checkpoint tensor not read yet: its `shape`, `narrow(dim, start, length)` reading only those
-    rows, `load()` reading it all. Valid while the iteration that yielded it has not moved on."""
+    rows, `load()` reading it all. Valid while the iteration that yielded it has not moved on. `name`:
+    the checkpoint's name of it (for errors about its values)."""
 
-    def __init__(self, tensor_slice: Any):
+    def __init__(self, tensor_slice: Any, name: str = ""):
         self._slice = tensor_slice  # safetensors' PySafeSlice
         self.shape = torch.Size(tensor_slice.get_shape())
+        self.name = name
 
     def dim(self) -> int:
         return len(self.shape)
@@ -92,7 +94,7 @@ def iter_lazy_weights(path: Path) -> Iterator[tuple[str, LazyTensor]]:
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                yield name, LazyTensor(f.get_slice(name))
+                yield name, LazyTensor(f.get_slice(name), name)
 
 
 def checkpoint_tensor_names(path: Path) -> list[str]:

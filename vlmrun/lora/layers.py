@@ -10,8 +10,12 @@ costs one attribute check per call. A linear layer keeps, per slot,
 where the blocks are its checkpoint parts (q | k | v, gate | up; one block for an unfused layer): part
 p's A fills rows [p * rank, p * rank + r) of a, its B those columns of its own output rows of b, so
 delta = (x @ a.T) @ b.T is every part's update in two matmuls. A rank below the slot's is zero-padded. Rows of different
-adapters run as one pair of matmuls over all slots, each row keeping its own slot's share
-(`low_rank_update`): a gathered batched LoRA matmul in torch ops, no per-row gather or scatter.
+adapters run one pair of matmuls per slot present, on that slot's rows only (gathered by index, updated
+with the addmm a batch of that adapter alone runs, copied back: `low_rank_update`); an experts block's
+routed tokens, whose slots are known on the device only, keep each slot's result by torch.where. A row
+never meets another slot's values: multiplying the other slots' results by a 0/1 mask, as this did, made
+0 x NaN = NaN, so one adapter's non-finite values (or a row's x @ A of another slot overflowing) reached
+every row. What one row's adapter makes stays in that row.
 
 With `lora_kernel="triton"` (CUDA, opt-in) a batch of mixed adapters carries its rows grouped by slot
 instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot's update (`triton_ops`).
@@ -41,19 +45,23 @@ class LoRABatch:
     """The adapter slot of each row of one forward (or of an expert's routed tokens: `select`).
 
     `single`: the slot when every row has the same adapter (the update is two plain matmuls); otherwise
-    `onehot` [num_rows, slots] (1 at each row's slot, a row of zeros for the base model) keeps, of the
-    update of every slot, each row's own: one pair of matmuls over all slots, no gather or scatter.
-    With the Triton kernel, `groups` (`triton_ops.SlotGroups`) replaces `onehot`: the rows grouped by slot."""
+    `slots` (the distinct slots the rows run, base-model rows aside) and, per slot, its rows: `rows[i]`
+    (their indices, known on the host when the rows are bound: each slot's update runs on its own rows,
+    gathered) or, for an expert's routed tokens (`select`, rows known on the device only), `owns[i]` (a
+    mask: the update runs over all rows and is kept on the slot's only). With the Triton kernel, `groups`
+    (`triton_ops.SlotGroups`) replaces them: the rows grouped by slot."""
 
     single: Optional[int] = None
-    onehot: Optional[torch.Tensor] = None  # [num_rows, slots] in the model's dtype (None when `single`)
+    slots: tuple[int, ...] = ()  # the slots of a mixed batch's rows (host ints), without NO_ADAPTER
+    owns: Optional[torch.Tensor] = None  # [len(slots), num_rows, 1] bool: row r runs slots[i] (None when `single`)
+    rows: Optional[tuple[torch.Tensor, ...]] = None  # per slot [its rows] int64; None for an expert's tokens
     groups: Optional[Any] = None  # `triton_ops.SlotGroups` (lora_kernel="triton", several slots), else None
 
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device,
                  dtype: torch.dtype, kernel: str = "torch") -> Optional["LoRABatch"]:
         """Spans of `lengths[i]` consecutive rows running slot `slots[i]`; None when no span has an adapter.
-        `kernel`: "torch" (the masked update) or "triton" (the rows grouped by slot for `triton_ops`).
+        `kernel`: "torch" (an update per slot, selected by row) or "triton" (the rows grouped by slot for `triton_ops`).
         Built on the host, one upload (`vlmrun.host_to_device.upload`)."""
         if all(s == NO_ADAPTER for s in slots):
             return None
@@ -65,24 +73,30 @@ class LoRABatch:
             return cls(groups=SlotGroups.of_spans(slots, lengths, num_slots, device))
         row_slots = torch.repeat_interleave(torch.tensor(slots, dtype=torch.int64),
                                             torch.tensor(lengths, dtype=torch.int64))  # [num_rows]
-        onehot = (row_slots[:, None] == torch.arange(num_slots)).to(dtype)  # [num_rows, slots]; a base row: zeros
-        return cls(onehot=upload(onehot, device))
+        present = tuple(sorted(set(slots) - {NO_ADAPTER}))
+        owns = row_slots[None, :, None] == torch.tensor(present)[:, None, None]  # [len(present), num_rows, 1]
+        rows = [owns[i, :, 0].nonzero().flatten() for i in range(len(present))]
+        flat = upload(torch.cat([owns.flatten().to(torch.int64), *rows]), device)  # one upload
+        owns_dev = flat[:owns.numel()].view(owns.shape).bool()
+        ends = torch.tensor([owns.numel()] + [len(r) for r in rows]).cumsum(0).tolist()
+        return cls(slots=present, owns=owns_dev, rows=tuple(flat[ends[i]:ends[i + 1]] for i in range(len(present))))
 
     def padded_to(self, num_rows: int) -> "LoRABatch":
         """This batch for a forward of `num_rows` >= its rows: the rows past them (a padded decode's, after the
         real ones) run no adapter. The manager pads once per forward, before the model runs."""
         if self.groups is not None:
             return LoRABatch(groups=self.groups.padded_to(num_rows))
-        if self.onehot is None or self.onehot.shape[0] >= num_rows:
+        if self.owns is None or self.owns.shape[1] >= num_rows:
             return self
-        return LoRABatch(onehot=torch.nn.functional.pad(self.onehot, (0, 0, 0, num_rows - self.onehot.shape[0])))
+        return LoRABatch(slots=self.slots, rows=self.rows,
+                         owns=torch.nn.functional.pad(self.owns, (0, 0, 0, num_rows - self.owns.shape[1])))
 
     def select(self, tokens: torch.Tensor) -> "LoRABatch":
         """The batch of rows `tokens` [n] of this forward (an expert's routed tokens): made once per expert,
         read by both of its projections."""
         if self.groups is not None:
             return LoRABatch(groups=self.groups.select(tokens))
-        return self if self.onehot is None else LoRABatch(onehot=self.onehot[tokens])
+        return self if self.owns is None else LoRABatch(slots=self.slots, owns=self.owns[:, tokens])
 
 
 class LoRAContext:
@@ -95,12 +109,23 @@ class LoRAContext:
 def low_rank_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                     batch: LoRABatch) -> torch.Tensor:
     """y [n, out] + each row's slot's (x @ A.T) @ B.T in torch ops, with a [slots, k, in] and b [out, slots, k]
-    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single` or `onehot`)."""
+    (a slot's k = its blocks * rank); `batch` covers x's n rows (`single`, or `slots` with `rows` or `owns`).
+
+    A mixed batch, per slot present: its rows gathered, updated as a batch of that adapter alone would be
+    (the same addmm), and copied back (`rows`); or, for an expert's tokens, the update of every row (rows
+    are independent through both matmuls) kept on the slot's rows by torch.where (`owns`). Either way no
+    slot's values meet another slot's row (a 0/1 mask multiplied in would: 0 x NaN is NaN)."""
     if batch.single is not None:
         return torch.addmm(y, x @ a[batch.single].T, b[:, batch.single].T)
-    slots, k, n_in = a.shape
-    xa = (x @ a.view(slots * k, n_in).T).view(-1, slots, k) * batch.onehot[:, :, None]  # [n, slots, k]: own slot's only
-    return torch.addmm(y, xa.view(-1, slots * k), b.view(-1, slots * k).T)
+    out = y
+    for i, slot in enumerate(batch.slots):
+        if batch.rows is None:
+            out = torch.where(batch.owns[i], torch.addmm(out, x @ a[slot].T, b[:, slot].T), out)  # [n, out]
+            continue
+        rows = batch.rows[i]  # [m]
+        own = torch.addmm(y.index_select(0, rows), x.index_select(0, rows) @ a[slot].T, b[:, slot].T)  # [m, out]
+        out = y.index_copy(0, rows, own) if out is y else out.index_copy_(0, rows, own)
+    return out
 
 
 def add_update(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, batch: LoRABatch) -> torch.Tensor:

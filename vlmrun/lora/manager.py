@@ -25,7 +25,7 @@ from torch import nn
 
 from vlmrun.lora.layers import NO_ADAPTER, PROJECTIONS, ExpertsLoRA, LoRABatch, LoRAContext, attach_lora
 from vlmrun.lora.mapping import MappedAdapter, map_adapter
-from vlmrun.lora.peft_files import LoRAError, read_adapter
+from vlmrun.lora.peft_files import MAX_LORA_RANK, LoRAError, read_adapter
 from vlmrun.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,8 @@ class LoRAManager:
         if kernel == "triton" and torch.device(device).type != "cuda":
             raise ValueError(f"lora_kernel='triton' runs a Triton kernel on a CUDA device; this engine runs on "
                              f"{device} (use lora_kernel='torch')")
+        if not 1 <= max_lora_rank <= MAX_LORA_RANK:  # slots are sized by it: refused before any is made
+            raise ValueError(f"max_lora_rank must be from 1 to {MAX_LORA_RANK}, got {max_lora_rank}")
         self.kernel = kernel  # mixed-adapter batches: "torch" (masked matmuls) or "triton" (lora/triton_ops.py)
         self.model = model
         self.max_loras = max_loras

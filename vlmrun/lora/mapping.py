@@ -68,7 +68,21 @@ def map_adapter(model: nn.Module, adapter: PeftAdapter, max_rank: int, dtype: to
         out.linear[layer_name] = (a, b)
         out.rank = max(out.rank, rank)
         out.vision |= layer_name.startswith("visual.")
+    _check_finite(adapter, out, dtype)
     return out
+
+
+def _check_finite(adapter: PeftAdapter, out: MappedAdapter, dtype: torch.dtype) -> None:
+    """LoRAError naming the layer when a slot tensor is NaN or inf: the read tensors are finite, but B times
+    PEFT's scaling (or either in `dtype`) may overflow; such a slot would turn its rows' outputs to NaN."""
+    tensors = [(name, pair) for name, pair in out.linear.items()]
+    tensors += [(f"{name}.{projection}", pair) for name, pairs in out.experts.items() for projection, pair in pairs.items()]
+    for name, (a, b) in tensors:
+        for which, t in (("A", a), ("B", b)):
+            if not torch.isfinite(t).all():
+                raise LoRAError(f"LoRA adapter {adapter.name!r}: {name}: scaled by lora_alpha / r, {which} of the "
+                                f"layer is not finite in {str(dtype).removeprefix('torch.')} (lora_alpha="
+                                f"{adapter.lora_alpha:g}, alpha_pattern={adapter.alpha_pattern})")
 
 
 def _submodule(model: nn.Module, name: str) -> Optional[nn.Module]:

@@ -41,6 +41,7 @@ from vlmrun.layers.linear_method import LinearMethod, ParamSpec, ceil_div
 from vlmrun.layers.moe import PROJECTIONS, FusedExperts, expert_param_name
 from vlmrun.loader import materialize
 from vlmrun.quantization.config import QuantizationConfig
+from vlmrun.quantization.finite import check_scales
 from vlmrun.quantization.fp8_blocks import (BLOCK, FP8, compact_rows, dequantize_blocks, expand_rows, fp8_to_float32,
                                             multiply_by_scales, quantize_activation, quantize_weight, row_group)
 
@@ -95,10 +96,11 @@ class Fp8BlockLinear(LinearMethod):
                 SCALE: ParamSpec((out_features, ceil_div(in_features, BLOCK)), torch.float32, in_pack=BLOCK)}
 
     def checkpoint_tensor(self, name: str, tensor: Any, out_features: int) -> Any:
-        """A checkpoint's block scales [ceil(out/128), ceil(in/128)] (float32 or bf16) -> one row per output row."""
+        """A checkpoint's block scales [ceil(out/128), ceil(in/128)] (float32 or bf16) -> one row per output row;
+        a ValueError naming them when one is NaN or inf."""
         if name != SCALE:
             return tensor
-        scale = materialize(tensor)
+        scale = check_scales(materialize(tensor), SCALE, tensor)
         rows = ceil_div(out_features, BLOCK)
         if scale.dim() != 2 or scale.shape[0] != rows:
             raise ValueError(f"{SCALE} of shape {tuple(scale.shape)} is not 128x128 block scales of {out_features} "

@@ -33,6 +33,7 @@ from torch import nn
 from vlmrun.layers.linear_method import LinearMethod, ParamSpec
 from vlmrun.loader import materialize
 from vlmrun.quantization.config import QuantizationConfig
+from vlmrun.quantization.finite import check_scales
 
 PACK = 8  # 4-bit values per int32
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ: nibble k of a packed element holds feature AWQ_ORDER[k] of its eight
@@ -122,6 +123,8 @@ class Int4Linear(LinearMethod):
                              f"features; this layer has {in_features}, not a multiple of {self.group}")
 
     def checkpoint_tensor(self, name: str, tensor: Any, out_features: int) -> Any:
+        if name == "scales":  # small (a value per group and output feature): read here, NaN / inf refused
+            return check_scales(materialize(tensor), name, tensor)
         if name == "g_idx":
             tensor = materialize(tensor)
             expected = torch.arange(tensor.shape[-1], device=tensor.device) // self.group

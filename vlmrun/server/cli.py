@@ -128,7 +128,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
 
 def lora_modules(args: argparse.Namespace) -> dict[str, str]:
     """`--lora-modules name=path ...` (or vLLM's JSON form {"name": ..., "path": ...}) -> {name: path};
-    ValueError for a bad item, a repeated name, or adapters without --enable-lora."""
+    ValueError for a bad item, a repeated name, adapters without --enable-lora, or a missing or broken adapter."""
     out: dict[str, str] = {}
     for item in args.lora_modules or []:
         if item.lstrip().startswith("{"):
@@ -142,6 +142,10 @@ def lora_modules(args: argparse.Namespace) -> dict[str, str]:
         out[name] = path
     if out and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if out:  # a missing or broken adapter is refused at start-up (LoRAError, a ValueError), as vLLM does
+        from vlmrun.lora.peft_files import check_served_adapters
+
+        check_served_adapters(out, getattr(args, "max_lora_rank", None))
     return out
 
 

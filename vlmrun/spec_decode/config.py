@@ -10,6 +10,11 @@ Qwen3-Next checkpoints that carry one); vLLM's per-family names for it, "qwen3_n
 model cards' vLLM commands pass, for Qwen3-Next and Qwen3.5 alike) and "qwen3_5_mtp", are read as
 "mtp", as vLLM reads them. Both take `disable_by_batch_size` (vLLM's key): a request added while more
 than that many requests are enqueued (running + waiting) never speculates.
+
+`num_speculative_tokens` is at most `MAX_SPECULATIVE_TOKENS` (32): a verify step feeds 1 + k positions
+per request and the per-position acceptance counters (`/metrics`' `..._per_pos` series, one per draft
+position) have k entries, so k sizes memory and work; drafts that far ahead are almost never accepted
+(each must follow every earlier one), and a larger value is refused with a ValueError naming the bound.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import Any, Optional, Union
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MTP_ALIASES = ("qwen3_next_mtp", "qwen3_5_mtp")  # vLLM's older per-family names of method "mtp"
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram size when neither bound is given
+MAX_SPECULATIVE_TOKENS = 32  # the largest num_speculative_tokens (k) taken
 
 
 @dataclass(frozen=True)
@@ -38,7 +44,7 @@ class SpeculativeConfig:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config: method must be one of "
                              f"{', '.join(SPECULATIVE_METHODS + MTP_ALIASES)}, got {self.method!r}")
-        _check_count("num_speculative_tokens", self.num_speculative_tokens)
+        _check_count("num_speculative_tokens", self.num_speculative_tokens, MAX_SPECULATIVE_TOKENS)
         if self.disable_by_batch_size is not None:
             _check_count("disable_by_batch_size", self.disable_by_batch_size)
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
@@ -76,7 +82,9 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-def _check_count(name: str, value: Any) -> None:
-    """ValueError unless `value` is an integer >= 1 (a bool is not one)."""
+def _check_count(name: str, value: Any, most: Optional[int] = None) -> None:
+    """ValueError unless `value` is an integer >= 1 (a bool is not one), and <= `most` when given."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"speculative_config: {name} must be at most {most}, got {value}")

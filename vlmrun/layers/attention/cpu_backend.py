@@ -19,6 +19,10 @@ row. This backend splits the batch by what each sequence does this step:
   chunk with no cached prefix attends to its own k/v rows of this step (no gather, no mask:
   `is_causal`); a chunk over a cached prefix gathers its pages and uses a bottom-right causal mask.
 
+Decode and verify rows gather pages up to the group's longest sequence: a sequence's pages past its last
+are its first one again and its last page's tail is zeroed (stale_keys.py), so the mask hides only values
+of its own or zeros (a prefill chunk reads its own positions only).
+
 It reads and writes the same KV pool as the reference and is tested against it (tests/test_cpu_backend.py).
 """
 
@@ -33,6 +37,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
+from vlmrun.layers.attention.stale_keys import own_pages, tail_rows, zero_rows
 
 
 @dataclass
@@ -45,6 +50,7 @@ class DecodeGroup:
     rows: Optional[torch.Tensor]
     page_ids: torch.Tensor  # [seqs * max_pages] KV page of each page-sized run of key positions
     visible: torch.Tensor  # [seqs, width, max_seq] bool, True for the keys position j sees (< prefix + j + 1)
+    tail: Optional[torch.Tensor]  # [n] gathered rows past a sequence's length in its last page (zeroed); None: none
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # query heads per KV head -> SDPA mask
 
     def mask(self, group: int) -> torch.Tensor:
@@ -106,14 +112,16 @@ class CpuAttnBackend(AttentionBackend):
         device = fb.seq_lens.device
         sel = None if whole_step else torch.tensor(idx, device=device)
         req_rows = fb.req_pool_indices if sel is None else fb.req_pool_indices[sel]
-        page_ids = (self.req_to_token[req_rows, :max_seq:self.page_size] // self.page_size).flatten()
         lens = fb.seq_lens if sel is None else fb.seq_lens[sel]
+        page_ids = own_pages(self.req_to_token[req_rows, :max_seq:self.page_size] // self.page_size, lens,
+                             self.page_size).flatten()  # [seqs * max_pages]
+        tail = tail_rows([fb.seq_lens_cpu[i] for i in idx], max_seq, self.page_size, device)
         first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
         sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
         visible = torch.arange(max_seq, device=device)[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
         token_rows = None if whole_step else torch.tensor([starts[i] + j for i in idx for j in range(width)],
                                                           device=device)
-        return DecodeGroup(width, token_rows, page_ids, visible)
+        return DecodeGroup(width, token_rows, page_ids, visible, tail)
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
@@ -145,8 +153,8 @@ class CpuAttnBackend(AttentionBackend):
                 group: DecodeGroup) -> torch.Tensor:
         # q: [seqs * width, num_heads, head_dim] -> [seqs * width, num_heads, head_dim]
         n, width, group_size = q.shape[0] // group.width, group.width, layer.num_heads // layer.num_kv_heads
-        k_all = self._gather(k_pool, group.page_ids, n, q.dtype)  # [seqs, kv_heads, max_seq, head_dim]
-        v_all = self._gather(v_pool, group.page_ids, n, q.dtype)
+        k_all = self._gather(k_pool, group.page_ids, n, q.dtype, group.tail)  # [seqs, kv_heads, max_seq, head_dim]
+        v_all = self._gather(v_pool, group.page_ids, n, q.dtype, group.tail)
         q_rows = q.view(n, width, layer.num_kv_heads, group_size, layer.head_dim).transpose(1, 2)
         q_rows = q_rows.reshape(n, layer.num_kv_heads, width * group_size, layer.head_dim)  # position-major rows
         out = F.scaled_dot_product_attention(q_rows, k_all, v_all, attn_mask=group.mask(group_size),
@@ -168,8 +176,11 @@ class CpuAttnBackend(AttentionBackend):
                                              enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out[0].transpose(0, 1)  # [length, heads, head_dim]
 
-    def _gather(self, buffer: torch.Tensor, page_ids: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
-        """Whole pages by id -> [batch, kv_heads, pages_per_row * page_size, head_dim] (a strided view)."""
+    def _gather(self, buffer: torch.Tensor, page_ids: torch.Tensor, batch: int, dtype: torch.dtype,
+                tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Whole pages by id -> [batch, kv_heads, pages_per_row * page_size, head_dim] (a strided view);
+        the rows `tail` (key positions, row-major over [batch, pages_per_row * page_size]) zeroed."""
         pages = buffer.view(-1, self.page_size * buffer.shape[1] * buffer.shape[2])  # one row per page
         rows = torch.index_select(pages, 0, page_ids).to(dtype)  # [batch * pages_per_row, page * kv_heads * head_dim]
+        zero_rows(rows, tail, page_ids.shape[0] * self.page_size)
         return rows.view(batch, -1, *buffer.shape[1:]).transpose(1, 2)

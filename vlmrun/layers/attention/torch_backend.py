@@ -3,14 +3,15 @@
 Every sequence's new queries attend causally to its cached tokens plus the tokens it feeds this
 step. The batch is padded to [batch, max_extend] queries and [batch, max_seq] keys gathered from
 the KV pool through the request-to-token map (whole pages at a time: a request's tokens fill its pages in order), and
-one masked SDPA call covers the whole batch.
+one masked SDPA call covers the whole batch. The gathered positions past a sequence's length are its own
+or zeros (stale_keys.py), so no other request's values meet the mask.
 Every fast backend is tested against this one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import cast
+from typing import Optional, cast
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
+from vlmrun.layers.attention.stale_keys import own_pages, tail_rows, zero_rows
 
 
 @dataclass
@@ -26,6 +28,7 @@ class TorchAttnMetadata:
     out_rows: torch.Tensor  # [batch * max_extend] row each padded query's output goes to; num_tokens (a dummy) for padding
     page_table: torch.Tensor  # [batch, max_pages] KV page of each page-sized run of key positions
     mask: torch.Tensor  # [batch, 1, max_extend, max_seq] bool, True where a query may attend
+    tail: Optional[torch.Tensor]  # [n] gathered rows past a sequence's length in its last page (zeroed); None: none
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -54,9 +57,11 @@ class TorchAttnBackend(AttentionBackend):
         causal = k_pos <= (prefix_lens + q_pos).unsqueeze(-1)  # [batch, max_extend, max_seq]
         mask = causal & (k_pos < seq_lens.unsqueeze(-1))
         mask[:, :, 0] |= ~valid_queries  # padded queries see key 0 so softmax stays finite
-        # Entries past a request's length are stale but valid slots; the mask hides them.
+        # Entries past a request's last page are stale: they become its first page (hidden by the mask)
         page_table = self.req_to_token[fb.req_pool_indices, :max_seq:page_size] // page_size  # [batch, max_pages]
-        fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1))
+        page_table = own_pages(page_table, fb.seq_lens, page_size)
+        tail = tail_rows(fb.seq_lens_cpu, max_seq, page_size, device)
+        fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1), tail)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         md = cast(TorchAttnMetadata, fb.attn_metadata)
@@ -67,8 +72,8 @@ class TorchAttnBackend(AttentionBackend):
 
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         q_pad = q[md.token_rows].transpose(1, 2)  # [batch, heads, max_extend, head_dim]
-        k_all = self._gather(self.kv_pool.k_buffers[layer.layer_id], md.page_table)  # [batch, kv_heads, max_seq, head_dim]
-        v_all = self._gather(self.kv_pool.v_buffers[layer.layer_id], md.page_table)
+        k_all = self._gather(self.kv_pool.k_buffers[layer.layer_id], md)  # [batch, kv_heads, max_seq, head_dim]
+        v_all = self._gather(self.kv_pool.v_buffers[layer.layer_id], md)
         out = F.scaled_dot_product_attention(
             q_pad, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
@@ -79,7 +84,8 @@ class TorchAttnBackend(AttentionBackend):
         rows.index_copy_(0, md.out_rows, out.transpose(1, 2).flatten(0, 1))
         return rows[:num_tokens].reshape(num_tokens, layer.num_heads * layer.head_dim)
 
-    def _gather(self, buffer: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    def _gather(self, buffer: torch.Tensor, md: TorchAttnMetadata) -> torch.Tensor:
         page_size = self.kv_pool.page_size
-        pages = buffer.view(-1, page_size, *buffer.shape[1:])[page_table]  # [batch, max_pages, page, kv_heads, head_dim]
+        pages = buffer.view(-1, page_size, *buffer.shape[1:])[md.page_table]  # [batch, max_pages, page, kv_heads, head_dim]
+        zero_rows(pages, md.tail, pages.shape[0] * pages.shape[1] * page_size)  # the last pages' tails: zeros
         return pages.flatten(1, 2).transpose(1, 2)

@@ -1,0 +1,49 @@
+"""Keys past a sequence's length, for the backends that gather whole KV pages (torch, cpu).
+
+Those backends copy a sequence's pages whole, up to the longest sequence of the batch, and hide the
+positions past its length with the attention mask. A mask is not enough: a hidden key still meets
+the softmax (score + -inf is NaN when the score is NaN) and a hidden value still meets its zero
+probability (0 x NaN is NaN). Two kinds of hidden positions can hold another request's values:
+
+- the page-table entries past a sequence's last page are stale: they name pages that an earlier
+  holder of the row had, now anyone's (a running request's too);
+- the tail of its last page, past its length, holds what the page's previous holder wrote there.
+
+So, once per step, `own_pages` points every page past a sequence's last at its own first page
+(finite values of its own, hidden by the mask), and `tail_rows` lists the tail positions, which
+each layer zeroes in its gathered copy (`zero_rows`): a few rows per sequence, not a pass over the
+gathered keys. Clearing freed pages instead would cost a write of every page a request held, and would
+not cover the stale entries that point at a running request's pages.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from vlmrun.host_to_device import upload
+
+
+def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """page_table [batch, max_pages] with each entry past a sequence's last page (its first position
+    >= seq_lens[i]) replaced by the sequence's first page."""
+    starts = torch.arange(page_table.shape[1], device=page_table.device) * page_size  # [max_pages]
+    return torch.where(starts[None, :] < seq_lens.view(-1, 1), page_table, page_table[:, :1])
+
+
+def tail_rows(seq_lens: Sequence[int], max_seq: int, page_size: int,
+              device: torch.device) -> Optional[torch.Tensor]:
+    """[n] rows of a gathered [len(seq_lens) * max_seq, ...] copy (sequence i's position p at row
+    i * max_seq + p) that lie past each sequence's length in its last page; None when there are none."""
+    rows: list[int] = []
+    for i, n in enumerate(seq_lens):
+        end = -(-n // page_size) * page_size
+        rows.extend(range(i * max_seq + n, i * max_seq + end))
+    return upload(torch.tensor(rows, dtype=torch.int64), device) if rows else None
+
+
+def zero_rows(gathered: torch.Tensor, rows: Optional[torch.Tensor], num_rows: int) -> None:
+    """Zero rows `rows` of `gathered` (a fresh copy of num_rows = batch * max_seq key positions) in place."""
+    if rows is not None:
+        gathered.view(num_rows, -1).index_fill_(0, rows, 0)
