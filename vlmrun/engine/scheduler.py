@@ -2,8 +2,11 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running requests go first, oldest
 first: a decode costs one token, an unfinished prefill takes as much of its remaining prompt as
-the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs` (and, with
-LoRA, while the running requests' adapters fit the `max_loras` slots).
+the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs`. With LoRA, a request
+whose adapter finds no free slot among the `max_loras` (all held by adapters running requests use)
+is skipped, and so is every adapter's request behind it, while base-model requests behind it are
+admitted: no head-of-line blocking, and no later adapter request keeps the slots from it (it gets
+the first slot that frees).
 When the KV pool has no page for a running request, the newest running request is preempted:
 its pages are freed and it waits to recompute its prompt and the tokens it already generated.
 
@@ -128,12 +131,16 @@ class Scheduler:
         if preempted_any:
             return chunks, too_long
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        waits_for_lora = False  # a request ahead waits for an adapter slot: adapters' requests wait behind it
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if req.num_launched_steps:  # preempted while a launched step runs it: recompute once that is collected
                 break
-            if not self._lora_fits(req):  # every slot is held by an adapter running requests use
-                break
+            if req.lora is not None and (waits_for_lora or not self._lora_fits(req)):
+                waits_for_lora = True  # every slot is held by an adapter running requests use
+                i += 1
+                continue
             row = self.req_pool.alloc()
             if row is None:
                 break
@@ -146,7 +153,7 @@ class Scheduler:
                 break
             if match is not None:
                 self._count_lookup(req, match.num_pages)
-            self.waiting.popleft()
+            del self.waiting[i]
             req.req_pool_idx = row
             req.status = RequestStatus.RUNNING
             self.running.append(req)
