@@ -107,11 +107,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self.must_wait(req):
+            if req.num_launched_steps and self.must_wait(req):
                 i += 1
                 continue
             n = self._chunk_len(req, budget)
-            drafts = self._drafts(req, n, budget)
+            drafts = self._drafts(req, n, budget) if self.proposer is not None else []
             if drafts and not self._grow(req, req.num_computed_tokens + n + len(drafts)):
                 drafts = []  # no free page for them: a plain decode (drafts never preempt)
             if not self._grow_or_preempt(req, req.num_computed_tokens + n):
@@ -228,19 +228,26 @@ class Scheduler:
         rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        fed: list[tuple[ScheduledChunk, int]] = []  # (chunk, where its fed tokens' slots start in `slots`)
+        sizes: list[int] = []  # per chunk: its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        page_size = self.page_size
         for c in chunks:
-            req = c.request
-            first = 0 if c.admitted else c.start
-            rows.extend([req.req_pool_idx] * (c.end - first))
-            positions.extend(range(first, c.end))
-            fed.append((c, len(slots) + c.start - first))
-            slots.extend(token_slots(req.pages, first, c.end, self.page_size))
+            req, start = c.request, c.start
+            end = start + c.num_tokens
+            first = 0 if c.admitted else start
+            sizes.append(end - first)
+            if end - first == 1:  # a decode: one token, one slot
+                rows.append(req.req_pool_idx)
+                positions.append(first)
+                slots.append(req.pages[first // page_size] * page_size + first % page_size)
+                continue
+            rows.extend([req.req_pool_idx] * (end - first))
+            positions.extend(range(first, end))
+            slots.extend(token_slots(req.pages, first, end, page_size))
         if not chunks:
             return
         step_slots = torch.tensor(slots, dtype=torch.int64)
-        for c, offset in fed:
-            c.kv_slots = step_slots[offset:offset + c.num_tokens]
+        for c, size, piece in zip(chunks, sizes, step_slots.split(sizes)):
+            c.kv_slots = piece if size == c.num_tokens else piece[size - c.num_tokens:]
         self.req_pool.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                             step_slots)
 
@@ -331,6 +338,8 @@ class Scheduler:
 
     def _grow_or_preempt(self, req: Request, num_tokens: int) -> bool:
         """Give `req` room for `num_tokens`, preempting newer running requests as needed."""
+        if num_tokens <= len(req.pages) * self.page_size:  # the pages it holds have room
+            return True
         while not self._grow(req, num_tokens):
             victim = self.running[-1]
             if victim is req:
