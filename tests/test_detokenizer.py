@@ -149,6 +149,56 @@ def test_decode_window_stays_small(tokenizer, prompt_ids):
     assert counting.longest <= 12
 
 
+class _DecodeOnly:
+    """The tokenizer's `decode` alone (no `tokenizers` backend): the detokenizer's window decode in Python."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        return self.inner.decode(ids, **kwargs)
+
+
+def _mixed_ids(tokenizer: Any, seed: int) -> list[int]:
+    """Whole-word tokens, single bytes of multi-byte characters and special tokens, shuffled by `seed`."""
+    import random
+
+    rng = random.Random(seed)
+    pool = tokenizer.encode(" ".join(TEXTS), add_special_tokens=False)
+    pool += _byte_tokens(tokenizer, "é東😀")
+    pool += [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>", "<|endoftext|>")]
+    return [rng.choice(pool) for _ in range(120)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_stream_equals_window_decode(tokenizer, prompt_ids, seed, skip):
+    """The fast tokenizer's DecodeStream path streams exactly what the window decode streams."""
+    ids = _mixed_ids(tokenizer, seed)
+    fast = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip)
+    slow = IncrementalDetokenizer(_DecodeOnly(tokenizer), prompt_ids, skip_special_tokens=skip)
+    assert fast._stream is not None and slow._stream is None
+    fast_deltas = [fast.append(t) for t in ids] + [fast.flush()]
+    slow_deltas = [slow.append(t) for t in ids] + [slow.flush()]
+    assert "".join(fast_deltas) == "".join(slow_deltas) == fast.text == slow.text
+    assert [d for d in fast_deltas if d] == [d for d in slow_deltas if d]
+
+
+def test_fast_tokenizer_streams_without_python_decode(tokenizer, prompt_ids, monkeypatch):
+    """Per token, a fast tokenizer's text comes from its `tokenizers` backend: `tokenizer.decode` (transformers'
+    Python wrapping) is not called on the way; the text is what it would decode."""
+    ids = tokenizer.encode(" ".join(TEXTS), add_special_tokens=False)
+    expected = tokenizer.decode(ids)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+    calls = []
+    monkeypatch.setattr(tokenizer, "decode", lambda *a, **k: calls.append(a) or "")
+    for t in ids:
+        detok.append(t)
+    monkeypatch.undo()
+    assert calls == []
+    assert detok.text == expected
+
+
 # ------------------------------------------------------------------------------- stop strings
 
 

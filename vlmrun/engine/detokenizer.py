@@ -4,11 +4,11 @@ Three pieces, plus one object that strings them together:
 
 - `IncrementalDetokenizer.append(token_id) -> str`: the text the new token adds. It decodes only a
   short window (a few context tokens plus the not-yet-emitted ones), so a step costs O(window),
-  not O(output length). While the window's text ends in U+FFFD (a multi-byte character split
+  not O(output length); with a fast tokenizer `tokenizers.decoders.DecodeStream` does it in Rust. While the window's text ends in U+FFFD (a multi-byte character split
   across tokens) it emits nothing and waits for the rest of the bytes; `flush()` gives up and
   emits what is held (used when the request ends). The deltas concatenate to
   `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
-- `StopStringMatcher`: fed the text piece by piece, finds the earliest stop-string occurrence that
+- `StopStringMatcher` (`stop_strings.py`, re-exported here): fed the text piece by piece, finds the earliest stop-string occurrence that
   ends in the newest piece (the ones entirely in older text were checked before), returns where to
   cut the text (before the stop string, or after it with `include_stop_str_in_output`), and tells
   how much of the text is safe to stream: a tail that could still grow into a stop string is held
@@ -28,9 +28,16 @@ Three pieces, plus one object that strings them together:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from vlmrun.engine.stop_strings import StopMatch, StopStringMatcher, find_stop_string, safe_length
 from vlmrun.sampling_params import SamplingParams
+
+__all__ = ["IncrementalDetokenizer", "OutputTextStream", "StopDecision", "StopMatch", "StopStringMatcher",
+           "TokenUpdate", "check_stop", "find_stop_string", "safe_length"]
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, so the first word decodes right
@@ -49,6 +56,13 @@ class IncrementalDetokenizer:
 
     `tokens` = last few prompt tokens + output tokens. Text of `tokens[prefix_offset:read_offset]`
     was already emitted (it is kept as context); `tokens[read_offset:]` are pending.
+
+    With a `tokenizers`-backed tokenizer (transformers' fast tokenizers) each token goes through
+    `tokenizers.decoders.DecodeStream`, which runs the same window logic in Rust (no Python wrapping
+    per token); other tokenizers, `spaces_between_special_tokens=False` (an option only HF's slow
+    tokenizers read) and a tokenizer whose `decode` cleans up spaces take the window decode through
+    `tokenizer.decode` here. A stream that fails (a decoder whose window text does not extend its
+    prefix) falls back to the window decode from where it stood.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
@@ -60,9 +74,12 @@ class IncrementalDetokenizer:
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._prefix_text = self._decode(0, len(context))
+        self._prefix_text: Optional[str] = None  # decode of tokens[prefix_offset:read_offset], made when needed
         self._num_context = len(context)
         self._pieces: list[str] = []  # the deltas; joined on demand (appending to one str is quadratic)
+        self._backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
+        self._stream = (None if self._backend is None
+                        else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
 
     @property
     def text(self) -> str:
@@ -82,7 +99,19 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str:
         """Add one token; return the newly completed text ("" while a character is incomplete)."""
-        self._tokens.append(int(token_id))
+        token_id = int(token_id)
+        self._tokens.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - the window decode below gives the text from here on
+                self._stream = None
+            else:
+                if piece is None:  # an incomplete character, or no new text (a skipped special token)
+                    return ""
+                self._slide()
+                self._pieces.append(piece)
+                return piece
         full = self._decode(self._prefix_offset, len(self._tokens))
         if full.endswith(REPLACEMENT_CHAR):
             return ""
@@ -92,17 +121,29 @@ class IncrementalDetokenizer:
         """Emit whatever is held back (possibly ending in U+FFFD); call when the request ends."""
         if self.num_pending_tokens == 0:
             return ""
-        return self._emit(self._decode(self._prefix_offset, len(self._tokens)))
+        delta = self._emit(self._decode(self._prefix_offset, len(self._tokens)))
+        if self._stream is not None:  # the stream starts over after the emitted tokens
+            self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=self.skip_special_tokens)
+        return delta
 
     def _emit(self, full: str) -> str:
         """Text of the window beyond the emitted prefix becomes a delta (maybe ""); slide the window."""
-        delta = full[len(self._prefix_text):]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
-        self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        delta = full[len(self._emitted_prefix()):]
+        self._slide()
         if delta:
             self._pieces.append(delta)
         return delta
+
+    def _emitted_prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return self._prefix_text
+
+    def _slide(self) -> None:
+        """Everything appended is emitted: the window's context starts where the last emission ended."""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self._prefix_text = None
 
     def _decode(self, start: int, end: int) -> str:
         if end <= start:
@@ -112,137 +153,13 @@ class IncrementalDetokenizer:
                                      **options)  # the option only when asked: HF's default is True
 
 
-# --------------------------------------------------------------------------------------------
-# Stop strings
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StopMatch:
-    stop: str  # the stop string that matched
-    start: int  # index of its first character in the text
-    truncate_to: int  # the output text becomes text[:truncate_to]
-
-
-class _StopAutomaton:
-    """One stop string's Knuth-Morris-Pratt automaton.
-
-    `matched` is the length of the longest suffix of the text fed so far that is a prefix of the
-    stop string (its length: a full match). A character costs O(1) amortised, whatever the text's
-    length; a stretch of text that cannot start a match is skipped by `str.find`.
-    """
-
-    def __init__(self, stop: str) -> None:
-        self.stop = stop
-        self.border = _borders(stop)
-        self.matched = 0
-
-    def feed(self, text: str) -> int:
-        """Advance over `text`; return the index in `text` just past the first full match (-1: none)."""
-        stop, border, k = self.stop, self.border, self.matched
-        first_end = -1
-        i = 0
-        while i < len(text):
-            if k == len(stop):
-                k = border[k - 1]
-            if k == 0:  # nothing under way: jump to the next possible start
-                i = text.find(stop[0], i)
-                if i < 0:
-                    break
-            ch = text[i]
-            while k and stop[k] != ch:
-                k = border[k - 1]
-            if stop[k] == ch:
-                k += 1
-            i += 1
-            if k == len(stop) and first_end < 0:
-                first_end = i
-        self.matched = k
-        return first_end
-
-    @property
-    def partial(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of the stop string."""
-        k = self.matched
-        return self.border[k - 1] if k == len(self.stop) else k
-
-
-def _borders(s: str) -> list[int]:
-    """KMP failure function: border[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
-    border = [0] * len(s)
-    k = 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = border[k - 1]
-        if s[i] == s[k]:
-            k += 1
-        border[i] = k
-    return border
-
-
-class StopStringMatcher:
-    """Find stop strings in a growing text, fed piece by piece; say how much of it is safe to stream.
-
-    Each `feed` costs O(new characters x stop strings), never a rescan of older text: every stop
-    string has an automaton that remembers how much of it the text's end already spells.
-    """
-
-    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        self.stop = [s for s in stop if s]
-        self.include_stop_str_in_output = include_stop_str_in_output
-        self._automata = [_StopAutomaton(s) for s in self.stop]
-        self.num_chars = 0  # characters fed so far
-
-    def feed(self, new_text: str) -> Optional[StopMatch]:
-        """Append `new_text`; return the earliest stop occurrence that ends inside it (None: none).
-
-        Positions count from the start of all text fed. Earliest start wins; on a tie the one
-        that ends first (the shorter) wins, as it would have completed first had the text
-        arrived a character at a time.
-        """
-        base = self.num_chars
-        self.num_chars += len(new_text)
-        best: Optional[tuple[int, int, str]] = None  # (start, end, stop)
-        for automaton in self._automata:
-            end = automaton.feed(new_text)
-            if end < 0:
-                continue
-            stop = automaton.stop
-            cand = (base + end - len(stop), base + end, stop)
-            if best is None or cand[:2] < best[:2]:
-                best = cand
-        if best is None:
-            return None
-        start, end, stop = best
-        return StopMatch(stop=stop, start=start, truncate_to=end if self.include_stop_str_in_output else start)
-
-    @property
-    def held_chars(self) -> int:
-        """How many characters at the end of the text must not be streamed yet.
-
-        The longest tail that is a proper prefix of some stop string could still become one.
-        Nothing is held back with `include_stop_str_in_output`: a later match then cuts after
-        the stop string, which never removes text already streamed.
-        """
-        if self.include_stop_str_in_output:
-            return 0
-        return max((a.partial for a in self._automata), default=0)
-
-
-def find_stop_string(text: str, num_new_chars: int, stop: Sequence[str],
-                     include_stop_str_in_output: bool = False) -> Optional[StopMatch]:
-    """The earliest stop occurrence ending inside the last `num_new_chars` chars of `text`."""
-    old = len(text) - min(max(num_new_chars, 0), len(text))
-    matcher = StopStringMatcher(stop, include_stop_str_in_output)
-    matcher.feed(text[:old])
-    return matcher.feed(text[old:]) if old < len(text) else None
-
-
-def safe_length(text: str, stop: Sequence[str], include_stop_str_in_output: bool = False) -> int:
-    """Length of the prefix of `text` that no stop string can still claim (see `held_chars`)."""
-    matcher = StopStringMatcher(stop, include_stop_str_in_output)
-    matcher.feed(text)
-    return len(text) - matcher.held_chars
+def _stream_backend(tokenizer: Any) -> Optional[Tokenizer]:
+    """The `tokenizers.Tokenizer` whose decode is `tokenizer.decode`'s whole work (transformers' fast
+    tokenizers without space clean-up), or None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,8 +202,9 @@ def check_stop(output_token_ids: Sequence[int], params: SamplingParams, eos_toke
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TokenUpdate:
+class TokenUpdate(NamedTuple):
+    """What one token added: made per request per step, so a tuple (cheaper to build than a frozen dataclass)."""
+
     delta: str  # text to stream now (may be "")
     finish_reason: Optional[str] = None  # "stop" | "length" | None (still running)
     stop_reason: Union[int, str, None] = None  # stop token id or stop string that ended it
@@ -326,6 +244,10 @@ class OutputTextStream:
         self.output_token_ids.append(int(token_id))
         decision = check_stop(self.output_token_ids, self.params, self.eos_token_ids,
                               self.num_prompt_tokens, self.max_model_len)
+        if decision is None and not self.matcher.stop:  # the common case: nothing to hold back or cut
+            new_text = self.detokenizer.append(token_id) if self.params.detokenize else ""
+            self._num_streamed += len(new_text)
+            return TokenUpdate(new_text)
         stopped_by_token = decision is not None and decision.finish_reason == FINISH_STOP
         new_text = ""
         if self.params.detokenize and (not stopped_by_token or self.params.include_stop_str_in_output):

@@ -315,13 +315,13 @@ class Engine:
         if not chunks:
             return None
         try:
-            launched = LaunchedChunks(chunks, self.runner.launch([c.to_input() for c in chunks]))
+            launched = LaunchedChunks(chunks, self.runner.launch(inputs := [c.to_input() for c in chunks]))
         except BaseException:
             self._drop_interrupted([LaunchedChunks(chunks, None, collected=True)])
             raise
         uncollected.append(launched)
-        for c in chunks:
-            c.request.mark_launched(c.end, c.samples, len(c.draft_token_ids))
+        for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
+            c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
         return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
@@ -337,7 +337,7 @@ class Engine:
             if output.prompt_logprobs is not None:  # a recomputed chunk (after preemption) writes the same values
                 req.prompt_logprobs[chunk.start + 1:chunk.start + 1 + len(output.prompt_logprobs)] = output.prompt_logprobs
             end = self.scheduler.settle(chunk, len(output.after_drafts))  # rejected drafts are not computed
-            if req.status is RequestStatus.RUNNING:  # (not when preempted meanwhile: its pages are gone)
+            if req.status is RequestStatus.RUNNING and req.page_keys:  # (not when preempted meanwhile: its pages are gone)
                 self.scheduler.commit(req, end)  # index new full pages (and snapshot GDN state) first
             if sampled is not None:
                 if req.first_token_time is None:
@@ -372,7 +372,7 @@ class Engine:
             if sampled.logprobs is not None:
                 req.output_logprobs.append(sampled.logprobs)
                 update.new_logprobs.append(sampled.logprobs)
-            grammar_finish = req.advance_grammar(sampled.token_id)
+            grammar_finish = None if req.grammar is None else req.advance_grammar(sampled.token_id)
             token = self._streams[req.request_id].add_token(sampled.token_id)
             update.text_delta += token.delta
             finish_reason = token.finish_reason or grammar_finish

@@ -60,14 +60,14 @@ class Request:
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
     speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
+    num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.prompt.token_ids
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt.token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt.token_ids)  # read on every step: a plain attribute
 
     @property
     def num_tokens(self) -> int:

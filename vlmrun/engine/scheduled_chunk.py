@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from vlmrun.engine.request import Request
-from vlmrun.executor.step_input import ChunkInput, PromptLogprobTargets
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.grammar import DraftGrammar
 
@@ -38,19 +38,30 @@ class ScheduledChunk:
         return self.known_end == self.request.num_tokens
 
     def to_input(self) -> ChunkInput:
-        """What the model runner needs of this chunk."""
+        """What the model runner needs of this chunk (a decode of a request past its prompt: no tensor made)."""
         req = self.request
-        overlaps_prompt = req.prompt.mm_items and self.start < req.num_prompt_tokens
+        drafts = self.draft_token_ids
+        end = self.start + self.num_tokens
+        known_end = end - len(drafts)
+        samples = known_end == req.num_tokens
+        in_prompt = self.start < req.num_prompt_tokens
         sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.sampling_outputs(), req.generator,
-                                req.eos_token_ids, req.sampling_grammar) if self.samples else None)
-        token_ids = req.token_ids_slice(self.start, self.known_end) + self.draft_token_ids
-        draft_grammar = DraftGrammar(req.grammar) if self.draft_token_ids and req.grammar is not None else None
+                                req.eos_token_ids, req.sampling_grammar) if samples else None)
+        if known_end - self.start == 1 and not in_prompt:  # a decode: the last output token (or its placeholder)
+            outputs, at = req.output_token_ids, self.start - req.num_prompt_tokens
+            token_ids = [outputs[at] if at < len(outputs) else PLACEHOLDER_TOKEN]
+        else:
+            token_ids = req.token_ids_slice(self.start, known_end)
+        if drafts:
+            token_ids = token_ids + drafts
+        draft_grammar = DraftGrammar(req.grammar) if drafts and req.grammar is not None else None
         return ChunkInput(row=req.req_pool_idx, start=self.start, token_ids=token_ids,
-                          positions=req.positions_slice(self.start, self.end), kv_slots=self.kv_slots,
-                          mm_items=req.prompt.mm_items if overlaps_prompt else (), sampling=sampling,
-                          prompt_logprobs=self.prompt_logprob_targets(), num_drafts=len(self.draft_token_ids),
-                          draft_grammar=draft_grammar,
-                          next_token_id=None if self.samples else req.token_ids_slice(self.end, self.end + 1)[0],
+                          positions=req.positions_slice(self.start, end) if in_prompt else None,
+                          mrope_delta=req.mrope_delta, kv_slots=self.kv_slots,
+                          mm_items=req.prompt.mm_items if in_prompt else (), sampling=sampling,
+                          prompt_logprobs=self.prompt_logprob_targets() if in_prompt else None,
+                          num_drafts=len(drafts), draft_grammar=draft_grammar,
+                          next_token_id=None if samples else req.token_ids_slice(end, end + 1)[0],
                           lora=req.lora, feeds_drafter=self.feeds_drafter)
 
     @property

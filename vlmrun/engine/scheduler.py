@@ -2,8 +2,11 @@
 
 Each step has a token budget (`max_num_batched_tokens`). Running requests go first, oldest
 first: a decode costs one token, an unfinished prefill takes as much of its remaining prompt as
-the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs` (and, with
-LoRA, while the running requests' adapters fit the `max_loras` slots).
+the budget allows. Waiting requests are then admitted, oldest first, up to `max_num_seqs`. With LoRA, a request
+whose adapter finds no free slot among the `max_loras` (all held by adapters running requests use)
+is skipped, and so is every adapter's request behind it, while base-model requests behind it are
+admitted: no head-of-line blocking, and no later adapter request keeps the slots from it (it gets
+the first slot that frees).
 When the KV pool has no page for a running request, the newest running request is preempted:
 its pages are freed and it waits to recompute its prompt and the tokens it already generated.
 
@@ -104,11 +107,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if self.must_wait(req):
+            if req.num_launched_steps and self.must_wait(req):
                 i += 1
                 continue
             n = self._chunk_len(req, budget)
-            drafts = self._drafts(req, n, budget)
+            drafts = self._drafts(req, n, budget) if self.proposer is not None else []
             if drafts and not self._grow(req, req.num_computed_tokens + n + len(drafts)):
                 drafts = []  # no free page for them: a plain decode (drafts never preempt)
             if not self._grow_or_preempt(req, req.num_computed_tokens + n):
@@ -128,12 +131,16 @@ class Scheduler:
         if preempted_any:
             return chunks, too_long
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+        waits_for_lora = False  # a request ahead waits for an adapter slot: adapters' requests wait behind it
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[i]
             if req.num_launched_steps:  # preempted while a launched step runs it: recompute once that is collected
                 break
-            if not self._lora_fits(req):  # every slot is held by an adapter running requests use
-                break
+            if req.lora is not None and (waits_for_lora or not self._lora_fits(req)):
+                waits_for_lora = True  # every slot is held by an adapter running requests use
+                i += 1
+                continue
             row = self.req_pool.alloc()
             if row is None:
                 break
@@ -146,7 +153,7 @@ class Scheduler:
                 break
             if match is not None:
                 self._count_lookup(req, match.num_pages)
-            self.waiting.popleft()
+            del self.waiting[i]
             req.req_pool_idx = row
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -221,19 +228,26 @@ class Scheduler:
         rows: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        fed: list[tuple[ScheduledChunk, int]] = []  # (chunk, where its fed tokens' slots start in `slots`)
+        sizes: list[int] = []  # per chunk: its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        page_size = self.page_size
         for c in chunks:
-            req = c.request
-            first = 0 if c.admitted else c.start
-            rows.extend([req.req_pool_idx] * (c.end - first))
-            positions.extend(range(first, c.end))
-            fed.append((c, len(slots) + c.start - first))
-            slots.extend(token_slots(req.pages, first, c.end, self.page_size))
+            req, start = c.request, c.start
+            end = start + c.num_tokens
+            first = 0 if c.admitted else start
+            sizes.append(end - first)
+            if end - first == 1:  # a decode: one token, one slot
+                rows.append(req.req_pool_idx)
+                positions.append(first)
+                slots.append(req.pages[first // page_size] * page_size + first % page_size)
+                continue
+            rows.extend([req.req_pool_idx] * (end - first))
+            positions.extend(range(first, end))
+            slots.extend(token_slots(req.pages, first, end, page_size))
         if not chunks:
             return
         step_slots = torch.tensor(slots, dtype=torch.int64)
-        for c, offset in fed:
-            c.kv_slots = step_slots[offset:offset + c.num_tokens]
+        for c, size, piece in zip(chunks, sizes, step_slots.split(sizes)):
+            c.kv_slots = piece if size == c.num_tokens else piece[size - c.num_tokens:]
         self.req_pool.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                             step_slots)
 
@@ -324,6 +338,8 @@ class Scheduler:
 
     def _grow_or_preempt(self, req: Request, num_tokens: int) -> bool:
         """Give `req` room for `num_tokens`, preempting newer running requests as needed."""
+        if num_tokens <= len(req.pages) * self.page_size:  # the pages it holds have room
+            return True
         while not self._grow(req, num_tokens):
             victim = self.running[-1]
             if victim is req:

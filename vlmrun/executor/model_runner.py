@@ -31,7 +31,7 @@ from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.plan import Caches
 from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
-from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets, step_positions
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
@@ -131,20 +131,25 @@ class ModelRunner:
         hidden = self.forward(fb)  # [num_tokens, hidden]
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
-        rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None
-                for row in position_rows(c.sampling, c.draft_token_ids, masks)]
+        verifies = any(c.num_drafts for c in chunks)
+        if verifies:  # a row per verified position
+            rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None
+                    for row in position_rows(c.sampling, c.draft_token_ids, masks)]
+        else:
+            rows = [c.sampling for c in chunks if c.sampling is not None]
         if not rows:
             if mtp is not None:
                 mtp.catch_up(hidden, fb, None)
             return LaunchedStep(samples, None, prompt_logprobs, mtp=mtp)
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
-        drafts = [c.draft_token_ids for c in chunks]
-        seeded = [None if c.sampling is None else SeededDraws.before_sampling(c.sampling, c.num_drafts, vocab, self.device)
-                  for c in chunks]
+        drafts = [c.draft_token_ids for c in chunks] if verifies else [()] * len(chunks)
+        seeded = ([None if c.sampling is None else SeededDraws.before_sampling(c.sampling, c.num_drafts, vocab,
+                                                                               self.device) for c in chunks]
+                  if verifies else [None] * len(chunks))
         batch = SamplingBatch.build(rows, vocab, device=self.device)
         output = self.sampler.sample(logits, batch)
-        if self.feeds_placeholders or mtp is not None or any(c.num_drafts for c in chunks):
+        if self.feeds_placeholders or mtp is not None or verifies:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
@@ -198,6 +203,8 @@ class ModelRunner:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
         a prompt token) -> [m, 2 + 2k] rows (`gather_prompt_logprobs`); None for the other chunks."""
         out: list[Optional[torch.Tensor]] = []
+        if all(c.prompt_logprobs is None for c in chunks):
+            return [None] * len(chunks)
         offset = 0
         for c in chunks:
             targets: Optional[PromptLogprobTargets] = c.prompt_logprobs
@@ -219,14 +226,18 @@ class ModelRunner:
             host = step.output.to_host()
             sampled = iter(zip(host.token_ids, host.logprobs))
             step_drafts = step.drafts if step.mtp is None else step.mtp.drafts_on_host()
-            for i, (out, samples) in enumerate(zip(outputs, step.samples)):
-                if samples:
-                    drafts, seeded = step_drafts[i], step.seeded_draws[i]
-                    tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
-                    accepted = count_accepted([t.token_id for t in tokens], drafts)
-                    if accepted < len(drafts) and seeded is not None:
-                        seeded.keep(1 + accepted)  # the draws of the emitted positions only
-                    out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
+            if not any(step_drafts):  # nothing verified: one token a sampling chunk
+                for out, samples in zip(outputs, step.samples):
+                    if samples:
+                        out.sampled = SampledToken(*next(sampled))
+            else:
+                for out, samples, drafts, seeded in zip(outputs, step.samples, step_drafts, step.seeded_draws):
+                    if samples:
+                        tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
+                        accepted = count_accepted([t.token_id for t in tokens], drafts)
+                        if accepted < len(drafts) and seeded is not None:
+                            seeded.keep(1 + accepted)  # the draws of the emitted positions only
+                        out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
                 k = (rows.shape[1] - 2) // 2
@@ -262,7 +273,7 @@ class ModelRunner:
         fb = ForwardBatch(
             mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
             input_ids=self.fill_placeholders(up(torch.tensor(input_ids, dtype=torch.int64)), chunks),
-            positions=up(torch.cat([c.positions for c in chunks], dim=1)),
+            positions=up(step_positions(chunks, extend_lens)),
             req_pool_indices=up(torch.tensor([c.row for c in chunks], dtype=torch.int64)),
             seq_lens=up(torch.tensor(seq_lens, dtype=torch.int64)),
             extend_prefix_lens=up(torch.tensor(prefix_lens, dtype=torch.int64)),
@@ -285,6 +296,8 @@ class ModelRunner:
         """`input_ids` [num_tokens] with each PLACEHOLDER_TOKEN replaced, on the device, by the last token
         sampled for its chunk's row (async scheduling: a chunk's last known token may not have reached the
         host; MTP drafts after it are placeholders too, filled by `MTPStep.draft`)."""
+        if not self.feeds_placeholders:  # synchronous: every token is on the host
+            return input_ids
         where, rows, offset = [], [], 0
         for c in chunks:
             last_known = c.num_tokens - 1 - c.num_drafts

@@ -44,7 +44,7 @@ class MTPStep:
         speculating = [i for i, c in enumerate(self.chunks) if c.num_drafts]
         if not speculating:
             return
-        drafting = [DraftingChunk(c.row, c.start, c.num_drafts, c.kv_slots, c.positions)
+        drafting = [DraftingChunk(c.row, c.start, c.num_drafts, c.kv_slots, c.position_ids())
                     for c in (self.chunks[i] for i in speculating)]
         self.drafted = self.tp.broadcast_from_first(self.drafter.draft(drafting, self.backend, self.device))
         starts = self._starts()

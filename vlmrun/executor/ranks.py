@@ -97,7 +97,8 @@ def _wire_chunk(chunk: ChunkInput) -> ChunkInput:
     items = [replace(it, pixel_values=it.pixel_values.cpu()) for it in chunk.mm_items]
     sampling = None if chunk.sampling is None else _wire_sampling(chunk.sampling)
     grammar = None if chunk.draft_grammar is None else chunk.draft_grammar.filled(chunk.draft_token_ids)
-    return replace(chunk, positions=chunk.positions.clone(), kv_slots=chunk.kv_slots.clone(), mm_items=items,
+    positions = None if chunk.positions is None else chunk.positions.clone()
+    return replace(chunk, positions=positions, kv_slots=chunk.kv_slots.clone(), mm_items=items,
                    sampling=sampling, draft_grammar=grammar)
 
 

@@ -35,7 +35,10 @@ class ChunkInput:
     row: int  # the request's ReqToTokenPool row (its GDN slot is gdn_slot_for_row(row))
     start: int  # tokens of the request already in the cache
     token_ids: list[int]  # tokens fed this step; the last may be PLACEHOLDER_TOKEN, read on the device
-    positions: torch.Tensor  # [3, num_tokens] int64 M-RoPE positions of the fed tokens (CPU)
+    # [3, num_tokens] int64 M-RoPE positions of the fed tokens (CPU) when the chunk overlaps the prompt;
+    # None past it: token i's position is start + i + mrope_delta on all three rows (`position_ids`), and
+    # the runner builds those of every such chunk of a step in one tensor op
+    positions: Optional[torch.Tensor]
     kv_slots: torch.Tensor  # [num_tokens] int64 KV slots the fed tokens write (CPU)
     mm_items: Sequence  # processors.MMItem of the request's prompt when the chunk overlaps it, else ()
     sampling: Optional[SamplingRow] = None  # set when the chunk reaches the last known token: sample after it
@@ -51,6 +54,7 @@ class ChunkInput:
     # MTP: the layer catches up over this chunk (False: its request never drafts, `Request.speculates`, and
     # the prefix cache keeps none of these positions for a request that will)
     feeds_drafter: bool = True
+    mrope_delta: int = 0  # the request's M-RoPE offset of positions after its prompt (read when positions is None)
 
     @property
     def num_tokens(self) -> int:
@@ -60,6 +64,34 @@ class ChunkInput:
     def end(self) -> int:
         return self.start + len(self.token_ids)
 
+    def position_ids(self) -> torch.Tensor:
+        """[3, num_tokens] int64 M-RoPE positions of the fed tokens (CPU)."""
+        if self.positions is not None:
+            return self.positions
+        first = self.start + self.mrope_delta
+        return torch.arange(first, first + len(self.token_ids), dtype=torch.int64).expand(3, -1)
+
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_drafts:]
+
+
+def step_positions(chunks: Sequence[ChunkInput], num_tokens: list[int]) -> torch.Tensor:
+    """The step's M-RoPE positions [3, sum(num_tokens)] int64 (CPU): one tensor op for every chunk past its
+    prompt (`start + i + mrope_delta`), the prompt chunks' own positions copied over theirs."""
+    firsts = torch.tensor([c.start + c.mrope_delta for c in chunks], dtype=torch.int64)  # [chunks]
+    if all(n == 1 for n in num_tokens):  # decode: one token a chunk
+        generated = firsts
+    else:  # token j of chunk i: firsts[i] + j
+        lens = torch.tensor(num_tokens, dtype=torch.int64)  # [chunks]
+        chunk_starts = torch.cumsum(lens, 0) - lens  # [chunks] each chunk's first token in the step
+        total = int(sum(num_tokens))
+        generated = (torch.repeat_interleave(firsts - chunk_starts, lens, output_size=total)
+                     + torch.arange(total, dtype=torch.int64))  # [tokens]
+    positions = generated.expand(3, -1).contiguous()  # [3, tokens]
+    offset = 0
+    for c, n in zip(chunks, num_tokens):
+        if c.positions is not None:
+            positions[:, offset:offset + n] = c.positions
+        offset += n
+    return positions

@@ -1,0 +1,150 @@
+"""The engine's own host work per decode step: ms per step on a model whose compute is next to nothing.
+
+The checkpoint is built here (`build_checkpoint`): a random Qwen3-VL with one text layer of hidden 64
+(the tiny test tokenizer, vocab 512), so a decode step's time is the engine's host work (scheduling,
+inputs, sampling settings, detokenization, bookkeeping) and the few small ops of the forward. Each side
+decodes `--max-tokens` greedy tokens (EOS ignored) for a batch of identical-length prompts (random ids),
+one thread (`torch.set_num_threads(1)`; run it under OMP_NUM_THREADS=1 too):
+
+- **vlmrun**: an `Engine` (CPU, float32, no prefix caching so that the prompts are computed, eager
+  decode); the requests are added, the first step prefills them all and samples their first token,
+  then the remaining steps (decode only) are timed: ms/step = their time / their number.
+- **HF transformers** `generate` on the same checkpoint and prompts (greedy, `min_new_tokens` =
+  `max_new_tokens`, the default dynamic cache): ms/step = (time of `max_tokens` new tokens - time of
+  one) / (`max_tokens` - 1), which leaves the prefill out the same way.
+
+vLLM's CPU build is not a side here (bench/vllm_side.py says how it was installed for
+bench_cpu_vs_hf; it needs its own venv of about 3 GB). Each batch size runs `--repeats` times per
+side, alternating, and the median is reported, with µs per request per step (ms/step / batch).
+`--profile B` runs cProfile over vlmrun's timed steps at batch B and prints the top functions.
+
+    OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 1 64 256 --max-tokens 48
+    OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 256 --repeats 1 --sides vlmrun --profile 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from vlmrun.config import EngineConfig
+from vlmrun.engine.engine import Engine
+from vlmrun.sampling_params import SamplingParams
+
+PROMPT_LEN = 16
+
+
+def build_checkpoint(out_dir: Path) -> Path:
+    """A 1-layer, hidden-64 random Qwen3-VL (vocab 512, the tiny test tokenizer) in `out_dir`."""
+    from testing.tiny_models import build_tiny_checkpoint
+
+    return build_tiny_checkpoint("qwen3_vl", out_dir, seed=0, overrides={"text": {"num_hidden_layers": 1}})
+
+
+def prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of PROMPT_LEN random ordinary-token ids (the special tokens sit at the vocab's end)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(0, 500) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+
+
+def make_engine(model_dir: Path, max_num_seqs: int) -> Engine:
+    return Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=max_num_seqs,
+                               enable_prefix_caching=False, max_model_len=512,
+                               kv_cache_memory_bytes=256 * 1024 * 1024))
+
+
+def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.Profile | None = None) -> float:
+    """ms per decode step: the steps after the one that prefills every prompt."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, ids in enumerate(prompts(batch)):
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params)
+    engine.step()  # every prompt in one step (batch * PROMPT_LEN <= max_num_batched_tokens), first tokens
+    steps = 0
+    if profiler is not None:
+        profiler.enable()
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+    if steps != max_tokens - 1:
+        raise RuntimeError(f"expected {max_tokens - 1} decode steps, ran {steps}")
+    return elapsed / steps * 1e3
+
+
+def run_hf(model, batch: int, max_tokens: int) -> float:
+    """ms per decode step of HF `generate`: (max_tokens new tokens - one new token) / (max_tokens - 1)."""
+    input_ids = torch.tensor(prompts(batch), dtype=torch.int64)
+    mask = torch.ones_like(input_ids)
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    return (timed(max_tokens) - timed(1)) / (max_tokens - 1) * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sides", nargs="+", default=["vlmrun", "hf"], choices=["vlmrun", "hf"])
+    parser.add_argument("--profile", type=int, default=None, help="cProfile vlmrun's decode steps at this batch")
+    parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or build into) this folder")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model_dir or Path(tmp) / "host-overhead-qwen3vl"
+        if not (model_dir / "config.json").exists():
+            build_checkpoint(model_dir)
+        engine = make_engine(model_dir, max(args.batches))
+        hf = None
+        if "hf" in args.sides:
+            from transformers import AutoModelForImageTextToText
+
+            hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        run_vlmrun(engine, 4, 4)  # warm-up: first calls of every path
+        if hf is not None:
+            run_hf(hf, 4, 4)
+        print(f"ms per decode step (median of {args.repeats}), {args.max_tokens} greedy tokens, "
+              f"prompts of {PROMPT_LEN} tokens, one thread")
+        print(f"{'batch':>6} " + " ".join(f"{side:>10} {'us/req':>8}" for side in args.sides))
+        for batch in args.batches:
+            times: dict[str, list[float]] = {side: [] for side in args.sides}
+            for _ in range(args.repeats):
+                if "vlmrun" in args.sides:
+                    times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens))
+                if hf is not None:
+                    times["hf"].append(run_hf(hf, batch, args.max_tokens))
+            cells = []
+            for side in args.sides:
+                ms = statistics.median(times[side])
+                cells.append(f"{ms:>10.2f} {ms / batch * 1e3:>8.1f}")
+            print(f"{batch:>6} " + " ".join(cells), flush=True)
+        if args.profile is not None:
+            profiler = cProfile.Profile()
+            ms = run_vlmrun(engine, args.profile, args.max_tokens, profiler)
+            print(f"\ncProfile of vlmrun at batch {args.profile}: {ms:.2f} ms/step (under the profiler)")
+            out = io.StringIO()
+            pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(35)
+            print(out.getvalue())
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
