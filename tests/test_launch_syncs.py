@@ -37,11 +37,6 @@ EXPERT_LORA = ("LoRA on MoE experts runs the per-expert loop, which reads each e
                "expert's rows at a time and has no grouped form yet")
 
 
-MTP_UPLOADS = ("MTP drafting builds its inputs with blocking copies: vlmrun/spec_decode/mtp.py `MTPDrafter.draft` "
-               "(`torch.tensor(..., device=device)` of the rows and the active chunks), `_step_batch` (`up` and the "
-               "positions / KV slots `.to(device)`), `_image_rows_shifted` (a `torch.tensor(..., device=)` index): "
-               "`vlmrun.host_to_device.upload` would queue them")
-
 
 class GuardedLaunches:
     """Wraps `ModelRunner.launch` so each launch runs under a recording `LaunchSyncGuard`."""
@@ -105,7 +100,6 @@ def test_no_sync_in_launch_speculative(request, monkeypatch, arch):
     assert not guarded.syncs, f"{arch}: syncs inside launch:\n{guarded.report()}"
 
 
-@pytest.mark.xfail(strict=True, reason=MTP_UPLOADS)
 @pytest.mark.parametrize("arch", HYBRID)
 def test_no_sync_in_launch_mtp(request, monkeypatch, tmp_path, arch):
     """The MTP layer drafts on the device inside the launch (async scheduling)."""

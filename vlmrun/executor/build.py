@@ -126,7 +126,7 @@ def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Cach
               and not config.enable_lora)  # a graph would keep the adapter groups of its capture
     if device.type == "cuda" and not graphs:
         logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer', "
-                    "one device and a model without host syncs (MoE routing syncs)")
+                    "one device, no LoRA, and a model without host syncs (quantized MoE experts loop over them)")
     spec = config.speculative_config
     return PaddedDecodeRunner(model, backend, caches, device, use_cuda_graphs=graphs,
                               num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,

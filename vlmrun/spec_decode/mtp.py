@@ -29,6 +29,7 @@ import torch
 
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.attention.hybrid_backend import full_attention
 from vlmrun.loader import iter_lazy_weights
@@ -81,7 +82,7 @@ class MTPDrafter:
     def _image_rows_shifted(self, embeds: torch.Tensor, fb: ForwardBatch, chunk_ends: Sequence[int]) -> torch.Tensor:
         seen = self.text.embed_tokens(fb.input_ids).masked_scatter(fb.mm_mask[:, None], fb.mm_embeds.to(embeds.dtype))
         last = torch.zeros_like(fb.mm_mask)
-        last[torch.tensor([end - 1 for end in chunk_ends], device=last.device)] = True
+        last[upload(torch.tensor([end - 1 for end in chunk_ends]), last.device)] = True
         take = torch.zeros_like(fb.mm_mask)
         take[:-1] = fb.mm_mask[1:] & ~last[:-1]  # row q + 1 is an image row of the same chunk
         shifted = torch.cat([seen[1:], seen[:1]])  # row q holds row q + 1's embedding
@@ -96,7 +97,7 @@ class MTPDrafter:
     @torch.inference_mode()
     def draft(self, chunks: Sequence[DraftingChunk], backend: AttentionBackend, device: torch.device) -> torch.Tensor:
         """Drafts [n, max drafts] int64 for the speculating chunks (a chunk's tail past its own count is unused)."""
-        rows = torch.tensor([c.row for c in chunks], dtype=torch.int64, device=device)
+        rows = upload(torch.tensor([c.row for c in chunks], dtype=torch.int64), device)
         output = self.last_output[rows]  # [n, h]
         width = max(c.num_drafts for c in chunks)
         drafts = torch.zeros(len(chunks), width, dtype=torch.int64, device=device)
@@ -104,7 +105,7 @@ class MTPDrafter:
         for j in range(1, width):  # drafts[:, j]: the layer at fed token j - 1, whose next token is drafts[:, j - 1]
             active = [i for i, c in enumerate(chunks) if c.num_drafts > j]
             fb = self._step_batch([chunks[i] for i in active], j - 1, backend, device)
-            at = torch.tensor(active, dtype=torch.int64, device=device)
+            at = upload(torch.tensor(active, dtype=torch.int64), device)
             cos, sin = self.text.rotary_emb(fb.positions)
             out = self.mtp(self.text.embed_tokens(drafts[at, j - 1]), output[at], cos, sin, fb)  # [len(active), h]
             output[at] = out
@@ -120,14 +121,14 @@ class MTPDrafter:
         seq_lens = [c.start + offset + 1 for c in chunks]
 
         def up(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device)
+            return upload(torch.tensor(values, dtype=torch.int64), device)
 
         fb = ForwardBatch(
             mode=ForwardMode.DECODE, input_ids=torch.zeros(n, dtype=torch.int64, device=device),
-            positions=torch.stack([c.positions[:, offset] for c in chunks], dim=1).to(device),
+            positions=upload(torch.stack([c.positions[:, offset] for c in chunks], dim=1), device),
             req_pool_indices=up([c.row for c in chunks]), seq_lens=up(seq_lens),
             extend_prefix_lens=up([s - 1 for s in seq_lens]), extend_seq_lens=up([1] * n),
-            out_cache_loc=torch.stack([c.kv_slots[offset] for c in chunks]).to(device),
+            out_cache_loc=upload(torch.stack([c.kv_slots[offset] for c in chunks]), device),
             seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[s - 1 for s in seq_lens], extend_seq_lens_cpu=[1] * n,
             logits_indices=torch.zeros(0, dtype=torch.int64, device=device), attn_backend=full_attention(backend))
         fb.attn_backend.prepare(fb)
