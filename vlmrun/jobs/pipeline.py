@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import queue
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -31,6 +33,8 @@ from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import SamplingParams
 
 __all__ = ["CaptionPipeline", "PipelineOptions", "describe_error"]
+
+SLOW_PREPROCESS_S = 5.0  # an input whose preprocessing alone takes this long is reported (`slow_inputs`)
 
 
 @dataclass
@@ -67,7 +71,9 @@ class CaptionPipeline:
     """Captions a stream of `JobItem`s on one `Engine` (see the module docstring).
 
     One pipeline may `run` many times in turn (a Ray actor runs it once per batch); runs never
-    overlap. `preprocessed`: inputs preprocessed by the current run (progress)."""
+    overlap. `preprocessed`: inputs preprocessed by the current run (progress); `slow_inputs`: (key,
+    seconds) of each input whose preprocessing took `SLOW_PREPROCESS_S` or more, put by the workers as
+    it happens, for the caller to report."""
 
     def __init__(self, engine: Any, options: PipelineOptions):
         self.engine = engine
@@ -75,6 +81,7 @@ class CaptionPipeline:
         self.inputs = InputPipeline(engine, self._prepare_item, workers=options.workers, prefetch=options.prefetch,
                                     max_in_flight=options.max_in_flight)
         self.max_in_flight = self.inputs.max_in_flight
+        self.slow_inputs: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._ids = itertools.count()
 
     @property
@@ -100,6 +107,15 @@ class CaptionPipeline:
 
     def _prepare_item(self, item: JobItem) -> ProcessedPrompt:
         """In a worker thread: the item's prompt (InputError naming what is wrong with it)."""
+        start = time.perf_counter()
+        try:
+            return self._prompt_of(item)
+        finally:
+            seconds = time.perf_counter() - start
+            if seconds >= SLOW_PREPROCESS_S:
+                self.slow_inputs.put((item.key, seconds))
+
+    def _prompt_of(self, item: JobItem) -> ProcessedPrompt:
         if item.error is not None:
             raise InputError(item.error)
         if is_video(item.source):  # one record per video
