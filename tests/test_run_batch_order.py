@@ -23,7 +23,7 @@ def test_output_lines_come_in_input_order(qwen3_vl_dir: Path, tmp_path: Path, ca
              _chat_line("slow-7", "Tell me a story.", model, **long), _completion_line("quick-8", "Yo", model, max_tokens=1)]
     src = _write_lines(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    assert main(["run-batch", "-i", str(src), "-o", str(out), "--max-in-flight", "4", *_flags(qwen3_vl_dir)]) == 1
+    assert main(["run-batch", "-i", str(src), "-o", str(out), "--max-in-flight", "4", *_flags(qwen3_vl_dir)]) == 0
     capsys.readouterr()
     got = _outputs(out)
     assert [o["custom_id"] for o in got] == ["slow-0", None, *[f"quick-{i}" for i in range(1, 6)], "slow-7", "quick-8"]
@@ -84,7 +84,7 @@ def test_run_batch_answers_an_oversized_line_413_without_reading_it_whole(qwen3_
     finally:
         tracemalloc.stop()
     capsys.readouterr()
-    assert code == 1
+    assert code == 0  # the failed lines are in the file (vLLM's status)
     first, second = _outputs(out)
     assert first["id"] == "vlmrun-line-1" and first["response"]["status_code"] == 413
     assert first["error"]["code"] == "request_too_large" and "not read" in first["error"]["message"]

@@ -83,10 +83,11 @@ class BatchSummary:
     output_error: Optional[str] = None
 
     def exit_code(self) -> int:
-        """Of this run: 0 every line it answered succeeded; 1 some failed (or the output failed); 130 interrupted."""
+        """Of this run: 0 every line was written, errors included (vLLM's: a failed request is its error
+        line); 1 the output could not be written; 130 interrupted."""
         if self.interrupted:
             return 130
-        return 1 if self.failed or self.output_error else 0
+        return 1 if self.output_error else 0
 
     def lines(self) -> list[str]:
         rate = self.written / self.elapsed_s if self.elapsed_s > 0 else 0.0
