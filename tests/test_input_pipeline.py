@@ -183,3 +183,12 @@ def test_worker_count_follows_the_cpus_this_process_may_use() -> None:
     assert 1 <= usable_cpus() <= max(1, len(__import__("os").sched_getaffinity(0)))
     assert preprocess_workers(limit=1) == 1
     assert preprocess_workers() == min(8, usable_cpus())
+
+
+def test_a_list_of_params_that_does_not_match_a_generator_raises(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="more sampling params than prompts"):
+        llm.generate((p for p in ["a"]), [SamplingParams(max_tokens=1)] * 2, use_tqdm=False)
+    with pytest.raises(ValueError, match="fewer sampling params than prompts"):
+        llm.generate((p for p in ["a", "b"]), [SamplingParams(max_tokens=1)], use_tqdm=False)
+    with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):  # a list: before anything runs
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=1)], use_tqdm=False)

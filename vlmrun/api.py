@@ -244,12 +244,15 @@ class LLM:
 
     def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
                loras: Iterator[Optional[LoRARequest]]) -> Iterator[Work]:
-        """The pipeline's inputs, lazily (read by its feeder thread)."""
+        """The pipeline's inputs, lazily (read by its feeder thread). Lists of params that do not match a
+        generator's prompts in number raise a ValueError (at the end of the call)."""
         for item in inputs:
             choice, lora = next(params, None), next(loras, None)
             if choice is None:
                 raise ValueError("got fewer sampling params than prompts")
             yield Work(str(next(self._ids)), item, choice.choices(), lora)
+        if next(params, None) is not None and not isinstance(params, itertools.repeat):
+            raise ValueError("got more sampling params than prompts")
 
     def _run(self, works: Iterator[Work], total: Optional[int], use_tqdm: bool,
              process: Callable[[Any], ProcessedPrompt]) -> Iterator[tuple[int, RequestOutput]]:
