@@ -192,3 +192,14 @@ def test_a_list_of_params_that_does_not_match_a_generator_raises(llm: LLM) -> No
         llm.generate((p for p in ["a", "b"]), [SamplingParams(max_tokens=1)], use_tqdm=False)
     with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):  # a list: before anything runs
         llm.generate(["a", "b"], [SamplingParams(max_tokens=1)], use_tqdm=False)
+
+
+def test_the_bar_counts_finished_inputs_with_both_rates(capsys: pytest.CaptureFixture) -> None:
+    from vlmrun.feed.progress import FeedProgress
+
+    bar = FeedProgress(total=3)
+    for tokens, preprocessed in ((4, 2), (4, 3), (2, 3)):
+        bar.advance(tokens, preprocessed)
+    bar.close()
+    err = capsys.readouterr().err
+    assert "3/3" in err and "input/s" in err and "prep " in err and "tok/s" in err and bar.tokens == 10
