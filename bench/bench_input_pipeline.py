@@ -11,6 +11,11 @@ process (`bench.common.run_child`):
 - caption: `run_caption_job` (what `vlmrun caption` runs) over the folder: images/s of its summary.
 
     python -m bench.bench_input_pipeline --images 100,1000 --max-tokens 2 --size 448
+
+The peak holds the requests in the engine (at most --max-num-seqs, each with its pixels until it
+finishes) and the prefetch, so it is flat once N exceeds --max-num-seqs + --prefetch:
+
+    python -m bench.bench_input_pipeline --images 200,1000 --max-num-seqs 32 --prefetch 16 --sides generate
 """
 
 from __future__ import annotations
@@ -71,11 +76,11 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def child_generate(folder: Path, max_tokens: int) -> dict:
+def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int) -> dict:
     from vlmrun import LLM, SamplingParams
 
     paths = sorted(folder.glob("*.png"))
-    llm = LLM(device="cpu")
+    llm = LLM(device="cpu", max_num_seqs=max_num_seqs, preprocess_prefetch=prefetch)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt": PROMPT, "images": [str(paths[0])]}], params, use_tqdm=False)  # warm-up
     gc.collect()
@@ -104,7 +109,7 @@ def child_generate(folder: Path, max_tokens: int) -> dict:
             "workers": llm.preprocess_workers, "prefetch": llm.preprocess_prefetch}
 
 
-def child_caption(folder: Path, max_tokens: int) -> dict:
+def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int) -> dict:
     from vlmrun.default_model import resolve_model
     from vlmrun.jobs.config import CaptionJobConfig
     from vlmrun.jobs.runner import run_caption_job
@@ -112,7 +117,8 @@ def child_caption(folder: Path, max_tokens: int) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = CaptionJobConfig(inputs=[str(folder)], model=resolve_model(None), out=str(Path(tmp) / "out.jsonl"),
-                                  prompt=PROMPT, progress=False, engine_options={"device": "cpu"},
+                                  prompt=PROMPT, progress=False, prefetch=prefetch,
+                                  engine_options={"device": "cpu", "max_num_seqs": max_num_seqs},
                                   sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         summary = run_caption_job(config)
     assert summary.failed == 0
@@ -124,6 +130,9 @@ def main() -> None:
     parser.add_argument("--images", default="100,1000", help="comma-separated image counts")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--size", type=int, default=448, help="scene side in px (0: their own, 64-256)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--prefetch", type=int, default=64, help="processed prompts ahead of the engine")
+    parser.add_argument("--sides", default="generate,caption", help="which to run: generate, caption or both")
     parser.add_argument("--child", choices=("generate", "caption"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
     add_threads_option(parser)
@@ -131,20 +140,26 @@ def main() -> None:
     apply_threads(args)
     if args.child is not None:
         run = child_generate if args.child == "generate" else child_caption
-        print(json.dumps(run(Path(args.folder), args.max_tokens)))
+        print(json.dumps(run(Path(args.folder), args.max_tokens, args.max_num_seqs, args.prefetch)))
         return
     print(describe_run(__spec__.name))
-    common = ["--max-tokens", str(args.max_tokens), *(["--threads", str(args.threads)] if args.threads else [])]
+    common = ["--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs), "--prefetch",
+              str(args.prefetch), *(["--threads", str(args.threads)] if args.threads else [])]
+    sides = args.sides.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.images.split(",")):
             folder = Path(tmp) / f"n{n}"
             write_scenes(folder, n, args.size)
-            gen = run_child(__spec__.name, ["--child", "generate", "--folder", str(folder), *common])
-            cap = run_child(__spec__.name, ["--child", "caption", "--folder", str(folder), *common])
-            print(f"{n:>6,} images {args.size} px: generate peak RSS +{gen['peak_above_engine_mb']:.0f} MB above the "
-                  f"engine, first step after {gen['first_step_s']:.3f}s, {gen['images_per_s']:.1f} img/s "
-                  f"({gen['workers']} workers, prefetch {gen['prefetch']}) | caption job {cap['images_per_s']:.1f} img/s",
-                  flush=True)
+            line = f"{n:>6,} images {args.size} px, max_num_seqs {args.max_num_seqs}:"
+            if "generate" in sides:
+                gen = run_child(__spec__.name, ["--child", "generate", "--folder", str(folder), *common])
+                line += (f" generate peak RSS +{gen['peak_above_engine_mb']:.0f} MB above the engine, first step after "
+                         f"{gen['first_step_s']:.3f}s, {gen['images_per_s']:.1f} img/s ({gen['workers']} workers, "
+                         f"prefetch {gen['prefetch']})")
+            if "caption" in sides:
+                cap = run_child(__spec__.name, ["--child", "caption", "--folder", str(folder), *common])
+                line += f" | caption job {cap['images_per_s']:.1f} img/s"
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
