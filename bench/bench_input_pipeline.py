@@ -15,7 +15,11 @@ process (`bench.common.run_child`):
 The peak holds the requests in the engine (at most --max-num-seqs, each with its pixels until it
 finishes) and the prefetch, so it is flat once N exceeds --max-num-seqs + --prefetch:
 
-    python -m bench.bench_input_pipeline --images 200,1000 --max-num-seqs 32 --prefetch 16 --sides generate
+    python -m bench.bench_input_pipeline --images 200,1000 --max-num-seqs 32 --prefetch 16 --sides generate \
+        --encoder-cache-tokens 256
+
+(The engine's encoder cache, 32,768 tokens of vision embeddings by default, also fills as N grows, up to
+its own bound; --encoder-cache-tokens small leaves the pipeline's own memory.)
 """
 
 from __future__ import annotations
@@ -76,11 +80,12 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int) -> dict:
+def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int) -> dict:
     from vlmrun import LLM, SamplingParams
 
     paths = sorted(folder.glob("*.png"))
-    llm = LLM(device="cpu", max_num_seqs=max_num_seqs, preprocess_prefetch=prefetch)
+    llm = LLM(device="cpu", max_num_seqs=max_num_seqs, preprocess_prefetch=prefetch,
+              encoder_cache_tokens=encoder_cache_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt": PROMPT, "images": [str(paths[0])]}], params, use_tqdm=False)  # warm-up
     gc.collect()
@@ -109,7 +114,7 @@ def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: i
             "workers": llm.preprocess_workers, "prefetch": llm.preprocess_prefetch}
 
 
-def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int) -> dict:
+def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int) -> dict:
     from vlmrun.default_model import resolve_model
     from vlmrun.jobs.config import CaptionJobConfig
     from vlmrun.jobs.runner import run_caption_job
@@ -118,7 +123,8 @@ def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: in
     with tempfile.TemporaryDirectory() as tmp:
         config = CaptionJobConfig(inputs=[str(folder)], model=resolve_model(None), out=str(Path(tmp) / "out.jsonl"),
                                   prompt=PROMPT, progress=False, prefetch=prefetch,
-                                  engine_options={"device": "cpu", "max_num_seqs": max_num_seqs},
+                                  engine_options={"device": "cpu", "max_num_seqs": max_num_seqs,
+                                                  "encoder_cache_tokens": encoder_cache_tokens},
                                   sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         summary = run_caption_job(config)
     assert summary.failed == 0
@@ -132,6 +138,8 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=448, help="scene side in px (0: their own, 64-256)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--prefetch", type=int, default=64, help="processed prompts ahead of the engine")
+    parser.add_argument("--encoder-cache-tokens", type=int, default=32768,
+                        help="the engine's encoder cache (it fills with N up to this bound; small: the pipeline alone)")
     parser.add_argument("--sides", default="generate,caption", help="which to run: generate, caption or both")
     parser.add_argument("--child", choices=("generate", "caption"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -140,11 +148,12 @@ def main() -> None:
     apply_threads(args)
     if args.child is not None:
         run = child_generate if args.child == "generate" else child_caption
-        print(json.dumps(run(Path(args.folder), args.max_tokens, args.max_num_seqs, args.prefetch)))
+        print(json.dumps(run(Path(args.folder), args.max_tokens, args.max_num_seqs, args.prefetch,
+                             args.encoder_cache_tokens)))
         return
     print(describe_run(__spec__.name))
     common = ["--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs), "--prefetch",
-              str(args.prefetch), *(["--threads", str(args.threads)] if args.threads else [])]
+              str(args.prefetch), "--encoder-cache-tokens", str(args.encoder_cache_tokens), *(["--threads", str(args.threads)] if args.threads else [])]
     sides = args.sides.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.images.split(",")):
