@@ -68,7 +68,7 @@ def test_bad_inputs_become_error_records_and_the_exit_status_says_so(qwen3_vl_di
     manifest = tmp_path / "more.jsonl"
     manifest.write_text(json.dumps("big/img_00000.png") + "\n{broken\n" + json.dumps("http://127.0.0.1:9/x.jpg") + "\n")
     out = tmp_path / "out.jsonl"
-    rc = main(["caption", str(folder), str(tmp_path / "missing.png"), str(manifest), "--out", str(out),
+    rc = main(["caption", str(folder), str(manifest), "--out", str(out),
                "--model", str(qwen3_vl_dir), "--max-tokens", "3", "--max-image-pixels", "50000", "--no-progress"])
     assert rc == 1
     records = _by_image(_records(out))
@@ -82,13 +82,25 @@ def test_bad_inputs_become_error_records_and_the_exit_status_says_so(qwen3_vl_di
         r = records.pop(str(folder / name))
         assert r["caption"] is None and r["num_tokens"] == 0 and r["finish_reason"] == "error"
         assert words[name] in r["error"].lower() and name in r["error"]
-    assert "not found" in records.pop(str(tmp_path / "missing.png"))["error"]
     assert "more than the limit" in records.pop("big/img_00000.png")["error"]
     assert "not JSON" in records.pop(f"{manifest}:line 2")["error"]
     assert "could not fetch" in records.pop("http://127.0.0.1:9/x.jpg")["error"]
     assert not records
     err = capsys.readouterr().err
-    assert "captioned 4/12 images" in err and "8 failed" in err and "1 file without an image suffix" in err
+    assert "captioned 4/11 images" in err and "7 failed" in err and "1 file without an image suffix" in err
+    assert "failed (the first 5 of 7):" in err and f'all of them: the records in {out} whose "error" is set' in err
+    assert f"  {folder / 'corrupt.png'}: " in err or "  http://127.0.0.1:9/x.jpg: could not fetch" in err
+
+
+def test_a_missing_input_path_is_an_immediate_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    write_images(tmp_path / "imgs", 1)
+    out = tmp_path / "out.jsonl"
+    for missing, words in ((tmp_path / "imgz", "no such file or folder"), (tmp_path / "imgs" / "*.jpg", "no file matches")):
+        rc = main(["caption", str(tmp_path / "imgs"), str(missing), "--out", str(out), "--model", "/no/such/model"])
+        assert rc == 2  # before the model (which does not exist) is looked at
+        err = capsys.readouterr().err
+        assert words in err and str(missing) in err
+        assert not out.exists()
 
 
 def test_resume_skips_recorded_images_and_retry_errors_redoes_failures(qwen3_vl_dir: Path, tmp_path: Path,

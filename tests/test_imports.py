@@ -47,7 +47,7 @@ SCRIPT_FOLDERS = ("bench", "training")  # where a module with a __main__ block i
 # which nothing below may import, so a new module must be given its floor here before they can.
 FLOORS: dict[str, int] = {
     "vlmrun": 6, "vlmrun.api": 6, "vlmrun.cli": 6, "vlmrun.server": 6, "vlmrun.web": 6, "vlmrun.jobs": 6,
-    "vlmrun.ray": 6, "vlmrun.shape_scenes": 6,
+    "vlmrun.ray": 6, "vlmrun.shape_scenes": 6, "vlmrun.feed": 6,
     "vlmrun.engine": 5,
     "vlmrun.executor": 4,
     "vlmrun.models": 3, "vlmrun.multimodal": 3, "vlmrun.quantization": 3,

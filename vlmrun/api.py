@@ -13,7 +13,7 @@ import functools
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from transformers import PreTrainedTokenizerBase
 
@@ -24,6 +24,9 @@ from vlmrun.config import EngineConfig, mm_limit_fields
 from vlmrun.engine.engine import Engine
 from vlmrun.engine.outputs import RequestResult
 from vlmrun.engine.prompt_forms import parse_prompt
+from vlmrun.feed.pipeline import DEFAULT_PREFETCH, Finished, InputPipeline, Work
+from vlmrun.feed.progress import FeedProgress
+from vlmrun.feed.workers import preprocess_workers as default_preprocess_workers
 from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
@@ -126,13 +129,17 @@ class LLM:
     `quantization_config`: Qwen's block-wise FP8, AWQ or GPTQ int4); "fp8" | "awq" | "gptq" must agree
     with a quantized checkpoint, and "fp8" on a float checkpoint quantizes it at load (online FP8, half
     the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
+    preprocess_workers: threads preprocessing the inputs of a call (None: the CPUs this process may use,
+    at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
     Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: Optional[int] = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, limit_mm_per_prompt: Optional[dict[str, int]] = None,
-                 generation_config: str = "auto", quantization: Optional[str] = None, **engine_kwargs: Any):
+                 generation_config: str = "auto", quantization: Optional[str] = None,
+                 preprocess_workers: Optional[int] = None, preprocess_prefetch: int = DEFAULT_PREFETCH,
+                 **engine_kwargs: Any):
         if limit_mm_per_prompt is not None:
             engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
@@ -142,6 +149,8 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         self._lock = threading.Lock()  # one call at a time drives the (single-threaded) engine
+        self.preprocess_workers = preprocess_workers or default_preprocess_workers()
+        self.preprocess_prefetch = preprocess_prefetch
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
@@ -151,7 +160,7 @@ class LLM:
         without sampling params uses."""
         return SamplingParams(**self.engine.model_config.sampling_defaults)
 
-    def generate(self, prompts: Union[Any, Sequence[Any]], sampling_params: ParamsArg = None,
+    def generate(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[RequestOutput]:
         """Each prompt in one of the forms of `vlmrun/engine/prompt_forms.py`, as vLLM takes them: a string
         is the raw prompt (no chat template; `chat` applies it); {"prompt": str, "multi_modal_data":
@@ -159,25 +168,36 @@ class LLM:
         [...]} the same as ids. vlmrun's {"prompt": str, "images": [...], "videos": [...]} is one user turn
         through the chat template.
 
+        `prompts` is one prompt, a list, or any iterable (a generator included): it is read lazily and
+        preprocessed by worker threads while the engine steps, at most `preprocess_prefetch` processed
+        prompts ahead of it (`vlmrun/feed/`), so memory does not grow with the number of prompts beyond
+        the outputs returned. The outputs are in input order.
+
         `sampling_params` is one SamplingParams for all prompts or a list with one per prompt. A prompt of
-        no form raises a ValueError naming the key before anything runs; a bad input (an unreadable image,
-        a placeholder count that does not match) fails alone (its `error`).
+        no form raises a ValueError naming the key (for a list, before anything runs); a bad input (an
+        unreadable image, a placeholder count that does not match) fails alone (its `error`).
 
         `lora_request` (vLLM's): a `LoRARequest` for all prompts or a list with one (or None) per prompt;
         the engine needs `enable_lora=True`. A bad adapter fails its requests alone (their `error`).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        return self._run([parse_prompt(prompt) for prompt in prompts], sampling_params, use_tqdm,
-                         lora_request=lora_request)
+        return _in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request))
 
-    def chat(self, messages: Union[Conversation, Sequence[Conversation]],
+    def generate_stream(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
+                        use_tqdm: bool = True, lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
+        """`generate`, each output handed out as soon as it finishes: `(index, output)`, `index` the
+        prompt's position in `prompts`. Holds the LLM (other calls wait) until exhausted or closed;
+        leaving the loop early aborts the prompts not yet finished."""
+        inputs, total = _prompt_inputs(prompts)
+        return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request)
+
+    def chat(self, messages: Union[Conversation, Iterable[Conversation]],
              sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
              chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              tools: Optional[list[dict[str, Any]]] = None,
              mm_processor_kwargs: Optional[dict[str, Any]] = None, lora_request: LoRAArg = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of them, each through the chat template.
+        """One conversation (a list of messages) or a list (or any iterable) of them, each through the chat
+        template; streamed into the engine as `generate`'s prompts are, outputs in input order.
 
         As vLLM's: `chat_template` replaces the checkpoint's (the template or a file path);
         `chat_template_kwargs` are template variables (e.g. {"enable_thinking": False});
@@ -186,10 +206,23 @@ class LLM:
         `mm_processor_kwargs` ({"min_pixels", "max_pixels", "fps"}) size every image / video that does
         not size itself. `lora_request` as `generate`'s.
         """
+        return _in_input_order(self.chat_stream(
+            messages, sampling_params, use_tqdm, chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, mm_processor_kwargs=mm_processor_kwargs,
+            lora_request=lora_request))
+
+    def chat_stream(self, messages: Union[Conversation, Iterable[Conversation]],
+                    sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
+                    chat_template: Optional[str] = None, chat_template_kwargs: Optional[dict[str, Any]] = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    tools: Optional[list[dict[str, Any]]] = None, mm_processor_kwargs: Optional[dict[str, Any]] = None,
+                    lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
+        """`chat`, each output handed out as it finishes, as `generate_stream`'s."""
         check_continuation(add_generation_prompt, continue_final_message)
         if mm_processor_kwargs is not None:
             check_processor_kwargs(mm_processor_kwargs)
-        if messages and isinstance(messages[0], dict):
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             messages = [messages]
 
         def process(conversation: Any) -> ProcessedPrompt:
@@ -198,74 +231,75 @@ class LLM:
                 chat_template=chat_template, continue_final_message=continue_final_message,
                 mm_processor_kwargs=mm_processor_kwargs)
 
-        return self._run([list(conv) for conv in messages], sampling_params, use_tqdm, process, lora_request)
+        total = len(messages) if isinstance(messages, Sequence) else None
+        return self._stream((list(conv) for conv in messages), total, sampling_params, use_tqdm, process,
+                            lora_request)
 
-    def _run(self, inputs: list[Any], params_arg: ParamsArg, use_tqdm: bool,
-             process: Optional[Callable[[Any], ProcessedPrompt]] = None,
-             lora_request: LoRAArg = None) -> list[RequestOutput]:
-        per_input = _per_input(params_arg, len(inputs), "sampling params", self.get_default_sampling_params())
-        loras = _per_input(lora_request, len(inputs), "LoRA requests", None)
+    def _stream(self, inputs: Iterable[Any], total: Optional[int], params_arg: ParamsArg, use_tqdm: bool,
+                process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg) -> Iterator[tuple[int, RequestOutput]]:
+        """Check the per-input arguments (now, for a known length), then run (when iterated)."""
+        params = _per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
+        loras = _per_input(lora_request, total, "LoRA requests", None)
+        return self._run(self._works(inputs, params, loras), total, use_tqdm, process)
+
+    def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
+               loras: Iterator[Optional[LoRARequest]]) -> Iterator[Work]:
+        """The pipeline's inputs, lazily (read by its feeder thread). Lists of params that do not match a
+        generator's prompts in number raise a ValueError (at the end of the call)."""
+        for item in inputs:
+            choice, lora = next(params, None), next(loras, None)
+            if choice is None:
+                raise ValueError("got fewer sampling params than prompts")
+            yield Work(str(next(self._ids)), item, choice.choices(), lora)
+        if next(params, None) is not None and not isinstance(params, itertools.repeat):
+            raise ValueError("got more sampling params than prompts")
+
+    def _run(self, works: Iterator[Work], total: Optional[int], use_tqdm: bool,
+             process: Callable[[Any], ProcessedPrompt]) -> Iterator[tuple[int, RequestOutput]]:
         with self._lock:
-            pending: dict[str, tuple[RequestOutput, int]] = {}
+            pipeline = InputPipeline(self.engine, process, workers=self.preprocess_workers,
+                                     prefetch=self.preprocess_prefetch)
+            bar = FeedProgress(total, enabled=use_tqdm and total != 1 and total != 0)
             try:
-                results = [self._add(item, params, pending, process, lora)
-                           for item, params, lora in zip(inputs, per_input, loras)]
-                self._drain(pending, use_tqdm and len(inputs) > 1)
-            except BaseException:  # Ctrl-C or an engine error: this call's requests go with it
-                for cid in pending:
-                    self.engine.abort(cid)
-                raise
-        for out in results:
-            out.outputs.sort(key=lambda c: c.index)
-        return results
-
-    def _add(self, item: Any, params: SamplingParams, pending: dict[str, tuple[RequestOutput, int]],
-             process: Optional[Callable[[Any], ProcessedPrompt]], lora: Optional[LoRARequest] = None) -> RequestOutput:
-        """Process one input and queue its `n` choices; a bad input fails alone (its `error`)."""
-        rid = str(next(self._ids))
-        out = RequestOutput(request_id=rid, prompt_token_ids=[])
-        try:
-            prompt = (process or self.engine.process)(item)
-            out.prompt_token_ids = list(prompt.token_ids)
-            for i, choice in enumerate(params.choices()):
-                self.engine.add_request(f"{rid}-{i}", prompt, choice, lora_request=lora)
-                pending[f"{rid}-{i}"] = (out, i)
-        except Exception as e:  # noqa: BLE001 - whatever one input raises is that request's error
-            for cid, (o, _) in list(pending.items()):
-                if o is out:
-                    self.engine.abort(cid)
-                    del pending[cid]
-            out.error = str(e) if isinstance(e, InputError) else f"{type(e).__name__}: {e}"
-        return out
-
-    def _drain(self, pending: dict[str, tuple[RequestOutput, int]], show_progress: bool) -> None:
-        bar = _progress_bar(len(pending)) if show_progress else None
-        while self.engine.has_unfinished():
-            for update in self.engine.step():
-                result = update.result
-                if result is None or update.request_id not in pending:
-                    continue
-                out, index = pending.pop(update.request_id)
-                out.add_completion(index, result)
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+                for finished in pipeline.stream(works):
+                    bar.advance(finished.num_output_tokens, pipeline.preprocessed)
+                    yield finished.index, _request_output(finished)
+            finally:
+                bar.close()
 
 
-def _per_input(arg: Any, n: int, what: str, default: Any) -> list[Any]:
-    """One value per input: a list of n, or one value (None: `default`) for all."""
+def _prompt_inputs(prompts: Any) -> tuple[Iterable[Any], Optional[int]]:
+    """The prompts parsed (a list: all now, so a prompt of no form fails before anything runs; any
+    other iterable: lazily) and their number (None: unknown)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if isinstance(prompts, Sequence):
+        return [parse_prompt(prompt) for prompt in prompts], len(prompts)
+    return (parse_prompt(prompt) for prompt in prompts), None
+
+
+def _request_output(finished: Finished) -> RequestOutput:
+    out = RequestOutput(request_id=finished.work.request_id, prompt_token_ids=finished.prompt_token_ids,
+                        error=finished.error)
+    for index, result in enumerate(finished.results):
+        if result is not None:
+            out.add_completion(index, result)
+    return out
+
+
+def _in_input_order(stream: Iterator[tuple[int, RequestOutput]]) -> list[RequestOutput]:
+    by_index = dict(stream)
+    return [by_index[i] for i in range(len(by_index))]
+
+
+def _per_input(arg: Any, n: Optional[int], what: str, default: Any) -> Iterator[Any]:
+    """One value per input: a list of n (n None: checked as the inputs are read), or one value (None:
+    `default`) for all."""
     if isinstance(arg, (list, tuple)):
-        if len(arg) != n:
+        if n is not None and len(arg) != n:
             raise ValueError(f"got {len(arg)} {what} for {n} prompts")
-        return list(arg)
-    return [arg or default] * n
-
-
-def _progress_bar(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="requests", unit="req", dynamic_ncols=True)
+        return iter(arg)
+    return itertools.repeat(arg or default)
 
 
 @functools.lru_cache(maxsize=1)

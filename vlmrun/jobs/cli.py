@@ -180,7 +180,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--overwrite", dest="overwrite", action="store_true", help="start --out afresh")
     j.add_argument("--retry-errors", action="store_true", help="on resume, caption again the images that failed")
     j.add_argument("--workers", type=int, default=default_workers(),
-                   help="threads reading and preprocessing images (default: CPU count, at most 8)")
+                   help="threads reading and preprocessing images (default: the CPUs this process may use, at most 8)")
     j.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
                    help="preprocessed images kept ready for the engine (bounds memory)")
     j.add_argument("--image-column", default=None, help="manifest column / field holding the images")

@@ -17,9 +17,10 @@ MAX_DEFAULT_WORKERS = 8
 
 
 def default_workers() -> int:
-    import os
+    """Preprocessing threads: the CPUs this process may use (affinity, cgroup quota), at most 8."""
+    from vlmrun.feed.workers import preprocess_workers
 
-    return max(1, min(MAX_DEFAULT_WORKERS, os.cpu_count() or 1))
+    return preprocess_workers(MAX_DEFAULT_WORKERS)
 
 
 @dataclass

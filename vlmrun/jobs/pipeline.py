@@ -1,21 +1,17 @@
-"""The streaming caption pipeline: decode on a thread pool, generate on the engine, one record each.
+"""The caption job's use of the input pipeline: one record per image (or video), as each finishes.
 
-    items ──feeder thread──▶ tasks (bounded) ──N worker threads: engine.process()──▶ ready (bounded)
-          ──caller's thread: add_request / step──▶ on_record(item, record)
+    JobItems ──vlmrun.feed.InputPipeline (feeder + worker threads: load + engine.process, `prefetch`
+        ahead; the engine topped up and stepped on the caller's thread)──▶ on_record(item, record)
 
-- The item iterator is consumed lazily by the feeder thread; `tasks` holds at most 2 items per
-  worker and `ready` at most `prefetch` preprocessed prompts, so memory is bounded by
-  (prefetch + workers + max_in_flight) images whatever the length of the job.
-- Workers load the image (`vlmrun.processors.load_image`: read, validate, decode) and run
-  `engine.process` (resize, patchify, tokenize): only the processor, which holds no engine state.
-  Only the caller's thread calls `add_request`, `step` and `abort`; a record is made from the
-  finished request's `RequestResult` that `step` hands out (`vlmrun/engine/outputs.py`).
-- Before every step the engine is topped up from `ready` to `max_in_flight` requests (default
-  the engine's `max_num_seqs`), so finished requests are replaced at once (continuous batching).
-  While the engine has work the loop never blocks on `ready`; it waits on it only when the engine
-  is idle.
-- A bad image (or a prompt the engine refuses) becomes an error record; the job goes on. So does
-  an output that does not complete the job's structured-output constraint (`parse_structured`).
+The pipeline is the one behind `LLM.generate` (`vlmrun/feed/pipeline.py`): inputs read lazily, at
+most `prefetch` preprocessed prompts ahead of the engine and `max_in_flight` requests in it (default
+the engine's `max_num_seqs`), so memory is bounded whatever the length of the job. What is the job's
+own is here: how an item is loaded (`_prepare_item`: a bad file's error names the file), its
+sampling (with a seed, each image draws from seed+image, `image_seed`) and its record, made from the
+finished request's `RequestResult` (`vlmrun/engine/outputs.py`).
+
+A bad image (or a prompt the engine refuses) becomes an error record; the job goes on. So does an
+output that does not complete the job's structured-output constraint (`parse_structured`).
 """
 
 from __future__ import annotations
@@ -23,40 +19,43 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import queue
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
-import torch
-
+from vlmrun.feed.pipeline import DEFAULT_PREFETCH, Finished, InputPipeline, Work
+from vlmrun.feed.prefetch import describe_error
+from vlmrun.feed.workers import preprocess_workers
 from vlmrun.processors import InputError, ProcessedPrompt, load_image
 from vlmrun.jobs.inputs import JobItem, is_video
 from vlmrun.jobs.records import CaptionRecord, image_seed, parse_structured
 from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import SamplingParams
 
-_POLL_S = 0.05  # how often blocked threads look at the stop flag
-_STOP = object()  # tasks: no more items
-_WORKER_DONE = object()  # ready: one worker has exited
+__all__ = ["CaptionPipeline", "PipelineOptions", "describe_error"]
+
+SLOW_PREPROCESS_S = 5.0  # an input whose preprocessing alone takes this long is reported (`slow_inputs`)
 
 
 @dataclass
 class PipelineOptions:
     """prompt: the instruction given with every image; sampling: the per-request template
     (with a `seed`, each image draws from seed+image, see `image_seed`); model_name: what the
-    records call the model; workers: preprocessing threads; prefetch: preprocessed prompts kept
-    ready; max_in_flight: requests kept in the engine (None: its max_num_seqs)."""
+    records call the model; workers: preprocessing threads (None: the usable CPUs, at most 8);
+    prefetch: preprocessed prompts kept ready; max_in_flight: requests kept in the engine (None:
+    its max_num_seqs)."""
 
     prompt: str
     sampling: SamplingParams
     model_name: str
-    workers: int = 4
-    prefetch: int = 64
+    workers: Optional[int] = None
+    prefetch: int = DEFAULT_PREFETCH
     max_in_flight: Optional[int] = None
     lora: Optional[LoRARequest] = None  # the LoRA adapter every request runs with (None: the base model)
 
     def __post_init__(self) -> None:
+        if self.workers is None:
+            self.workers = preprocess_workers()
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         if self.prefetch < 1:
@@ -65,48 +64,29 @@ class PipelineOptions:
             raise ValueError("a caption job makes one caption per image (SamplingParams.n must be 1)")
 
 
-@dataclass
-class _Prepared:
-    item: JobItem
-    prompt: Optional[ProcessedPrompt]
-    error: Optional[str]
-    preprocess_s: float
-
-
-@dataclass
-class _FeedError:
-    exc: BaseException
-
-
-@dataclass
-class _InFlight:
-    prepared: _Prepared
-    added: float
-
-
 OnRecord = Callable[[JobItem, CaptionRecord], None]
-
-
-def describe_error(exc: BaseException) -> str:
-    """The message an error record carries: InputError's own text, else `Type: message`."""
-    if isinstance(exc, InputError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 class CaptionPipeline:
     """Captions a stream of `JobItem`s on one `Engine` (see the module docstring).
 
     One pipeline may `run` many times in turn (a Ray actor runs it once per batch); runs never
-    overlap."""
+    overlap. `preprocessed`: inputs preprocessed by the current run (progress); `slow_inputs`: (key,
+    seconds) of each input whose preprocessing took `SLOW_PREPROCESS_S` or more, put by the workers as
+    it happens, for the caller to report."""
 
     def __init__(self, engine: Any, options: PipelineOptions):
         self.engine = engine
         self.options = options
-        self.max_in_flight = options.max_in_flight or engine.config.max_num_seqs
+        self.inputs = InputPipeline(engine, self._prepare_item, workers=options.workers, prefetch=options.prefetch,
+                                    max_in_flight=options.max_in_flight)
+        self.max_in_flight = self.inputs.max_in_flight
+        self.slow_inputs: queue.SimpleQueue[tuple[str, float]] = queue.SimpleQueue()
         self._ids = itertools.count()
 
-    # ------------------------------------------------------------------ public
+    @property
+    def preprocessed(self) -> int:
+        return self.inputs.preprocessed
 
     def run(self, items: Iterable[JobItem], on_record: OnRecord,
             on_tick: Optional[Callable[[], None]] = None) -> None:
@@ -114,150 +94,50 @@ class CaptionPipeline:
 
         Raises what the item iterator raised (after the records before it), or what the engine
         raised; in-flight requests are aborted then, so the engine can be used again."""
-        stop = threading.Event()
-        tasks: queue.Queue = queue.Queue(maxsize=2 * self.options.workers)
-        ready: queue.Queue = queue.Queue(maxsize=self.options.prefetch)
-        threads = [threading.Thread(target=self._feed, args=(items, tasks, ready, stop),
-                                    name="vlmrun-caption-feeder", daemon=True)]
-        threads += [threading.Thread(target=self._work, args=(tasks, ready, stop), name=f"vlmrun-caption-worker-{i}",
-                                     daemon=True) for i in range(self.options.workers)]
-        in_flight: dict[str, _InFlight] = {}
-        for t in threads:
-            t.start()
-        try:
-            self._drive(ready, in_flight, on_record, on_tick)
-        finally:
-            stop.set()
-            for rid in list(in_flight):
-                self.engine.abort(rid)
-            _drain(ready)
-            _drain(tasks)
-            for t in threads:
-                t.join(timeout=5.0)
+        for finished in self.inputs.stream(self._works(items), on_tick=on_tick):
+            on_record(finished.work.source, self._record(finished))
 
-    # ------------------------------------------------------------------ caller's thread
-
-    def _drive(self, ready: queue.Queue, in_flight: dict[str, _InFlight], on_record: OnRecord,
-               on_tick: Optional[Callable[[], None]]) -> None:
-        workers_left = self.options.workers
-        while True:
-            while len(in_flight) < self.max_in_flight and workers_left:
-                try:
-                    msg = ready.get_nowait() if in_flight else ready.get(timeout=_POLL_S)
-                except queue.Empty:
-                    break
-                if msg is _WORKER_DONE:
-                    workers_left -= 1
-                elif isinstance(msg, _FeedError):
-                    raise msg.exc
-                else:
-                    self._admit(msg, in_flight, on_record)
-            if in_flight:
-                self._step(in_flight, on_record)
-            elif not workers_left:
-                return
-            if on_tick is not None:
-                on_tick()
-
-    def _admit(self, prep: _Prepared, in_flight: dict[str, _InFlight], on_record: OnRecord) -> None:
+    def _works(self, items: Iterable[JobItem]) -> Iterator[Work]:
         opts = self.options
-        if prep.error is None:
+        for item in items:
             params = opts.sampling
             if params.seed is not None:
-                params = dataclasses.replace(params, seed=image_seed(params.seed, prep.item.key))
-            rid = f"caption-{next(self._ids)}"
-            try:
-                self.engine.add_request(rid, prep.prompt, params, lora_request=opts.lora)
-                in_flight[rid] = _InFlight(prep, time.monotonic())
-                return
-            except (InputError, ValueError) as exc:
-                prep.error = describe_error(exc)
-        on_record(prep.item, CaptionRecord.failure(prep.item.key, opts.model_name, opts.prompt, prep.error,
-                                                   prep.preprocess_s))
+                params = dataclasses.replace(params, seed=image_seed(params.seed, item.key))
+            yield Work(f"caption-{next(self._ids)}", item, [params], opts.lora)
 
-    def _step(self, in_flight: dict[str, _InFlight], on_record: OnRecord) -> None:
-        finished = {u.request_id: u.result for u in self.engine.step() if u.finished and u.request_id in in_flight}
-        if not self.engine.has_unfinished():  # every request must end with a finished update
-            finished.update({rid: None for rid in in_flight if rid not in finished})
-        now = time.monotonic()
-        opts = self.options
-        for rid, result in finished.items():
-            entry = in_flight.pop(rid)
-            prep = entry.prepared
-            if result is None:
-                record = CaptionRecord.failure(prep.item.key, opts.model_name, opts.prompt,
-                                               "the engine dropped the request", prep.preprocess_s)
-            else:
-                parsed, error = None, None
-                spec = opts.sampling.structured_outputs
-                if spec is not None:
-                    parsed, error = parse_structured(spec, result.text, result.grammar_ended, result.finish_reason)
-                record = CaptionRecord(image=prep.item.key, caption=result.text, num_tokens=result.num_output_tokens,
-                                       model=opts.model_name, prompt=opts.prompt, error=error,
-                                       finish_reason=result.finish_reason, preprocess_s=round(prep.preprocess_s, 6),
-                                       generate_s=round(now - entry.added, 6), parsed=parsed)
-            on_record(prep.item, record)
-
-    # ------------------------------------------------------------------ threads
-
-    def _feed(self, items: Iterable[JobItem], tasks: queue.Queue, ready: queue.Queue,
-              stop: threading.Event) -> None:
-        try:
-            for item in items:
-                if not _put(tasks, item, stop):
-                    return
-        except BaseException as exc:  # a manifest that fails mid-way: surface it in the caller
-            _put(ready, _FeedError(exc), stop)
-        for _ in range(self.options.workers):
-            if not _put(tasks, _STOP, stop):
-                return
-
-    def _work(self, tasks: queue.Queue, ready: queue.Queue, stop: threading.Event) -> None:
-        # Torch's OpenMP thread count is per calling thread: one each here, so preprocessing
-        # threads never start OpenMP teams that spin on the cores the engine's step needs.
-        torch.set_num_threads(1)
-        while not stop.is_set():
-            try:
-                item = tasks.get(timeout=_POLL_S)
-            except queue.Empty:
-                continue
-            if item is _STOP:
-                _put(ready, _WORKER_DONE, stop)
-                return
-            if not _put(ready, self._prepare(item), stop):
-                return
-
-    def _prepare(self, item: JobItem) -> _Prepared:
+    def _prepare_item(self, item: JobItem) -> ProcessedPrompt:
+        """In a worker thread: the item's prompt (InputError naming what is wrong with it)."""
         start = time.perf_counter()
+        try:
+            return self._prompt_of(item)
+        finally:
+            seconds = time.perf_counter() - start
+            if seconds >= SLOW_PREPROCESS_S:
+                self.slow_inputs.put((item.key, seconds))
+
+    def _prompt_of(self, item: JobItem) -> ProcessedPrompt:
         if item.error is not None:
-            return _Prepared(item, None, item.error, 0.0)
-        try:
-            if is_video(item.source):  # one record per video
-                prompt = self.engine.process({"prompt": self.options.prompt, "videos": [item.source]})
-                return _Prepared(item, prompt, None, time.perf_counter() - start)
-            # Loaded here first so that a bad file's error names the file plainly (the processor
-            # would prefix "image 1 (...)"); the decoded RGB image then goes through the processor.
-            image = load_image(item.source, self.engine.processor.limits)
-            prompt = self.engine.process({"prompt": self.options.prompt, "images": [image]})
-            return _Prepared(item, prompt, None, time.perf_counter() - start)
-        except Exception as exc:  # any failure of one image is that image's record, never the job's end
-            return _Prepared(item, None, describe_error(exc), time.perf_counter() - start)
+            raise InputError(item.error)
+        if is_video(item.source):  # one record per video
+            return self.engine.process({"prompt": self.options.prompt, "videos": [item.source]})
+        # Loaded here first so that a bad file's error names the file plainly (the processor
+        # would prefix "image 1 (...)"); the decoded RGB image then goes through the processor.
+        image = load_image(item.source, self.engine.processor.limits)
+        return self.engine.process({"prompt": self.options.prompt, "images": [image]})
 
-
-def _put(q: queue.Queue, value: Any, stop: threading.Event) -> bool:
-    """Blocking put that gives up (False) once `stop` is set."""
-    while not stop.is_set():
-        try:
-            q.put(value, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def _drain(q: queue.Queue) -> None:
-    while True:
-        try:
-            q.get_nowait()
-        except queue.Empty:
-            return
+    def _record(self, finished: Finished) -> CaptionRecord:
+        opts = self.options
+        item: JobItem = finished.work.source
+        preprocess_s = 0.0 if item.error is not None else finished.preprocess_s
+        result = finished.results[0]
+        if finished.error is not None or result is None:
+            error = finished.error if finished.error is not None else "the engine dropped the request"
+            return CaptionRecord.failure(item.key, opts.model_name, opts.prompt, error, preprocess_s)
+        parsed, error = None, None
+        spec = opts.sampling.structured_outputs
+        if spec is not None:
+            parsed, error = parse_structured(spec, result.text, result.grammar_ended, result.finish_reason)
+        return CaptionRecord(image=item.key, caption=result.text, num_tokens=result.num_output_tokens,
+                             model=opts.model_name, prompt=opts.prompt, error=error,
+                             finish_reason=result.finish_reason, preprocess_s=round(preprocess_s, 6),
+                             generate_s=round(finished.generate_s, 6), parsed=parsed)

@@ -2,19 +2,25 @@
 
 On a terminal the bar redraws in place (at most every `interval` seconds); on a pipe or a log
 file it prints a plain line every `log_interval` seconds instead, so logs stay readable.
+
+One rate: the bar's img/s and the summary's inputs/s are the same figure (records since the
+first input was handed to the engine, over the time since), so the last bar and the summary agree.
+The ETA waits until the pipeline's fill (the time to the first record: preprocessing, the first
+prefills) is at most half the elapsed time, then forecasts from the pace since the first record,
+so neither the fill nor a first lone record makes it wildly long or short.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Optional
 
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 _BAR_WIDTH = 24
+FAILURES_NAMED = 5  # failed inputs the summary names
 
 
 @dataclass
@@ -28,12 +34,28 @@ class JobCounters:
     videos: int = 0  # of `done`, records of videos
     started: float = field(default_factory=time.monotonic)
     spec_decode: Optional[SpecDecodeStats] = None  # the engine's speculative decoding counters, once it stops
+    preprocessed: int = 0  # inputs preprocessed so far (the pipeline's count)
+    first_record_at: Optional[float] = None  # time.monotonic() of the first record
+    failures: list[tuple[str, str]] = field(default_factory=list)  # the first FAILURES_NAMED (input, error)
 
-    def count(self, failed: bool, tokens: int, video: bool = False) -> None:
+    def count(self, failed: bool, tokens: int, video: bool = False, key: str = "", error: Optional[str] = None) -> None:
         self.done += 1
         self.failed += failed
         self.tokens += tokens
         self.videos += video
+        if self.first_record_at is None:
+            self.first_record_at = time.monotonic()
+        if failed and len(self.failures) < FAILURES_NAMED:
+            self.failures.append((key, error or ""))
+
+    def eta(self, now: float) -> Optional[float]:
+        """Seconds left, once the fill is at most half the elapsed time (module docstring); else None."""
+        if not self.total or self.first_record_at is None or self.done >= self.total:
+            return None
+        since_first = now - self.first_record_at
+        if since_first <= 0 or since_first < self.first_record_at - self.started:
+            return None
+        return (self.total - self.done) * since_first / self.done
 
     def elapsed(self, now: Optional[float] = None) -> float:
         return max((now if now is not None else time.monotonic()) - self.started, 1e-9)
@@ -46,12 +68,13 @@ def _fmt_duration(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def render_line(c: JobCounters, now: Optional[float] = None, rates: Optional[tuple[float, float]] = None) -> str:
-    """`[#####-----] 1,204/2,000  60%  35.1 img/s  412 tok/s  ETA 0:22  failed 3`
+def render_line(c: JobCounters, now: Optional[float] = None) -> str:
+    """`[#####-----] 1,204/2,000  60%  35.1 img/s  prep 41.0/s  412 tok/s  ETA 0:22  failed 3`
 
-    rates: (images/s, tokens/s) to show (a recent window); default the averages since the start."""
+    img/s and tok/s: since the start (the summary's figures); prep/s: inputs preprocessed per second."""
+    now = now if now is not None else time.monotonic()
     elapsed = c.elapsed(now)
-    rate, token_rate = rates if rates is not None else (c.done / elapsed, c.tokens / elapsed)
+    rate, token_rate = c.done / elapsed, c.tokens / elapsed
     parts = []
     if c.total:
         frac = min(c.done / c.total, 1.0)
@@ -61,9 +84,13 @@ def render_line(c: JobCounters, now: Optional[float] = None, rates: Optional[tup
     else:
         parts.append(f"{c.done:,}/{'?' if c.total is None else c.total}")
     parts.append(f"{rate:.1f} img/s")
+    parts.append(f"prep {c.preprocessed / elapsed:.1f}/s")
     parts.append(f"{token_rate:.0f} tok/s")
-    if c.total and rate > 0 and c.done < c.total:
-        parts.append(f"ETA {_fmt_duration((c.total - c.done) / rate)}")
+    eta = c.eta(now)
+    if eta is not None:
+        parts.append(f"ETA {_fmt_duration(eta)}")
+    elif c.total and c.done < c.total:
+        parts.append(f"ETA ? (elapsed {_fmt_duration(elapsed)})")
     else:
         parts.append(f"elapsed {_fmt_duration(elapsed)}")
     parts.append(f"failed {c.failed:,}")
@@ -71,13 +98,11 @@ def render_line(c: JobCounters, now: Optional[float] = None, rates: Optional[tup
 
 
 class ProgressBar:
-    """Draws `render_line` to `stream` (stderr by default) as the counters change.
-
-    Rates and ETA are measured over the last `window` seconds, so the engine's warm-up and
-    changes of pace (image sizes, caption lengths) fade out of them."""
+    """Draws `render_line` to `stream` (stderr by default) as the counters change; `note` prints a
+    line above it."""
 
     def __init__(self, counters: JobCounters, stream: Optional[IO[str]] = None, enabled: bool = True,
-                 interval: float = 0.25, log_interval: float = 15.0, window: float = 20.0):
+                 interval: float = 0.25, log_interval: float = 15.0):
         self.counters = counters
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled
@@ -85,18 +110,14 @@ class ProgressBar:
         self.interval = interval if self.tty else log_interval
         self._last = 0.0 if self.tty else time.monotonic()  # a log gets its first line after log_interval
         self._width = 0
-        self.window = window
-        self._samples: deque[tuple[float, int, int]] = deque()  # (time, done, tokens)
 
-    def _recent_rates(self, now: float) -> Optional[tuple[float, float]]:
-        c = self.counters
-        self._samples.append((now, c.done, c.tokens))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window:
-            self._samples.popleft()
-        t0, done0, tokens0 = self._samples[0]
-        if now - t0 < 1.0:  # too short to say; the averages since the start
-            return None
-        return (c.done - done0) / (now - t0), (c.tokens - tokens0) / (now - t0)
+    def note(self, text: str) -> None:
+        """Print `text` on its own line (above the bar on a terminal), whether or not the bar is enabled."""
+        if self.tty and self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self._width = 0
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def refresh(self, force: bool = False) -> None:
         if not self.enabled:
@@ -105,7 +126,7 @@ class ProgressBar:
         if not force and now - self._last < self.interval:
             return
         self._last = now
-        line = render_line(self.counters, now, self._recent_rates(now))
+        line = render_line(self.counters, now)
         if self.tty:
             pad = max(self._width - len(line), 0)
             self.stream.write("\r" + line + " " * pad)
@@ -147,6 +168,7 @@ class JobSummary:
     out: Optional[str] = None
     output_error: Optional[str] = None  # the job stopped: its output could not be written
     spec_decode: Optional[SpecDecodeStats] = None  # the engine speculated: its drafts and acceptance
+    failures: list[tuple[str, str]] = field(default_factory=list)  # the first failed inputs: (input, error)
 
     @property
     def images_per_s(self) -> float:
@@ -184,6 +206,7 @@ class JobSummary:
             notes.append(f"{_n(self.ignored_files, 'file')} without an image suffix ignored")
         if notes:
             out.append("; ".join(notes))
+        out += self._failure_lines()
         if self.spec_decode is not None:
             out.append(describe_spec_decode(self.spec_decode))
         if self.output_error:
@@ -194,6 +217,23 @@ class JobSummary:
         elif self.out:
             out.append(f"records in {self.out}")
         return out
+
+
+    def _failure_lines(self) -> list[str]:
+        """The failed inputs named (the first few), and where the others are."""
+        if not self.failed:
+            return []
+        shown = self.failures[:self.failed]
+        head = f"failed ({'the first ' + str(len(shown)) + ' of ' if len(shown) < self.failed else ''}{self.failed:,}):"
+        out = [head] + [f"  {key}: {error}" for key, error in shown]
+        if len(shown) < self.failed:
+            where = (f"the records in {self.out} whose \"error\" is set" if self.out not in (None, STDOUT_NAME)
+                     else "the records above whose \"error\" is set")
+            out.append(f"  all of them: {where}")
+        return out
+
+
+STDOUT_NAME = "-"
 
 
 def describe_spec_decode(spec: SpecDecodeStats) -> str:

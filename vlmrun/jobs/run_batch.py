@@ -1,11 +1,15 @@
 """Running a `vlmrun run-batch` job: OpenAI batch JSONL in, one answer line per request out, resumably.
 
-    input lines ──read_line──▶ refusals (written at once) / requests ──InProcessServer.post (asyncio,
-        at most `max_in_flight` at a time)──▶ output lines, appended to the journal as each finishes
+    input lines ──bounded_lines, read_line──▶ refusals / requests ──InProcessServer.post (asyncio)──▶
+        answers ──ReorderWindow (`max_in_flight` lines)──▶ output lines in input order, appended to the journal
 
-- Streaming with bounded memory: the input is read a line at a time, and a request is sent as soon as
-  fewer than `max_in_flight` (default twice the engine's `max_num_seqs`, as vLLM) are in flight, so the
-  engine batches them continuously; nothing but the set of keys seen is kept per line.
+- Output in input order (vLLM's), streaming with bounded memory: a line is written as soon as it and
+  every line before it are answered, so it waits only for earlier lines still in flight. At most
+  `max_in_flight` lines (default twice the engine's `max_num_seqs`, as vLLM) are sent or waiting to be
+  written (the window, `vlmrun.feed.reorder`), so the engine batches them continuously and a slow line
+  holds back the reading, not the memory; nothing but the set of keys seen is kept per line.
+- A line is read up to its cap (the server's `max_request_bytes` plus the envelope,
+  `run_batch_reader`): a longer one is answered 413 without being read whole.
 - Exactly once: the output is the crash-safe journal of `vlmrun caption` (`journal.py`, `sink.py`) with
   batch lines (`run_batch_lines.BATCH_LINES`): a rerun with the same output skips the keys already there,
   a torn last line is cut, a file that is not a batch output is refused untouched.
@@ -34,10 +38,12 @@ from vlmrun.jobs.run_batch_lines import (
     item_key,
     read_line,
 )
+from vlmrun.jobs.run_batch_reader import ENVELOPE_BYTES, LongLine, bounded_lines, line_cap
 from vlmrun.jobs.run_batch_server import InProcessServer
 from vlmrun.jobs.runner import OutputWriteError, ending_cleanly
 from vlmrun.jobs.sink import STDOUT, JsonlOutput, OutputError, PrintOutput
-from vlmrun.server.errors import bad_request, internal
+from vlmrun.feed.reorder import ReorderWindow
+from vlmrun.server.errors import APIError, bad_request, internal
 from vlmrun.server.settings import ServerSettings
 
 _RETRY_S = 0.05  # wait before sending again a request the server's full queue refused (429)
@@ -48,7 +54,8 @@ class RunBatchConfig:
     """Everything `vlmrun run-batch` was asked to do.
 
     out: the output JSONL file (any name), or None / "-" for JSONL on stdout (nothing to resume).
-    max_in_flight: requests sent and not yet answered (None: 2 x the engine's max_num_seqs).
+    max_in_flight: lines sent and not yet written (None: 2 x the engine's max_num_seqs); a line is written
+    once the lines before it are, so this bounds what waits.
     overwrite: start `out` afresh; retry_errors: on resume, send again the lines whose answer failed."""
 
     input: str
@@ -76,10 +83,11 @@ class BatchSummary:
     output_error: Optional[str] = None
 
     def exit_code(self) -> int:
-        """Of this run: 0 every line it answered succeeded; 1 some failed (or the output failed); 130 interrupted."""
+        """Of this run: 0 every line was written, errors included (vLLM's: a failed request is its error
+        line); 1 the output could not be written; 130 interrupted."""
         if self.interrupted:
             return 130
-        return 1 if self.failed or self.output_error else 0
+        return 1 if self.output_error else 0
 
     def lines(self) -> list[str]:
         rate = self.written / self.elapsed_s if self.elapsed_s > 0 else 0.0
@@ -111,7 +119,7 @@ Item = Union[BatchRequest, Refusal]
 
 def run_batch_job(config: RunBatchConfig, stdout: Optional[IO[str]] = None,
                   stderr: Optional[IO[str]] = None) -> BatchSummary:
-    """Answer every line of `config.input` not yet in its output, writing lines as answers finish.
+    """Answer every line of `config.input` not yet in its output, writing lines in input order.
 
     Raises OutputError for an unusable output (not a batch output, locked, the input itself), OSError
     for an unreadable input and whatever building the engine raises; a KeyboardInterrupt ends the
@@ -135,7 +143,7 @@ def run_batch_job(config: RunBatchConfig, stdout: Optional[IO[str]] = None,
         summary.tokens += line.num_tokens
 
     with ending_cleanly(sink, summary, config.out), open(config.input, "rb") as fh:
-        items = _new_items(fh, sink.state, summary)
+        items = _new_items(fh, sink.state, summary, line_cap(config.settings.max_request_bytes))
         first = _write_refusals_until_a_request(items, write)
         if first is not None:
             _answer_requests(config, first, items, write)
@@ -157,13 +165,20 @@ def _open_output(config: RunBatchConfig, stdout: IO[str]) -> Union[JsonlOutput, 
         raise OutputError(f"cannot use the output {config.out!r}: {exc}") from exc
 
 
-def _new_items(lines: IO[bytes], done: ResumeState, summary: BatchSummary) -> Iterator[Item]:
-    """The input's lines still to answer: requests, and refusals (a repeated custom_id among them)."""
+def _new_items(lines: IO[bytes], done: ResumeState, summary: BatchSummary, cap: int) -> Iterator[Item]:
+    """The input's lines still to answer: requests, and refusals (a repeated custom_id, a line over `cap`
+    bytes among them)."""
     seen: set[int] = set()  # custom_id keys met in the input so far
-    for number, raw in enumerate(lines, 1):
-        if not raw.strip():
+    for number, raw in bounded_lines(lines, cap):
+        if isinstance(raw, LongLine):
+            item: Item = Refusal(number, None, APIError(
+                413, f"line {number} is {raw.size:,} bytes, longer than the {cap:,} a batch line may have "
+                     f"(--max-request-mb plus {ENVELOPE_BYTES >> 10} KiB for its envelope); it was not read",
+                code="request_too_large"), keyed_by_line=True)
+        elif not raw.strip():
             continue
-        item = read_line(raw, number)
+        else:
+            item = read_line(raw, number)
         if item.custom_id is not None and not (isinstance(item, Refusal) and item.keyed_by_line):
             h = key_hash(custom_id_key(item.custom_id))
             if h in seen:
@@ -204,24 +219,34 @@ def _answer_requests(config: RunBatchConfig, first: BatchRequest, items: Iterato
 
 async def _send_all(server: InProcessServer, first: BatchRequest, items: Iterator[Item], write: Callable[[BatchOutputLine], None],
                     limit: int) -> None:
-    pending: set[asyncio.Task] = set()
+    """Send the requests, at most `limit` lines open at a time; write the lines in input order."""
+    window: ReorderWindow[BatchOutputLine] = ReorderWindow(limit)
+    pending: dict[asyncio.Task, int] = {}  # request -> its slot in the window
 
-    async def make_room(room: int) -> None:
-        while len(pending) > room:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                pending.discard(task)
-                write(task.result())
+    def send(request: BatchRequest) -> None:
+        pending[asyncio.create_task(_answer(server, request))] = window.open()
+
+    async def answered() -> None:
+        """Wait for at least one answer; write what is now in order."""
+        done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            window.close(pending.pop(task), task.result())
+        for line in window.released():
+            write(line)
 
     try:
-        pending.add(asyncio.create_task(_answer(server, first)))
+        send(first)
         for item in items:
+            while window.full:
+                await answered()
             if isinstance(item, Refusal):
-                write(BatchOutputLine.refusal(item))
-                continue
-            await make_room(limit - 1)
-            pending.add(asyncio.create_task(_answer(server, item)))
-        await make_room(0)
+                window.close(window.open(), BatchOutputLine.refusal(item))
+                for line in window.released():
+                    write(line)
+            else:
+                send(item)
+        while pending:
+            await answered()
     finally:
         for task in pending:
             task.cancel()  # the server's handlers abort their engine requests

@@ -6,11 +6,12 @@
 Each input line is a request, `{"custom_id", "method": "POST", "url": "/v1/chat/completions" or
 "/v1/completions", "body": {...}}`, answered as `vlmrun serve` answers that body (same validation,
 image and URL policy); each output line is `{"id", "custom_id", "response": {"status_code",
-"request_id", "body"}, "error"}`, written as answers finish. A rerun with the same -o skips the
-custom_ids already answered. -o - (or no -o) writes the lines to stdout. Exit status, of this run:
-0 every line it wrote is an answer, 1 some are errors (or the output could not be written), 2 bad
-usage or the job could not start (an -o that is not a run-batch output, or is the input, is refused
-untouched), 130 interrupted.
+"request_id", "body"}, "error"}`, written in input order (a line waits only for earlier ones still in
+flight; a line longer than --max-request-mb plus 64 KiB is answered 413 without being read whole). A
+rerun with the same -o skips the custom_ids already answered. -o - (or no -o) writes the lines to
+stdout. Exit status, of this run (vLLM's): 0 every line was written, failed requests included (their
+error lines say why), 1 the output could not be written, 2 bad usage or the job could not start (an -o
+that is not a run-batch output, or is the input, is refused untouched), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--overwrite", dest="overwrite", action="store_true", help="start -o afresh")
     j.add_argument("--retry-errors", action="store_true", help="on resume, send again the requests that failed")
     j.add_argument("--max-in-flight", type=int, default=None,
-                   help="requests sent and not yet answered (default: 2 x --max-num-seqs); bounds memory")
+                   help="lines sent and not yet written (default: 2 x --max-num-seqs); bounds memory")
     j.add_argument("--fsync-interval", type=float, default=1.0,
                    help="seconds between fsyncs of the output (0: after every line)")
     add_engine_args(p.add_argument_group("engine"))

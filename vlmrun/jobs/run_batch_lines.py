@@ -4,7 +4,7 @@ Input, one request per line (blank lines are skipped):
 
     {"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}
 
-Output, one line per input line, in the order the answers finish:
+Output, one line per input line, in input order:
 
     {"id": "vlmrun-…", "custom_id": "req-1",
      "response": {"status_code": 200, "request_id": "vlmrun-batch-…", "body": {...the server's answer...}},

@@ -7,6 +7,7 @@ caption, and only this thread touches it.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import os
 import sys
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator, Optional, Protocol
 
 from vlmrun.jobs.config import CaptionJobConfig
-from vlmrun.jobs.inputs import InputStats, JobItem, count_new, is_video, iter_items, new_items
+from vlmrun.jobs.inputs import InputStats, JobItem, count_new, is_url, is_video, iter_items, new_items
 from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
 from vlmrun.jobs.records import CaptionRecord
@@ -26,8 +27,11 @@ from vlmrun.jobs.sink import JOURNAL_SUFFIX, STDOUT, OutputError, open_output
 from vlmrun.lora.request import LoRARequest
 
 
+MAX_SLOW_WARNINGS = 5  # slow-preprocessing warnings printed per job
+
+
 class NoInputsError(ValueError):
-    """The inputs name no image at all."""
+    """The inputs name no image at all, or name a path that does not exist."""
 
 
 class OutputWriteError(Exception):
@@ -67,6 +71,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
     summary.interrupted set). stdout / stderr: default sys.stdout / sys.stderr at call time."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
+    _refuse_missing_inputs(config.inputs)
     _refuse_an_input_as_output(config)
     sink = open_output(config.out, overwrite=config.overwrite, retry_errors=config.retry_errors,
                        fsync_interval=config.fsync_interval, stream=stdout)
@@ -85,7 +90,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
             sink.write(record)
         except OSError as exc:  # disk full, a vanished folder: the job stops, what was written stays
             raise OutputWriteError(f"cannot write the output {config.out or 'stdout'!r}: {exc}") from exc
-        counters.count(record.error is not None, record.num_tokens, record.kind == "video")
+        counters.count(record.error is not None, record.num_tokens, record.kind == "video", record.image, record.error)
         bar.refresh()
 
     with ending_cleanly(sink, summary, config.out):
@@ -101,7 +106,7 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
         finally:
             bar.close()
     summary.written, summary.failed, summary.tokens = counters.done, counters.failed, counters.tokens
-    summary.videos, summary.spec_decode = counters.videos, counters.spec_decode
+    summary.videos, summary.spec_decode, summary.failures = counters.videos, counters.spec_decode, counters.failures
     summary.elapsed_s = counters.elapsed() if counters.done else 0.0
     summary.skipped_done, summary.duplicates, summary.ignored_files = (stats.skipped_done, stats.duplicates,
                                                                        stats.ignored_files)
@@ -128,12 +133,38 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
     pipeline = CaptionPipeline(engine, PipelineOptions(prompt=config.prompt, sampling=config.sampling,
                                                        model_name=config.model, workers=config.workers,
                                                        prefetch=config.prefetch, lora=lora))
+    slow_reported = [0]
+
+    def tick() -> None:
+        counters.preprocessed = pipeline.preprocessed
+        while not pipeline.slow_inputs.empty():
+            key, seconds = pipeline.slow_inputs.get()
+            slow_reported[0] += 1
+            if slow_reported[0] <= MAX_SLOW_WARNINGS:
+                bar.note(f"warning: preprocessing {key} alone took {seconds:.1f}s (a very large image? "
+                         f"--max-image-pixels refuses those)"
+                         + ("; further slow inputs are not reported" if slow_reported[0] == MAX_SLOW_WARNINGS else ""))
+        bar.refresh()
+
     counters.started = time.monotonic()
     try:
-        pipeline.run(items, on_record, on_tick=bar.refresh)
+        pipeline.run(items, lambda item, record: (tick(), on_record(item, record)), on_tick=tick)
     finally:
         counters.spec_decode = engine.stats().spec_decode  # (None when the engine does not speculate)
         engine.shutdown()  # tensor-parallel rank processes, if any
+
+
+def _refuse_missing_inputs(specs: list[str]) -> None:
+    """NoInputsError naming an INPUT that is neither a URL, nor an existing path, nor a glob matching
+    something: a typo is said at once, before the output is opened or the model loaded."""
+    for spec in specs:
+        if is_url(spec) or os.path.exists(spec):
+            continue
+        if glob.has_magic(spec):
+            if next(glob.iglob(spec, recursive=True), None) is None:
+                raise NoInputsError(f"no file matches {spec!r}")
+            continue
+        raise NoInputsError(f"no such file or folder: {spec!r}")
 
 
 def _refuse_an_input_as_output(config: CaptionJobConfig) -> None:

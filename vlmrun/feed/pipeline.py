@@ -1,0 +1,175 @@
+"""The engine loop of the input pipeline: inputs preprocessed ahead, submitted while the engine steps.
+
+    works ──Prefetcher (feeder + worker threads, `prefetch` ahead)──▶ take() ──add_request──▶ engine.step()
+          ──▶ Finished(index, ...) as each input's requests end, in the order they finish
+
+- Memory is bounded by the prefetch and the requests in flight, not by the number of inputs: the
+  inputs are read lazily (any iterable, a generator included), at most `prefetch` processed prompts
+  wait ahead of the engine, at most `max_in_flight` requests (default the engine's max_num_seqs) are
+  in it, and a finished input keeps only its results (its prompt's token ids, no pixels).
+- Before every step the engine is topped up from the ready prompts, so the first step runs as soon as
+  the first input is preprocessed and finished requests are replaced at once (continuous batching).
+  While the engine has work the loop never waits for preprocessing; it waits only when the engine is
+  idle.
+- One input may run several requests (`Work.params`: `n` choices); it finishes when all have.
+- A bad input (one `prepare` fails on, or a prompt `add_request` refuses) finishes at once with its
+  error; the others go on. Only the caller's thread touches the engine (`add_request`, `step`, `abort`);
+  the workers run `prepare`, which uses only the processor.
+- Leaving `stream` early (an exception, Ctrl-C, a consumer that stops iterating) aborts this run's
+  requests and stops the threads, so the engine can be used again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+from vlmrun.engine.outputs import RequestResult
+from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, describe_error
+from vlmrun.lora.request import LoRARequest
+from vlmrun.processors import ProcessedPrompt
+from vlmrun.sampling_params import SamplingParams
+
+DEFAULT_PREFETCH = 64  # processed prompts kept ready ahead of the engine
+
+
+@dataclass
+class Work:
+    """One input: `source` goes to the pipeline's `prepare` (in a worker); one request per `params` entry
+    (its choices), ids `request_id-0`, `request_id-1`, ...; `lora` the adapter they run with."""
+
+    request_id: str
+    source: Any
+    params: Sequence[SamplingParams]
+    lora: Optional[LoRARequest] = None
+
+
+@dataclass
+class Finished:
+    """One input, done: its results (one per `work.params`, None where the engine dropped the request), or
+    its `error` (then `results` holds None for every choice)."""
+
+    index: int  # position in the inputs
+    work: Work
+    results: list[Optional[RequestResult]]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    error: Optional[str] = None
+    preprocess_s: float = 0.0
+    generate_s: float = 0.0  # from submission to the last result
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.results if r is not None)
+
+
+@dataclass
+class _Open:
+    """An input whose requests are in the engine."""
+
+    prepared: Prepared
+    results: list[Optional[RequestResult]]
+    prompt_token_ids: list[int]
+    added: float
+    left: int
+
+    def finished(self) -> Finished:
+        p = self.prepared
+        return Finished(p.index, p.work, self.results, self.prompt_token_ids, None, p.preprocess_s,
+                        time.monotonic() - self.added)
+
+
+class InputPipeline:
+    """Runs streams of `Work` on one engine (module docstring). Runs never overlap; the caller's thread
+    is the only one touching the engine.
+
+    prepare: source -> ProcessedPrompt (raises for a bad input), called in the worker threads;
+    workers: preprocessing threads (`vlmrun.feed.workers.preprocess_workers()` sizes them from the
+    usable CPUs); prefetch: processed prompts ahead of the engine; max_in_flight: requests in the
+    engine (None: its max_num_seqs)."""
+
+    def __init__(self, engine: Any, prepare: Callable[[Any], ProcessedPrompt], *, workers: int,
+                 prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None):
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        self.engine = engine
+        self.prepare = prepare
+        self.workers = workers
+        self.prefetch = prefetch
+        self.max_in_flight = max_in_flight or engine.config.max_num_seqs
+        self.preprocessed = 0  # inputs preprocessed by the current (or last) run
+
+    def stream(self, works: Iterable[Work], on_tick: Optional[Callable[[], None]] = None) -> Iterator[Finished]:
+        """Each input's `Finished` as it finishes (its `index` says which). Raises what the input
+        iterator raised once the inputs before it are done, or what the engine raised."""
+        prefetcher = Prefetcher(works, lambda work: self.prepare(work.source), self.workers, self.prefetch)
+        in_flight: dict[str, tuple[_Open, int]] = {}  # request id -> its input, choice
+        fed = False
+        try:
+            while True:
+                while len(in_flight) < self.max_in_flight and not fed:
+                    got = prefetcher.take(wait=not in_flight)
+                    self.preprocessed = prefetcher.preprocessed
+                    if got is None:
+                        break
+                    if isinstance(got, FeedDone):
+                        fed = True
+                        break
+                    failed = self._admit(got, in_flight)
+                    if failed is not None:
+                        yield failed
+                if in_flight:
+                    yield from self._step(in_flight)
+                elif fed:
+                    break
+                if on_tick is not None:
+                    on_tick()
+        finally:
+            for rid in in_flight:
+                self.engine.abort(rid)
+            prefetcher.close()
+        self.preprocessed = prefetcher.preprocessed
+        if prefetcher.feed_error is not None:
+            raise prefetcher.feed_error
+
+    def _admit(self, prep: Prepared, in_flight: dict[str, tuple[_Open, int]]) -> Optional[Finished]:
+        """Submit one input's requests; its `Finished` if it fails instead."""
+        work: Work = prep.work
+        prompt, prep.prompt = prep.prompt, None  # the engine's request holds it from here
+        token_ids = [] if prompt is None else list(prompt.token_ids)
+        if prep.error is None:
+            entry = _Open(prep, [None] * len(work.params), token_ids, time.monotonic(), len(work.params))
+            added: list[str] = []
+            try:
+                for i, params in enumerate(work.params):
+                    rid = f"{work.request_id}-{i}"
+                    self.engine.add_request(rid, prompt, params, lora_request=work.lora)
+                    added.append(rid)
+                    in_flight[rid] = (entry, i)
+                return None
+            except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is this input's error
+                for rid in added:
+                    self.engine.abort(rid)
+                    del in_flight[rid]
+                prep.error = describe_error(exc)
+        return Finished(prep.index, work, [None] * len(work.params), token_ids, prep.error, prep.preprocess_s)
+
+    def _step(self, in_flight: dict[str, tuple[_Open, int]]) -> list[Finished]:
+        done: list[Finished] = []
+        for update in self.engine.step():
+            if update.result is None or update.request_id not in in_flight:
+                continue
+            entry, choice = in_flight.pop(update.request_id)
+            entry.results[choice] = update.result
+            entry.left -= 1
+            if not entry.left:
+                done.append(entry.finished())
+        if in_flight and not self.engine.has_unfinished():  # every request must end with a finished update
+            for rid, (entry, _) in list(in_flight.items()):
+                del in_flight[rid]
+                entry.left -= 1
+                if not entry.left:
+                    done.append(entry.finished())
+        return done
