@@ -128,3 +128,11 @@ def test_serve_says_what_it_loads_and_serves_and_that_the_model_is_the_bundled_o
     assert text.count("bundled 3M-parameter shapes model") == 1
     assert "vlmrun: loading" in text and re.search(r"vlmrun: loaded .* in [\d.]+ s", text)
     assert "vlmrun-shapes-qwen3_5" in [line for line in seen if "serving" in line][0]
+
+
+def test_caption_says_what_it_loads(tmp_path: Path) -> None:
+    image = sorted((ROOT / "assets" / "images").glob("scene_*.png"))[0]
+    out = _vlmrun("caption", str(image), "--out", str(tmp_path / "out.jsonl"), "--no-progress", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert re.search(r"vlmrun: loading \S*vlmrun-shapes-qwen3_5 \.\.\.", out.stderr), out.stderr[-2000:]
+    assert re.search(r"vlmrun: loaded \S*vlmrun-shapes-qwen3_5 in [\d.]+ s", out.stderr), out.stderr[-2000:]

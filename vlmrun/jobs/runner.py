@@ -124,8 +124,10 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
         return
     from vlmrun.config import EngineConfig
     from vlmrun.engine.engine import Engine
+    from vlmrun.loading_line import loading_line
 
-    engine = Engine(EngineConfig(model=config.model, **config.engine_options))
+    with loading_line(config.model or "the bundled default model"):
+        engine = Engine(EngineConfig(model=config.model, **config.engine_options))
     engine.compile_structured(config.sampling)  # a bad --json-schema / --regex ends the job before it starts
     lora = None if config.lora is None else LoRARequest(Path(config.lora).name, 1, config.lora)
     if lora is not None:

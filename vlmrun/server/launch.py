@@ -8,18 +8,17 @@ load of minutes) and handed to uvicorn afterwards (`run_server`); until then con
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Optional
 
 from vlmrun.config import EngineConfig
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.engine.engine import Engine
+from vlmrun.loading_line import loading_line
 from vlmrun.server.settings import ServerSettings
 
 
@@ -50,37 +49,6 @@ def run_server(app: Any, sock: socket.socket, log_level: str = "info") -> None:
 
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
-
-
-@contextlib.contextmanager
-def loading_line(what: str, stream: Optional[TextIO] = None) -> Iterator[None]:
-    """'vlmrun: loading WHAT ...' on stderr, ticking the seconds on a terminal, then how long it took."""
-    out = stream if stream is not None else sys.stderr
-    start = time.monotonic()
-    done = threading.Event()
-    tty = out.isatty()
-    out.write(f"vlmrun: loading {what} ..." + ("" if tty else "\n"))
-    out.flush()
-
-    def tick() -> None:
-        while not done.wait(1.0):
-            out.write(f"\rvlmrun: loading {what} ... {time.monotonic() - start:.0f} s")
-            out.flush()
-
-    ticker = threading.Thread(target=tick, name="vlmrun-loading", daemon=True) if tty else None
-    if ticker is not None:
-        ticker.start()
-    ok = False
-    try:
-        yield
-        ok = True
-    finally:
-        done.set()
-        if ticker is not None:
-            ticker.join()
-        verb = "loaded" if ok else "failed to load"
-        out.write(f"{chr(13) if tty else ''}vlmrun: {verb} {what} in {time.monotonic() - start:.1f} s\n")
-        out.flush()
 
 
 def build_engine(config: EngineConfig, model: Optional[str] = None) -> AsyncEngine:
