@@ -118,8 +118,8 @@ class TorchGDNBackend(LinearAttentionBackend):
         if decode_batch and whole:
             slots = fb.state_slots
         elif decode_batch:
-            rows = torch.tensor(decode_rows, dtype=torch.int64).to(device)
-            slots = fb.state_slots[torch.tensor(decode_batch, dtype=torch.int64).to(device)]
+            rows = upload(torch.tensor(decode_rows, dtype=torch.int64), device)
+            slots = fb.state_slots[upload(torch.tensor(decode_batch, dtype=torch.int64), device)]
         fb.linear_attn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole, verifies)
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
