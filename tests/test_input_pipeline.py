@@ -203,3 +203,36 @@ def test_the_bar_counts_finished_inputs_with_both_rates(capsys: pytest.CaptureFi
     bar.close()
     err = capsys.readouterr().err
     assert "3/3" in err and "input/s" in err and "prep " in err and "tok/s" in err and bar.tokens == 10
+
+
+def test_a_call_that_fits_the_prefetch_is_added_at_once_in_input_order(llm: LLM, monkeypatch: pytest.MonkeyPatch):
+    """A list of at most `preprocess_prefetch` inputs runs as one batch added before the first step, in
+    input order, however the workers finish (here the first input is the slowest): its schedule does not
+    depend on thread timing."""
+    process, step = llm.engine.process, llm.engine.step
+    added: list[str] = []
+    add = llm.engine.add_request
+    added_before_first_step: list[list[str]] = []
+
+    def slow_first(prompt: Any) -> Any:
+        if "picture 0." in repr(prompt):
+            threading.Event().wait(0.3)
+        return process(prompt)
+
+    def recording_add(request_id, *args, **kwargs):
+        added.append(request_id)
+        return add(request_id, *args, **kwargs)
+
+    def recording_step():
+        if not added_before_first_step:
+            added_before_first_step.append(list(added))
+        return step()
+
+    monkeypatch.setattr(llm.engine, "process", slow_first)
+    monkeypatch.setattr(llm.engine, "add_request", recording_add)
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    outs = llm.generate(list(prompts(PREFETCH)), SamplingParams(max_tokens=2), use_tqdm=False)
+    assert [o.error for o in outs] == [None] * PREFETCH
+    (first,) = added_before_first_step
+    assert [rid.split("-")[0] for rid in first] == sorted((rid.split("-")[0] for rid in first), key=int)
+    assert len(first) == PREFETCH  # all of them, beyond max_num_seqs (2): they wait in the engine's queue

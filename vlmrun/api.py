@@ -261,7 +261,8 @@ class LLM:
                                      prefetch=self.preprocess_prefetch)
             bar = FeedProgress(total, enabled=use_tqdm and total != 1 and total != 0)
             try:
-                for finished in pipeline.stream(works):
+                small = total is not None and total <= self.preprocess_prefetch  # one batch, added at once
+                for finished in pipeline.stream(works, whole_batch=small):
                     bar.advance(finished.num_output_tokens, pipeline.preprocessed)
                     yield finished.index, _request_output(finished)
             finally:

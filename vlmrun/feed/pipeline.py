@@ -9,6 +9,9 @@
   in it, and a finished input keeps only its results (its prompt's token ids, no pixels).
 - Before every step the engine is topped up from the ready prompts, so the first step runs as soon as
   the first input is preprocessed and finished requests are replaced at once (continuous batching).
+  A call whose inputs fit the prefetch (`whole_batch`) instead submits them all, in input order,
+  before the first step: its schedule is that of one batch added at once, not a function of the
+  worker threads' timing (tests and users comparing runs see the same steps).
   While the engine has work the loop never waits for preprocessing; it waits only when the engine is
   idle.
 - One input may run several requests (`Work.params`: `n` choices); it finishes when all have.
@@ -101,13 +104,24 @@ class InputPipeline:
         self.max_in_flight = max_in_flight or engine.config.max_num_seqs
         self.preprocessed = 0  # inputs preprocessed by the current (or last) run
 
-    def stream(self, works: Iterable[Work], on_tick: Optional[Callable[[], None]] = None) -> Iterator[Finished]:
+    def stream(self, works: Iterable[Work], on_tick: Optional[Callable[[], None]] = None,
+               whole_batch: bool = False) -> Iterator[Finished]:
         """Each input's `Finished` as it finishes (its `index` says which). Raises what the input
-        iterator raised once the inputs before it are done, or what the engine raised."""
+        iterator raised once the inputs before it are done, or what the engine raised.
+
+        whole_batch: every input is preprocessed and submitted before the first step, in input order
+        (for a call whose inputs fit the prefetch: the engine then schedules them exactly as one batch
+        added at once, whatever the worker threads' timing)."""
         prefetcher = Prefetcher(works, lambda work: self.prepare(work.source), self.workers, self.prefetch)
         in_flight: dict[str, tuple[_Open, int]] = {}  # request id -> its input, choice
         fed = False
         try:
+            if whole_batch:  # all of them first, in input order (the workers finish in any order)
+                for prep in sorted(self._take_all(prefetcher), key=lambda p: p.index):
+                    failed = self._admit(prep, in_flight)
+                    if failed is not None:
+                        yield failed
+                fed = True
             while True:
                 while len(in_flight) < self.max_in_flight and not fed:
                     got = prefetcher.take(wait=not in_flight)
@@ -133,6 +147,14 @@ class InputPipeline:
         self.preprocessed = prefetcher.preprocessed
         if prefetcher.feed_error is not None:
             raise prefetcher.feed_error
+
+    def _take_all(self, prefetcher: Prefetcher) -> list[Prepared]:
+        """Every input, preprocessed (a whole batch: they fit the prefetch)."""
+        batch = []
+        while not isinstance(got := prefetcher.take(wait=True), FeedDone):
+            batch.append(got)
+        self.preprocessed = prefetcher.preprocessed
+        return batch
 
     def _admit(self, prep: Prepared, in_flight: dict[str, tuple[_Open, int]]) -> Optional[Finished]:
         """Submit one input's requests; its `Finished` if it fails instead."""
