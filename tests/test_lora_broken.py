@@ -21,10 +21,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.test_engine_parity import assert_matches
-from tests.test_lora import params
-from tests.test_lora_errors import MSGS, first_key, good, variant  # noqa: F401 (good: a fixture)
-from vlmrun import LLM, LoRARequest
+from tests.test_lora_errors import assert_bad_fail_alone, first_key, good, variant  # noqa: F401 (good: a fixture)
+from vlmrun import LLM
 from vlmrun.cli import main
 from vlmrun.lora.peft_files import MAX_LORA_RANK, LoRAError, configured_rank
 from vlmrun.server.cli import lora_modules
@@ -80,18 +78,7 @@ def broken(good_dir: Path, tmp: Path) -> dict[str, tuple[Path, str]]:
 
 
 def test_broken_adapters_fail_alone_with_a_clear_error(qwen3_dir, good, tmp_path):
-    good_dir, expected = good
-    bad = broken(good_dir, tmp_path)
-    llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
-    names = ["good", *bad, "good"]
-    requests = [LoRARequest(n, i + 1, str(good_dir if n == "good" else bad[n][0])) for i, n in enumerate(names)]
-    requests[-1] = requests[0]
-    outs = llm.chat([MSGS] * len(names), params(), use_tqdm=False, lora_request=requests)
-    for name, out in zip(names, outs):
-        if name == "good":
-            assert_matches(out, expected, name)
-        else:
-            assert out.error is not None and repr(name) in out.error and bad[name][1] in out.error, (name, out.error)
+    assert_bad_fail_alone(qwen3_dir, good, broken(good[0], tmp_path))
 
 
 def test_an_absurd_rank_is_refused_before_anything_is_sized(qwen3_dir, good, tmp_path):

@@ -49,6 +49,25 @@ def first_key(sd: dict, part: str) -> str:
     return next(k for k in sorted(sd) if part in k)
 
 
+def assert_bad_fail_alone(qwen3_dir: Path, good: tuple[Path, object], bad: dict[str, tuple[Path, str]]
+                          ) -> tuple[LLM, LoRARequest]:
+    """One call: the good adapter, each bad one ({name: (folder, words its error names)}), the good one
+    again; the good answers equal the reference, each bad one fails alone naming itself and the words.
+    Returns the engine and the good adapter's request."""
+    good_dir, expected = good
+    llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
+    names = ["good", *bad, "good"]
+    requests = [LoRARequest(n, i + 1, str(good_dir if n == "good" else bad[n][0])) for i, n in enumerate(names)]
+    requests[-1] = requests[0]
+    outs = llm.chat([MSGS] * len(names), params(), use_tqdm=False, lora_request=requests)
+    for name, out in zip(names, outs):
+        if name == "good":
+            assert_matches(out, expected, name)
+        else:
+            assert out.error is not None and repr(name) in out.error and bad[name][1] in out.error, (name, out.error)
+    return llm, requests[0]
+
+
 def test_bad_adapters_fail_alone(qwen3_dir, good, tmp_path):
     good_dir, expected = good
     bad = {
@@ -65,17 +84,8 @@ def test_bad_adapters_fail_alone(qwen3_dir, good, tmp_path):
         "embedding": (variant(good_dir, tmp_path, "emb", tensors=lambda sd: sd.update(
             {"base_model.model.model.embed_tokens.lora_embedding_A": sd[first_key(sd, "lora_A")].clone()})), "embeddings"),
     }
-    llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
-    names = ["good", *bad, "good"]
-    requests = [LoRARequest(n, i + 1, str(good_dir if n == "good" else bad[n][0])) for i, n in enumerate(names)]
-    requests[-1] = requests[0]
-    outs = llm.chat([MSGS] * len(names), params(), use_tqdm=False, lora_request=requests)
-    for name, out in zip(names, outs):
-        if name == "good":
-            assert_matches(out, expected, name)
-        else:
-            assert out.error is not None and repr(name) in out.error and bad[name][1] in out.error, (name, out.error)
-    assert_matches(llm.chat(MSGS, params(), use_tqdm=False, lora_request=requests[0])[0], expected, "after")
+    llm, good_request = assert_bad_fail_alone(qwen3_dir, good, bad)
+    assert_matches(llm.chat(MSGS, params(), use_tqdm=False, lora_request=good_request)[0], expected, "after")
 
 
 def test_rank_over_the_limit(qwen3_dir, good):
