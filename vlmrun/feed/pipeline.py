@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from vlmrun.engine.outputs import RequestResult
-from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, describe_error
+from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, check_sizes, describe_error
 from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
@@ -93,10 +93,7 @@ class InputPipeline:
 
     def __init__(self, engine: Any, prepare: Callable[[Any], ProcessedPrompt], *, workers: int,
                  prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        check_sizes(workers, prefetch)
         self.engine = engine
         self.prepare = prepare
         self.workers = workers

@@ -51,6 +51,13 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def check_sizes(workers: int, prefetch: int) -> None:
+    """ValueError unless both are >= 1."""
+    for name, value in (("workers", workers), ("prefetch", prefetch)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
 class Prefetcher:
     """Preprocesses `works` with `prepare` on `workers` threads, at most `prefetch` ahead (module docstring).
 
@@ -58,10 +65,7 @@ class Prefetcher:
 
     def __init__(self, works: Iterable[Any], prepare: Callable[[Any], ProcessedPrompt], workers: int, prefetch: int,
                  name: str = "vlmrun-prep"):
-        if workers < 1:
-            raise ValueError(f"workers must be >= 1, got {workers}")
-        if prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        check_sizes(workers, prefetch)
         self.prepare = prepare
         self.workers = workers
         self.preprocessed = 0  # inputs prepared so far (progress); written by the workers, read anywhere
