@@ -32,10 +32,6 @@ HYBRID = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]  # the architectures with an M
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 AS_ON_CUDA = dict(attention_backend="torch", gdn_backend="torch", enforce_eager=False)
-EXPERT_LORA = ("LoRA on MoE experts runs the per-expert loop, which reads each expert's row count on the host "
-               "(vlmrun/layers/moe.py `_forward_per_expert`): `ExpertsLoRA` (vlmrun/lora/layers.py) adapts one "
-               "expert's rows at a time and has no grouped form yet")
-
 
 
 class GuardedLaunches:
@@ -110,21 +106,17 @@ def test_no_sync_in_launch_mtp(request, monkeypatch, tmp_path, arch):
     assert not guarded.syncs, f"{arch}: syncs inside launch:\n{guarded.report()}"
 
 
-def lora_params(arch: str) -> list[Any]:
-    marks = [pytest.mark.xfail(strict=True, reason=EXPERT_LORA)] if arch in MOE else []
-    return pytest.param(arch, marks=marks)
-
-
-@pytest.mark.parametrize("arch", [lora_params(a) for a in ARCHS])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_no_sync_in_launch_lora(request, monkeypatch, tmp_path, arch):
-    """A PEFT adapter on every text linear (and the experts of MoE models) in a slot."""
+    """A PEFT adapter on every text linear (and the experts of MoE models: `ExpertsLoRA.add_grouped`, the
+    update grouped on the device like the experts' rows) in a slot."""
     from testing.lora_adapters import EXPERT_PARAMETERS, TEXT_LINEARS, build_peft_adapter
 
     model_dir = request.getfixturevalue(f"{arch}_dir")
     adapter = build_peft_adapter(model_dir, tmp_path / "adapter", target_modules=TEXT_LINEARS,
                                  target_parameters=EXPERT_PARAMETERS if arch in MOE else None, r=4, seed=1)
     guarded = run_guarded(monkeypatch, model_dir, arch, lora=LoRARequest("all", 1, str(adapter)),
-                          enable_lora=True, max_loras=1, max_lora_rank=4)
+                          enable_lora=True, max_loras=1, max_lora_rank=8)  # PEFT: rank 2r on some fused gate_up_proj
     assert not guarded.syncs, f"{arch}: syncs inside launch:\n{guarded.report()}"
 
 
