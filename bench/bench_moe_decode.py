@@ -3,7 +3,8 @@
 `FusedExperts.forward` (vlmrun/layers/moe.py) sorts a step's (token, expert) assignments on the device
 and runs every expert through one grouped matmul per projection (`vlmrun.layers.grouped_matmul`: torch's
 grouped GEMM on the CPU); `_forward_per_expert` is the loop it replaces (each expert's row count read on
-the host, one matmul pair per expert with tokens), which stays for quantized experts and LoRA on experts.
+the host, one matmul pair per expert with tokens), which stays for quantized experts. (MoE decode with and
+without CUDA graphs in a whole engine, on a GPU: bench/bench_moe_graphs.py.)
 Both sum bit for bit the same; this times them, and the gathered-bmm fallback (CUDA without torch's
 fast grouped GEMM) at decode sizes. Milliseconds per call (mean after warm-ups), random weights, the
 shapes of a Qwen3-30B-A3B layer scaled by `--scale` (1: hidden 2048, expert width 768, 128 experts of
