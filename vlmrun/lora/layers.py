@@ -23,8 +23,11 @@ instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot
 `LoRABatch` holds the rows' slots of one forward; `LoRAContext` holds the batch of the forward that
 runs now. The model runner (text tokens) and the vision stage (patches) set it before each model
 call, and the manager pads it once to the forward's rows as the model starts (a padded decode's extra
-rows); it belongs to one model (`LoRAManager`), never to a module-global. An experts block takes, once
-per expert, the batch of its routed tokens (`LoRABatch.select`) for both projections.
+rows); it belongs to one model (`LoRAManager`), never to a module-global. An experts block adds every
+routed row's update at once (`ExpertsLoRA.add_grouped`: grouped matmuls as the experts' own, the rows
+regrouped by (slot, expert) on the device for a mixed batch, no host read, whichever `lora_kernel`); its
+per-expert loop (quantized experts) takes, once per expert, the batch of its routed tokens
+(`LoRABatch.select`) for both projections.
 """
 
 from __future__ import annotations
