@@ -73,6 +73,7 @@ def bench_check(model: str, timeout_s: int) -> Check:
 
 KERNELS = "tests/test_gpu_kernels.py"
 ENGINE = "tests/test_gpu_engine.py"
+SYNCS = "tests/test_launch_syncs.py"
 
 CHECKS: list[Check] = [
     # tier 0: setup (the install step comes first, from gpu_acceptance.py)
@@ -95,6 +96,13 @@ CHECKS: list[Check] = [
     pytest_check("fp8_cuda_kernel", 2, "FP8 block-scaled GEMM (torch scaled_mm, fp8_kernel='cuda') = the dequantized reference",
                  ["tests/test_quantization_fp8.py::test_cuda_kernel_matches_the_dequantized_reference"], 25),
     # tier 3: as time allows, in this order
+    Check("moe_decode_graphs", 3, "MoE decode tok/s at batch 1 and 64 (Qwen3-VL-30B-A3B's shapes, 2 layers, 128 "
+          "experts): CUDA graphs (FlashInfer) vs eager vs the torch backend unpadded; the capture asserted",
+          [PYTHON, "-m", "bench.bench_moe_graphs", "--layers", "2", "--batches", "1", "64", "--tokens", "32",
+           "--tmp", "/tmp", "--out", "{log_dir}/bench.jsonl"], 120, ("bench/bench_moe_graphs.py",)),
+    pytest_check("no_sync_on_cuda", 3, "no synchronizing CUDA call inside a launch (set_sync_debug_mode('error')): "
+                 "7 architectures, bf16; MoE decode captured in graphs, its launches sync-free, eager's first tokens",
+                 [f"{SYNCS}::test_no_sync_on_cuda", f"{SYNCS}::test_moe_decode_captured_on_cuda"], 75),
     pytest_check("fast_vs_hf_bf16", 3, "fast path follows HF bf16 by vLLM's rule and the bf16 error budget",
                  [f"{KERNELS}::test_fast_path_follows_hf_in_bf16"], 90),
     pytest_check("fla_float32", 3, "FLA GDN = torch GDN in float32 (hybrid real shapes, plain and 7-token chunks)",

@@ -54,7 +54,8 @@ class EngineConfig:
     # says (vlmrun/threads.py); N: exactly N.
     num_threads: Optional[int] = None
     # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
-    # a CUDA graph per bucket where the backends allow it (eagerly elsewhere); True: every step runs
+    # a CUDA graph per bucket where CUDA can capture them (unpadded where it cannot: `plan_decode`; on
+    # the CPU padded, eagerly); True: every step runs
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
     # add work; bench/bench_decode_padding.py). `eager_decode(device)` resolves it.
     enforce_eager: Optional[bool] = None

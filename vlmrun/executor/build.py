@@ -4,7 +4,8 @@
 (`EngineConfig.linear_backend`, `layers/cpu_kernels.py`) and has glibc's malloc keep freed memory there
 (`keep_freed_memory`), picks the attention backends (`EngineConfig.attention_backend` /
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
-FlashInfer path, builds the vision stage, and sets up decode padding and CUDA graphs (`enforce_eager`).
+FlashInfer path, builds the vision stage, and sets up decode padding and CUDA graphs (`enforce_eager`,
+`plan_decode`).
 The engine (one device) and each tensor-parallel rank build their runner with it, and only with it.
 `build_local_executor` is the rest of the engine's executor on one device around a loaded model: its
 MTP drafter (the speculative method "mtp"), the caches and the runner (behind `OverlappedRunner` for
@@ -26,7 +27,7 @@ from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.cpu_malloc import keep_freed_memory
 from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.overlap import OverlappedRunner
-from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable
+from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable, plan_decode
 from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
 from vlmrun.layers.attention.base import check_backend_serves
 from vlmrun.layers.attention.factory import BackendSetup, backend_names
@@ -117,17 +118,16 @@ def fuse_vision_attention(model: nn.Module, backend: AttentionBackend, caches: C
 
 def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Caches, config: EngineConfig,
                        device: torch.device) -> Optional[PaddedDecodeRunner]:
-    """Decode padded to buckets unless eager (`enforce_eager`; by default eager on the CPU only); CUDA
-    graphs where the device, backend and model allow."""
-    if config.eager_decode(device):
-        return None
-    graphs = (device.type == "cuda" and backend.supports_cuda_graph and graph_capturable(model)
-              and config.tensor_parallel_size == 1  # collectives inside a capture: not attempted yet
-              and not config.enable_lora)  # a graph would keep the adapter groups of its capture
-    if device.type == "cuda" and not graphs:
-        logger.info("decode runs padded but eagerly: CUDA graphs need attention_backend='flashinfer', "
-                    "one device, no LoRA, and a model without host syncs (quantized MoE experts loop over them)")
+    """Decode padded to buckets where it is captured in CUDA graphs (`plan_decode`: on CUDA, padding without
+    a graph is pure extra work), or on the CPU when asked (`enforce_eager=False`, run eagerly)."""
     spec = config.speculative_config
-    return PaddedDecodeRunner(model, backend, caches, device, use_cuda_graphs=graphs,
+    width = 1 if spec is None or not config.verify_cuda_graphs else 1 + spec.num_speculative_tokens
+    plan = plan_decode(device.type, config.eager_decode(device), backend.supports_cuda_graph,
+                       graph_capturable(model, caches.plan.max_num_seqs * width),
+                       config.tensor_parallel_size, config.enable_lora)
+    logger.info("decode: %s", plan.why)
+    if not plan.padded:
+        return None
+    return PaddedDecodeRunner(model, backend, caches, device, use_cuda_graphs=plan.graphs,
                               num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
                               verify_cuda_graphs=config.verify_cuda_graphs)

@@ -17,9 +17,11 @@ after its position 0, in the dummy slot). Padding rows are as above with w posit
 
 With CUDA graphs (CUDA, `enforce_eager=False`, backends that support capture, a model without
 host syncs), each bucket's forward is captured once at start-up and replayed (verify buckets only
-with `verify_cuda_graphs=True`, up to `VERIFY_GRAPH_MAX_TOKENS` tokens: unverified on a GPU so far);
-otherwise the same padded batch runs eagerly (always on the CPU), so the padding logic is exercised
-everywhere.
+with `verify_cuda_graphs=True`, up to `VERIFY_GRAPH_MAX_TOKENS` tokens: unverified on a GPU so far).
+Where CUDA cannot capture (the torch attention backend, LoRA, tensor parallelism, experts that read
+counts on the host) decode is not padded at all: padding rows without a graph are pure extra work
+(`plan_decode`). On the CPU, `enforce_eager=False` runs the same padded batches eagerly, so the
+padding logic is exercised on every commit.
 """
 
 from __future__ import annotations
@@ -54,9 +56,41 @@ def bucket_for(batch_size: int, buckets: list[int]) -> Optional[int]:
     return next((b for b in buckets if b >= batch_size), None)
 
 
-def graph_capturable(model: nn.Module) -> bool:
-    """False when a module of the model syncs with the host in its forward (e.g. MoE routing counts)."""
-    return all(getattr(m, "cuda_graph_capturable", True) for m in model.modules())
+def graph_capturable(model: nn.Module, max_tokens: int) -> bool:
+    """False when a module of the model would read a device value on the host in a decode step of up to
+    `max_tokens` tokens (a module says so with `decode_capturable(num_tokens)`: MoE experts the per-expert
+    loop reads counts for, `SparseMoeBlock`)."""
+    return all(m.decode_capturable(max_tokens) for m in model.modules() if hasattr(m, "decode_capturable"))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How decode steps run on a device: padded to buckets or not, replayed from CUDA graphs or not, and why."""
+
+    padded: bool
+    graphs: bool
+    why: str
+
+
+def plan_decode(device_type: str, eager: bool, backend_captures: bool, model_captures: bool,
+                tensor_parallel_size: int = 1, lora: bool = False) -> DecodePlan:
+    """`eager`: `EngineConfig.eager_decode` (enforce_eager, by default True on the CPU only). Padding buys
+    nothing without a graph to replay (the padding rows are pure extra work), so on CUDA decode is padded
+    exactly when it is captured. The CPU pads only when asked (`enforce_eager=False`): no graph there
+    either, but the path the graphs replay is then checked on every commit (tests, benchmarks)."""
+    if eager:
+        return DecodePlan(False, False, "unpadded, eager (enforce_eager)")
+    if device_type != "cuda":
+        return DecodePlan(True, False, f"padded to buckets, run eagerly: no CUDA graphs on {device_type}")
+    refusals = [why for fits, why in (
+        (backend_captures, "the attention backend has none (attention_backend='flashinfer' does)"),
+        (model_captures, "a module would read a device value on the host (quantized MoE experts, or experts too "
+                         "large for the gathered fallback without torch's fast grouped GEMM)"),
+        (tensor_parallel_size == 1, "tensor parallelism (collectives inside a capture: not attempted yet)"),
+        (not lora, "LoRA (a graph would keep the adapter groups of its capture)")) if not fits]
+    if refusals:
+        return DecodePlan(False, False, "unpadded, eager: no CUDA graphs (" + "; ".join(refusals) + ")")
+    return DecodePlan(True, True, "padded to buckets, replayed from CUDA graphs")
 
 
 class DecodeInputs:

@@ -17,17 +17,40 @@ each token's rows back in expert order (a gather and k adds: deterministic, no s
   batched matmul ([N, 1, in] @ [N, in, out]): sync-free, decode-sized batches.
 - otherwise `grouped_linear` returns None and the caller runs its per-expert loop (which reads the
   counts on the host: prefill-sized batches on GPUs / dtypes torch's grouped GEMM does not cover).
+
+`runs_sync_free` says ahead of time which of these a given row count takes (whether a decode of that
+size can be captured in a CUDA graph). `Segments.sort` is the sort-and-search itself for any grouping
+of rows (LoRA on the experts groups its rows by adapter slot and expert with it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 GATHER_BUDGET = 1 << 25  # weight elements the gathered fallback may materialize (N * out * in)
 FAST_CUDA_MAJORS = (9, 10)  # compute capabilities where torch's grouped GEMM has its CUTLASS kernel
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Rows sorted by group: each sorted row's group (the index of its weight in a stacked [G, out, in]) and
+    where each group's rows end. Rows of no group (group id G) sort last, past `ends[-1]`."""
+
+    experts: torch.Tensor  # [N] int64, each sorted row's group (G: none)
+    ends: torch.Tensor  # [G] int32, group g's rows are [ends[g-1], ends[g])
+
+    @classmethod
+    def sort(cls, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, "Segments"]:
+        """groups [N] int64 in [0, num_groups] (num_groups: no group) -> (order [N]: the rows grouped, stably,
+        on their device; the segments of the sorted rows). No count read on the host."""
+        order = groups.argsort(stable=True)  # [N]
+        sorted_groups = groups[order]
+        bounds = torch.arange(num_groups, device=groups.device, dtype=groups.dtype)
+        ends = torch.searchsorted(sorted_groups, bounds, right=True).to(torch.int32)  # [G]
+        return order, cls(experts=sorted_groups, ends=ends)
 
 
 @dataclass(frozen=True)
@@ -58,10 +81,8 @@ class RoutedRows:
             held = (local_ids >= 0) & (local_ids < num_local)
             local_ids = torch.where(held, local_ids, num_local)
             local = held
-        order = local_ids.argsort(stable=True)  # [N] assignments grouped by expert
-        experts = local_ids[order]
-        bounds = torch.arange(num_local, device=experts.device, dtype=experts.dtype)
-        ends = torch.searchsorted(experts, bounds, right=True).to(torch.int32)  # [num_local]
+        order, segments = Segments.sort(local_ids, num_local)  # [N] assignments grouped by expert
+        experts, ends = segments.experts, segments.ends
         slots = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
         token_weights = weights.gather(1, by_id)  # [T, k]
         return cls(tokens=order // k, weights=token_weights.flatten()[order], experts=experts, ends=ends,
@@ -88,6 +109,15 @@ def grouped_mm_sync_free(device: torch.device, dtype: torch.dtype) -> bool:
     return False
 
 
+def runs_sync_free(rows: int, in_features: int, out_features: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `grouped_linear` over `rows` rows of `in_features` (weights [E, out_features, in_features] of
+    `dtype` on `device`, contiguous as parameters are) takes a sync-free way: torch's grouped GEMM, or the
+    gathered fallback within `GATHER_BUDGET`. What decides whether a decode of that many rows can be captured."""
+    per_16_bytes = 16 // torch.empty(0, dtype=dtype).element_size()
+    return ((grouped_mm_sync_free(device, dtype) and in_features % per_16_bytes == 0)
+            or rows * out_features * in_features <= GATHER_BUDGET)
+
+
 def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """torch's grouped GEMM takes rows and weights whose inner stride is a whole 16 bytes."""
     per_16_bytes = 16 // x.element_size()
@@ -95,10 +125,10 @@ def _aligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routed: RoutedRows) -> Optional[torch.Tensor]:
-    """x [N, in] (rows sorted as `routed`) @ their experts' weight [E_local, out, in] -> [N, out]; None when
-    neither sync-free way fits here (the caller loops over experts). Rows of other ranks' experts: garbage
-    (grouped GEMM) or expert 0's product (gathered); the caller masks them with `routed.local`."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routed: Union[RoutedRows, Segments]) -> Optional[torch.Tensor]:
+    """x [N, in] (rows sorted as `routed`) @ their experts' (groups') weight [E_local, out, in] -> [N, out]; None
+    when neither sync-free way fits here (the caller loops over experts). Rows of no group (other ranks'
+    experts): garbage (grouped GEMM) or the last group's product (gathered); the caller masks them."""
     if x.shape[0] == 0:
         return x.new_zeros(0, weight.shape[1])
     if grouped_mm_sync_free(x.device, x.dtype) and x.dtype == weight.dtype and _aligned(x, weight):
@@ -108,7 +138,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, routed: RoutedRows) ->
     return None
 
 
-def gathered_linear(x: torch.Tensor, weight: torch.Tensor, routed: RoutedRows) -> torch.Tensor:
+def gathered_linear(x: torch.Tensor, weight: torch.Tensor, routed: Union[RoutedRows, Segments]) -> torch.Tensor:
     """The fallback: each row's expert weight gathered ([N, out, in]), one batched matmul -> [N, out]."""
     experts = routed.experts.clamp(max=weight.shape[0] - 1)  # another rank's rows: any expert, masked later
     return torch.bmm(x.unsqueeze(1), weight[experts].transpose(1, 2).to(x.dtype)).squeeze(1)

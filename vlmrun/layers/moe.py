@@ -21,8 +21,10 @@ Routing runs on the device with no host sync (`vlmrun.layers.grouped_matmul`): t
 assignments are sorted by expert there and every expert's rows go through one grouped matmul per
 projection (torch's grouped GEMM on the CPU and on CUDA bfloat16 sm90/sm100; elsewhere, for
 decode-sized batches, a gathered batched matmul). The per-expert loop, which reads each expert's row
-count on the host, remains for quantized experts, LoRA on the experts, and batches too large for the
-gathered fallback.
+count on the host, remains for quantized experts and batches too large for the gathered fallback.
+LoRA on the experts takes the same path (`vlmrun.lora.layers.ExpertsLoRA.add_grouped`: the low-rank
+update as two more grouped matmuls, the rows grouped by expert, or by adapter slot and expert in a
+mixed batch).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.layers.activation import get_act_fn
-from vlmrun.layers.grouped_matmul import RoutedRows, grouped_linear, grouped_mm_sync_free
+from vlmrun.layers.grouped_matmul import RoutedRows, grouped_linear, runs_sync_free
 from vlmrun.layers.linear import ReplicatedLinear, copy_checked, named_specs
 from vlmrun.layers.linear_method import UNQUANTIZED, LinearMethod, ParamSpec
 from vlmrun.loader import materialize
@@ -215,35 +217,42 @@ class FusedExperts(nn.Module):
         params = {name: getattr(self, expert_param_name(projection, name)) for name in self.param_names[projection]}
         return self.method.dequantize(params, dtype)
 
-    @property
-    def cuda_graph_capturable(self) -> bool:
-        """No host read in forward: unquantized experts where torch's grouped GEMM runs sync-free (CUDA
-        bfloat16 on compute capability 9.x / 10.x, the CPU). LoRA on experts loops over them (the engine
-        captures no graphs with LoRA)."""
+    def sync_free(self, rows: int) -> bool:
+        """Whether a forward of up to `rows` routed rows (tokens x top-k) reads nothing on the host, so a decode
+        of that size can be captured in a CUDA graph: unquantized experts whose projections both take a
+        sync-free way of `grouped_linear` (torch's grouped GEMM where it runs sync-free, CUDA bfloat16 on
+        compute capability 9.x / 10.x and the CPU; else the gathered fallback within its budget). LoRA on
+        the experts takes the same ways (the engine captures no graphs with LoRA)."""
         if self.method.quantized:
             return False
         weight = self.gate_up_proj  # [E_local, 2I, H]
-        per_16_bytes = 16 // weight.element_size()
-        return (grouped_mm_sync_free(weight.device, weight.dtype)
-                and self.hidden % per_16_bytes == 0 and self.intermediate % per_16_bytes == 0)
+        return (runs_sync_free(rows, self.hidden, 2 * self.intermediate, weight.device, weight.dtype)
+                and runs_sync_free(rows, self.intermediate, self.hidden, weight.device, weight.dtype))
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; expert_ids, weights: [T, k] -> [T, H]
         routed = RoutedRows.sort(expert_ids, weights, self.experts.start, self.experts.length, self.num_experts)
-        if not self.method.quantized and (self.lora is None or self.lora.select(routed.tokens) is None):
+        if not self.method.quantized:
             out = self._forward_grouped(x, routed)
             if out is not None:
                 return out
         return self._forward_per_expert(x, routed)
 
     def _forward_grouped(self, x: torch.Tensor, routed: RoutedRows) -> Optional[torch.Tensor]:
-        """Every assignment at once, no host sync (`grouped_linear`); None where that does not fit."""
+        """Every assignment at once, no host sync (`grouped_linear`; LoRA on the experts likewise,
+        `ExpertsLoRA.add_grouped`); None where that does not fit."""
+        adapters = None if self.lora is None else self.lora.rows(routed)  # LoRA: the rows' slots, once
         xs = x.index_select(0, routed.tokens)  # [N, H], sorted by expert
         h = grouped_linear(xs, self.stacked_weight("gate_up_proj", x.dtype), routed)  # [N, 2I]
+        if h is not None and adapters is not None:
+            h = self.lora.add_grouped("gate_up_proj", xs, h, adapters)
         if h is None:
             return None
         gate, up = h.chunk(2, dim=-1)  # [N, I] each
-        y = grouped_linear(self.act_fn(gate) * up, self.stacked_weight("down_proj", x.dtype), routed)  # [N, H]
+        inner = self.act_fn(gate) * up
+        y = grouped_linear(inner, self.stacked_weight("down_proj", x.dtype), routed)  # [N, H]
+        if y is not None and adapters is not None:
+            y = self.lora.add_grouped("down_proj", inner, y, adapters)
         if y is None:
             return None
         if routed.local is not None:  # another rank's experts: no contribution here
@@ -252,9 +261,9 @@ class FusedExperts(nn.Module):
 
     def _forward_per_expert(self, x: torch.Tensor, routed: RoutedRows) -> torch.Tensor:
         """The loop over experts: one gathered matmul pair per expert that received tokens, after reading the
-        per-expert counts on the host (a sync on CUDA). Runs for quantized experts (each dequantized alone),
-        LoRA on the experts (`ExpertsLoRA` adapts one expert's rows at a time), and batches too large for
-        `grouped_linear`'s gathered fallback."""
+        per-expert counts on the host (a sync on CUDA). Runs for quantized experts (each dequantized alone)
+        and batches too large for `grouped_linear`'s gathered fallback (LoRA on the experts: one expert's
+        rows at a time, `ExpertsLoRA.add`)."""
         out = torch.zeros_like(x)
         ends = routed.ends.tolist()  # the host sync
         start = 0
@@ -309,6 +318,10 @@ class SparseMoeBlock(nn.Module):
         if shared_intermediate > 0:
             self.shared_expert = SwiGLUMLP(hidden, shared_intermediate, act, tp=tp, reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
+
+    def decode_capturable(self, num_tokens: int) -> bool:
+        """Whether a decode step of up to `num_tokens` tokens runs this block with no host read (CUDA graphs)."""
+        return self.experts.sync_free(num_tokens * self.top_k)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""

@@ -23,8 +23,11 @@ instead (`triton_ops.SlotGroups`) and two Triton kernels add each row's own slot
 `LoRABatch` holds the rows' slots of one forward; `LoRAContext` holds the batch of the forward that
 runs now. The model runner (text tokens) and the vision stage (patches) set it before each model
 call, and the manager pads it once to the forward's rows as the model starts (a padded decode's extra
-rows); it belongs to one model (`LoRAManager`), never to a module-global. An experts block takes, once
-per expert, the batch of its routed tokens (`LoRABatch.select`) for both projections.
+rows); it belongs to one model (`LoRAManager`), never to a module-global. An experts block adds every
+routed row's update at once (`ExpertsLoRA.add_grouped`: grouped matmuls as the experts' own, the rows
+regrouped by (slot, expert) on the device for a mixed batch, no host read, whichever `lora_kernel`); its
+per-expert loop (quantized experts) takes, once per expert, the batch of its routed tokens
+(`LoRABatch.select`) for both projections.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import torch
 from torch import nn
 
 from vlmrun.host_to_device import upload
+from vlmrun.layers.grouped_matmul import Segments, grouped_linear
 
 NO_ADAPTER = -1  # a row's slot when it runs the base model alone
 
@@ -56,6 +60,7 @@ class LoRABatch:
     owns: Optional[torch.Tensor] = None  # [len(slots), num_rows, 1] bool: row r runs slots[i] (None when `single`)
     rows: Optional[tuple[torch.Tensor, ...]] = None  # per slot [its rows] int64; None for an expert's tokens
     groups: Optional[Any] = None  # `triton_ops.SlotGroups` (lora_kernel="triton", several slots), else None
+    row_slots: Optional[torch.Tensor] = None  # [num_rows] int64 on the device, each row's slot (NO_ADAPTER: none)
 
     @classmethod
     def of_spans(cls, slots: Sequence[int], lengths: Sequence[int], num_slots: int, device: torch.device,
@@ -76,10 +81,12 @@ class LoRABatch:
         present = tuple(sorted(set(slots) - {NO_ADAPTER}))
         owns = row_slots[None, :, None] == torch.tensor(present)[:, None, None]  # [len(present), num_rows, 1]
         rows = [owns[i, :, 0].nonzero().flatten() for i in range(len(present))]
-        flat = upload(torch.cat([owns.flatten().to(torch.int64), *rows]), device)  # one upload
-        owns_dev = flat[:owns.numel()].view(owns.shape).bool()
-        ends = torch.tensor([owns.numel()] + [len(r) for r in rows]).cumsum(0).tolist()
-        return cls(slots=present, owns=owns_dev, rows=tuple(flat[ends[i]:ends[i + 1]] for i in range(len(present))))
+        flat = upload(torch.cat([row_slots, owns.flatten().to(torch.int64), *rows]), device)  # one upload
+        n = row_slots.shape[0]
+        owns_dev = flat[n:n + owns.numel()].view(owns.shape).bool()
+        ends = torch.tensor([n + owns.numel()] + [len(r) for r in rows]).cumsum(0).tolist()
+        return cls(slots=present, owns=owns_dev, rows=tuple(flat[ends[i]:ends[i + 1]] for i in range(len(present))),
+                   row_slots=flat[:n])
 
     def padded_to(self, num_rows: int) -> "LoRABatch":
         """This batch for a forward of `num_rows` >= its rows: the rows past them (a padded decode's, after the
@@ -88,8 +95,9 @@ class LoRABatch:
             return LoRABatch(groups=self.groups.padded_to(num_rows))
         if self.owns is None or self.owns.shape[1] >= num_rows:
             return self
-        return LoRABatch(slots=self.slots, rows=self.rows,
-                         owns=torch.nn.functional.pad(self.owns, (0, 0, 0, num_rows - self.owns.shape[1])))
+        pad = num_rows - self.owns.shape[1]
+        return LoRABatch(slots=self.slots, rows=self.rows, owns=torch.nn.functional.pad(self.owns, (0, 0, 0, pad)),
+                         row_slots=torch.nn.functional.pad(self.row_slots, (0, pad), value=NO_ADAPTER))
 
     def select(self, tokens: torch.Tensor) -> "LoRABatch":
         """The batch of rows `tokens` [n] of this forward (an expert's routed tokens): made once per expert,
@@ -97,6 +105,12 @@ class LoRABatch:
         if self.groups is not None:
             return LoRABatch(groups=self.groups.select(tokens))
         return self if self.owns is None else LoRABatch(slots=self.slots, owns=self.owns[:, tokens])
+
+    def slot_of_rows(self) -> Optional[torch.Tensor]:
+        """[num_rows] int64 on the device, each row's slot (NO_ADAPTER: none); None for a `single` batch."""
+        if self.groups is not None:
+            return self.groups.row_slots.to(torch.int64)
+        return self.row_slots
 
 
 class LoRAContext:
@@ -178,8 +192,27 @@ class LinearLoRA:
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
+@dataclass(frozen=True)
+class ExpertRowsLoRA:
+    """The adapters of one forward's routed rows (sorted by expert, `RoutedRows`), for `ExpertsLoRA.add_grouped`.
+
+    With one slot for every row the update keeps the experts' grouping (`segments` is the `RoutedRows`);
+    otherwise the rows are regrouped on the device by (slot, expert), group `slot * E_local + expert`
+    (`Segments`), rows with no adapter (or another rank's expert) last, in no group."""
+
+    single: Optional[int]  # every row's slot; None: a mixed batch, regrouped
+    segments: Any  # `RoutedRows` (single) or `Segments` of the regrouped rows
+    order: Optional[torch.Tensor] = None  # [N] the expert-sorted rows in (slot, expert) order
+    back: Optional[torch.Tensor] = None  # [N] where each expert-sorted row went in that order
+    live: Optional[torch.Tensor] = None  # [N, 1] bool, regrouped rows with an adapter
+
+
 class ExpertsLoRA:
-    """A fused experts block's adapters: per projection a [E_local, slots, rank, in], b [E_local, out, slots, rank]."""
+    """A fused experts block's adapters: per projection a [slots, E_local, rank, in], b [slots, E_local, out, rank].
+
+    `add_grouped` adds every routed row's update at once, grouped on the device like the experts' own rows
+    (`vlmrun.layers.grouped_matmul`: no host read); `select` / `add` adapt one expert's rows at a time, for
+    the per-expert loop (quantized experts, batches too large for the sync-free ways)."""
 
     def __init__(self, context: LoRAContext, num_slots: int, max_rank: int, num_local_experts: int,
                  shapes: dict[str, tuple[int, int]], device: torch.device, dtype: torch.dtype):
@@ -198,15 +231,55 @@ class ExpertsLoRA:
         if projection not in self.a:
             out, n_in = self.shapes[projection]
             e, s, r = self.num_local_experts, self.num_slots, self.max_rank
-            self.a[projection] = torch.zeros(e, s, r, n_in, device=self.device, dtype=self.dtype)
-            self.b[projection] = torch.zeros(e, out, s, r, device=self.device, dtype=self.dtype)
+            self.a[projection] = torch.zeros(s, e, r, n_in, device=self.device, dtype=self.dtype)
+            self.b[projection] = torch.zeros(s, e, out, r, device=self.device, dtype=self.dtype)
         if a is None:
-            self.a[projection][:, slot].zero_()
-            self.b[projection][:, :, slot].zero_()
+            self.a[projection][slot].zero_()
+            self.b[projection][slot].zero_()
         else:
-            self.a[projection][:, slot].copy_(a)
-            self.b[projection][:, :, slot].copy_(b)
+            self.a[projection][slot].copy_(a)
+            self.b[projection][slot].copy_(b)
         self.filled[projection][slot] = a is not None
+
+    # ------------------------------------------------------------------ every expert at once
+
+    def rows(self, routed: Any) -> Optional[ExpertRowsLoRA]:
+        """The adapters of the forward's routed rows (`routed`: `RoutedRows`), made once for both projections;
+        None when no row has an adapter or no adapter adapts these experts."""
+        batch = self.context.batch
+        if batch is None or not self.a:
+            return None
+        if batch.single is not None:
+            return ExpertRowsLoRA(single=batch.single, segments=routed)
+        e, s = self.num_local_experts, self.num_slots
+        slot = batch.slot_of_rows().index_select(0, routed.tokens)  # [N] each sorted row's slot
+        adapted = (slot >= 0) & (routed.experts < e)
+        order, segments = Segments.sort(torch.where(adapted, slot * e + routed.experts, s * e), s * e)
+        back = torch.empty_like(order).index_copy_(0, order, torch.arange(order.shape[0], device=order.device))
+        return ExpertRowsLoRA(single=None, segments=segments, order=order, back=back,
+                              live=(segments.experts < s * e)[:, None])
+
+    def add_grouped(self, projection: str, x: torch.Tensor, y: torch.Tensor,
+                    rows: ExpertRowsLoRA) -> Optional[torch.Tensor]:
+        """y [N, out] + each routed row's update of its slot and expert (x [N, in]; rows sorted by expert):
+        two grouped matmuls (`grouped_linear`), no host read; None where neither sync-free way fits."""
+        if projection not in self.a:
+            return y
+        a, b = self.a[projection], self.b[projection]  # [S, E, R, in], [S, E, out, R]
+        if rows.single is not None:
+            if not self.filled[projection][rows.single]:
+                return y
+            xa = grouped_linear(x, a[rows.single], rows.segments)  # [N, R]
+            delta = None if xa is None else grouped_linear(xa, b[rows.single], rows.segments)  # [N, out]
+            return None if delta is None else y + delta
+        xa = grouped_linear(x.index_select(0, rows.order), a.flatten(0, 1), rows.segments)  # [N, R], regrouped
+        delta = None if xa is None else grouped_linear(xa, b.flatten(0, 1), rows.segments)  # [N, out]
+        if delta is None:
+            return None
+        delta = torch.where(rows.live, delta, 0.0)  # rows in no group: garbage from the GEMM, never added
+        return y + delta.index_select(0, rows.back)  # back in expert order
+
+    # ------------------------------------------------------------------ one expert at a time
 
     def select(self, tokens: torch.Tensor) -> Optional[LoRABatch]:
         """The adapters of an expert's routed tokens (`tokens` [n]: their rows of the forward), made once per
@@ -220,7 +293,9 @@ class ExpertsLoRA:
         tokens' adapters, `select`)."""
         if projection not in self.a or (batch.single is not None and not self.filled[projection][batch.single]):
             return y
-        return add_update(x, y, self.a[projection][local], self.b[projection][local], batch)
+        a = self.a[projection][:, local]  # [S, R, in]
+        b = self.b[projection][:, local].permute(1, 0, 2)  # [out, S, R]
+        return add_update(x, y, a, b, batch)
 
 
 def attach_lora(model: nn.Module, context: LoRAContext, num_slots: int, max_rank: int,

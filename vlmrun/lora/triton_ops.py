@@ -12,8 +12,10 @@ rows, gathers them from x, and
 Rows with no adapter belong to no group and are never read or written, so padding rows and base-model
 rows cost nothing, and the work grows with the rows that have an adapter, not with the number of
 slots (unlike the masked torch update). Every k column of a slot is multiplied: a fused layer's
-off-block zeros of b are multiplied too, as in the torch update. The MoE experts' update uses the same
-kernels, grouping an expert's routed tokens by their rows' slots on the device (`SlotGroups.select`).
+off-block zeros of b are multiplied too, as in the torch update. The MoE experts' update runs as grouped
+matmuls (`ExpertsLoRA.add_grouped`, each row's slot from `SlotGroups.row_slots`); only their per-expert
+loop (quantized experts) uses these kernels, grouping an expert's routed tokens by their rows' slots on
+the device (`SlotGroups.select`).
 
 Checked against the torch update on the CPU through Triton's interpreter (tests/lora_triton_check.py);
 not yet run on a GPU.
