@@ -131,7 +131,8 @@ class LLM:
     the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
     preprocess_workers: threads preprocessing the inputs of a call (None: the CPUs this process may use,
     at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
-    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`).
+    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `kv_cache_dtype`
+    "fp8" for a float8 KV cache, `scheduling_policy` "priority" for `generate`'s `priority`).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
