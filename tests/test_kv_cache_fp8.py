@@ -146,3 +146,13 @@ def test_a_per_channel_scale_is_refused_naming_it(qwen3_dir, tmp_path):
     path = with_kv_scales(qwen3_dir, tmp_path, {"model.layers.0.self_attn.k_scale": torch.ones(4)})
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_scale.*per-tensor"):
         LLM(str(path), dtype="float32", device="cpu", kv_cache_memory_bytes=8 << 20, kv_cache_dtype="fp8")
+
+
+def test_hybrid_model_with_an_fp8_cache(qwen3_5_dir):
+    """Qwen3.5 (GDN + full attention): the full-attention layers' KV in float8, the GDN state as before."""
+    _, expected = generate(qwen3_5_dir, "auto", "cpu")
+    llm, got = generate(qwen3_5_dir, "fp8", "cpu")
+    caches = llm.engine.caches
+    assert caches.kv_pool.dtype is torch.float8_e4m3fn
+    assert caches.gdn_pool.recurrent_state.dtype is torch.float32
+    check_logprobs_close(expected, got)
