@@ -83,6 +83,7 @@ def test_priority_queue_orders_by_priority_then_arrival():
     assert running == [b, c, a]
     assert policy.admission_victim(running, d) is a
     assert policy.admission_victim(running, queued(5, 9.0)) is None, "never one ranked before the newcomer"
+    assert policy.admission_victim([queued(0, 1.0)], queued(0, 2.0)) is None, "equals: the earlier arrival stays"
 
 
 def test_fcfs_queue_is_arrival_order_and_refuses_a_priority():
@@ -125,9 +126,9 @@ def test_fcfs_refuses_a_non_zero_priority(qwen3_dir):
     assert drain(engine, [])["y"]
 
 
-def _admission_scenario(engine: Engine) -> tuple[dict[str, list[int]], list]:
-    """A long low-priority request runs; a high-priority one arrives that the free pages cannot hold."""
-    engine.add_request("low", prompt_of(engine, 20), greedy(16), priority=1)
+def _admission_scenario(engine: Engine, low: int = 1) -> tuple[dict[str, list[int]], list]:
+    """A long request of priority `low` runs; one of priority 0 arrives that the free pages cannot hold."""
+    engine.add_request("low", prompt_of(engine, 20), greedy(16), priority=low)
     timeline: list = []
     tokens = drain(engine, timeline, steps=3)  # its prompt and two decodes: 6 of the 10 pages held
     engine.add_request("high", prompt_of(engine, 20, first=300), greedy(4), priority=0)
@@ -149,17 +150,9 @@ def test_a_high_priority_request_preempts_a_lower_one_for_pages(qwen3_dir):
     assert allocator.num_free_pages() == allocator.num_usable_pages()
 
     fcfs = make_engine(qwen3_dir, "fcfs", pages=10)
-    _, fcfs_timeline = _admission_scenario_fcfs(fcfs)
+    _, fcfs_timeline = _admission_scenario(fcfs, low=0)
     assert not any(kind == "preempted" for kind, _ in fcfs_timeline), "fcfs: the newcomer waits"
     assert fcfs_timeline.index(("done", "low")) < fcfs_timeline.index(("first", "high"))
-
-
-def _admission_scenario_fcfs(engine: Engine) -> tuple[dict[str, list[int]], list]:
-    engine.add_request("low", prompt_of(engine, 20), greedy(16))
-    timeline: list = []
-    tokens = drain(engine, timeline, steps=3)
-    engine.add_request("high", prompt_of(engine, 20, first=300), greedy(4))
-    return drain(engine, timeline, tokens), timeline
 
 
 def test_the_lowest_priority_running_request_is_preempted_for_pages(qwen3_dir):
