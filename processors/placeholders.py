@@ -49,11 +49,14 @@ class ProcessedPrompt:
     """token_ids: the full prompt, image placeholders expanded; mm_items in prompt order.
 
     text: the rendered chat template (one `<|image_pad|>` per image), for logging / debugging.
+    cache_salt: vLLM's per-prompt prefix-cache salt: pages cached under one salt serve only prompts of
+    that salt (None: no salt; vlmrun/cache/prefix_cache.py).
     """
 
     token_ids: list[int]
     mm_items: list[MMItem] = field(default_factory=list)
     text: str = ""
+    cache_salt: str | None = None
 
 
 @dataclass

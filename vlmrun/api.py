@@ -131,7 +131,8 @@ class LLM:
     the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
     preprocess_workers: threads preprocessing the inputs of a call (None: the CPUs this process may use,
     at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
-    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`).
+    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `kv_cache_dtype`
+    "fp8" for a float8 KV cache, `scheduling_policy` "priority" for `generate`'s `priority`).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
@@ -161,7 +162,8 @@ class LLM:
         return SamplingParams(**self.engine.model_config.sampling_defaults)
 
     def generate(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRAArg = None, *,
+                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
         """Each prompt in one of the forms of `vlmrun/engine/prompt_forms.py`, as vLLM takes them: a string
         is the raw prompt (no chat template; `chat` applies it); {"prompt": str, "multi_modal_data":
         {"image": ..., "video": ...}} a raw prompt holding one placeholder per item; {"prompt_token_ids":
@@ -179,16 +181,27 @@ class LLM:
 
         `lora_request` (vLLM's): a `LoRARequest` for all prompts or a list with one (or None) per prompt;
         the engine needs `enable_lora=True`. A bad adapter fails its requests alone (their `error`).
+
+        `priority` (vLLM's): one int per prompt, with `scheduling_policy="priority"` (lower runs first); a
+        non-zero one under "fcfs" is a ValueError before anything runs.
         """
-        return _in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request))
+        return _in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request,
+                                                    priority=priority))
 
     def generate_stream(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
-                        use_tqdm: bool = True, lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
+                        use_tqdm: bool = True, lora_request: LoRAArg = None, *,
+                        priority: Optional[list[int]] = None) -> Iterator[tuple[int, RequestOutput]]:
         """`generate`, each output handed out as soon as it finishes: `(index, output)`, `index` the
         prompt's position in `prompts`. Holds the LLM (other calls wait) until exhausted or closed;
         leaving the loop early aborts the prompts not yet finished."""
         inputs, total = _prompt_inputs(prompts)
-        return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request)
+        if priority is not None:  # vLLM's: a list, one per prompt, checked before anything runs
+            if not isinstance(priority, (list, tuple)):
+                raise ValueError(f"priority must be a list with one int per prompt, got {type(priority).__name__}")
+            for value in priority:
+                self.engine.scheduler.policy.check(value)
+        return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request,
+                            priority)
 
     def chat(self, messages: Union[Conversation, Iterable[Conversation]],
              sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
@@ -236,21 +249,23 @@ class LLM:
                             lora_request)
 
     def _stream(self, inputs: Iterable[Any], total: Optional[int], params_arg: ParamsArg, use_tqdm: bool,
-                process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg) -> Iterator[tuple[int, RequestOutput]]:
+                process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg,
+                priority: Optional[list[int]] = None) -> Iterator[tuple[int, RequestOutput]]:
         """Check the per-input arguments (now, for a known length), then run (when iterated)."""
         params = _per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
         loras = _per_input(lora_request, total, "LoRA requests", None)
-        return self._run(self._works(inputs, params, loras), total, use_tqdm, process)
+        priorities = _per_input(priority, total, "priorities", 0)
+        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process)
 
     def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
-               loras: Iterator[Optional[LoRARequest]]) -> Iterator[Work]:
+               loras: Iterator[Optional[LoRARequest]], priorities: Iterator[int]) -> Iterator[Work]:
         """The pipeline's inputs, lazily (read by its feeder thread). Lists of params that do not match a
         generator's prompts in number raise a ValueError (at the end of the call)."""
         for item in inputs:
             choice, lora = next(params, None), next(loras, None)
             if choice is None:
                 raise ValueError("got fewer sampling params than prompts")
-            yield Work(str(next(self._ids)), item, choice.choices(), lora)
+            yield Work(str(next(self._ids)), item, choice.choices(), lora, next(priorities, 0))
         if next(params, None) is not None and not isinstance(params, itertools.repeat):
             raise ValueError("got more sampling params than prompts")
 

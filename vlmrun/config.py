@@ -22,6 +22,8 @@ from vlmrun.spec_decode.config import SpeculativeConfig
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 LORA_KERNELS = ("torch", "triton")  # the update of a batch of mixed LoRA adapters (`EngineConfig.lora_kernel`)
+# The KV pool's float8 storage formats (`EngineConfig.kv_cache_dtype`; vLLM's names)
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -84,6 +86,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA)
     kv_cache_memory_bytes: Optional[int] = None  # explicit cache budget (KV + GDN state); default on CPU: 2 GiB
     gdn_state_dtype: str = "float32"  # hybrid models: dtype of the GDN recurrent state (float32 | bfloat16 | float16)
+    # The KV pool's storage (vLLM's --kv-cache-dtype): "auto" the model's dtype; "fp8" / "fp8_e4m3" float8
+    # e4m3 with per-layer scales from the checkpoint (else 1.0), "fp8_e5m2" float8 e5m2 (scale 1.0): half the
+    # bytes of a 16-bit cache per token. docs/kv_cache_dtype.md.
+    kv_cache_dtype: str = "auto"
+    # Who runs first (vLLM's --scheduling-policy): "fcfs" by arrival; "priority" by a request's `priority`,
+    # lower first, ties by arrival, preempting lower-priority requests for memory (engine/queue_policy.py).
+    scheduling_policy: str = "fcfs"
     encoder_cache_tokens: int = 32768  # vision embeddings kept by image hash
     enable_prefix_caching: bool = True  # reuse the KV of full prompt pages across requests (docs/prefix_cache.md)
     # Hybrid models: GDN state snapshots for prefix hits. None = as many as max_num_seqs that fit in the
@@ -180,6 +189,10 @@ class EngineConfig:
             check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto, {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
 
     @property
     def lora_slots(self) -> Optional[int]:
@@ -194,6 +207,10 @@ class EngineConfig:
     @property
     def gdn_state_torch_dtype(self) -> torch.dtype:
         return _DTYPES[self.gdn_state_dtype]
+
+    def kv_cache_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The KV pool's storage dtype: the model's ("auto") or a float8 one."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, model_dtype)
 
     def eager_decode(self, device: torch.device) -> bool:
         """`enforce_eager`, or what None means on `device`."""

@@ -5,6 +5,11 @@ in pages of `page_size` consecutive slots; a request owns whole pages. `ReqToTok
 (request row, token position) to the slot that holds that token. Page 0 is a dummy: padding rows
 write there and nothing reads it.
 
+The pool stores K/V in the model's dtype or, with `kv_cache_dtype` "fp8" (docs/kv_cache_dtype.md), in
+float8 with one scale per layer for K and one for V (`k_scales`, `v_scales`; from the checkpoint, else
+1.0): `write` stores k / k_scale, saturated to the format's range, and a backend reads k back as
+stored * k_scale (`dequantize`).
+
 `PageTable` is the map as its one writer, the scheduler, sees it: rows handed out and freed, and
 `write`. `ReqToTokenPool` keeps the map on the device; under tensor parallelism the driver's
 `ShadowReqToTokenPool` (cache/shadow.py) records the writes for the ranks instead.
@@ -63,11 +68,16 @@ class ReqToTokenPool(PageTable):
         self.req_to_token[upload(rows, device), upload(positions, device)] = upload(slots, device)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class KVPool:
-    """Per full-attention layer: k and v buffers of [num_slots, num_kv_heads, head_dim]."""
+    """Per full-attention layer: k and v buffers of [num_slots, num_kv_heads, head_dim] in `dtype` (the
+    storage dtype: the model's `compute_dtype`, or a float8 one with per-layer scales)."""
 
     def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, page_size: int = 1):
+                 dtype: torch.dtype, device: torch.device, page_size: int = 1,
+                 compute_dtype: Optional[torch.dtype] = None):
         if num_slots % page_size:
             raise ValueError(f"num_slots={num_slots} is not a multiple of page_size={page_size}")
         self.num_layers = num_layers
@@ -76,6 +86,9 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.compute_dtype = compute_dtype or dtype  # what attention runs in (the model's dtype)
+        self.k_scales = [1.0] * num_layers  # float8 storage: a stored k times its layer's scale is the k written
+        self.v_scales = [1.0] * num_layers
         shape = (num_slots, num_kv_heads, head_dim)
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -85,10 +98,38 @@ class KVPool:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * num_kv_heads * head_dim * itemsize
 
+    @property
+    def quantized(self) -> bool:
+        """Whether K/V are stored in float8 (written scaled, read back `dequantize`d)."""
+        return self.dtype in FP8_DTYPES
+
+    def set_scales(self, k_scales: list[float], v_scales: list[float]) -> None:
+        """Per-layer float8 scales (positive, finite: a ValueError naming the layer otherwise)."""
+        if len(k_scales) != self.num_layers or len(v_scales) != self.num_layers:
+            raise ValueError(f"KV scales for {len(k_scales)} / {len(v_scales)} layers; the pool has {self.num_layers}")
+        for i, scale in enumerate(k_scales + v_scales):
+            if not (0.0 < scale < float("inf")):
+                raise ValueError(f"KV cache layer {i % self.num_layers}: scale {scale} is not a positive finite number")
+        self.k_scales, self.v_scales = [float(s) for s in k_scales], [float(s) for s in v_scales]
+
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
+        if self.quantized:
+            k, v = self._quantize(k, self.k_scales[layer_id]), self._quantize(v, self.v_scales[layer_id])
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """x / scale in float32, saturated to the float8 format's range (a cast alone may give NaN)."""
+        limit = torch.finfo(self.dtype).max
+        return (x.float() / scale).clamp_(-limit, limit).to(self.dtype)
+
+
+def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """K or V gathered from the pool -> `dtype`, times the layer's scale (1.0: a plain cast; a copy may be
+    the input itself when it is in `dtype` already)."""
+    out = stored.to(dtype)
+    return out if scale == 1.0 else out * scale
 
 
 class PageAllocator:

@@ -4,7 +4,9 @@
 the GDN state pool (hybrid models' linear-attention layers), with optional GDN snapshots for the
 prefix cache. `build_caches` sizes the budget (explicit, the CPU default, or a share of free GPU
 memory less what a step and the attention kernels' fixed buffers need: `flashinfer_reserve_bytes`)
-and builds every pool into one `Caches` bundle. The engine hands that bundle to the
+and builds every pool into one `Caches` bundle. The KV pool's bytes per token are those of its storage
+dtype (`EngineConfig.kv_cache_dtype`: a float8 cache fits twice the tokens of a 16-bit one in the same
+budget); the GDN state keeps the model's dtype. The engine hands that bundle to the
 scheduler, the only writer of page tables and GDN slot state, and to the model runner, which
 only reads them.
 """
@@ -73,7 +75,8 @@ def gdn_bytes_per_request(shape: CacheShape, conv_dtype: torch.dtype, state_dtyp
 
 def plan_cache_memory(shape: CacheShape, budget_bytes: int, *, dtype: torch.dtype, gdn_state_dtype: torch.dtype,
                       max_num_seqs: int, max_model_len: int, page_size: int,
-                      max_model_len_fixed: bool, gdn_snapshots: Optional[int] = 0) -> CachePlan:
+                      max_model_len_fixed: bool, gdn_snapshots: Optional[int] = 0,
+                      kv_dtype: Optional[torch.dtype] = None) -> CachePlan:
     """Split one budget: the GDN pool takes `max_num_seqs + 1` slots, the KV pool gets the rest.
 
     If the GDN state of `max_num_seqs` requests does not fit in the budget, `max_num_seqs` is
@@ -84,9 +87,9 @@ def plan_cache_memory(shape: CacheShape, budget_bytes: int, *, dtype: torch.dtyp
     Hybrid models with prefix caching keep GDN state snapshots (`gdn_snapshots`, each the size of
     one request's state): an int takes them from the budget before the KV pool; None takes up to
     `max_num_seqs` of them only from what the KV pool cannot use (the budget beyond
-    `max_num_seqs * max_model_len` tokens); 0 keeps none.
+    `max_num_seqs * max_model_len` tokens); 0 keeps none. `kv_dtype`: the KV pool's storage (None: `dtype`).
     """
-    per_token = kv_bytes_per_token(shape, dtype)
+    per_token = kv_bytes_per_token(shape, kv_dtype or dtype)
     per_request = gdn_bytes_per_request(shape, dtype, gdn_state_dtype)
     seqs = max_num_seqs
     if per_request and (seqs + 1) * per_request > budget_bytes:
@@ -174,14 +177,15 @@ def plan_for_budget(shape: CacheShape, config: EngineConfig, budget_bytes: int, 
                              gdn_state_dtype=config.gdn_state_torch_dtype, max_num_seqs=config.max_num_seqs,
                              max_model_len=max_model_len, page_size=config.page_size,
                              max_model_len_fixed=config.max_model_len is not None,
-                             gdn_snapshots=config.gdn_prefix_snapshots if config.enable_prefix_caching else 0)
+                             gdn_snapshots=config.gdn_prefix_snapshots if config.enable_prefix_caching else 0,
+                             kv_dtype=config.kv_cache_torch_dtype(dtype))
 
 
 def build_pools(shape: CacheShape, plan: CachePlan, config: EngineConfig, *, dtype: torch.dtype,
                 device: torch.device) -> Caches:
     """Every pool of `plan` on `device`."""
     kv_pool = KVPool(shape.num_attention_layers, plan.num_pages * plan.page_size, shape.num_kv_heads,
-                     shape.head_dim, dtype, device, plan.page_size)
+                     shape.head_dim, config.kv_cache_torch_dtype(dtype), device, plan.page_size, compute_dtype=dtype)
     caches = Caches(plan=plan, kv_pool=kv_pool, req_to_token=ReqToTokenPool(plan.max_num_seqs, plan.max_model_len, device),
                     allocator=PageAllocator(plan.num_pages, plan.page_size))
     if shape.is_hybrid:

@@ -6,6 +6,9 @@ its grid and the slice [lo, hi) of its tokens the page covers. A key therefore n
 prefix up to the end of its page, pixels included: equal token ids with different images never
 share a key. The KV of a page depends only on that prefix (token ids, pixels and the M-RoPE
 positions, which are a function of both), so a page found by key can be reused as is.
+The chain starts from a salt: a LoRA adapter's name, and a prompt's `cache_salt` (vLLM's field: a
+tenant's own salt), so the first page's key, and with it every later one, differs per salt, and a
+prompt never hits pages computed under another salt or none (`prompt_page_keys`).
 
 The cache maps key -> page. Pages are refcounted by the `PageAllocator`; a cached page that no
 request holds stays in the allocator's LRU of evictable pages until a new allocation needs it, and
@@ -24,6 +27,7 @@ from typing import Optional, Sequence
 
 from vlmrun.cache.gdn_pool import GDNSnapshots
 from vlmrun.cache.kv_pool import PageAllocator
+from vlmrun.processors import ProcessedPrompt
 
 
 def page_keys(token_ids: Sequence[int], mm_items: Sequence, page_size: int, num_pages: int,
@@ -52,6 +56,16 @@ def page_keys(token_ids: Sequence[int], mm_items: Sequence, page_size: int, num_
         parent = h.digest()
         keys.append(parent)
     return keys
+
+
+def prompt_page_keys(prompt: ProcessedPrompt, page_size: int, salt: bytes = b"") -> list[bytes]:
+    """Keys of `prompt`'s full pages, the chain started from `salt` (an adapter's) and the prompt's
+    `cache_salt` (None or "": no salt of its own)."""
+    own = prompt.cache_salt
+    if own:  # length-prefixed: no two (salt, cache_salt) pairs give the same bytes
+        salt = b"%d:" % len(salt) + salt + b"|cache_salt:" + own.encode("utf-8", "surrogatepass")
+    n = len(prompt.token_ids)
+    return page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size, salt)
 
 
 @dataclass

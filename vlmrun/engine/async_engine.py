@@ -65,6 +65,7 @@ class _Add:
     items: list[tuple[ProcessedPrompt, SamplingParams]]
     accepted: asyncio.Future
     lora: Optional[LoRARequest] = None  # the group's LoRA adapter (None: the base model)
+    priority: int = 0  # the group's scheduling priority (the "priority" policy: lower first)
 
 
 @dataclass
@@ -145,8 +146,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ asyncio side
 
     async def submit(self, group_id: str, items: Sequence[tuple[ProcessedPrompt, SamplingParams]],
-                     lora_request: Optional[LoRARequest] = None) -> RequestGroup:
-        """Queue a group of requests; returns once the engine accepted them all (or raises)."""
+                     lora_request: Optional[LoRARequest] = None, *, priority: int = 0) -> RequestGroup:
+        """Queue a group of requests (`priority`: theirs, `Engine.add_request`'s); returns once the engine
+        accepted them all (or raises)."""
         if not items:
             raise ValueError("a request group needs at least one (prompt, params) pair")
         if not self.is_running:
@@ -154,7 +156,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         group = RequestGroup(group_id, len(items), loop, self.abort)
         accepted = loop.create_future()
-        self._commands.put(_Add(group, list(items), accepted, lora_request))
+        self._commands.put(_Add(group, list(items), accepted, lora_request, priority))
         try:
             while not accepted.done():
                 await asyncio.wait({accepted}, timeout=self._idle_poll_s)
@@ -240,7 +242,7 @@ class AsyncEngine:
         try:
             for index, (prompt, params) in enumerate(cmd.items):
                 rid = f"{group.group_id}-{index}"
-                self.engine.add_request(rid, prompt, params, lora_request=cmd.lora)
+                self.engine.add_request(rid, prompt, params, lora_request=cmd.lora, priority=cmd.priority)
                 added.append(rid)
                 self._live[rid] = _Live(group, index, len(prompt.token_ids))
         except Exception as exc:

@@ -32,7 +32,7 @@ from typing import Any, Optional, Union
 import torch
 
 from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
-from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
+from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, prompt_page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
 from vlmrun.engine.detokenizer import OutputTextStream
@@ -114,10 +114,10 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval, proposer=build_proposer(config),
-                                   max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size)
+                                   max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size,
+                                   scheduling_policy=config.scheduling_policy)
         self.stop_limits = StopLimits.of(config)
-        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
-                                        self.model_config.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size, self.model_config.eos_token_ids)
         self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
         self._streams: dict[str, OutputTextStream] = {}
@@ -213,16 +213,17 @@ class Engine:
             return parsed
         if isinstance(parsed, RawPrompt):
             text_or_ids = parsed.token_ids if parsed.token_ids is not None else parsed.text
-            return self.processor.process_raw(text_or_ids, parsed.images, videos=parsed.videos,
-                                              mm_processor_kwargs=parsed.mm_processor_kwargs)
+            return dataclasses.replace(self.processor.process_raw(text_or_ids, parsed.images, videos=parsed.videos,
+                                       mm_processor_kwargs=parsed.mm_processor_kwargs), cache_salt=parsed.cache_salt)
         if isinstance(parsed, UserTurnPrompt):
             return self.processor.process_prompt(parsed.text, parsed.images, videos=parsed.videos)
         return self.processor.process_chat(parsed)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    lora_request: Optional[LoRARequest] = None) -> None:
+                    lora_request: Optional[LoRARequest] = None, *, priority: int = 0) -> None:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        self.scheduler.policy.check(priority)  # SamplingParamError naming "priority" (e.g. non-zero under fcfs)
         if lora_request is not None:  # read and checked now, off the step loop; a ValueError naming a bad one
             if not self.config.enable_lora:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without "
@@ -247,12 +248,11 @@ class Engine:
         generator = None if params.seed is None else self.runner.make_generator(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
-                      grammar=grammar, lora=lora_request)
+                      grammar=grammar, lora=lora_request, priority=priority)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * n  # filled per prefill chunk; the first position stays None
-        if self.prefix_cache is not None:
-            page_size = self.caches.plan.page_size
-            req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size, cache_salt(lora_request))
+        if self.prefix_cache is not None:  # (the adapter's salt, then the prompt's `cache_salt`)
+            req.page_keys = prompt_page_keys(prompt, self.caches.plan.page_size, cache_salt(lora_request))
         self.requests[request_id] = req
         self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
                                                      self.model_config.eos_token_ids, self.max_model_len)

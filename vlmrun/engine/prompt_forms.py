@@ -4,7 +4,8 @@ vLLM's forms:
   "text"                                          the raw prompt, tokenized as is (no chat template)
   {"prompt": str, "multi_modal_data": {...}}      raw text holding one placeholder per image / video
   {"prompt_token_ids": [...], "multi_modal_data": {...}}   the same as token ids
-  (either may carry "mm_processor_kwargs"; multi_modal_data: {"image": one or a list, "video": ...})
+  (either may carry "mm_processor_kwargs" and "cache_salt", a non-empty string: the prompt's
+  prefix-cache entries serve only prompts of the same salt; multi_modal_data: {"image": one or a list, "video": ...})
 vlmrun's own:
   {"prompt": str, "images": [...], "videos": [...]}   one user turn through the chat template
   [{"role": ..., "content": ...}, ...]                 a chat (the chat template)
@@ -19,7 +20,7 @@ from typing import Any, Mapping, Optional, Union
 
 from vlmrun.processors import ProcessedPrompt
 
-_RAW_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs")
+_RAW_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "cache_salt")
 _USER_TURN_KEYS = ("prompt", "images", "videos")
 _MODALITIES = ("image", "video")
 
@@ -37,6 +38,7 @@ class RawPrompt:
     images: list[Any] = field(default_factory=list)
     videos: list[Any] = field(default_factory=list)
     mm_processor_kwargs: Optional[dict[str, Any]] = None
+    cache_salt: Optional[str] = None  # vLLM's prefix-cache salt (`ProcessedPrompt.cache_salt`)
 
 
 @dataclass
@@ -105,7 +107,15 @@ def _raw(prompt: Mapping[str, Any]) -> RawPrompt:
                               f"'image' and 'video')")
     raw.images, raw.videos = media_list(data.get("image")), media_list(data.get("video"))
     raw.mm_processor_kwargs = prompt.get("mm_processor_kwargs")
+    raw.cache_salt = check_cache_salt(prompt.get("cache_salt"))
     return raw
+
+
+def check_cache_salt(salt: Any) -> Optional[str]:
+    """A prompt's `cache_salt`: None, or a non-empty string (vLLM's rule); else a PromptFormError."""
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise PromptFormError(f"'cache_salt' must be a non-empty string if given, got {salt!r:.40}")
+    return salt
 
 
 def _refuse_other_keys(prompt: Mapping[str, Any], allowed: tuple[str, ...], form: str) -> None:

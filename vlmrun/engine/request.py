@@ -60,6 +60,7 @@ class Request:
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
     speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
+    priority: int = 0  # the priority scheduling policy serves lower values first (engine/queue_policy.py)
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property

@@ -9,6 +9,9 @@ admitted: no head-of-line blocking, and no later adapter request keeps the slots
 the first slot that frees).
 When the KV pool has no page for a running request, the newest running request is preempted:
 its pages are freed and it waits to recompute its prompt and the tokens it already generated.
+The queue policy (`queue_policy.py`, `EngineConfig.scheduling_policy`) orders both queues: "fcfs" as
+above; "priority" by (priority, arrival), lower first, preempting the lowest-ranked running request,
+also to admit a waiting request ranked before it that finds no pages.
 
 The scheduler is the only writer of the caches' bookkeeping: for every chunk it picks it writes
 the page table (`ReqToTokenPool`) rows of the tokens the chunk feeds and zeroes the GDN slot of a
@@ -41,6 +44,7 @@ from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.kv_pool import pages_needed, token_slots
 from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
+from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledChunk
 from vlmrun.spec_decode.metrics import SpecDecodeStats
@@ -50,7 +54,7 @@ from vlmrun.spec_decode.proposer import Proposer
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
                  snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None,
-                 disable_by_batch_size: Optional[int] = None):
+                 disable_by_batch_size: Optional[int] = None, scheduling_policy: str = "fcfs"):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -61,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.policy = make_queue_policy(scheduling_policy)  # the queues' order and who preempts whom
         self.prefix_cache = prefix_cache
         # hybrid models: snapshot points every this many tokens (a page multiple) and at the last full page
         self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
@@ -84,7 +89,7 @@ class Scheduler:
             req.spec_decode = SpecDecodeStats()
             limit = self.disable_by_batch_size
             req.speculates = limit is None or len(self.running) + len(self.waiting) <= limit
-        self.waiting.append(req)
+        self.policy.enqueue(self.waiting, req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,6 +108,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         too_long: list[Request] = []
         preempted_any = False
+        self.policy.order_running(self.running)  # the last is the one preempted first
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -146,7 +152,11 @@ class Scheduler:
                 break
             match = self._reuse_prefix(req, row)
             n = self._chunk_len(req, budget)
-            if not self._grow(req, req.num_computed_tokens + n):
+            fits = self._grow(req, req.num_computed_tokens + n)
+            while not fits and (victim := self.policy.admission_victim(self.running, req)) is not None:
+                budget += self._preempt_scheduled(victim, chunks)  # (priority: one ranked after `req`)
+                fits = self._grow(req, req.num_computed_tokens + n)
+            if not fits:
                 self._release(req)
                 self.req_pool.free(row)
                 req.num_computed_tokens = req.num_indexed_pages = req.prefix_hit_tokens = 0
@@ -354,7 +364,16 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.policy.requeue(self.waiting, req)
+
+    def _preempt_scheduled(self, req: Request, chunks: list[ScheduledChunk]) -> int:
+        """Preempt running `req` for a waiting request ranked before it, dropping its chunk of this
+        step if it has one; returns the tokens of budget that gives back."""
+        chunk = next((c for c in chunks if c.request is req), None)
+        if chunk is not None:
+            chunks.remove(chunk)
+        self._preempt(req)
+        return 0 if chunk is None else chunk.num_tokens
 
     def _release(self, req: Request) -> None:
         if req.pages:

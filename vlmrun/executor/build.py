@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vlmrun.cache.encoder_cache import EncoderCache
+from vlmrun.cache.kv_scales import decoder_layer_index, read_kv_scales
 from vlmrun.cache.plan import Caches, build_caches
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.cpu_malloc import keep_freed_memory
@@ -53,8 +54,19 @@ def build_local_executor(model: nn.Module, config: EngineConfig, model_config: M
     shape = model.cache_shape() if drafter is None else with_mtp_layer(model.cache_shape())
     caches = build_caches(shape, config, dtype=model_config.dtype, max_model_len=model_config.max_model_len,
                           device=device)
+    load_kv_scales(caches, model, model_config.path)
     runner = build_model_runner(model, caches, config, device, model_config.dtype, drafter=drafter)
     return OverlappedRunner(runner) if config.async_scheduling else runner
+
+
+def load_kv_scales(caches: Caches, model: nn.Module, path) -> None:
+    """An e4m3 float8 KV pool takes the checkpoint's per-layer k/v scales (`cache/kv_scales.py`)."""
+    pool = caches.kv_pool
+    if pool.dtype is not torch.float8_e4m3fn:
+        return
+    kv_layer_of = {decoder_layer_index(name): m.layer_id for name, m in model.named_modules()
+                   if isinstance(m, Attention) and decoder_layer_index(name) is not None}
+    pool.set_scales(*read_kv_scales(path, kv_layer_of, pool.num_layers))
 
 
 def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, device: torch.device,
@@ -106,7 +118,7 @@ def fuse_vision_attention(model: nn.Module, backend: AttentionBackend, caches: C
     flash-attention varlen call instead of one SDPA call per image size (where this torch has the
     kernel: `torch.nn.attention.varlen`, torch >= 2.10)."""
     full = backend.full if isinstance(backend, HybridAttnBackend) else backend
-    if isinstance(full, FlashInferAttnBackend) and caches.kv_pool.dtype in (torch.float16, torch.bfloat16):
+    if isinstance(full, FlashInferAttnBackend) and caches.kv_pool.compute_dtype in (torch.float16, torch.bfloat16):
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             logger.info("vision attention: per-size SDPA (torch %s has no torch.nn.attention.varlen; 2.10 does)",
                         torch.__version__)

@@ -31,7 +31,7 @@ import torch.distributed
 from vlmrun.cache.plan import CachePlan, build_pools, cache_budget_bytes
 from vlmrun.cache.shadow import replay_cache_ops
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
-from vlmrun.executor.build import build_model_runner
+from vlmrun.executor.build import build_model_runner, load_kv_scales
 from vlmrun.executor.model_runner import ModelRunner
 from vlmrun.executor.ranks import GeneratorWire, RankGenerators
 from vlmrun.executor.step_input import ChunkInput
@@ -89,6 +89,7 @@ class Worker:
         """This rank's pools and runner; returns the bytes its model shard takes as it runs."""
         dtype = self.model_config.dtype
         caches = build_pools(self.cache_shape(), plan, self.config, dtype=dtype, device=self.device)
+        load_kv_scales(caches, self.model, self.model_config.path)
         self.runner = build_model_runner(self.model, caches, self.config, self.device, dtype, tp=self.tp,
                                          drafter=self.drafter)
         return self.runner.weight_bytes[0]

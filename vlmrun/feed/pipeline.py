@@ -46,6 +46,7 @@ class Work:
     source: Any
     params: Sequence[SamplingParams]
     lora: Optional[LoRARequest] = None
+    priority: int = 0  # the priority scheduling policy's (lower first)
 
 
 @dataclass
@@ -164,7 +165,7 @@ class InputPipeline:
             try:
                 for i, params in enumerate(work.params):
                     rid = f"{work.request_id}-{i}"
-                    self.engine.add_request(rid, prompt, params, lora_request=work.lora)
+                    self.engine.add_request(rid, prompt, params, lora_request=work.lora, priority=work.priority)
                     added.append(rid)
                     in_flight[rid] = (entry, i)
                 return None

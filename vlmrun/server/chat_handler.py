@@ -58,7 +58,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
-                       "messages", heavy=heavy, lora=lora)
+                       "messages", heavy=heavy, lora=lora, scheduling=req.scheduling)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("chatcmpl", rid)

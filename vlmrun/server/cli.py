@@ -71,6 +71,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may run (slots)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="read LoRA adapters kept on the host")
+    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="who runs first: arrival order (fcfs) or each request's `priority`, lower first (priority)")
 
 
 def _json_object(text: str) -> Any:
@@ -123,7 +125,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         mm_encoder_tp_mode=args.mm_encoder_tp_mode,
                         enable_expert_parallel=args.enable_expert_parallel, enable_lora=args.enable_lora,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                        mm_processor_kwargs=args.mm_processor_kwargs, **kernel_options(args))
+                        mm_processor_kwargs=args.mm_processor_kwargs, scheduling_policy=args.scheduling_policy,
+                        **kernel_options(args))
 
 
 def lora_modules(args: argparse.Namespace) -> dict[str, str]:

@@ -51,7 +51,8 @@ async def completions(state: ServerState, request: Request) -> Response:
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
-                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=heavy, lora=lora)
+                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=heavy, lora=lora,
+                       scheduling=req.scheduling)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("cmpl", rid)

@@ -42,6 +42,7 @@ from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
 from vlmrun.server.prompt_bounds import PromptBounds, message_text_chars
+from vlmrun.server.scheduling_fields import SchedulingFields
 from vlmrun.server.tool_calls import check_tools, forced_tools
 from vlmrun.server.vllm_fields import (OutputExtras, echo_prompt_logprobs, vllm_output_extras, vllm_sampling_fields,
                                        with_generation_defaults)
@@ -90,6 +91,7 @@ class ChatRequest:
     forced_tools: list[dict[str, Any]] = field(default_factory=list)  # what a grammar must force a call of
     parallel_tool_calls: bool = True
     extras: OutputExtras = OutputExtras()
+    scheduling: SchedulingFields = SchedulingFields()  # priority, cache_salt
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -108,6 +110,7 @@ class CompletionRequest:
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token is generated, as in vLLM)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
     extras: OutputExtras = OutputExtras()
+    scheduling: SchedulingFields = SchedulingFields()  # priority, cache_salt
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -161,7 +164,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
                        include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top, prompt=prompt,
                        echo=opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
                        parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
-                       extras=vllm_output_extras(body, chat=True))
+                       extras=vllm_output_extras(body, chat=True), scheduling=SchedulingFields.of(body))
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
@@ -184,7 +187,8 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
                              stream=opt_bool(body, "stream", False), include_usage=_include_usage(body),
                              logprobs=logprobs, echo=echo, echo_only=max_tokens == 0,
                              add_special_tokens=opt_bool(body, "add_special_tokens", True),
-                             extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs))
+                             extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs),
+                             scheduling=SchedulingFields.of(body))
 
 
 # ---------------------------------------------------------------------------- pieces

@@ -38,6 +38,7 @@ from vlmrun.server import responses as R
 from vlmrun.server.errors import APIError, bad_request, internal, unavailable
 from vlmrun.server.metrics import ServerMetrics
 from vlmrun.server.protocol import parse_json
+from vlmrun.server.scheduling_fields import SchedulingFields
 from vlmrun.server.state import LIGHT_BODY_BYTES, ServerState, Ticket
 from vlmrun.server.transport import SSEResponse, read_json_body, until_done_or_disconnected
 
@@ -143,9 +144,11 @@ Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams
 
 async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
-                 param: str, heavy: bool, lora: Optional[LoRARequest] = None) -> Submitted:
-    """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine. A
-    client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image."""
+                 param: str, heavy: bool, lora: Optional[LoRARequest] = None,
+                 scheduling: SchedulingFields = SchedulingFields()) -> Submitted:
+    """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine (with
+    `scheduling`'s priority and cache salt). A client that leaves while it is prepared sets `prepare`'s
+    event, which stops it at the next image."""
     cancel = threading.Event()
     try:
         tokenizer = state.processor.tokenizer
@@ -163,8 +166,9 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
         # the choices of one request share their constraint
         await until_done_or_disconnected(request, state.grammars.compile(items[0][1].structured_outputs, gone))
         items = _truncate_prompts(items, state.engine.engine.max_model_len)
+        items = [(scheduling.salted(prompt), params) for prompt, params in items]
         _check_context(items, state.engine.engine.max_model_len)
-        group = await state.engine.submit(rid, items, lora)
+        group = await state.engine.submit(rid, items, lora, priority=scheduling.priority)
     except LoRAError as exc:  # the adapter the request's `model` names cannot be served
         ticket.release()
         raise bad_request(str(exc), param="model") from None

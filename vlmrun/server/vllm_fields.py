@@ -21,8 +21,8 @@ Defaults (vLLM's `--generation-config`): a sampling field the body leaves out ta
 `generation_config.json` value (`with_generation_defaults`; read once, `ModelConfig.sampling_defaults`).
 
 Refused with a 400 naming the field, never ignored: chat `best_of` other than `n`, and vLLM's fields
-this server has no counterpart for (`WITHOUT_COUNTERPART`: beam search, priority scheduling, logits
-processors by name, a prefix-cache salt, KV transfer, extension arguments, structural tags, another
+this server has no counterpart for (`WITHOUT_COUNTERPART`: beam search, logits
+processors by name, KV transfer, extension arguments, structural tags, another
 structured-output backend or whitespace pattern, media IO options, prompt embeddings) set to anything
 but the value that asks for nothing.
 """
@@ -56,10 +56,8 @@ def echo_prompt_logprobs(body: dict[str, Any], echo: bool, logprobs: Optional[in
 # value is a 400 naming the field; vLLM itself answers so for most when it runs without the feature.
 WITHOUT_COUNTERPART = (
     ("use_beam_search", (False,), "beam search is not supported by this server"),
-    ("priority", (0,), "priority scheduling is not enabled: requests run first come, first served"),
     ("logits_processors", ([],), "logits processors by name are not supported (use logit_bias, "
                                  "allowed_token_ids or bad_words)"),
-    ("cache_salt", (), "a prefix-cache salt is not supported by this server"),
     ("kv_transfer_params", ({},), "KV transfer (disaggregated serving) is not supported by this server"),
     ("vllm_xargs", ({},), "extension arguments are not supported by this server"),
     ("structural_tag", (), "structural tags are not supported: use structured_outputs or response_format"),

@@ -24,6 +24,8 @@ are its first one again and its last page's tail is zeroed (stale_keys.py), so t
 of its own or zeros (a prefill chunk reads its own positions only).
 
 It reads and writes the same KV pool as the reference and is tested against it (tests/test_cpu_backend.py).
+A float8 pool (`kv_cache_dtype="fp8"`) is read through `dequantize` (stored values times the layer's scale)
+as the pages are gathered; a prefill chunk then reads its own k/v back from the pool too, as stored.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from typing import Optional, cast
 import torch
 import torch.nn.functional as F
 
-from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
+from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
 from vlmrun.layers.attention.stale_keys import own_pages, tail_rows, zero_rows
@@ -139,7 +141,8 @@ class CpuAttnBackend(AttentionBackend):
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         self.kv_pool.write(layer.layer_id, fb.out_cache_loc, k, v)
-        k_pool, v_pool = self.kv_pool.k_buffers[layer.layer_id], self.kv_pool.v_buffers[layer.layer_id]
+        pool, i = self.kv_pool, layer.layer_id
+        k_pool, v_pool = (pool.k_buffers[i], pool.k_scales[i]), (pool.v_buffers[i], pool.v_scales[i])  # (buffer, scale)
         if len(md.decodes) == 1 and md.decodes[0].rows is None:  # every sequence feeds as many tokens
             return self._decode(q, k_pool, v_pool, layer, md.decodes[0]).view(num_tokens, -1)
         out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
@@ -149,8 +152,8 @@ class CpuAttnBackend(AttentionBackend):
             out[chunk.start:chunk.start + chunk.length] = self._prefill(q, k, v, k_pool, v_pool, layer, chunk)
         return out.view(num_tokens, -1)
 
-    def _decode(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, layer: Attention,
-                group: DecodeGroup) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, k_pool: tuple[torch.Tensor, float], v_pool: tuple[torch.Tensor, float],
+                layer: Attention, group: DecodeGroup) -> torch.Tensor:
         # q: [seqs * width, num_heads, head_dim] -> [seqs * width, num_heads, head_dim]
         n, width, group_size = q.shape[0] // group.width, group.width, layer.num_heads // layer.num_kv_heads
         k_all = self._gather(k_pool, group.page_ids, n, q.dtype, group.tail)  # [seqs, kv_heads, max_seq, head_dim]
@@ -162,11 +165,11 @@ class CpuAttnBackend(AttentionBackend):
         out = out.view(n, layer.num_kv_heads, width, group_size, layer.head_dim).transpose(1, 2)
         return out.reshape(n * width, layer.num_heads, layer.head_dim)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                 v_pool: torch.Tensor, layer: Attention, chunk: PrefillChunk) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: tuple[torch.Tensor, float],
+                 v_pool: tuple[torch.Tensor, float], layer: Attention, chunk: PrefillChunk) -> torch.Tensor:
         rows = slice(chunk.start, chunk.start + chunk.length)
         q_c = q[rows].transpose(0, 1)[None]  # [1, heads, length, head_dim]
-        if chunk.mask is None and k.dtype == k_pool.dtype:  # no cached prefix: its own rows of this step
+        if chunk.mask is None and k.dtype == k_pool[0].dtype:  # no cached prefix: its own rows of this step
             k_c, v_c = k[rows].transpose(0, 1)[None], v[rows].transpose(0, 1)[None]  # [1, kv_heads, length, head_dim]
         else:
             k_c = self._gather(k_pool, chunk.page_ids, 1, q.dtype)[:, :, :chunk.seq_len]
@@ -176,11 +179,13 @@ class CpuAttnBackend(AttentionBackend):
                                              enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out[0].transpose(0, 1)  # [length, heads, head_dim]
 
-    def _gather(self, buffer: torch.Tensor, page_ids: torch.Tensor, batch: int, dtype: torch.dtype,
+    def _gather(self, pool: tuple[torch.Tensor, float], page_ids: torch.Tensor, batch: int, dtype: torch.dtype,
                 tail: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Whole pages by id -> [batch, kv_heads, pages_per_row * page_size, head_dim] (a strided view);
-        the rows `tail` (key positions, row-major over [batch, pages_per_row * page_size]) zeroed."""
+        """Whole pages by id of `pool` (a layer's buffer and scale) -> [batch, kv_heads, pages_per_row *
+        page_size, head_dim] in `dtype` (a strided view); the rows `tail` (key positions, row-major over
+        [batch, pages_per_row * page_size]) zeroed."""
+        buffer, scale = pool
         pages = buffer.view(-1, self.page_size * buffer.shape[1] * buffer.shape[2])  # one row per page
-        rows = torch.index_select(pages, 0, page_ids).to(dtype)  # [batch * pages_per_row, page * kv_heads * head_dim]
+        rows = dequantize(torch.index_select(pages, 0, page_ids), scale, dtype)  # [batch * pages_per_row, page * kv_heads * head_dim]
         zero_rows(rows, tail, page_ids.shape[0] * self.page_size)
         return rows.view(batch, -1, *buffer.shape[1:]).transpose(1, 2)

@@ -20,6 +20,10 @@ Decode CUDA graphs get a wrapper per batch size (`graph_metadata`; for a verify 
 int workspace, and the graphs' wrappers share one set of static index buffers sized for the largest
 batch: a step plans and runs one wrapper, and only one graph replays at a time. The cache plan
 reserves these bytes (`vlmrun.cache.plan.flashinfer_reserve_bytes`).
+A float8 pool (`kv_cache_dtype="fp8"`): the plans name the pool's float8 dtype as `kv_data_type` (the
+queries stay in the model's dtype) and each layer's run passes its `k_scale` / `v_scale` (FlashInfer folds
+them into the softmax scale and the output). Not yet run on a GPU (docs/kv_cache_dtype.md).
+
 `flashinfer_refusal` names what FlashInfer cannot run (float32; head dims its kernels lack on the
 device): the backend refuses those with `BackendUnavailable` before any kernel is compiled.
 """
@@ -141,7 +145,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool, num_q_heads: int, scaling: float,
                  device: torch.device):
         self.flashinfer = import_flashinfer(device)
-        refusal = flashinfer_refusal(kv_pool.head_dim, kv_pool.dtype)
+        refusal = flashinfer_refusal(kv_pool.head_dim, kv_pool.compute_dtype)
         if refusal:
             raise BackendUnavailable(f"attention_backend='flashinfer': {refusal} (use 'auto' or 'torch')")
         self.kv_pool = kv_pool
@@ -169,8 +173,8 @@ class FlashInferAttnBackend(AttentionBackend):
         pool = self.kv_pool
         self.prefill.plan(index.qo_indptr, index.kv_indptr, index.kv_indices, index.kv_last_page_len,
                           num_qo_heads=self.num_q_heads, num_kv_heads=pool.num_kv_heads, head_dim_qk=pool.head_dim,
-                          page_size=pool.page_size, causal=True, sm_scale=self.scaling, q_data_type=pool.dtype,
-                          kv_data_type=pool.dtype)
+                          page_size=pool.page_size, causal=True, sm_scale=self.scaling,
+                          q_data_type=pool.compute_dtype, kv_data_type=pool.dtype)
         fb.attn_metadata = self.prefill
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
@@ -183,7 +187,9 @@ class FlashInferAttnBackend(AttentionBackend):
         paged = (pool.k_buffers[layer.layer_id].view(-1, pool.page_size, pool.num_kv_heads, pool.head_dim),
                  pool.v_buffers[layer.layer_id].view(-1, pool.page_size, pool.num_kv_heads, pool.head_dim))
         wrapper: Any = fb.attn_metadata  # the step's prefill or decode wrapper (prepare / graph replay)
-        out = wrapper.run(q.view(num_tokens, layer.num_heads, layer.head_dim).to(pool.dtype), paged)
+        scales = {} if not pool.quantized else dict(k_scale=pool.k_scales[layer.layer_id],
+                                                    v_scale=pool.v_scales[layer.layer_id])
+        out = wrapper.run(q.view(num_tokens, layer.num_heads, layer.head_dim).to(pool.compute_dtype), paged, **scales)
         return out.reshape(num_tokens, layer.num_heads * layer.head_dim).to(q.dtype)  # [num_tokens, heads * head_dim]
 
     # ------------------------------------------------------------------ decode CUDA graphs
@@ -230,4 +236,4 @@ class FlashInferAttnBackend(AttentionBackend):
         pool = self.kv_pool
         wrapper.plan(index.kv_indptr, index.kv_indices, index.kv_last_page_len, num_qo_heads=self.num_q_heads,
                      num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim, page_size=pool.page_size,
-                     sm_scale=self.scaling, q_data_type=pool.dtype, kv_data_type=pool.dtype)
+                     sm_scale=self.scaling, q_data_type=pool.compute_dtype, kv_data_type=pool.dtype)

@@ -4,7 +4,8 @@ Every sequence's new queries attend causally to its cached tokens plus the token
 step. The batch is padded to [batch, max_extend] queries and [batch, max_seq] keys gathered from
 the KV pool through the request-to-token map (whole pages at a time: a request's tokens fill its pages in order), and
 one masked SDPA call covers the whole batch. The gathered positions past a sequence's length are its own
-or zeros (stale_keys.py), so no other request's values meet the mask.
+or zeros (stale_keys.py), so no other request's values meet the mask. A float8 pool (`kv_cache_dtype="fp8"`)
+is read through `dequantize`: the gathered values times the layer's scale, in the queries' dtype.
 Every fast backend is tested against this one.
 """
 
@@ -16,7 +17,7 @@ from typing import Optional, cast
 import torch
 import torch.nn.functional as F
 
-from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
+from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
 from vlmrun.layers.attention.stale_keys import own_pages, tail_rows, zero_rows
@@ -72,10 +73,11 @@ class TorchAttnBackend(AttentionBackend):
 
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         q_pad = q[md.token_rows].transpose(1, 2)  # [batch, heads, max_extend, head_dim]
-        k_all = self._gather(self.kv_pool.k_buffers[layer.layer_id], md)  # [batch, kv_heads, max_seq, head_dim]
-        v_all = self._gather(self.kv_pool.v_buffers[layer.layer_id], md)
+        pool, i = self.kv_pool, layer.layer_id
+        k_all = self._gather(pool.k_buffers[i], pool.k_scales[i], md, q.dtype)  # [batch, kv_heads, max_seq, head_dim]
+        v_all = self._gather(pool.v_buffers[i], pool.v_scales[i], md, q.dtype)
         out = F.scaled_dot_product_attention(
-            q_pad, k_all.to(q.dtype), v_all.to(q.dtype), attn_mask=md.mask, scale=layer.scaling,
+            q_pad, k_all, v_all, attn_mask=md.mask, scale=layer.scaling,
             enable_gqa=layer.num_heads != layer.num_kv_heads,
         )  # [batch, heads, max_extend, head_dim]
         # Scatter the real queries back to the token stream by index (a boolean mask would cost a
@@ -84,8 +86,9 @@ class TorchAttnBackend(AttentionBackend):
         rows.index_copy_(0, md.out_rows, out.transpose(1, 2).flatten(0, 1))
         return rows[:num_tokens].reshape(num_tokens, layer.num_heads * layer.head_dim)
 
-    def _gather(self, buffer: torch.Tensor, md: TorchAttnMetadata) -> torch.Tensor:
+    def _gather(self, buffer: torch.Tensor, scale: float, md: TorchAttnMetadata, dtype: torch.dtype) -> torch.Tensor:
         page_size = self.kv_pool.page_size
         pages = buffer.view(-1, page_size, *buffer.shape[1:])[md.page_table]  # [batch, max_pages, page, kv_heads, head_dim]
+        pages = dequantize(pages, scale, dtype)  # (a fresh copy: zeroed in place below)
         zero_rows(pages, md.tail, pages.shape[0] * pages.shape[1] * page_size)  # the last pages' tails: zeros
         return pages.flatten(1, 2).transpose(1, 2)
