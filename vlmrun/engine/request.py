@@ -12,6 +12,7 @@ import torch
 
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
 from vlmrun.lora.request import LoRARequest
+from vlmrun.pooling.pooler import PoolingState
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
@@ -60,6 +61,7 @@ class Request:
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
     speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
+    pooling: Optional[PoolingState] = None  # a pooling (embedding) request: prefill-only, pooled (vlmrun/pooling/)
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property
