@@ -11,11 +11,11 @@ instead of sampling, the final hidden states (after the final norm) of its rows 
 - `pooler.py`: what the runner computes per chunk (`ChunkPooling`, `pool_chunks`) and the
   per-request accumulator the engine keeps (`PoolingState`).
 - `outputs.py`: vLLM's output shapes (`EmbeddingRequestOutput`, `PoolingRequestOutput`).
+
+Importing the package (and `params`, `config`) loads no torch: the CLI's parsers and job configs use them.
 """
 
 from vlmrun.pooling.config import POOLING_TYPES, PoolerConfig, read_pooler_config
-from vlmrun.pooling.outputs import EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput, PoolingRequestOutput
 from vlmrun.pooling.params import PoolingParams
 
-__all__ = ["POOLING_TYPES", "PoolerConfig", "read_pooler_config", "PoolingParams", "EmbeddingOutput",
-           "EmbeddingRequestOutput", "PoolingOutput", "PoolingRequestOutput"]
+__all__ = ["POOLING_TYPES", "PoolerConfig", "read_pooler_config", "PoolingParams"]
