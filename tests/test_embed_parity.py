@@ -15,10 +15,12 @@ from PIL import Image
 from transformers import AutoConfig
 
 from testing.hf_reference import HFReference
+from testing.videos import write_video
 from vlmrun import LLM
 from vlmrun.cache.plan import kv_bytes_per_token
 from vlmrun.config import CacheShape
 from vlmrun.pooling import PoolingParams
+from vlmrun.processors.video_io import video_decoder
 
 ATOL = 1e-5
 FAMILIES = ["qwen3_vl", "qwen3_5", "qwen2_5_vl"]
@@ -128,3 +130,17 @@ def _bytes_for_pages(model_dir, pages: int, page_size: int = 16) -> int:
     """A cache budget of `pages` KV pages (and the dummy page)."""
     shape = CacheShape.from_hf_config(AutoConfig.from_pretrained(str(model_dir)))
     return (pages + 1) * page_size * kv_bytes_per_token(shape, torch.float32)
+
+
+@pytest.mark.skipif(video_decoder() != "torchcodec", reason="needs torchcodec with the system FFmpeg libraries")
+def test_video_chat_pools_as_hf(qwen3_vl_dir, tmp_path):
+    """A chat with a video and an image, chunked so that the video's spans are cut, pools HF's hidden states."""
+    clip = write_video(tmp_path / "clip.mp4", 9, 48, 64, 3.0)
+    chats = {"video": chat(image(40, 30, 5), "and", "the clip:")}
+    chats["video"][0]["content"].insert(2, {"type": "video", "path": str(clip)})
+    reference = hf_hidden(qwen3_vl_dir, chats)
+    llm = LLM(str(qwen3_vl_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"}, max_num_batched_tokens=7)
+    out = llm.embed(list(chats.values()), PoolingParams(normalize=False), use_tqdm=False)[0]
+    ids, hidden = reference["video"]
+    assert out.error is None and out.prompt_token_ids == ids
+    assert torch.allclose(torch.tensor(out.outputs.embedding), hidden.mean(0), atol=ATOL, rtol=0)

@@ -118,6 +118,9 @@ def test_embed_and_encode_shapes_and_bad_input(qwen3_vl_dir, tmp_path):
     raw = llm.embed("a cat on a mat", PoolingParams(normalize=False), use_tqdm=False)[0].outputs.embedding
     want = torch.nn.functional.normalize(torch.tensor(raw[:4]), dim=-1)
     assert torch.allclose(torch.tensor(short), want, atol=1e-6)
+    cut = llm.embed({"prompt_token_ids": [5, 6, 7, 8, 9]}, PoolingParams(truncate_prompt_tokens=3), use_tqdm=False)[0]
+    last3 = llm.embed({"prompt_token_ids": [7, 8, 9]}, use_tqdm=False)[0]
+    assert cut.prompt_token_ids == [7, 8, 9] and cut.outputs.embedding == last3.outputs.embedding
     encoded = llm.encode(["a cat on a mat"], use_tqdm=False)[0]
     assert torch.allclose(encoded.outputs.data, torch.tensor(full.outputs.embedding))
     assert llm.engine.stats().kv_pages_used == 0
