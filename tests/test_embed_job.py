@@ -83,3 +83,22 @@ def test_a_bad_dimensions_is_a_usage_error(qwen3_vl_dir: Path, tmp_path: Path, c
     write_images(tmp_path / "imgs", 1, size=(40, 40))
     assert main(_cmd(qwen3_vl_dir, tmp_path / "imgs", tmp_path / "o.jsonl", "--dimensions", "4")) == 2
     assert "Matryoshka" in capsys.readouterr().err
+
+
+def test_embedder_rows_equal_the_local_job(qwen3_vl_dir: Path, tmp_path: Path):
+    """`VlmrunEmbedder` as a map_batches callable (what `vlmrun embed --ray` maps): one row per input, in
+    order, with the vector of the local job. (The --ray CLI itself starts a Ray: too slow for the suite.)"""
+    from vlmrun.jobs.embed_records import EMBEDDING_FIELDS
+    from vlmrun.ray import VlmrunEmbedder
+
+    folder = tmp_path / "imgs"
+    paths = [str(p) for p in write_images(folder, 3, size=None, sizes_range=(30, 90), seed=6)]
+    embedder = VlmrunEmbedder(str(qwen3_vl_dir), workers=2, engine_options={"dtype": "float32", "max_num_seqs": 2})
+    out = embedder({"image": np.array([paths[1], str(tmp_path / "missing.png"), paths[0]])})
+    assert list(out) == list(EMBEDDING_FIELDS) and out["image"] == [paths[1], str(tmp_path / "missing.png"), paths[0]]
+    assert out["embedding"][1] is None and "not found" in out["error"][1]
+    local_out = tmp_path / "local.jsonl"
+    assert main(_cmd(qwen3_vl_dir, folder, local_out)) == 0
+    local = _by_image(_records(local_out))
+    np.testing.assert_allclose([out["embedding"][0], out["embedding"][2]],
+                               [local[paths[1]]["embedding"], local[paths[0]]["embedding"]], atol=1e-6)

@@ -1,4 +1,4 @@
-"""Command line entry point: `vlmrun caption | run-batch | serve | web`, and `vlmrun --version`.
+"""Command line entry point: `vlmrun caption | embed | run-batch | serve | web`, and `vlmrun --version`.
 
 Each subcommand lives with the code it drives and registers its own parser here. Building the parser
 imports no torch, transformers or web framework (tests/test_cli_startup.py): `vlmrun --help` answers at

@@ -58,16 +58,21 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         from vlmrun.lora.peft_files import configured_rank
 
         engine.update(enable_lora=True, max_lora_rank=configured_rank(args.lora))
-    ray = None
-    if args.ray:
-        ray = RayOptions(address=args.ray_address, actors=args.ray_actors, gpus_per_actor=args.ray_gpus_per_actor,
-                         cpus_per_actor=args.ray_cpus_per_actor, batch_size=args.ray_batch_size)
+    ray = ray_options(args)
     return CaptionJobConfig(
         inputs=list(args.inputs), model=resolve_model(args.model), out=args.out, prompt=args.prompt,
         sampling=sampling, engine_options=engine, workers=args.workers, prefetch=args.prefetch,
         overwrite=args.overwrite, retry_errors=args.retry_errors, image_column=args.image_column,
         fsync_interval=args.fsync_interval, progress=not args.no_progress, ray=ray, lora=args.lora,
     )
+
+
+def ray_options(args: argparse.Namespace) -> Optional[RayOptions]:
+    """The Ray flags (`add_ray_args`; --ray-address implies --ray), or None without --ray."""
+    if not (args.ray or args.ray_address is not None):
+        return None
+    return RayOptions(address=args.ray_address, actors=args.ray_actors, gpus_per_actor=args.ray_gpus_per_actor,
+                      cpus_per_actor=args.ray_cpus_per_actor, batch_size=args.ray_batch_size)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -168,14 +173,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_engine_args(e)
     add_job_args(cap.add_argument_group("job"), "caption")
 
-    r = cap.add_argument_group("Ray (pip install 'vlmrun[ray]')")
-    r.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor")
-    r.add_argument("--ray-address", default=None,
-                   help="cluster to join ('auto', ray://host:10001); implies --ray; default: a local Ray")
-    r.add_argument("--ray-actors", type=int, default=None, help="engines (default: one per GPU group, or 1)")
-    r.add_argument("--ray-gpus-per-actor", type=float, default=None, help="default: 1 if the cluster has GPUs, else 0")
-    r.add_argument("--ray-cpus-per-actor", type=float, default=1.0)
-    r.add_argument("--ray-batch-size", type=int, default=64, help="images per actor call")
+    add_ray_args(cap.add_argument_group("Ray (pip install 'vlmrun[ray]')"))
     cap.set_defaults(func=caption, overwrite=False)
 
 
@@ -211,3 +209,14 @@ def add_job_args(j: argparse._ArgumentGroup, verb: str) -> None:
     j.add_argument("--fsync-interval", type=float, default=1.0,
                    help="seconds between fsyncs of the output (0: after every record)")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_ray_args(r: argparse._ArgumentGroup) -> None:
+    """The Ray Data flags of a job (`caption`, `embed`)."""
+    r.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor")
+    r.add_argument("--ray-address", default=None,
+                   help="cluster to join ('auto', ray://host:10001); implies --ray; default: a local Ray")
+    r.add_argument("--ray-actors", type=int, default=None, help="engines (default: one per GPU group, or 1)")
+    r.add_argument("--ray-gpus-per-actor", type=float, default=None, help="default: 1 if the cluster has GPUs, else 0")
+    r.add_argument("--ray-cpus-per-actor", type=float, default=1.0)
+    r.add_argument("--ray-batch-size", type=int, default=64, help="images per actor call")

@@ -2,6 +2,7 @@
 
     vlmrun embed INPUT... --out FILE [--model M] [--prompt P] [--dimensions N] [--no-normalize]
                  [--pooling-type LAST|MEAN|CLS] [--resume | --overwrite] [--retry-errors]
+                 [--ray [--ray-address ADDR]]
 
 Each image (with the `--prompt` text, in one user turn through the chat template) runs as a pooling
 request on an engine started with runner="pooling"; its record is the caption record with `caption`
@@ -15,7 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vlmrun.jobs.cli import EXIT_USAGE, add_engine_args, add_job_args, engine_options, sigterm_as_interrupt
+from vlmrun.jobs.cli import (EXIT_USAGE, add_engine_args, add_job_args, add_ray_args, engine_options, ray_options,
+                             sigterm_as_interrupt)
 from vlmrun.jobs.config import DEFAULT_PREFETCH, CaptionJobConfig
 
 DEFAULT_EMBED_PROMPT = ""  # the image alone (its user turn has an empty text part)
@@ -33,7 +35,8 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         inputs=list(args.inputs), model=resolve_model(args.model), out=args.out, prompt=args.prompt,
         engine_options=engine, workers=args.workers, prefetch=args.prefetch, overwrite=args.overwrite,
         retry_errors=args.retry_errors, image_column=args.image_column, fsync_interval=args.fsync_interval,
-        progress=not args.no_progress, pooling=PoolingParams(dimensions=args.dimensions, normalize=args.normalize))
+        progress=not args.no_progress, ray=ray_options(args),
+        pooling=PoolingParams(dimensions=args.dimensions, normalize=args.normalize))
 
 
 def embed(args: argparse.Namespace) -> int:
@@ -71,4 +74,5 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="override the checkpoint's pooling (default: its own, else LAST)")
     add_engine_args(p.add_argument_group("engine"))
     add_job_args(p.add_argument_group("job"), "embed")
+    add_ray_args(p.add_argument_group("Ray (pip install 'vlmrun[ray]')"))
     p.set_defaults(func=embed, overwrite=False, prefetch=DEFAULT_PREFETCH)
