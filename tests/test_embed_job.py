@@ -29,12 +29,14 @@ def _cmd(model_dir: Path, folder: Path, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
-def test_vectors_equal_llm_embed_and_bad_inputs_are_error_records(qwen3_vl_dir: Path, tmp_path: Path, suffix: str):
+def test_vectors_equal_llm_embed_and_bad_inputs_are_error_records(qwen3_vl_dir: Path, tmp_path: Path, suffix: str,
+                                                                    capsys: pytest.CaptureFixture):
     paths = write_images(tmp_path / "imgs", 5, size=None, sizes_range=(30, 90), seed=4)
     bad = write_bad_files(tmp_path / "imgs")
     out = tmp_path / f"out{suffix}"
     assert main(_cmd(qwen3_vl_dir, tmp_path / "imgs", out, "--prompt", "a photo", "--max-num-batched-tokens",
                      "16")) == 1  # some inputs failed
+    assert f"embedded 5/{5 + len(bad)} images" in capsys.readouterr().err
     records = _by_image(_records(out))
     llm = LLM(str(qwen3_vl_dir), runner="pooling", dtype="float32", device="cpu")
     want = llm.embed([{"prompt": "a photo", "images": [str(p)]} for p in paths], use_tqdm=False)

@@ -17,6 +17,8 @@ A chunk with draft tokens (speculative decoding, `ChunkInput.num_drafts`) sample
 (vlmrun/spec_decode/verify.py). What acceptance decides on the device (a hybrid model's GDN slots take
 the states after the accepted positions, the MTP layer's kept outputs, `last_tokens`) is queued by
 `launch` itself (`settle_on_device`), so it keeps step order under async scheduling.
+A pooling (embedding) chunk samples nothing: its rows of the final hidden states are pooled right after
+the forward (`pool`, vlmrun/pooling/pooler.py) and reach the host in `collect` (one transfer, in such steps only).
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
     _warn_if_mixed(state, config, stderr)
     stats = InputStats()
     counters = JobCounters()
-    summary = JobSummary(prior_failed=state.failed, out=config.out)
+    summary = JobSummary(prior_failed=state.failed, out=config.out,
+                         verb=("caption", "captioned") if config.pooling is None else ("embed", "embedded"))
     bar = ProgressBar(counters, stderr, enabled=config.progress and config.out not in (None, STDOUT))
     done = state.done  # read-only from here on (the input filter and the counting thread read it)
 
