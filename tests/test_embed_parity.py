@@ -1,8 +1,9 @@
 """Embeddings equal HF transformers' final hidden states pooled the same way (float32, CPU).
 
 For each family (Qwen3-VL, Qwen3.5 hybrid, Qwen2.5-VL, and the MoE Qwen3-VL / Qwen3.5) text, one-image
-and two-image chats run through `LLM.embed` together (continuous batching), once in one chunk each and once chunked at a few tokens per
-step (chunks of several prompts share steps; image spans are split across chunks), and are compared
+and two-image chats run through `LLM.embed` together (continuous batching), once in one chunk each and
+once chunked at a few tokens per step (chunks of several prompts share steps; image spans are split
+across chunks), and are compared
 with HF's `model.model(...).last_hidden_state` (after the final norm) pooled as the engine pools it.
 """
 

@@ -36,7 +36,8 @@ def write_sentence_transformers(folder, mode: str, normalize: bool) -> None:
     (folder / "1_Pooling").mkdir(exist_ok=True)
     flags = {f"pooling_mode_{m}": m == mode for m in ("cls_token", "mean_tokens", "max_tokens", "lasttoken")}
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": HIDDEN, **flags}))
-    (folder / "config_sentence_transformers.json").write_text(json.dumps({"prompts": {}, "similarity_fn_name": "cosine"}))
+    st_config = {"prompts": {}, "similarity_fn_name": "cosine"}
+    (folder / "config_sentence_transformers.json").write_text(json.dumps(st_config))
 
 
 @pytest.mark.parametrize("mode,want", [("lasttoken", "LAST"), ("mean_tokens", "MEAN"), ("cls_token", "CLS")])

@@ -121,6 +121,7 @@ class RequestOutput:
 Conversation = list[dict[str, Any]]
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
+PoolingArg = Union[PoolingParams, Sequence[PoolingParams], None]
 
 
 class LLM:
@@ -199,16 +200,16 @@ class LLM:
         inputs, total = _prompt_inputs(prompts)
         return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request)
 
-    def embed(self, prompts: Union[Any, Iterable[Any]], pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-              use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[EmbeddingRequestOutput]:
+    def embed(self, prompts: Union[Any, Iterable[Any]], pooling_params: PoolingArg = None, use_tqdm: bool = True,
+              lora_request: LoRAArg = None) -> list[EmbeddingRequestOutput]:
         """vLLM's `embed` (an engine started with runner="pooling"): one embedding per prompt, in input order.
         The prompts take `generate`'s forms (images and videos too); `pooling_params` (`dimensions`,
         `normalize`, `truncate_prompt_tokens`) one for all or one per prompt. A bad input fails alone
         (its `error`, an empty embedding); a bad `dimensions` is a ValueError naming it."""
         return self._pool(prompts, pooling_params, use_tqdm, lora_request, embedding_request_output)
 
-    def encode(self, prompts: Union[Any, Iterable[Any]], pooling_params: Union[PoolingParams, Sequence[PoolingParams], None] = None,
-               use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[PoolingRequestOutput]:
+    def encode(self, prompts: Union[Any, Iterable[Any]], pooling_params: PoolingArg = None, use_tqdm: bool = True,
+               lora_request: LoRAArg = None) -> list[PoolingRequestOutput]:
         """vLLM's `encode`: `embed`'s vectors as `PoolingRequestOutput`s (`.outputs.data`, a float32 tensor)."""
         return self._pool(prompts, pooling_params, use_tqdm, lora_request, pooling_request_output)
 

@@ -19,7 +19,8 @@ from vlmrun.pooling.pooler import PoolingState
 from vlmrun.sampling_params import SamplingParams
 
 RUNNERS = ("generate", "pooling")
-TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "encode": "pooling", "embedding": "pooling"}  # vLLM's old task=
+# vLLM's older task= names -> the runner
+TASK_RUNNERS = {"generate": "generate", "embed": "pooling", "encode": "pooling", "embedding": "pooling"}
 
 
 def runner_for(runner: str, task: Optional[str] = None) -> str:

@@ -41,7 +41,8 @@ from vlmrun.server.transport import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 
-_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize", "/health",
+_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
+                "/health",
                 "/ping", "/version", "/metrics")
 
 
