@@ -89,11 +89,13 @@ def test_mean_pooling_equals_hf(family, max_num_batched_tokens):
         assert llm.engine.stats().kv_pages_used == 0  # prefill-only: no pages held after the last chunk
 
 
-@pytest.mark.parametrize("pooling_type", ["LAST", "CLS"])
-def test_last_and_cls_pooling_equal_hf(qwen3_vl_dir, pooling_type):
-    reference = hf_hidden(qwen3_vl_dir, CHATS)
-    llm = LLM(str(qwen3_vl_dir), runner="pooling", pooler_config={"pooling_type": pooling_type},
-              max_num_batched_tokens=9)
+@pytest.mark.parametrize("arch,pooling_type", [("qwen3_vl", "LAST"), ("qwen3_vl", "CLS"), ("qwen3_5", "LAST")])
+def test_last_and_cls_pooling_equal_hf(request, arch, pooling_type):
+    """Hybrid Qwen3.5's prefix hits restore GDN snapshots (prefix_snapshot_interval 16: a few per prompt)."""
+    model_dir = request.getfixturevalue(f"{arch}_dir")
+    reference = hf_hidden(model_dir, CHATS)
+    llm = LLM(str(model_dir), runner="pooling", pooler_config={"pooling_type": pooling_type},
+              max_num_batched_tokens=9, prefix_snapshot_interval=16, gdn_prefix_snapshots=16)
     check(llm, reference, pooling_type, normalize=True)
     check(llm, reference, pooling_type, normalize=True)  # again: LAST hits the prefix cache, CLS must not use it
     hits = llm.engine.prefix_cache_stats().hit_tokens
