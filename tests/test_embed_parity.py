@@ -147,3 +147,23 @@ def test_video_chat_pools_as_hf(qwen3_vl_dir, tmp_path):
     ids, hidden = reference["video"]
     assert out.error is None and out.prompt_token_ids == ids
     assert torch.allclose(torch.tensor(out.outputs.embedding), hidden.mean(0), atol=ATOL, rtol=0)
+
+
+def test_lora_adapter_pools_as_peft(qwen3_vl_dir, tmp_path):
+    """A pooling request with a LoRA adapter: HF + PEFT's hidden states pooled (the base model's differ)."""
+    from testing.lora_adapters import build_peft_adapter, peft_reference
+    from vlmrun import LoRARequest
+
+    adapter = build_peft_adapter(qwen3_vl_dir, tmp_path / "adapter", target_modules=["q_proj", "v_proj", "down_proj"])
+    ref = peft_reference(qwen3_vl_dir, adapter)
+    messages = CHATS["one_image"]
+    with torch.no_grad():
+        inputs = ref.inputs(messages)
+        want = ref.model.get_base_model().model(**inputs).last_hidden_state[0].mean(0)
+    llm = LLM(str(qwen3_vl_dir), runner="pooling", pooler_config={"pooling_type": "MEAN"}, enable_lora=True,
+              max_lora_rank=4, max_num_batched_tokens=7)
+    params = PoolingParams(normalize=False)
+    lora, base = llm.embed([messages, messages], params, lora_request=[LoRARequest("a", 1, str(adapter)), None],
+                           use_tqdm=False)
+    assert torch.allclose(torch.tensor(lora.outputs.embedding), want, atol=ATOL, rtol=0)
+    assert not torch.allclose(torch.tensor(base.outputs.embedding), want, atol=ATOL, rtol=0)
