@@ -59,6 +59,7 @@ FLOORS: dict[str, int] = {
     "vlmrun.spec_decode.grammar": 1,
     "vlmrun.spec_decode.mtp": 3, "vlmrun.spec_decode.proposer": 5,
     "vlmrun.lora": 3, "vlmrun.lora.request": 1, "vlmrun.lora.peft_files": 1,
+    "vlmrun.pooling": 1,
 }
 
 

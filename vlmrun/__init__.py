@@ -6,7 +6,7 @@ The public names load lazily, so importing a submodule (`import vlmrun.config`, 
 from typing import Any
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate",
-           "LoRARequest"]
+           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "PoolingRequestOutput"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,6 +22,14 @@ def __getattr__(name: str) -> Any:
         from vlmrun.lora.request import LoRARequest
 
         return LoRARequest
+    if name == "PoolingParams":
+        from vlmrun.pooling.params import PoolingParams
+
+        return PoolingParams
+    if name in ("EmbeddingRequestOutput", "PoolingRequestOutput"):
+        from vlmrun.pooling import outputs
+
+        return getattr(outputs, name)
     if name in ("LLM", "RequestOutput", "CompletionOutput", "generate"):
         from vlmrun import api
 

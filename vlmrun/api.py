@@ -28,6 +28,10 @@ from vlmrun.feed.pipeline import DEFAULT_PREFETCH, Finished, InputPipeline, Work
 from vlmrun.feed.progress import FeedProgress
 from vlmrun.feed.workers import preprocess_workers as default_preprocess_workers
 from vlmrun.lora.request import LoRARequest
+from vlmrun.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, embedding_request_output,
+                                    pooling_request_output)
+from vlmrun.pooling.params import PoolingParams
+from vlmrun.pooling.runner_mode import runner_for
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
@@ -117,6 +121,7 @@ class RequestOutput:
 Conversation = list[dict[str, Any]]
 ParamsArg = Union[SamplingParams, Sequence[SamplingParams], None]
 LoRAArg = Union[LoRARequest, Sequence[Optional[LoRARequest]], None]
+PoolingArg = Union[PoolingParams, Sequence[PoolingParams], None]
 
 
 class LLM:
@@ -131,6 +136,9 @@ class LLM:
     the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
     preprocess_workers: threads preprocessing the inputs of a call (None: the CPUs this process may use,
     at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
+    runner (vLLM's): "generate" (text) or "pooling" (embeddings: `embed` / `encode`); vLLM's older
+    `task="embed"` means runner="pooling". `pooler_config` ({"pooling_type", "normalize"}) overrides the
+    checkpoint's pooling (docs/embeddings.md).
     Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `kv_cache_dtype`
     "fp8" for a float8 KV cache, `scheduling_policy` "priority" for `generate`'s `priority`).
     """
@@ -140,12 +148,13 @@ class LLM:
                  max_num_batched_tokens: int = 8192, limit_mm_per_prompt: Optional[dict[str, int]] = None,
                  generation_config: str = "auto", quantization: Optional[str] = None,
                  preprocess_workers: Optional[int] = None, preprocess_prefetch: int = DEFAULT_PREFETCH,
-                 **engine_kwargs: Any):
+                 runner: str = "generate", task: Optional[str] = None, **engine_kwargs: Any):
         if limit_mm_per_prompt is not None:
             engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              generation_config=generation_config, quantization=quantization, **engine_kwargs)
+                              generation_config=generation_config, quantization=quantization,
+                              runner=runner_for(runner, task), **engine_kwargs)
         self.engine = Engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
@@ -194,6 +203,7 @@ class LLM:
         """`generate`, each output handed out as soon as it finishes: `(index, output)`, `index` the
         prompt's position in `prompts`. Holds the LLM (other calls wait) until exhausted or closed;
         leaving the loop early aborts the prompts not yet finished."""
+        self.engine.pooling.check_call(pools=False)  # a ValueError on an engine started for embeddings
         inputs, total = _prompt_inputs(prompts)
         if priority is not None:  # vLLM's: a list, one per prompt, checked before anything runs
             if not isinstance(priority, (list, tuple)):
@@ -202,6 +212,36 @@ class LLM:
                 self.engine.scheduler.policy.check(value)
         return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request,
                             priority)
+
+    def embed(self, prompts: Union[Any, Iterable[Any]], pooling_params: PoolingArg = None, use_tqdm: bool = True,
+              lora_request: LoRAArg = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `embed` (an engine started with runner="pooling"): one embedding per prompt, in input order.
+        The prompts take `generate`'s forms (images and videos too); `pooling_params` (`dimensions`,
+        `normalize`, `truncate_prompt_tokens`) one for all or one per prompt. A bad input fails alone
+        (its `error`, an empty embedding); a bad `dimensions` is a ValueError naming it."""
+        return self._pool(prompts, pooling_params, use_tqdm, lora_request, embedding_request_output)
+
+    def encode(self, prompts: Union[Any, Iterable[Any]], pooling_params: PoolingArg = None, use_tqdm: bool = True,
+               lora_request: LoRAArg = None) -> list[PoolingRequestOutput]:
+        """vLLM's `encode`: `embed`'s vectors as `PoolingRequestOutput`s (`.outputs.data`, a float32 tensor)."""
+        return self._pool(prompts, pooling_params, use_tqdm, lora_request, pooling_request_output)
+
+    def _pool(self, prompts: Any, pooling_params: Any, use_tqdm: bool, lora_request: LoRAArg,
+              convert: Callable[..., Any]) -> list[Any]:
+        self.engine.pooling.check_call(pools=True)  # a ValueError on an engine started for generation
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        for p in params if isinstance(params, (list, tuple)) else [params]:  # each checked before anything runs
+            if not isinstance(p, PoolingParams):
+                raise ValueError(f"embed / encode take PoolingParams, got {type(p).__name__} (generation options "
+                                 f"do not apply to embeddings)")
+            p.resolve(self.engine.pooling.config)
+        inputs, total = _prompt_inputs(prompts)
+
+        def output(finished: Finished) -> Any:
+            return convert(finished.work.request_id, finished.results[0], finished.prompt_token_ids, finished.error)
+
+        return _in_input_order(self._stream(inputs, total, params, use_tqdm, self.engine.process, lora_request,
+                                            convert=output))
 
     def chat(self, messages: Union[Conversation, Iterable[Conversation]],
              sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
@@ -232,6 +272,7 @@ class LLM:
                     tools: Optional[list[dict[str, Any]]] = None, mm_processor_kwargs: Optional[dict[str, Any]] = None,
                     lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
         """`chat`, each output handed out as it finishes, as `generate_stream`'s."""
+        self.engine.pooling.check_call(pools=False)
         check_continuation(add_generation_prompt, continue_final_message)
         if mm_processor_kwargs is not None:
             check_processor_kwargs(mm_processor_kwargs)
@@ -250,12 +291,15 @@ class LLM:
 
     def _stream(self, inputs: Iterable[Any], total: Optional[int], params_arg: ParamsArg, use_tqdm: bool,
                 process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg,
-                priority: Optional[list[int]] = None) -> Iterator[tuple[int, RequestOutput]]:
-        """Check the per-input arguments (now, for a known length), then run (when iterated)."""
+                priority: Optional[list[int]] = None,
+                convert: Optional[Callable[[Finished], Any]] = None) -> Iterator[tuple[int, Any]]:
+        """Check the per-input arguments (now, for a known length), then run (when iterated); each finished
+        input becomes `convert(finished)` (default: a RequestOutput)."""
         params = _per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
         loras = _per_input(lora_request, total, "LoRA requests", None)
         priorities = _per_input(priority, total, "priorities", 0)
-        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process)
+        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process,
+                         convert or _request_output)
 
     def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
                loras: Iterator[Optional[LoRARequest]], priorities: Iterator[int]) -> Iterator[Work]:
@@ -270,7 +314,8 @@ class LLM:
             raise ValueError("got more sampling params than prompts")
 
     def _run(self, works: Iterator[Work], total: Optional[int], use_tqdm: bool,
-             process: Callable[[Any], ProcessedPrompt]) -> Iterator[tuple[int, RequestOutput]]:
+             process: Callable[[Any], ProcessedPrompt],
+             convert: Optional[Callable[[Finished], Any]] = None) -> Iterator[tuple[int, Any]]:
         with self._lock:
             pipeline = InputPipeline(self.engine, process, workers=self.preprocess_workers,
                                      prefetch=self.preprocess_prefetch)
@@ -279,7 +324,7 @@ class LLM:
                 small = total is not None and total <= self.preprocess_prefetch  # one batch, added at once
                 for finished in pipeline.stream(works, whole_batch=small):
                     bar.advance(finished.num_output_tokens, pipeline.preprocessed)
-                    yield finished.index, _request_output(finished)
+                    yield finished.index, (convert or _request_output)(finished)
             finally:
                 bar.close()
 

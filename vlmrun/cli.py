@@ -1,4 +1,4 @@
-"""Command line entry point: `vlmrun caption | run-batch | serve | web`, and `vlmrun --version`.
+"""Command line entry point: `vlmrun caption | embed | run-batch | serve | web`, and `vlmrun --version`.
 
 Each subcommand lives with the code it drives and registers its own parser here. Building the parser
 imports no torch, transformers or web framework (tests/test_cli_startup.py): `vlmrun --help` answers at
@@ -38,6 +38,7 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from vlmrun.jobs import cli as jobs_cli
+    from vlmrun.jobs import embed_cli
     from vlmrun.jobs import run_batch_cli
     from vlmrun.server import cli as server_cli
     from vlmrun.web import cli as web_cli
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vlmrun {version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     jobs_cli.register(sub)
+    embed_cli.register(sub)
     run_batch_cli.register(sub)
     server_cli.register(sub)
     web_cli.register(sub)

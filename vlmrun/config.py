@@ -143,6 +143,11 @@ class EngineConfig:
     max_stop_strings: int = 32
     max_stop_string_length: int = 512  # characters
     max_stop_token_ids: int = 64
+    # vLLM's runner: "generate" (text) or "pooling" (embeddings: LLM.embed / encode, /v1/embeddings;
+    # vlmrun/pooling/); pooler_config (vLLM's --pooler-config) overrides the checkpoint's pooling:
+    # {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}.
+    runner: str = "generate"
+    pooler_config: Optional[dict[str, Any]] = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -187,6 +192,8 @@ class EngineConfig:
             raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.mm_processor_kwargs is not None:
             check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be generate or pooling, got {self.runner!r}")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -10,12 +10,15 @@
     # (Ray < 2.51: concurrency=8 instead of compute=...); or: caption_dataset(ds, model, concurrency=8, ...)
     out.write_parquet("s3://bucket/captions/")
 
+Embeddings: `VlmrunEmbedder` (one pooling engine per actor; fn_constructor_kwargs {"model": ...,
+"pooling": {"dimensions": 256}}) adds an `embedding` column; `caption_dataset(ds, model, mapper=VlmrunEmbedder)`.
+
 This module is the public name of the Ray integration; the code lives with the batch jobs, in
 `vlmrun.jobs.ray_data` (which `vlmrun caption --ray` uses too), so the jobs package never imports
 upward into this one. Ray is an optional extra (`pip install 'vlmrun[ray]'`): importing this
 module does not import it.
 """
 
-from vlmrun.jobs.ray_data import VlmrunCaptioner, caption_dataset
+from vlmrun.jobs.ray_data import VlmrunCaptioner, VlmrunEmbedder, caption_dataset
 
-__all__ = ["VlmrunCaptioner", "caption_dataset"]
+__all__ = ["VlmrunCaptioner", "VlmrunEmbedder", "caption_dataset"]

@@ -279,7 +279,7 @@ class AsyncEngine:
             delta.num_prompt_tokens = result.num_prompt_tokens
             delta.num_output_tokens = result.num_output_tokens
             delta.first_token_time = result.first_token_time
-            delta.prompt_logprobs = result.prompt_logprobs
+            delta.prompt_logprobs, delta.pooled = result.prompt_logprobs, result.pooled
         self._emit(live.group, delta)
 
     def _fail_all(self, exc: BaseException) -> None:

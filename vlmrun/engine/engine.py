@@ -41,6 +41,7 @@ from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.prompt_forms import RawPrompt, UserTurnPrompt, parse_prompt
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
+from vlmrun.engine.stats import EngineStats
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
@@ -49,8 +50,8 @@ from vlmrun.loader import resolve_model_path
 from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
+from vlmrun.pooling.runner_mode import PoolingMode
 from vlmrun.sampling_params import SamplingParams, StopLimits
-from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import build_proposer
 from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers
@@ -67,35 +68,6 @@ class LaunchedChunks:
     collected: bool = False
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine holds at one moment (`Engine.stats()`): queues, cache occupancy, counters, weights."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_total: int = 0  # usable pages (the dummy page not counted)
-    req_rows_used: int = 0
-    req_rows_total: int = 0
-    gdn_slots_used: Optional[int] = None  # None: the model has no GDN state pool
-    gdn_slots_total: Optional[int] = None  # usable slots (the dummy slot not counted)
-    num_preemptions: int = 0
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    weight_bytes: tuple[int, ...] = ()  # the model's parameter bytes per device: one, or each TP rank's
-    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters, all requests; None: off
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
-
-    @property
-    def gdn_usage(self) -> Optional[float]:
-        if self.gdn_slots_used is None or not self.gdn_slots_total:
-            return None
-        return self.gdn_slots_used / self.gdn_slots_total
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
         self.device = executor_device(config)
@@ -107,6 +79,8 @@ class Engine:
                                                    device=self._preprocess_device(), chat_template=config.chat_template,
                                                    mm_processor_kwargs=config.mm_processor_kwargs)
         self.tokenizer = self.processor.tokenizer
+        self.pooling = PoolingMode.of(config.runner, path, self.model_config.hf_config,  # generate | pooling
+                                      self.model_config.text_config.hidden_size, config.pooler_config)
         self.runner: Executor = self._build_executor()
         self.caches = self.runner.caches  # under tensor parallel, stand-ins that record the scheduler's writes
         self.max_model_len = self.caches.plan.max_model_len
@@ -224,6 +198,7 @@ class Engine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.policy.check(priority)  # SamplingParamError naming "priority" (e.g. non-zero under fcfs)
+        params, pooling = self.pooling.admit(params)  # PoolingParams: an embedding request (prefill-only), its state
         if lora_request is not None:  # read and checked now, off the step loop; a ValueError naming a bad one
             if not self.config.enable_lora:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without "
@@ -248,10 +223,10 @@ class Engine:
         generator = None if params.seed is None else self.runner.make_generator(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
-                      grammar=grammar, lora=lora_request, priority=priority)
+                      grammar=grammar, lora=lora_request, priority=priority, pooling=pooling)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * n  # filled per prefill chunk; the first position stays None
-        if self.prefix_cache is not None:  # (the adapter's salt, then the prompt's `cache_salt`)
+        if self.prefix_cache is not None and (pooling is None or not pooling.pooling.reads_prefix):
             req.page_keys = prompt_page_keys(prompt, self.caches.plan.page_size, cache_salt(lora_request))
         self.requests[request_id] = req
         self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
@@ -339,11 +314,23 @@ class Engine:
             end = self.scheduler.settle(chunk, len(output.after_drafts))  # rejected drafts are not computed
             if req.status is RequestStatus.RUNNING and req.page_keys:  # (not when preempted meanwhile: its pages are gone)
                 self.scheduler.commit(req, end)  # index new full pages (and snapshot GDN state) first
+            if req.pooling is not None:  # prefill-only: pooled, finished after its last prompt chunk
+                updates += self._pooled(req, chunk, output.pooled)
+                continue
             if sampled is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
                 updates.append(self._append_tokens(req, [sampled, *output.after_drafts]))
         return updates
+
+    def _pooled(self, req: Request, chunk: ScheduledChunk, pooled: Optional[torch.Tensor]) -> list[RequestUpdate]:
+        """A pooling request's chunk adds its part; after the last prompt chunk it finishes with its embedding."""
+        embedding = req.pooling.add(chunk.start, chunk.end, req.num_prompt_tokens, pooled)
+        if embedding is None or req.status is not RequestStatus.RUNNING:  # (preempted meanwhile: it recomputes)
+            return []
+        update = self._finish(req, "stop")
+        update.result = dataclasses.replace(update.result, pooled=embedding)
+        return [update]
 
     def _drop_interrupted(self, steps: list[LaunchedChunks]) -> None:
         """A step that raised (an error, a KeyboardInterrupt) mid-way may have advanced some layers' GDN

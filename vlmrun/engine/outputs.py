@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+import torch
+
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 
@@ -33,6 +35,7 @@ class RequestResult:
     # per prompt position {token id: raw logprob} (the prompt token + top-k); the first is None; None unless asked
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters; None when the engine does not speculate
+    pooled: Optional[torch.Tensor] = None  # a pooling request's embedding [dim] float32 (CPU); None for generation
 
     @property
     def num_output_tokens(self) -> int:

@@ -12,6 +12,7 @@ import torch
 
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
 from vlmrun.lora.request import LoRARequest
+from vlmrun.pooling.pooler import PoolingState
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
@@ -61,6 +62,7 @@ class Request:
     speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
     priority: int = 0  # the priority scheduling policy serves lower values first (engine/queue_policy.py)
+    pooling: Optional[PoolingState] = None  # a pooling (embedding) request: prefill-only, pooled (vlmrun/pooling/)
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property

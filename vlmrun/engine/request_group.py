@@ -44,6 +44,7 @@ class ChoiceDelta:
     num_output_tokens: int = 0
     first_token_time: Optional[float] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    pooled: Any = None  # a pooling request's embedding (torch.Tensor [dim] float32, CPU) on its last delta
 
 
 class RequestGroup:

@@ -46,7 +46,7 @@ class ScheduledChunk:
         samples = known_end == req.num_tokens
         in_prompt = self.start < req.num_prompt_tokens
         sampling = (SamplingRow(req.sampling_params, req.prompt_token_ids, req.sampling_outputs(), req.generator,
-                                req.eos_token_ids, req.sampling_grammar) if samples else None)
+                                req.eos_token_ids, req.sampling_grammar) if samples and req.pooling is None else None)
         if known_end - self.start == 1 and not in_prompt:  # a decode: the last output token (or its placeholder)
             outputs, at = req.output_token_ids, self.start - req.num_prompt_tokens
             token_ids = [outputs[at] if at < len(outputs) else PLACEHOLDER_TOKEN]
@@ -62,7 +62,8 @@ class ScheduledChunk:
                           prompt_logprobs=self.prompt_logprob_targets() if in_prompt else None,
                           num_drafts=len(drafts), draft_grammar=draft_grammar,
                           next_token_id=None if samples else req.token_ids_slice(end, end + 1)[0],
-                          lora=req.lora, feeds_drafter=self.feeds_drafter)
+                          lora=req.lora, feeds_drafter=self.feeds_drafter,
+                          pooling=None if req.pooling is None else req.pooling.chunk(self.start, end, req.num_prompt_tokens))
 
     @property
     def feeds_drafter(self) -> bool:

@@ -189,6 +189,8 @@ class Scheduler:
             return False
         if req.num_launched_drafts or (self.cut_at_snapshots and self.is_snapshot_point(req, req.num_computed_tokens)):
             return True
+        if req.pooling is not None:  # prefill-only: once its whole prompt is launched it waits only to finish
+            return req.num_computed_tokens >= req.num_prompt_tokens
         if not req.num_pending_tokens:  # a prompt chunk is running: the next one follows it
             return False
         params, proposer = req.sampling_params, self.proposer

@@ -17,6 +17,8 @@ A chunk with draft tokens (speculative decoding, `ChunkInput.num_drafts`) sample
 (vlmrun/spec_decode/verify.py). What acceptance decides on the device (a hybrid model's GDN slots take
 the states after the accepted positions, the MTP layer's kept outputs, `last_tokens`) is queued by
 `launch` itself (`settle_on_device`), so it keeps step order under async scheduling.
+A pooling (embedding) chunk samples nothing: its rows of the final hidden states are pooled right after
+the forward (`pool`, vlmrun/pooling/pooler.py) and reach the host in `collect` (one transfer, in such steps only).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from vlmrun.models.weights import weight_bytes
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
+from vlmrun.pooling.pooler import pool_chunks, pooled_to_host
 from vlmrun.spec_decode.mtp import MTPDrafter
 from vlmrun.spec_decode.verify import SeededDraws, accepted_on_device, count_accepted, position_rows
 
@@ -63,6 +66,7 @@ class ChunkOutput:
     # speculative decoding: the token sampled after each accepted draft (so one per accepted draft);
     # the request's new tokens are `sampled`, then these
     after_drafts: list[SampledToken] = field(default_factory=list)
+    pooled: Optional[torch.Tensor] = None  # a pooling chunk's contribution [hidden] float32 (vlmrun/pooling/pooler.py)
 
 
 @dataclass
@@ -75,6 +79,7 @@ class LaunchedStep:
     drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
     seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
     mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
+    pooled: Sequence[Optional[torch.Tensor]] = ()  # per chunk (or empty: no pooling chunk): its pooled contribution
 
 
 class ModelRunner:
@@ -129,6 +134,7 @@ class ModelRunner:
         if mtp is not None:
             mtp.draft(fb)
         hidden = self.forward(fb)  # [num_tokens, hidden]
+        pooled = self.pool(hidden, chunks)
         prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
         samples = [c.sampling is not None for c in chunks]
         verifies = any(c.num_drafts for c in chunks)
@@ -140,7 +146,7 @@ class ModelRunner:
         if not rows:
             if mtp is not None:
                 mtp.catch_up(hidden, fb, None)
-            return LaunchedStep(samples, None, prompt_logprobs, mtp=mtp)
+            return LaunchedStep(samples, None, prompt_logprobs, mtp=mtp, pooled=pooled)
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
         drafts = [c.draft_token_ids for c in chunks] if verifies else [()] * len(chunks)
@@ -157,7 +163,7 @@ class ModelRunner:
             mtp.catch_up(hidden, fb, output.token_ids)
         self.settle_on_device(chunks, output.token_ids, fb, mtp)
         output.start_transfer()
-        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, mtp)
+        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, mtp, pooled)
 
     def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, fb: ForwardBatch,
                          mtp: Optional[MTPStep]) -> None:
@@ -238,11 +244,21 @@ class ModelRunner:
                         if accepted < len(drafts) and seeded is not None:
                             seeded.keep(1 + accepted)  # the draws of the emitted positions only
                         out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
+        for out, vector in zip(outputs, pooled_to_host(step.pooled)):  # (one transfer, in steps with pooling only)
+            out.pooled = vector
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
                 k = (rows.shape[1] - 2) // 2
                 out.prompt_logprobs = logprob_dicts(rows.tolist(), k)
         return outputs
+
+    @staticmethod
+    def pool(hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
+        """Pooling (embedding) chunks: each one's contribution [hidden] from its rows of the final hidden
+        states (vlmrun/pooling/pooler.py); empty when no chunk pools."""
+        if all(c.pooling is None for c in chunks):
+            return []
+        return pool_chunks(hidden, [c.pooling for c in chunks], [c.num_tokens for c in chunks])
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model over the step's tokens -> hidden states [num_tokens, hidden]."""

@@ -15,6 +15,7 @@ import torch
 
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.lora.request import LoRARequest
+from vlmrun.pooling.pooler import ChunkPooling
 from vlmrun.spec_decode.grammar import DraftGrammar, FilledDraftGrammar
 
 
@@ -55,6 +56,7 @@ class ChunkInput:
     # the prefix cache keeps none of these positions for a request that will)
     feeds_drafter: bool = True
     mrope_delta: int = 0  # the request's M-RoPE offset of positions after its prompt (read when positions is None)
+    pooling: Optional[ChunkPooling] = None  # a pooling (embedding) request's chunk: pool its final hidden states
 
     @property
     def num_tokens(self) -> int:

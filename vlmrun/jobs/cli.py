@@ -51,27 +51,38 @@ def build_config(args: argparse.Namespace) -> CaptionJobConfig:
         min_tokens=args.min_tokens, stop=args.stop or None, ignore_eos=args.ignore_eos,
         structured_outputs=structured_outputs(args),
     )
-    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, **kernel_options(args)}
-    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
-                 "encoder_cache_tokens", "max_image_pixels", "tensor_parallel_size", "distributed_executor_backend"):
-        if getattr(args, name) is not None:
-            engine[name] = getattr(args, name)
+    engine = engine_options(args)
     if args.lora is not None and args.ray:
         raise ValueError("--lora is not supported with --ray yet")
     if args.lora is not None:  # one adapter, slots sized to it
         from vlmrun.lora.peft_files import configured_rank
 
         engine.update(enable_lora=True, max_lora_rank=configured_rank(args.lora))
-    ray = None
-    if args.ray:
-        ray = RayOptions(address=args.ray_address, actors=args.ray_actors, gpus_per_actor=args.ray_gpus_per_actor,
-                         cpus_per_actor=args.ray_cpus_per_actor, batch_size=args.ray_batch_size)
+    ray = ray_options(args)
     return CaptionJobConfig(
         inputs=list(args.inputs), model=resolve_model(args.model), out=args.out, prompt=args.prompt,
         sampling=sampling, engine_options=engine, workers=args.workers, prefetch=args.prefetch,
         overwrite=args.overwrite, retry_errors=args.retry_errors, image_column=args.image_column,
         fsync_interval=args.fsync_interval, progress=not args.no_progress, ray=ray, lora=args.lora,
     )
+
+
+def ray_options(args: argparse.Namespace) -> Optional[RayOptions]:
+    """The Ray flags (`add_ray_args`; --ray-address implies --ray), or None without --ray."""
+    if not (args.ray or args.ray_address is not None):
+        return None
+    return RayOptions(address=args.ray_address, actors=args.ray_actors, gpus_per_actor=args.ray_gpus_per_actor,
+                      cpus_per_actor=args.ray_cpus_per_actor, batch_size=args.ray_batch_size)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig keywords of the engine flags (`add_engine_args`) that were given."""
+    engine: dict[str, Any] = {"dtype": args.dtype, "device": args.device, **kernel_options(args)}
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory_bytes",
+                 "encoder_cache_tokens", "max_image_pixels", "tensor_parallel_size", "distributed_executor_backend"):
+        if getattr(args, name) is not None:
+            engine[name] = getattr(args, name)
+    return engine
 
 
 def structured_outputs(args: argparse.Namespace) -> Optional[dict[str, Any]]:
@@ -158,8 +169,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="captions are one of these strings (repeatable)")
 
     e = cap.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto")
     e.add_argument("--lora", default=None, metavar="PATH", help="caption with this LoRA adapter (a PEFT folder)")
+    add_engine_args(e)
+    add_job_args(cap.add_argument_group("job"), "caption")
+
+    add_ray_args(cap.add_argument_group("Ray (pip install 'vlmrun[ray]')"))
+    cap.set_defaults(func=caption, overwrite=False)
+
+
+def add_engine_args(e: argparse._ArgumentGroup) -> None:
+    """The engine flags of a job (`caption`, `embed`)."""
+    e.add_argument("--dtype", default="auto")
     e.add_argument("--device", default="auto")
     e.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together (engine default 256)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -173,12 +193,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default=None,
                    help="how the ranks are started: local processes (mp, default) or a Ray placement group")
 
-    j = cap.add_argument_group("job")
+
+def add_job_args(j: argparse._ArgumentGroup, verb: str) -> None:
+    """The job flags (output mode, workers, manifest column, fsync, progress) of a job (`caption`, `embed`)."""
     mode = j.add_mutually_exclusive_group()
     mode.add_argument("--resume", dest="overwrite", action="store_false",
                       help="skip images already recorded in --out (the default when it exists)")
     mode.add_argument("--overwrite", dest="overwrite", action="store_true", help="start --out afresh")
-    j.add_argument("--retry-errors", action="store_true", help="on resume, caption again the images that failed")
+    j.add_argument("--retry-errors", action="store_true", help=f"on resume, {verb} again the images that failed")
     j.add_argument("--workers", type=int, default=default_workers(),
                    help="threads reading and preprocessing images (default: the CPUs this process may use, at most 8)")
     j.add_argument("--prefetch", type=int, default=DEFAULT_PREFETCH,
@@ -188,7 +210,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="seconds between fsyncs of the output (0: after every record)")
     j.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    r = cap.add_argument_group("Ray (pip install 'vlmrun[ray]')")
+
+def add_ray_args(r: argparse._ArgumentGroup) -> None:
+    """The Ray Data flags of a job (`caption`, `embed`)."""
     r.add_argument("--ray", action="store_true", help="run on Ray Data: one engine per actor")
     r.add_argument("--ray-address", default=None,
                    help="cluster to join ('auto', ray://host:10001); implies --ray; default: a local Ray")
@@ -196,4 +220,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--ray-gpus-per-actor", type=float, default=None, help="default: 1 if the cluster has GPUs, else 0")
     r.add_argument("--ray-cpus-per-actor", type=float, default=1.0)
     r.add_argument("--ray-batch-size", type=int, default=64, help="images per actor call")
-    cap.set_defaults(func=caption, overwrite=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from vlmrun.pooling.params import PoolingParams
 from vlmrun.sampling_params import SamplingParams
 
 DEFAULT_PROMPT = "Describe the image."
@@ -62,3 +63,5 @@ class CaptionJobConfig:
     progress: bool = True
     ray: Optional[RayOptions] = None
     lora: Optional[str] = None  # a LoRA adapter (PEFT folder) every caption runs with (not with Ray yet)
+    # `vlmrun embed`: embed each image instead (an engine with runner="pooling"; records carry `embedding`)
+    pooling: Optional[PoolingParams] = None

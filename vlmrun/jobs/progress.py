@@ -169,6 +169,7 @@ class JobSummary:
     output_error: Optional[str] = None  # the job stopped: its output could not be written
     spec_decode: Optional[SpecDecodeStats] = None  # the engine speculated: its drafts and acceptance
     failures: list[tuple[str, str]] = field(default_factory=list)  # the first failed inputs: (input, error)
+    verb: tuple[str, str] = ("caption", "captioned")  # what the job does to an image, and its past (`vlmrun embed`'s)
 
     @property
     def images_per_s(self) -> float:
@@ -187,21 +188,21 @@ class JobSummary:
 
     def lines(self) -> list[str]:
         if self.interrupted and not self.written:  # stopped before the first record: images may remain
-            out = ["interrupted before any image was captioned"]
+            out = [f"interrupted before any image was {self.verb[1]}"]
         elif self.written or not self.skipped_done:
             what = "images" if not self.videos else \
                 f"inputs ({_n(self.written - self.videos, 'image')}, {_n(self.videos, 'video')})"
-            out = [f"captioned {self.written - self.failed:,}/{self.written:,} {what} in {self.elapsed_s:.2f}s "
+            out = [f"{self.verb[1]} {self.written - self.failed:,}/{self.written:,} {what} in {self.elapsed_s:.2f}s "
                    f"({self.images_per_s:.2f} inputs/s, {self.tokens_per_s:.1f} tokens/s), {self.failed:,} failed"]
         else:
-            out = ["nothing left to caption"]
+            out = [f"nothing left to {self.verb[0]}"]
         notes = []
         if self.skipped_done:
             notes.append(f"{_n(self.skipped_done, 'image')} already in the output (skipped)")
         if self.prior_failed:
             notes.append(f"{_n(self.prior_failed, 'earlier failure')} kept (--retry-errors redoes them)")
         if self.duplicates:
-            notes.append(f"{_n(self.duplicates, 'repeated input')} captioned once")
+            notes.append(f"{_n(self.duplicates, 'repeated input')} {self.verb[1]} once")
         if self.ignored_files:
             notes.append(f"{_n(self.ignored_files, 'file')} without an image suffix ignored")
         if notes:

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional
 from vlmrun.default_model import resolve_model
 from vlmrun.jobs.config import DEFAULT_MAX_TOKENS, DEFAULT_PREFETCH, DEFAULT_PROMPT, default_workers
 from vlmrun.jobs.inputs import JobItem
-from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, record_of, row_of
+from vlmrun.jobs.embed_records import EMBEDDING_SCHEMA, EmbeddingRecord
+from vlmrun.jobs.records import CAPTION_SCHEMA, CaptionRecord, RecordSchema
 
 if TYPE_CHECKING:
     from vlmrun.sampling_params import SamplingParams
@@ -56,6 +57,8 @@ class VlmrunCaptioner:
     model_name: what the records call the model (default: `model`).
     """
 
+    schema: RecordSchema = CAPTION_SCHEMA  # the rows' columns (`VlmrunEmbedder`'s add the vector)
+
     def __init__(self, model: Optional[str] = None, *, prompt: str = DEFAULT_PROMPT,
                  max_tokens: int = DEFAULT_MAX_TOKENS, sampling: Optional[Mapping[str, Any]] = None,
                  engine_options: Optional[Mapping[str, Any]] = None, image_column: str = "image",
@@ -63,17 +66,26 @@ class VlmrunCaptioner:
                  model_name: Optional[str] = None):
         from vlmrun.config import EngineConfig
         from vlmrun.engine.engine import Engine
-        from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
+        from vlmrun.jobs.pipeline import PipelineOptions
         from vlmrun.sampling_params import SamplingParams
 
         model = resolve_model(model)
         params = SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **dict(sampling or {})})
-        self.engine = Engine(EngineConfig(model=model, **dict(engine_options or {})))
-        self.pipeline = CaptionPipeline(self.engine, PipelineOptions(
+        self.engine = Engine(EngineConfig(model=model, **{**dict(engine_options or {}), **self.engine_kind()}))
+        self.pipeline = self.make_pipeline(self.engine, PipelineOptions(
             prompt=prompt, sampling=params, model_name=model_name or model, workers=workers or default_workers(),
             prefetch=prefetch))
         self.image_column = image_column
         self.key_column = key_column
+
+    def engine_kind(self) -> dict[str, Any]:
+        """EngineConfig keywords this mapper's engine must have (none: a generation engine)."""
+        return {}
+
+    def make_pipeline(self, engine: Any, options: Any) -> Any:
+        from vlmrun.jobs.pipeline import CaptionPipeline
+
+        return CaptionPipeline(engine, options)
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, list]:
         sources = [_plain(v) for v in batch[self.image_column]]
@@ -89,8 +101,8 @@ class VlmrunCaptioner:
 
         self.pipeline.run(items, on_record)
         assert all(r is not None for r in records), "the pipeline returned fewer records than rows"
-        rows = [row_of(r.to_dict()) for r in records]  # any JSON value travels as JSON text (one arrow type)
-        return {name: [row[name] for row in rows] for name in RECORD_FIELDS}
+        rows = [self.schema.row_of(r.to_dict()) for r in records]  # any JSON value as JSON text (one arrow type)
+        return {name: [row[name] for row in rows] for name in self.schema.fields}
 
 
 def _plain(value: Any) -> Any:
@@ -104,12 +116,36 @@ def _plain(value: Any) -> Any:
     return value
 
 
+class VlmrunEmbedder(VlmrunCaptioner):
+    """`VlmrunCaptioner` for embeddings: one pooling engine per actor, one vector per row (the `embedding`
+    column; the others as the caption rows', `caption` null). pooling: `PoolingParams` keywords
+    (dimensions, normalize); the other arguments as `VlmrunCaptioner`'s (sampling and max_tokens unused)."""
+
+    schema = EMBEDDING_SCHEMA
+
+    def __init__(self, model: Optional[str] = None, *, pooling: Optional[Mapping[str, Any]] = None, **kwargs: Any):
+        from vlmrun.pooling.params import PoolingParams
+
+        self.pooling = PoolingParams(**dict(pooling or {}))
+        super().__init__(model, **{"prompt": "", **kwargs})
+
+    def engine_kind(self) -> dict[str, Any]:
+        return {"runner": "pooling"}
+
+    def make_pipeline(self, engine: Any, options: Any) -> Any:
+        from vlmrun.jobs.embed_pipeline import EmbedPipeline
+
+        return EmbedPipeline(engine, options, self.pooling)
+
+
 def caption_dataset(ds: Any, model: Optional[str] = None, *, concurrency: int = 1, num_gpus: float = 0,
-                    num_cpus: float = 1, batch_size: int = 64, **captioner_kwargs: Any) -> Any:
-    """`ds.map_batches(VlmrunCaptioner, ...)`: a pool of `concurrency` actors of `num_gpus` GPUs
-    and `num_cpus` CPUs each, `batch_size` rows per call; other keywords go to `VlmrunCaptioner`."""
+                    num_cpus: float = 1, batch_size: int = 64, mapper: type = VlmrunCaptioner,
+                    **captioner_kwargs: Any) -> Any:
+    """`ds.map_batches(VlmrunCaptioner, ...)` (or `mapper`, e.g. `VlmrunEmbedder`): a pool of `concurrency`
+    actors of `num_gpus` GPUs and `num_cpus` CPUs each, `batch_size` rows per call; other keywords go to
+    the mapper."""
     ray = import_ray()
-    return ds.map_batches(VlmrunCaptioner, fn_constructor_kwargs={"model": model, **captioner_kwargs},
+    return ds.map_batches(mapper, fn_constructor_kwargs={"model": model, **captioner_kwargs},
                           compute=ray.data.ActorPoolStrategy(size=concurrency), num_gpus=num_gpus, num_cpus=num_cpus,
                           batch_size=batch_size, batch_format="default")
 
@@ -146,11 +182,12 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
 
     The driver holds the names of the images to caption (not the images) to build the dataset."""
     ray = _ensure_ray(config.ray.address)
+    record_type = CaptionRecord if config.pooling is None else EmbeddingRecord  # `vlmrun embed --ray`
     rows = []
     columns_of: dict[str, dict[str, Any]] = {}  # manifest columns stay on the driver, joined back by key
     for item in items:
         if item.error is not None:
-            on_record(item, CaptionRecord.failure(item.key, config.model, config.prompt, item.error))
+            on_record(item, record_type.failure(item.key, config.model, config.prompt, item.error))
         else:
             rows.append({"image": item.key, _SOURCE_COLUMN: str(item.source)})
             if item.columns:
@@ -158,18 +195,20 @@ def run_ray_job(config: Any, items: Iterator[JobItem], on_record: Callable[[JobI
     if not rows:
         return
     actors, gpus = _actor_layout(ray, config.ray)
+    kind: dict[str, Any] = ({"sampling": _sampling_keywords(config.sampling)} if config.pooling is None else
+                            {"mapper": VlmrunEmbedder, "pooling": dataclasses.asdict(config.pooling)})
+    mapper = kind.get("mapper", VlmrunCaptioner)
     ds = caption_dataset(
         ray.data.from_items(rows), config.model, concurrency=actors, num_gpus=gpus,
         num_cpus=config.ray.cpus_per_actor, batch_size=config.ray.batch_size, prompt=config.prompt,
-        sampling=_sampling_keywords(config.sampling), engine_options=config.engine_options,
-        image_column=_SOURCE_COLUMN, key_column="image", workers=config.workers, prefetch=config.prefetch,
-        model_name=config.model)
+        engine_options=config.engine_options, image_column=_SOURCE_COLUMN, key_column="image",
+        workers=config.workers, prefetch=config.prefetch, model_name=config.model, **kind)
     del rows
     if on_start is not None:
         on_start()
     for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
         for row in batch.to_pylist():
-            record = CaptionRecord(**record_of(row))
+            record = record_type(**mapper.schema.record_of(row))
             on_record(JobItem(record.image, None, columns=columns_of.get(record.image)), record)
         if on_tick is not None:
             on_tick()

@@ -18,7 +18,7 @@ import hashlib
 import json
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 # Field order of the record (JSONL keys and Parquet columns).
 RECORD_FIELDS: tuple[str, ...] = (
@@ -154,3 +154,19 @@ def record_of(row: dict[str, Any]) -> dict[str, Any]:
         if record[name] is not None:
             record[name] = json.loads(record[name])
     return record
+
+
+@dataclass(frozen=True)
+class RecordSchema:
+    """How a job's records are stored as Arrow rows (Parquet): the caption record's (`CAPTION_SCHEMA`), or
+    a job's own (the embedding job's adds a fixed-size vector column: `vlmrun/jobs/embed_records.py`).
+    `arrow_for(records)`: the Arrow schema for these records and the records again (a schema that
+    depends on them, e.g. a vector's length, may read ahead)."""
+
+    fields: tuple[str, ...]
+    arrow_for: Callable[[Iterator[dict[str, Any]]], tuple[Any, Iterator[dict[str, Any]]]]
+    row_of: Callable[[dict[str, Any]], dict[str, Any]]
+    record_of: Callable[[dict[str, Any]], dict[str, Any]]
+
+
+CAPTION_SCHEMA = RecordSchema(RECORD_FIELDS, lambda records: (arrow_schema(), records), row_of, record_of)

@@ -33,7 +33,8 @@ from vlmrun.server.errors import APIError, bad_request
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"  # on an engine started with --runner pooling
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 LINE_ID_PREFIX = "vlmrun-line-"
 
 

@@ -19,9 +19,11 @@ from typing import IO, Any, Iterator, Optional, Protocol
 
 from vlmrun.jobs.config import CaptionJobConfig
 from vlmrun.jobs.inputs import InputStats, JobItem, count_new, is_url, is_video, iter_items, new_items
+from vlmrun.jobs.embed_pipeline import EmbedPipeline
+from vlmrun.jobs.embed_records import EMBEDDING_SCHEMA
 from vlmrun.jobs.pipeline import CaptionPipeline, PipelineOptions
 from vlmrun.jobs.progress import JobCounters, JobSummary, ProgressBar
-from vlmrun.jobs.records import CaptionRecord
+from vlmrun.jobs.records import CAPTION_SCHEMA, CaptionRecord
 from vlmrun.jobs.journal import ResumeState
 from vlmrun.jobs.sink import JOURNAL_SUFFIX, STDOUT, OutputError, open_output
 from vlmrun.lora.request import LoRARequest
@@ -74,12 +76,14 @@ def run_caption_job(config: CaptionJobConfig, stdout: Optional[IO[str]] = None,
     _refuse_missing_inputs(config.inputs)
     _refuse_an_input_as_output(config)
     sink = open_output(config.out, overwrite=config.overwrite, retry_errors=config.retry_errors,
-                       fsync_interval=config.fsync_interval, stream=stdout)
+                       fsync_interval=config.fsync_interval, stream=stdout,
+                       schema=CAPTION_SCHEMA if config.pooling is None else EMBEDDING_SCHEMA)
     state = sink.state
     _warn_if_mixed(state, config, stderr)
     stats = InputStats()
     counters = JobCounters()
-    summary = JobSummary(prior_failed=state.failed, out=config.out)
+    summary = JobSummary(prior_failed=state.failed, out=config.out,
+                         verb=("caption", "captioned") if config.pooling is None else ("embed", "embedded"))
     bar = ProgressBar(counters, stderr, enabled=config.progress and config.out not in (None, STDOUT))
     done = state.done  # read-only from here on (the input filter and the counting thread read it)
 
@@ -132,9 +136,10 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
     lora = None if config.lora is None else LoRARequest(Path(config.lora).name, 1, config.lora)
     if lora is not None:
         engine.runner.add_lora(lora)  # a bad adapter ends the job before it starts
-    pipeline = CaptionPipeline(engine, PipelineOptions(prompt=config.prompt, sampling=config.sampling,
-                                                       model_name=config.model, workers=config.workers,
-                                                       prefetch=config.prefetch, lora=lora))
+    options = PipelineOptions(prompt=config.prompt, sampling=config.sampling, model_name=config.model,
+                              workers=config.workers, prefetch=config.prefetch, lora=lora)
+    pipeline = (CaptionPipeline(engine, options) if config.pooling is None  # `vlmrun embed`: a vector per image
+                else EmbedPipeline(engine, options, config.pooling))
     slow_reported = [0]
 
     def tick() -> None:

@@ -38,7 +38,7 @@ from vlmrun.jobs.journal import (
     scan_journal,
     scan_records,
 )
-from vlmrun.jobs.records import RECORD_FIELDS, CaptionRecord, arrow_schema, key_hash, record_key, record_of, row_of
+from vlmrun.jobs.records import CAPTION_SCHEMA, CaptionRecord, RecordSchema, key_hash, record_key
 
 try:  # POSIX only; elsewhere the lock is skipped
     import fcntl
@@ -139,10 +139,12 @@ class ParquetOutput:
     an existing Parquet output (less the error rows with retry_errors)."""
 
     def __init__(self, path: str, *, overwrite: bool = False, retry_errors: bool = False,
-                 fsync_interval: float = 1.0, row_group_size: int = PARQUET_ROW_GROUP):
+                 fsync_interval: float = 1.0, row_group_size: int = PARQUET_ROW_GROUP,
+                 schema: RecordSchema = CAPTION_SCHEMA):
         importlib.import_module("pyarrow.parquet")  # fail now, not at the end, if pyarrow is missing
 
         self.path = path
+        self.schema = schema  # the records' columns (the embedding job's add its vector)
         self.journal_path = path + JOURNAL_SUFFIX
         self.overwrite = overwrite
         self.retry_errors = retry_errors
@@ -156,7 +158,7 @@ class ParquetOutput:
             elif os.path.exists(self.journal_path):
                 self.state = scan_journal(self.journal_path, retry_errors)
             else:
-                self.state = scan_records(_parquet_records(path), retry_errors) if os.path.exists(path) \
+                self.state = scan_records(_parquet_records(path, schema), retry_errors) if os.path.exists(path) \
                     else ResumeState()
         except BaseException:
             self._lock.release()
@@ -174,7 +176,7 @@ class ParquetOutput:
                 if os.path.exists(p):
                     os.unlink(p)
         elif not os.path.exists(self.journal_path) and os.path.exists(self.path):
-            keep = (r for r in _parquet_records(self.path) if not (self.retry_errors and r.get("error") is not None))
+            keep = (r for r in _parquet_records(self.path, self.schema) if not (self.retry_errors and r.get("error") is not None))
             rewrite_journal(self.journal_path, keep)
         self._journal = Journal(self.journal_path, self.fsync_interval)
 
@@ -183,7 +185,7 @@ class ParquetOutput:
             if self._journal is not None:
                 self._journal.close()
             if os.path.exists(self.journal_path):
-                write_parquet(iter_journal(self.journal_path), self.path, self.row_group_size)
+                write_parquet(iter_journal(self.journal_path), self.path, self.row_group_size, self.schema)
                 os.unlink(self.journal_path)
                 fsync_dir(self.path)
         finally:
@@ -220,9 +222,10 @@ def _is_terminal(stream: IO[str]) -> bool:
 
 
 def open_output(path: Optional[str], *, overwrite: bool = False, retry_errors: bool = False,
-                fsync_interval: float = 1.0, stream: Optional[IO[str]] = None) -> JsonlOutput | ParquetOutput | PrintOutput:
+                fsync_interval: float = 1.0, stream: Optional[IO[str]] = None,
+                schema: RecordSchema = CAPTION_SCHEMA) -> JsonlOutput | ParquetOutput | PrintOutput:
     """The output for `--out path` (None: print; "-": JSONL on `stream`), repaired and scanned; `.state`
-    says what is done."""
+    says what is done. `schema`: the Parquet columns of the records."""
     if path is None or path == STDOUT:
         stream = stream if stream is not None else sys.stdout
         return PrintOutput(stream, jsonl=path == STDOUT or not _is_terminal(stream))
@@ -230,9 +233,11 @@ def open_output(path: Optional[str], *, overwrite: bool = False, retry_errors: b
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise OutputError(f"the folder of the output {path!r} does not exist")
-    cls = JsonlOutput if kind == "jsonl" else ParquetOutput
     try:
-        return cls(path, overwrite=overwrite, retry_errors=retry_errors, fsync_interval=fsync_interval)
+        if kind == "parquet":
+            return ParquetOutput(path, overwrite=overwrite, retry_errors=retry_errors, fsync_interval=fsync_interval,
+                                 schema=schema)
+        return JsonlOutput(path, overwrite=overwrite, retry_errors=retry_errors, fsync_interval=fsync_interval)
     except OutputError:
         raise
     except OSError as exc:
@@ -243,7 +248,7 @@ def open_output(path: Optional[str], *, overwrite: bool = False, retry_errors: b
 # parquet
 
 
-def _parquet_records(path: str) -> Iterator[dict[str, Any]]:
+def _parquet_records(path: str, schema: RecordSchema = CAPTION_SCHEMA) -> Iterator[dict[str, Any]]:
     import pyarrow.parquet as pq
 
     try:
@@ -251,21 +256,23 @@ def _parquet_records(path: str) -> Iterator[dict[str, Any]]:
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for a file that is not Parquet
         raise OutputError(f"cannot resume: {path!r} is not a readable Parquet file ({exc}); "
                           "use --overwrite or another --out") from None
-    missing = [f for f in RECORD_FIELDS if f not in pf.schema_arrow.names]
+    missing = [f for f in schema.fields if f not in pf.schema_arrow.names]
     if "image" in missing:
         raise OutputError(f"cannot resume: {path!r} has no 'image' column; use --overwrite or another --out")
     for batch in pf.iter_batches(batch_size=PARQUET_ROW_GROUP):
         for row in batch.to_pylist():
-            yield record_of(row)
+            yield schema.record_of(row)
 
 
-def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: int = PARQUET_ROW_GROUP) -> int:
+def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: int = PARQUET_ROW_GROUP,
+                  schema: RecordSchema = CAPTION_SCHEMA) -> int:
     """Stream `records` into a Parquet file at `path` (through `path.tmp` and an atomic rename),
     one row group per `row_group_size` records, the first record of each image only. Returns the
     number of rows."""
     tmp = path + ".tmp"
     try:
-        rows = _write_parquet_file(records, tmp, arrow_schema(), row_group_size)
+        arrow, records = schema.arrow_for(records)
+        rows = _write_parquet_file(map(schema.row_of, records), tmp, arrow, row_group_size)
     except BaseException:  # a full disk, an interrupt: no half-written file is left beside the journal
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -275,8 +282,9 @@ def write_parquet(records: Iterator[dict[str, Any]], path: str, row_group_size: 
     return rows
 
 
-def _write_parquet_file(records: Iterator[dict[str, Any]], tmp: str, schema: Any, row_group_size: int) -> int:
-    """`write_parquet`'s file at `tmp`, fsynced; returns the number of rows."""
+def _write_parquet_file(rows_in: Iterator[dict[str, Any]], tmp: str, schema: Any, row_group_size: int) -> int:
+    """`write_parquet`'s file at `tmp` from Arrow rows (`RecordSchema.row_of`; keyed as their records are),
+    fsynced; returns the number of rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -288,12 +296,12 @@ def _write_parquet_file(records: Iterator[dict[str, Any]], tmp: str, schema: Any
             writer.write_table(pa.Table.from_pylist(batch, schema=schema), row_group_size=row_group_size)
             batch.clear()
 
-        for record in records:
-            h = key_hash(record_key(record))
+        for row in rows_in:
+            h = key_hash(record_key(row))
             if h in seen:
                 continue
             seen.add(h)
-            batch.append(row_of(record))
+            batch.append(row)
             rows += 1
             if len(batch) >= row_group_size:
                 flush()

@@ -1,6 +1,8 @@
 """The FastAPI app: OpenAI-compatible routes in front of one `AsyncEngine`.
 
-Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/embeddings` (a server started
+with `--runner pooling` answers only this one of the three, a generation server the other two: a 400
+saying how to start the other kind), `GET /v1/models`,
 `GET /v1/models/{model}`, `POST /tokenize`, `POST /detokenize` (`tokenize_handler.py`), `GET /health`,
 `GET|POST /ping` (the same answer as /health), `GET /version` (`{"version": ...}`), `GET /metrics`.
 With an API key set, the /v1 routes, /tokenize and /detokenize need `Authorization: Bearer <key>`
@@ -29,8 +31,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server import chat_handler, completions_handler, tokenize_handler
-from vlmrun.server.errors import APIError, error_response, internal, unauthorized
+from vlmrun.pooling.runner_mode import WrongRunner
+from vlmrun.server import chat_handler, completions_handler, embeddings_handler, tokenize_handler
+from vlmrun.server.errors import APIError, bad_request, error_response, internal, unauthorized
 from vlmrun.server.metrics import CONTENT_TYPE
 from vlmrun.server.settings import ServerSettings
 from vlmrun.server.state import ServerState
@@ -38,7 +41,8 @@ from vlmrun.server.transport import ClientDisconnected
 
 logger = logging.getLogger(__name__)
 
-_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/tokenize", "/detokenize", "/health",
+_KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models", "/tokenize", "/detokenize",
+                "/health",
                 "/ping", "/version", "/metrics")
 
 
@@ -70,13 +74,28 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     auth = [Depends(require_key)]
 
-    @app.post("/v1/chat/completions", dependencies=auth)
+    def runner_is(pools: bool) -> Any:
+        """400 (after the key check) for a generation route on a pooling server, or embeddings on a generation one."""
+        def check(request: Request) -> None:
+            try:
+                engine.engine.pooling.check_call(pools)
+            except WrongRunner as exc:
+                raise bad_request(f"{request.url.path}: {exc}", code="wrong_runner") from None
+        return Depends(check)
+
+    generating, pooling = [*auth, runner_is(False)], [*auth, runner_is(True)]
+
+    @app.post("/v1/chat/completions", dependencies=generating)
     async def chat_completions(request: Request) -> Response:
         return await chat_handler.chat_completions(state, request)
 
-    @app.post("/v1/completions", dependencies=auth)
+    @app.post("/v1/completions", dependencies=generating)
     async def completions(request: Request) -> Response:
         return await completions_handler.completions(state, request)
+
+    @app.post("/v1/embeddings", dependencies=pooling)
+    async def embeddings(request: Request) -> Response:
+        return await embeddings_handler.embeddings(state, request)
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:

@@ -126,6 +126,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         enable_expert_parallel=args.enable_expert_parallel, enable_lora=args.enable_lora,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         mm_processor_kwargs=args.mm_processor_kwargs, scheduling_policy=args.scheduling_policy,
+                        runner=getattr(args, "runner", "generate"), pooler_config=getattr(args, "pooler_config", None),
                         **kernel_options(args))
 
 
@@ -169,6 +170,12 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runner", choices=("generate", "pooling"), default="generate",
+                   help="generate: text (/v1/chat/completions, /v1/completions); pooling: embeddings "
+                        "(/v1/embeddings; docs/embeddings.md)")
+    p.add_argument("--pooler-config", type=_json_object, default=None,
+                   help='with --runner pooling: override the checkpoint\'s pooling, e.g. {"pooling_type": "MEAN", '
+                        '"normalize": false}')
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served by name: a request's model NAME runs the PEFT folder PATH")
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or the bundled model's name)")

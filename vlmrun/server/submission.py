@@ -163,8 +163,8 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
         finally:
             cancel.set()  # done, or nobody is waiting for it any more
         gone = threading.Event()  # set when the client leaves: its compile, if not started, never starts
-        # the choices of one request share their constraint
-        await until_done_or_disconnected(request, state.grammars.compile(items[0][1].structured_outputs, gone))
+        if isinstance(items[0][1], SamplingParams):  # the choices of one request share their constraint
+            await until_done_or_disconnected(request, state.grammars.compile(items[0][1].structured_outputs, gone))
         items = _truncate_prompts(items, state.engine.engine.max_model_len)
         items = [(scheduling.salted(prompt), params) for prompt, params in items]
         _check_context(items, state.engine.engine.max_model_len)
@@ -202,7 +202,7 @@ def _check_context(items: list[tuple[ProcessedPrompt, SamplingParams]], max_mode
     """400, as vLLM answers, for a prompt whose requested completion cannot fit the context."""
     for prompt, params in items:
         n = len(prompt.token_ids)
-        if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        if isinstance(params, SamplingParams) and params.max_tokens is not None and n + params.max_tokens > max_model_len:
             raise bad_request(f"this model's maximum context length is {max_model_len:,} tokens; the request asks "
                               f"for {n + params.max_tokens:,} ({n:,} in the prompt, {params.max_tokens:,} to "
                               "generate): shorten the prompt or lower max_tokens", param="max_tokens",
@@ -218,7 +218,7 @@ def _tokenize_bad_words(items: list[tuple[ProcessedPrompt, SamplingParams]],
     for prompt, params in items:
         key = id(params)
         if key not in done:
-            done[key] = params.tokenize_bad_words(tokenizer)
+            done[key] = params.tokenize_bad_words(tokenizer) if isinstance(params, SamplingParams) else params
         out.append((prompt, done[key]))
     return out
 
