@@ -70,8 +70,9 @@ def vllm_server(qwen3_vl_dir) -> Iterator[Served]:
                       "--max-logprobs", "3", "--limit-mm-per-prompt.image", "1", "--trust-remote-code",
                       "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--scheduling-policy", "fcfs",
                       "--override-generation-config", '{"max_new_tokens": 5}', "--root-path", ROOT,
-                      "--allowed-origins", '["https://app.example"]', "--enable-log-requests",
-                      "--disable-log-stats", "--tokenizer", str(qwen3_vl_dir))
+                      "--allowed-origins", '["https://app.example"]', "--enable-log-requests", "--max-log-len", "5",
+                      "--disable-log-stats", "--tokenizer", str(qwen3_vl_dir),
+                      "--response-role", "narrator", "--enable-force-include-usage")
     eng = build_engine(engine_config(args))
     srv = serve_in_thread(eng, server_settings(args), http=HTTPOptions.of(args))
     yield Served(srv.base_url, eng)
@@ -132,6 +133,18 @@ def test_stop_reason_names_the_stop_string_or_token(client):
     assert len(ends) == 1 and ends[0].finish_reason == "length" and ends[0].model_extra["stop_reason"] is None
 
 
+def test_response_role_and_forced_usage(vllm_server):
+    """--response-role names the answer's role; --enable-force-include-usage ends every stream with its usage."""
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    answer = httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body, timeout=60).json()
+    assert answer["choices"][0]["message"]["role"] == "narrator"
+    with httpx.stream("POST", vllm_server.base_url + "/v1/chat/completions", json={**body, "stream": True},
+                      timeout=60) as stream:
+        events = [line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and '"role":"narrator"' in events[0]
+    assert '"usage":{"prompt_tokens"' in events[-2] and '"choices":[]' in events[-2]
+
+
 def test_max_logprobs_refuses_more_as_vllm(client):
     assert len(chat(client, max_tokens=1, logprobs=True, top_logprobs=3).choices[0].logprobs.content[0].top_logprobs) == 3
     with pytest.raises(openai.BadRequestError) as err:
@@ -156,9 +169,11 @@ def test_root_path_cors_and_request_log(vllm_server, caplog):
     assert preflight.headers["access-control-allow-origin"] == "https://app.example"
     other = httpx.get(vllm_server.base_url + "/health", headers={"Origin": "https://elsewhere.example"}, timeout=30)
     assert "access-control-allow-origin" not in other.headers
-    with caplog.at_level(logging.INFO, logger="vlmrun.server.submission"):
-        httpx.post(vllm_server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
-    assert any(re.search(r"request cmpl-\w+: 1 choice\(s\), \d+ prompt tokens", r.getMessage()) for r in caplog.records)
+    with caplog.at_level(logging.INFO, logger="vlmrun.server.requests"):
+        httpx.post(vllm_server.base_url + "/v1/completions", json={"prompt": "Hello there", "max_tokens": 1},
+                   timeout=60)
+    assert any(re.search(r"request cmpl-\w+: 1 choice\(s\), \d+ prompt tokens, prompt 'Hello',", r.getMessage())
+               for r in caplog.records)
 
 
 def _scrape(base_url: str) -> dict[str, tuple[str, list]]:

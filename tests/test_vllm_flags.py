@@ -72,6 +72,10 @@ def test_server_flags_reach_the_settings(qwen3_vl_dir):
     (["--ssl-keyfile", "key.pem"], ["both --ssl-keyfile and --ssl-certfile"]),
     (["--ssl-keyfile", "absent-key.pem", "--ssl-certfile", "absent-cert.pem"], ["absent-key.pem", "no such file"]),
     (["--root-path", "llm"], ["--root-path", "start with '/'"]),
+    (["-pp", "2"], ["--pipeline-parallel-size 2", "--tensor-parallel-size"]),
+    (["-dp", "2"], ["--data-parallel-size 2", "load balancer"]),
+    (["--load-format", "gguf"], ["--load-format gguf", "safetensors"]),
+    (["--chat-template-content-format", "string"], ["string", "auto or openai"]),
 ])
 def test_refused_flags_stop_the_server_before_loading(qwen3_vl_dir, capsys, flags, words):
     assert main(["serve", str(qwen3_vl_dir), *flags]) == 2
@@ -140,3 +144,26 @@ def test_stats_line_reports_throughput_and_is_quiet_when_idle():
     stats = AsyncEngineStats(num_running=0, num_waiting=0, kv_pages_used=0, kv_pages_total=100,
                              prefix_query_tokens=100, prefix_hit_tokens=40)
     assert log.line() is None  # idle again
+
+
+def test_request_and_stats_lines_are_shown_on_stderr(capsys):
+    """`vlmrun serve` shows the --enable-log-requests lines and the statistics line on stderr (the server's
+    other INFO logs stay quiet); each is attached once."""
+    import logging
+
+    from vlmrun.server.vllm_flags import show_server_logs
+
+    loggers = [logging.getLogger("vlmrun.server.requests"), logging.getLogger("vlmrun.server.stats")]
+    before = [(log.handlers[:], log.level) for log in loggers]
+    try:
+        show_server_logs(log_requests=True, log_stats=False)
+        show_server_logs(log_requests=True, log_stats=False)
+        assert len(loggers[0].handlers) == len(before[0][0]) + 1 and loggers[1].handlers == before[1][0]
+        loggers[0].info("request x: shown")
+        logging.getLogger("vlmrun.server.app").info("not shown")
+        err = capsys.readouterr().err
+        assert "vlmrun.server.requests: request x: shown" in err and "not shown" not in err
+    finally:
+        for log, (handlers, level) in zip(loggers, before):
+            log.handlers[:] = handlers
+            log.setLevel(level)

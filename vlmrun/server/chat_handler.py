@@ -65,7 +65,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
                                 req.tools if req.parses_tool_calls else (), prompt_text)
                for _ in sub.choices]
-    role = response_role(req.messages, req.prompt)
+    role = response_role(req.messages, req.prompt, state.settings.response_role)
     echo = echo_text(req.messages, role) if req.echo else ""
 
     if not req.stream:

@@ -20,8 +20,8 @@ from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.default_model import resolve_model, served_name
 from vlmrun.server.settings import TOOL_CALL_PARSERS, MiB
 from vlmrun.server.vllm_flags import (add_vllm_engine_flags, add_vllm_http_flags, add_vllm_request_flags,
-                                      announce_accepted, check_tokenizer, mm_limits, vllm_engine_fields,
-                                      vllm_server_fields)
+                                      announce_accepted, check_tokenizer, mm_limits, show_server_logs,
+                                      vllm_engine_fields, vllm_server_fields)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -231,6 +231,7 @@ def serve(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
+    show_server_logs(settings.log_requests, settings.log_stats)
     try:
         engine = build_engine(config, model)
     except BaseException:

@@ -64,6 +64,7 @@ class RequestLimits:
     prompt: Optional[PromptBounds] = None
     max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: logprobs / top_logprobs / prompt_logprobs above it are a 400
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the request field's default
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
 
     def check_prompt_chars(self, chars: int, params: SamplingParams, param: str) -> None:
         """400 when `chars` characters of prompt text can never fit the context (before tokenizing)."""
@@ -160,7 +161,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     limits.check_prompt_chars(message_text_chars(messages), params, "messages")
     prompt = chat_prompt_options(body)
     return ChatRequest(model=opt_model(body), messages=messages, params=params, stream=opt_bool(body, "stream", False),
-                       include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top, prompt=prompt,
+                       include_usage=_include_usage(body, limits), logprobs=logprobs, top_logprobs=top, prompt=prompt,
                        echo=opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
                        parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
                        extras=vllm_output_extras(body, chat=True, tokens_as_ids=limits.tokens_as_ids))
@@ -183,7 +184,7 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
     return CompletionRequest(model=opt_model(body), prompts=prompts, params=params,
-                             stream=opt_bool(body, "stream", False), include_usage=_include_usage(body),
+                             stream=opt_bool(body, "stream", False), include_usage=_include_usage(body, limits),
                              logprobs=logprobs, echo=echo, echo_only=max_tokens == 0,
                              add_special_tokens=opt_bool(body, "add_special_tokens", True),
                              extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs))
@@ -370,15 +371,15 @@ def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
     return prompts
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
+def _include_usage(body: dict[str, Any], limits: RequestLimits) -> bool:
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return limits.force_include_usage and body.get("stream") is True
     if not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", param="stream_options")
     if body.get("stream") is not True:  # vLLM and OpenAI refuse it too, rather than ignore it
         raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    return opt_bool(opts, "include_usage", False)
+    return opt_bool(opts, "include_usage", False) or limits.force_include_usage
 
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "RequestLimits", "parse_json", "parse_chat_request",

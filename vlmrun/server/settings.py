@@ -53,7 +53,8 @@ class ServerSettings:
         above it: 400), trust_request_mm_kwargs (without it a request's own `mm_processor_kwargs` is a 400),
         override_generation_config (generation_config.json names over the checkpoint's sampling
         defaults), return_tokens_as_token_ids (the default of the request field), log_requests (a log line
-        per request), log_stats (a periodic engine statistics line), and the CORS lists
+        per request), log_stats (a periodic engine statistics line), enable_force_include_usage (streams end
+        with a usage chunk even without stream_options), response_role (vLLM's --response-role), and the CORS lists
         (allowed_origins / allowed_methods / allowed_headers, allow_credentials; vLLM's defaults).
     """
 
@@ -86,6 +87,9 @@ class ServerSettings:
     override_generation_config: dict[str, Any] = field(default_factory=dict)
     return_tokens_as_token_ids: bool = False
     log_requests: bool = False
+    enable_force_include_usage: bool = False  # every streamed answer ends with its usage chunk
+    response_role: str = "assistant"  # the role of a chat answer that a generation prompt opens
+    max_log_len: Optional[int] = None  # characters of a logged request's prompt text (None: all)
     log_stats: bool = True
     log_stats_interval_s: float = 10.0
     allowed_origins: tuple[str, ...] = ("*",)

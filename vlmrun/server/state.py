@@ -109,7 +109,8 @@ class ServerState:
         limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config),
                                sampling_defaults=sampling_defaults, grammar=grammar_limits,
                                prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len),
-                               max_logprobs=settings.max_logprobs, tokens_as_ids=settings.return_tokens_as_token_ids)
+                               max_logprobs=settings.max_logprobs, tokens_as_ids=settings.return_tokens_as_token_ids,
+                               force_include_usage=settings.enable_force_include_usage)
         compiler = engine.engine.grammars
         trimmer = MemoryTrimmer(media_pool)
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,

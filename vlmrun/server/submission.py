@@ -43,6 +43,7 @@ from vlmrun.server.state import LIGHT_BODY_BYTES, ServerState, Ticket
 from vlmrun.server.transport import SSEResponse, read_json_body, until_done_or_disconnected
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("vlmrun.server.requests")  # --enable-log-requests (shown by `vlmrun serve`)
 
 
 # ---------------------------------------------------------------------------- per-request metrics
@@ -189,16 +190,19 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
     choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids), prompt_token_ids=p.token_ids)
                for i, (p, _) in enumerate(items)]
     if state.settings.log_requests:
-        log_request(rid, items, lora)
+        log_request(rid, items, lora, state.settings.max_log_len)
     return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival, items, n), n_prompt,
                      choices)
 
 
-def log_request(rid: str, items: list[tuple[ProcessedPrompt, SamplingParams]], lora: Optional[LoRARequest]) -> None:
-    """vLLM's --enable-log-requests: one line per request accepted by the engine."""
+def log_request(rid: str, items: list[tuple[ProcessedPrompt, SamplingParams]], lora: Optional[LoRARequest],
+                max_log_len: Optional[int] = None) -> None:
+    """vLLM's --enable-log-requests: one line per request accepted by the engine (its prompt text cut to
+    `max_log_len` characters, vLLM's --max-log-len)."""
     prompt, params = items[0]
-    logger.info("request %s: %d choice(s), %d prompt tokens%s, %s", rid, len(items), len(prompt.token_ids),
-                "" if lora is None else f", adapter {lora.lora_name}", params)
+    text = prompt.text if max_log_len is None or prompt.text is None else prompt.text[:max_log_len]
+    request_log.info("request %s: %d choice(s), %d prompt tokens%s, prompt %r, %s", rid, len(items),
+                     len(prompt.token_ids), "" if lora is None else f", adapter {lora.lora_name}", text, params)
 
 
 def _truncate_prompts(items: list[tuple[ProcessedPrompt, SamplingParams]],

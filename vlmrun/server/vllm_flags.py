@@ -3,7 +3,8 @@
 Each flag has vLLM's name and meaning, or is refused at start-up with a message saying why and what
 to use instead (never accepted and silently different):
 
-- engine: `-tp` (`--tensor-parallel-size`), `--kv-cache-dtype`, `--scheduling-policy`, `--block-size`,
+- engine: `-tp` (`--tensor-parallel-size`), `-pp` / `-dp` (1 only: one engine), `--load-format` (auto /
+  safetensors), `--kv-cache-dtype`, `--scheduling-policy`, `--block-size`,
   `--enable-chunked-prefill` (vlmrun always prefills in chunks: `--no-enable-chunked-prefill` is
   refused), `--tokenizer` / `--tokenizer-mode` (only the checkpoint's own), `--trust-remote-code`
   (accepted with a log line: vlmrun runs only its own model code), `--swap-space` (accepted with a
@@ -11,7 +12,9 @@ to use instead (never accepted and silently different):
   `.video N` (the dotted form of `--limit-mm-per-prompt`);
 - requests: `--max-logprobs`, `--trust-request-mm-kwargs`, `--override-generation-config`,
   `--return-tokens-as-token-ids`, `--enable-log-requests` (`--disable-log-requests`, vLLM's older
-  name, keeps them off), `--disable-log-stats`;
+  name, keeps them off) with `--max-log-len`, `--disable-log-stats`, `--chat-template-content-format`
+  (auto / openai: message contents reach the template as OpenAI's lists of parts), `--response-role`,
+  `--enable-force-include-usage`;
 - HTTP (`serve` only): `--root-path`, `--ssl-keyfile` / `--ssl-certfile` / `--ssl-ca-certs` /
   `--ssl-cert-reqs`, `--allowed-origins` / `--allowed-methods` / `--allowed-headers` /
   `--allow-credentials` (CORS, vLLM's defaults: every origin, method and header, no credentials),
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any, Optional
 
@@ -50,6 +54,11 @@ def add_vllm_engine_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) 
                    help="accepted for vLLM's scripts: vlmrun runs only its own model code, never a checkpoint's")
     p.add_argument("--swap-space", type=float, default=None,
                    help="accepted for vLLM's scripts: preempted requests are recomputed, never swapped to the host")
+    p.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1,
+                   help="1 only: split a model over devices with --tensor-parallel-size")
+    p.add_argument("-dp", "--data-parallel-size", type=int, default=1,
+                   help="1 only: for more replicas run one server per device group behind a load balancer")
+    p.add_argument("--load-format", default="auto", help="auto or safetensors: the checkpoint's safetensors files")
     p.add_argument("--limit-mm-per-prompt.image", dest="limit_mm_image", type=int, default=None, metavar="N",
                    help="images one request may carry (the dotted form of --limit-mm-per-prompt)")
     p.add_argument("--limit-mm-per-prompt.video", dest="limit_mm_video", type=int, default=None, metavar="N",
@@ -74,6 +83,15 @@ def add_vllm_request_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup)
                       help="log each request's id, prompt size and sampling parameters")
     logs.add_argument("--disable-log-requests", action="store_true",
                       help="vLLM's older flag: requests are not logged (the default)")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="with --enable-log-requests: characters of the prompt text logged (default: all)")
+    p.add_argument("--chat-template-content-format", default="auto", choices=("auto", "openai", "string"),
+                   help="how message contents reach the chat template: auto / openai (lists of parts, the "
+                        "Qwen templates' form); string is refused")
+    p.add_argument("--response-role", default="assistant",
+                   help="the role of a chat answer (when add_generation_prompt opens one)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every streamed answer ends with its usage chunk, asked for or not")
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic engine statistics line in the log (running / waiting requests, KV use, "
                         "token throughput)")
@@ -106,6 +124,15 @@ def vllm_engine_fields(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError("--no-enable-chunked-prefill: vlmrun always prefills long prompts in chunks of "
                          "--max-num-batched-tokens; to prefill a prompt in one step, raise "
                          "--max-num-batched-tokens to --max-model-len instead")
+    if args.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size {args.pipeline_parallel_size}: vlmrun has no pipeline "
+                         "parallelism; split the model over devices with --tensor-parallel-size instead")
+    if args.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size {args.data_parallel_size}: one server runs one engine; run one "
+                         "server per device group behind a load balancer instead")
+    if args.load_format not in ("auto", "safetensors"):
+        raise ValueError(f"--load-format {args.load_format}: vlmrun reads the checkpoint's safetensors files "
+                         "(auto or safetensors)")
     if args.tokenizer_mode != "auto":
         raise ValueError(f"--tokenizer-mode {args.tokenizer_mode}: only 'auto' (the checkpoint's own tokenizer) "
                          "is supported")
@@ -154,11 +181,17 @@ def max_logprobs(value: int) -> int:
 
 def vllm_server_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerSettings fields the vLLM request (and, for `serve`, HTTP) flags set."""
+    if args.chat_template_content_format == "string":
+        raise ValueError("--chat-template-content-format string: message contents reach the chat template as "
+                         "OpenAI's lists of parts (the form the Qwen templates read); use auto or openai")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     fields: dict[str, Any] = dict(
-        max_logprobs=max_logprobs(args.max_logprobs), trust_request_mm_kwargs=args.trust_request_mm_kwargs,
+        max_logprobs=max_logprobs(args.max_logprobs), max_log_len=args.max_log_len, trust_request_mm_kwargs=args.trust_request_mm_kwargs,
         override_generation_config=args.override_generation_config or {},
         return_tokens_as_token_ids=args.return_tokens_as_token_ids, log_requests=args.enable_log_requests,
-        log_stats=not args.disable_log_stats)
+        log_stats=not args.disable_log_stats, response_role=args.response_role,
+        enable_force_include_usage=args.enable_force_include_usage)
     if hasattr(args, "allowed_origins"):  # serve's HTTP flags
         fields.update(allowed_origins=tuple(args.allowed_origins), allowed_methods=tuple(args.allowed_methods),
                       allowed_headers=tuple(args.allowed_headers), allow_credentials=args.allow_credentials)
@@ -177,6 +210,18 @@ def announce_accepted(args: argparse.Namespace, command: str) -> None:
         notes.append("--disable-fastapi-docs: accepted; this server has no /docs or /redoc pages")
     for note in notes:
         print(f"vlmrun {command}: {note}", file=sys.stderr, flush=True)
+
+
+def show_server_logs(log_requests: bool, log_stats: bool) -> None:
+    """Print the request lines (--enable-log-requests) and the statistics line (unless --disable-log-stats) on
+    stderr, as vLLM does; once per process (the loggers `vlmrun.server.requests`, `vlmrun.server.stats`)."""
+    for name, on in (("vlmrun.server.requests", log_requests), ("vlmrun.server.stats", log_stats)):
+        log = logging.getLogger(name)
+        if on and not log.handlers:
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
 
 
 def _json_dict(text: str) -> dict[str, Any]:
