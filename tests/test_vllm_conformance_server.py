@@ -213,3 +213,11 @@ def test_metrics_have_every_series_a_vllm_dashboard_queries(client, vllm_server)
     assert value("vllm:iteration_tokens_total_sum") >= value("vllm:generation_tokens_total")
     assert value("vllm:kv_cache_usage_perc") == value("vllm:gpu_cache_usage_perc")
     assert any(name.startswith("vlmrun_") for name in families)  # vlmrun's own, beside them
+
+
+def test_a_non_list_tool_calls_is_not_a_server_error(vllm_server):
+    """(Found by tests/test_server_hardening.py's fuzzing once this branch's fields moved its examples:) a user
+    message with `"tool_calls": true` was a 500 from the prompt-size estimate; it is answered, never a 5xx."""
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "Hi"},
+                                          {"role": "user", "content": "", "tool_calls": True}]}
+    assert httpx.post(vllm_server.base_url + "/v1/chat/completions", json=body, timeout=60).status_code < 500
