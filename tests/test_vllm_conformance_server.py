@@ -52,7 +52,7 @@ DASHBOARD_QUERIES = (
 # The further vLLM series the issue names, by type
 VLLM_TYPES = {
     "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
-    "vllm:gpu_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
+    "vllm:gpu_cache_usage_perc": "gauge", "vllm:cpu_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
     "vllm:request_success": "counter", "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
     "vllm:num_preemptions": "counter", "vllm:time_to_first_token_seconds": "histogram",
     "vllm:time_per_output_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",

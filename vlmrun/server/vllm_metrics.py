@@ -6,7 +6,8 @@ Names, types and labels as vLLM's PrometheusStatLogger writes them: every series
 
 - gauges, read at scrape time from the engine's stats snapshot: `num_requests_running`,
   `num_requests_waiting`, `kv_cache_usage_perc` and its older name `gpu_cache_usage_perc` (a fraction
-  in [0, 1], as vLLM's);
+  in [0, 1], as vLLM's); for the older (V0) dashboards that still query them, `cpu_cache_usage_perc` and
+  `num_requests_swapped`, always 0 (no KV is swapped to the host here);
 - counters: `prompt_tokens` (a choice's prompt, counted when its first token comes), `generation_tokens`,
   `request_success`, and from the engine `num_preemptions`, `prefix_cache_queries` / `prefix_cache_hits`
   (in tokens);
@@ -196,7 +197,9 @@ class _EngineSeries:
                 ("vllm:num_requests_running", "Requests being run (prefill or decode)", s.num_running),
                 ("vllm:num_requests_waiting", "Requests waiting to run", s.num_waiting),
                 ("vllm:kv_cache_usage_perc", "Share of the KV cache in use (1 = full)", s.kv_usage),
-                ("vllm:gpu_cache_usage_perc", "Share of the KV cache in use (1 = full; the older name)", s.kv_usage)):
+                ("vllm:gpu_cache_usage_perc", "Share of the KV cache in use (1 = full; the older name)", s.kv_usage),
+                ("vllm:cpu_cache_usage_perc", "Share of a host swap cache in use (none here: 0)", 0.0),
+                ("vllm:num_requests_swapped", "Requests swapped to the host (never here: 0)", 0)):
             gauge = GaugeMetricFamily(name, doc, labels=LABELS)
             gauge.add_metric(self._values, value)
             yield gauge
