@@ -21,8 +21,6 @@ from vlmrun.quantization.config import QUANTIZATION_METHODS, QuantizationConfig,
 from vlmrun.spec_decode.config import SpeculativeConfig
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
-KV_CACHE_DTYPES = ("auto",)  # EngineConfig.kv_cache_dtype values (vLLM's --kv-cache-dtype)
-SCHEDULING_POLICIES = ("fcfs",)  # EngineConfig.scheduling_policy values (vLLM's --scheduling-policy)
 LORA_KERNELS = ("torch", "triton")  # the update of a batch of mixed LoRA adapters (`EngineConfig.lora_kernel`)
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
@@ -85,6 +83,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of GPU memory the engine may use (CUDA)
     kv_cache_memory_bytes: Optional[int] = None  # explicit cache budget (KV + GDN state); default on CPU: 2 GiB
     gdn_state_dtype: str = "float32"  # hybrid models: dtype of the GDN recurrent state (float32 | bfloat16 | float16)
+    # The KV cache's storage (vLLM's --kv-cache-dtype): "auto" the model's dtype (the only one until the engine
+    # stores another). Who runs first (vLLM's --scheduling-policy): "fcfs", by arrival.
+    kv_cache_dtype: str = "auto"
+    scheduling_policy: str = "fcfs"
     encoder_cache_tokens: int = 32768  # vision embeddings kept by image hash
     enable_prefix_caching: bool = True  # reuse the KV of full prompt pages across requests (docs/prefix_cache.md)
     # Hybrid models: GDN state snapshots for prefix hits. None = as many as max_num_seqs that fit in the
@@ -135,10 +137,6 @@ class EngineConfig:
     max_stop_strings: int = 32
     max_stop_string_length: int = 512  # characters
     max_stop_token_ids: int = 64
-    # The KV cache's dtype (vLLM's --kv-cache-dtype): "auto" stores it in the model's dtype.
-    kv_cache_dtype: str = "auto"
-    # The order waiting requests are admitted in (vLLM's --scheduling-policy): "fcfs", first come, first served.
-    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -183,14 +181,14 @@ class EngineConfig:
             raise ValueError(f"lora_kernel must be one of {', '.join(LORA_KERNELS)}, got {self.lora_kernel!r}")
         if self.mm_processor_kwargs is not None:
             check_processor_kwargs(self.mm_processor_kwargs)  # InputError (a ValueError) naming the option
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: this engine stores the KV "
-                             f"cache as {' or '.join(KV_CACHE_DTYPES)} (the model's dtype)")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported: this engine schedules "
-                             f"{' or '.join(SCHEDULING_POLICIES)} (first come, first served)")
         if self.gdn_state_dtype not in _DTYPES:
             raise ValueError(f"gdn_state_dtype must be float32, bfloat16 or float16, got {self.gdn_state_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: the KV cache is stored in the "
+                             "model's dtype (auto)")
+        if self.scheduling_policy != "fcfs":
+            raise ValueError(f"scheduling_policy {self.scheduling_policy!r} is not supported: requests run first come, "
+                             "first served (fcfs)")
 
     @property
     def lora_slots(self) -> Optional[int]:

@@ -76,6 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may run (slots)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="read LoRA adapters kept on the host")
+    p.add_argument("--scheduling-policy", default="fcfs",
+                   help="who runs first (vLLM's name): fcfs, by arrival (another policy is refused)")
 
 
 def _json_object(text: str) -> Any:
@@ -129,8 +131,8 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         mm_encoder_tp_mode=args.mm_encoder_tp_mode,
                         enable_expert_parallel=args.enable_expert_parallel, enable_lora=args.enable_lora,
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                        mm_processor_kwargs=args.mm_processor_kwargs, **kernel_options(args),
-                        **vllm_engine_fields(args))
+                        mm_processor_kwargs=args.mm_processor_kwargs, scheduling_policy=args.scheduling_policy,
+                        **kernel_options(args), **vllm_engine_fields(args))
 
 
 def lora_modules(args: argparse.Namespace) -> dict[str, str]:

@@ -4,7 +4,7 @@ Each flag has vLLM's name and meaning, or is refused at start-up with a message 
 to use instead (never accepted and silently different):
 
 - engine: `-tp` (`--tensor-parallel-size`), `-pp` / `-dp` (1 only: one engine), `--load-format` (auto /
-  safetensors), `--kv-cache-dtype`, `--scheduling-policy`, `--block-size`,
+  safetensors), `--kv-cache-dtype`, `--block-size` (`--scheduling-policy` is `cli.add_engine_args`' own),
   `--enable-chunked-prefill` (vlmrun always prefills in chunks: `--no-enable-chunked-prefill` is
   refused), `--tokenizer` / `--tokenizer-mode` (only the checkpoint's own), `--trust-remote-code`
   (accepted with a log line: vlmrun runs only its own model code), `--swap-space` (accepted with a
@@ -40,8 +40,6 @@ def add_vllm_engine_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) 
     """vLLM's engine flags beyond `add_engine_args`' own (which hold `-tp` on --tensor-parallel-size)."""
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's dtype (vLLM's name; auto: the model's dtype)")
-    p.add_argument("--scheduling-policy", default="fcfs",
-                   help="the order waiting requests run in (vLLM's name; fcfs: first come, first served)")
     p.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV cache page (vLLM's name; default 16)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
@@ -136,7 +134,7 @@ def vllm_engine_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.tokenizer_mode != "auto":
         raise ValueError(f"--tokenizer-mode {args.tokenizer_mode}: only 'auto' (the checkpoint's own tokenizer) "
                          "is supported")
-    fields: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype, "scheduling_policy": args.scheduling_policy}
+    fields: dict[str, Any] = {"kv_cache_dtype": args.kv_cache_dtype}
     if args.block_size is not None:
         fields["page_size"] = args.block_size
     return fields
