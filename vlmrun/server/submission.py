@@ -58,7 +58,7 @@ class RequestTracker:
         self.arrival = arrival
         items = items or []
         self.vllm = metrics.vllm.request(arrival, [len(p.token_ids) for p, _ in items],
-                                         [params.max_tokens for _, params in items],
+                                         [getattr(params, "max_tokens", None) for _, params in items],
                                          n)
         self._first_token: dict[int, float] = {}
         self._seen_first = False
