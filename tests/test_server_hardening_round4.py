@@ -46,7 +46,8 @@ def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
 
 @pytest.fixture(scope="module")
 def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, enable_auto_tool_choice=True,
+    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, trust_request_mm_kwargs=True,
+                                                 enable_auto_tool_choice=True,
                                                  tool_call_parser="hermes"))
     yield srv
     srv.stop()

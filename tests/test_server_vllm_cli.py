@@ -59,7 +59,8 @@ def flagged(qwen3_vl_dir) -> Iterator[Served]:
     """A server started from a `serve` command line carrying the vLLM flags."""
     args = serve_args(qwen3_vl_dir, "--served-model-name", "flagged", "--seed", "5", "--no-enable-prefix-caching",
                       "--chat-template", FLAG_TEMPLATE, "--limit-mm-per-prompt", '{"image": 1, "video": 0}',
-                      "--trust-request-chat-template", "--mm-processor-kwargs", MM_DEFAULTS)
+                      "--trust-request-chat-template", "--mm-processor-kwargs", MM_DEFAULTS,
+                      "--trust-request-mm-kwargs")
     eng = build_engine(engine_config(args))
     srv = serve_in_thread(eng, server_settings(args))
     yield Served(srv.base_url, eng)
@@ -245,7 +246,8 @@ def test_documents_reach_a_template_that_reads_them(flagged):
 
 def test_mm_processor_kwargs_flag_is_the_default(flagged, server):
     """--mm-processor-kwargs sizes every image that does not size itself; a request's own
-    mm_processor_kwargs (and an item's own max_pixels) win, as in vLLM."""
+    mm_processor_kwargs (on a server started with --trust-request-mm-kwargs; elsewhere a 400, as in vLLM)
+    and an item's own max_pixels win, as in vLLM."""
     def image_tokens(srv: ServerThread | Served, content, **fields) -> int:
         ids = post(srv, "/tokenize", {"messages": user(content), **fields}).json()["tokens"]
         return ids.count(flagged.engine.engine.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
@@ -253,7 +255,10 @@ def test_mm_processor_kwargs_flag_is_the_default(flagged, server):
     assert image_tokens(server, [LARGE_IMAGE, "what?"]) == 48
     assert image_tokens(flagged, [LARGE_IMAGE, "what?"]) == 15
     assert image_tokens(flagged, [LARGE_IMAGE, "what?"], mm_processor_kwargs={"max_pixels": 1 << 20}) == 48
-    assert image_tokens(server, [LARGE_IMAGE, "what?"], mm_processor_kwargs={"max_pixels": 20000}) == 15
+    untrusted = post(server, "/tokenize", {"messages": user([LARGE_IMAGE, "what?"]),
+                                           "mm_processor_kwargs": {"max_pixels": 20000}})
+    assert untrusted.status_code == 400 and untrusted.json()["error"]["param"] == "mm_processor_kwargs"
+    assert "--trust-request-mm-kwargs" in untrusted.json()["error"]["message"]
     sized = {**LARGE_IMAGE, "max_pixels": 1 << 20}
     assert image_tokens(flagged, [sized, "what?"]) == 48
     chat = post(flagged, "/v1/chat/completions", {"messages": user([LARGE_IMAGE, "what?"]), "max_tokens": 1})

@@ -215,10 +215,13 @@ def test_server_chat_template_fields(client, flagged, engine):
     with pytest.raises(openai.BadRequestError) as err:
         server_chat(client, extra_body=template)  # a server started without the flag
     assert err.value.body["param"] == "chat_template"
-    sized = server_chat(client, user([LARGE_IMAGE, "What is it?"]), extra_body={"mm_processor_kwargs":
-                                                                               {"max_pixels": 20000}})
-    full = server_chat(client, user([LARGE_IMAGE, "What is it?"]))
-    assert full.usage.prompt_tokens - sized.usage.prompt_tokens == 48 - 15
+    sized = post(flagged, "/v1/chat/completions", {"messages": user([LARGE_IMAGE, "What is it?"]), "max_tokens": 1,
+                                                   "mm_processor_kwargs": {"max_pixels": 1 << 20}}).json()
+    full = post(flagged, "/v1/chat/completions", {"messages": user([LARGE_IMAGE, "What is it?"]), "max_tokens": 1}).json()
+    assert sized["usage"]["prompt_tokens"] - full["usage"]["prompt_tokens"] == 48 - 15  # over its --mm-processor-kwargs
+    with pytest.raises(openai.BadRequestError) as err:  # a server started without --trust-request-mm-kwargs
+        server_chat(client, user([LARGE_IMAGE, "What is it?"]), extra_body={"mm_processor_kwargs": {"max_pixels": 1}})
+    assert err.value.body["param"] == "mm_processor_kwargs"
 
 
 def test_server_continuous_usage_stats(client):

@@ -34,6 +34,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.engine.engine import Engine, EngineStats
 from vlmrun.engine.outputs import RequestUpdate
 from vlmrun.lora.request import LoRARequest
+from vlmrun.engine.step_tokens import StepTokenHistogram
 from vlmrun.engine.request_group import (
     FINISH_ABORT,
     ChoiceDelta,
@@ -53,6 +54,7 @@ class AsyncEngineStats(EngineStats):
 
     num_groups: int = 0
     num_steps: int = 0  # engine steps run (failed steps not counted)
+    step_tokens: Optional[StepTokenHistogram] = None  # tokens per step (prompt tokens prefilled + generated)
     time: float = 0.0  # time.monotonic() of the snapshot
 
 
@@ -85,6 +87,7 @@ class _Live:
     group: RequestGroup
     index: int
     num_prompt_tokens: int
+    started: bool = False  # its first token came (its prompt counted in the step tokens)
 
 
 class AsyncEngine:
@@ -103,6 +106,8 @@ class AsyncEngine:
         # Per event loop: (RequestGroup, ChoiceDelta | exception) and (acceptance future, None | exception)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
         self._num_steps = 0
+        self._step_tokens = StepTokenHistogram()
+        self._tokens_this_step = 0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -209,8 +214,11 @@ class AsyncEngine:
                     self._fail_all(EngineStepError(f"the engine failed: {type(exc).__name__}: {exc}"))
                 else:
                     self._num_steps += 1
+                    self._tokens_this_step = 0
                     for update in updates:
                         self._route(update)
+                    if self._tokens_this_step:  # (a step that only prefilled part of a prompt: none)
+                        self._step_tokens.observe(self._tokens_this_step)
             self._publish_stats()
             self._flush()
 
@@ -269,6 +277,9 @@ class AsyncEngine:
         if live is None:
             return
         delta = ChoiceDelta(live.index, list(update.new_token_ids), list(update.new_logprobs), update.text_delta)
+        if update.new_token_ids:
+            self._tokens_this_step += len(update.new_token_ids) + (0 if live.started else live.num_prompt_tokens)
+            live.started = True
         result = update.result
         if result is not None:
             self._live.pop(update.request_id, None)
@@ -280,6 +291,9 @@ class AsyncEngine:
             delta.num_output_tokens = result.num_output_tokens
             delta.first_token_time = result.first_token_time
             delta.prompt_logprobs, delta.pooled = result.prompt_logprobs, result.pooled
+            delta.stop_reason = result.stop_reason
+            delta.arrival_time, delta.scheduled_time = result.arrival_time, result.scheduled_time
+            delta.finished_time = result.finished_time
         self._emit(live.group, delta)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -307,7 +321,8 @@ class AsyncEngine:
         stats = self.engine.stats()  # its fields as they are (a nested dataclass stays one)
         own = {f.name: getattr(stats, f.name) for f in fields(stats)}
         self._stats = AsyncEngineStats(**own, num_groups=len(self._groups),
-                                       num_steps=self._num_steps, time=time.monotonic())
+                                       num_steps=self._num_steps, step_tokens=self._step_tokens.copy(),
+                                       time=time.monotonic())
 
     def _drain_after_stop(self) -> None:
         """After the loop ended: refuse whatever is still queued."""

@@ -383,5 +383,5 @@ class Engine:
                                grammar_ended=grammar is not None and grammar.is_terminated,
                                stop_reason=None if stream.finished is None else stream.finished.stop_reason,
                                prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
-                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode)
+                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode, scheduled_time=req.scheduled_time)
         return RequestUpdate(req.request_id, result=result)

@@ -29,6 +29,7 @@ class RequestResult:
     first_token_time: Optional[float]  # time.monotonic() of the first output token; None without one
     grammar_ended: bool = False  # structured outputs: the grammar reached an accepting end
     finished_time: float = 0.0  # time.monotonic() when it finished
+    scheduled_time: Optional[float] = None  # time.monotonic() when first scheduled; None if never
     stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it; None for EOS / length
     prompt_text: Optional[str] = None  # the prompt as text (the rendered chat template); None when given as ids
     prompt_token_ids: list[int] = field(default_factory=list)  # as the engine ran it (after truncate_prompt_tokens)

@@ -57,6 +57,7 @@ class Request:
     finish_reason: Optional[str] = None
     num_preemptions: int = 0
     first_token_time: Optional[float] = None
+    scheduled_time: Optional[float] = None  # time.monotonic() when first scheduled (the end of its queue time)
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # per prompt position, when asked
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
     speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
@@ -83,6 +84,8 @@ class Request:
 
     def mark_launched(self, end: int, samples: bool, num_drafts: int) -> None:
         """A launched step computes the request up to `end` (its drafts included), sampling or not."""
+        if self.scheduled_time is None:
+            self.scheduled_time = time.monotonic()
         self.num_computed_tokens = end
         self.num_launched_steps += 1
         self.num_pending_tokens += samples

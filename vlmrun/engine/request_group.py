@@ -31,7 +31,10 @@ class ChoiceDelta:
 
     On the last delta of a choice (`finished`), `num_prompt_tokens` / `num_output_tokens` are the
     final counts, `first_token_time` the `time.monotonic()` of its first token (None if none) and
-    `prompt_logprobs` the prompt's (`SamplingParams.prompt_logprobs`; None unless asked).
+    `prompt_logprobs` the prompt's (`SamplingParams.prompt_logprobs`; None unless asked);
+    `stop_reason` the stop string or stop token id that ended it (None for EOS, length, abort), and
+    `arrival_time` / `scheduled_time` / `finished_time` the engine's `time.monotonic()` when it took the
+    request, first scheduled it and finished it (None on an abort: the metrics' queue / prefill / decode times).
     """
 
     index: int
@@ -45,6 +48,10 @@ class ChoiceDelta:
     first_token_time: Optional[float] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     pooled: Any = None  # a pooling request's embedding (torch.Tensor [dim] float32, CPU) on its last delta
+    stop_reason: Union[int, str, None] = None
+    arrival_time: Optional[float] = None
+    scheduled_time: Optional[float] = None
+    finished_time: Optional[float] = None
 
 
 class RequestGroup:

@@ -21,6 +21,7 @@ import sys
 
 from vlmrun.jobs.cli import EXIT_USAGE, sigterm_as_interrupt
 from vlmrun.server.cli import add_engine_args, add_server_args, engine_config, server_settings
+from vlmrun.server.vllm_flags import announce_accepted, check_tokenizer, show_server_logs
 
 
 def build_config(args: argparse.Namespace):  # -> RunBatchConfig (imported lazily: torch)
@@ -33,7 +34,11 @@ def build_config(args: argparse.Namespace):  # -> RunBatchConfig (imported lazil
     if args.max_in_flight is not None and args.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
     settings = server_settings(args)
+    named = args.model
     args.model = resolve_model(args.model)
+    check_tokenizer(args.tokenizer, named, args.model)
+    announce_accepted(args, "run-batch")
+    show_server_logs(settings.log_requests, log_stats=False)  # (its own progress line says how it goes)
     return RunBatchConfig(input=args.input_file, engine=engine_config(args), settings=settings,
                           out=args.output_file, max_in_flight=args.max_in_flight, overwrite=args.overwrite,
                           retry_errors=args.retry_errors, fsync_interval=args.fsync_interval)

@@ -10,11 +10,15 @@ Output, one line per input line, in input order:
      "response": {"status_code": 200, "request_id": "vlmrun-batch-…", "body": {...the server's answer...}},
      "error": null}
 
-A request the server answers with an error (status 400, …) keeps that status, `response.body` is the
-server's error answer (`{"error": {...}}`, as OpenAI's batch output has it) and `error` its inner
-object (`{"message", "type", "param", "code"}`, set on every failed line as vLLM's is). A line that
-is not a request the job can send (bad JSON, no `custom_id`, an unknown `url`, a `custom_id` seen
-before in the input, `"stream": true`) gets an error line of the same shape, status 400.
+A failed line is vLLM's: `"response": null` and `error` the server's error answer, the OpenAI shape
+`{"error": {"message", "type", "param", "code"}}`:
+
+    {"id": "vlmrun-…", "custom_id": "req-2", "response": null,
+     "error": {"error": {"message": "...", "type": "invalid_request_error", "param": "messages", "code": null}}}
+
+That is a request the server answers with an error (400, 404, 413, …), and a line that is not a request
+the job can send (bad JSON, no `custom_id`, an unknown `url`, a `custom_id` seen before in the input,
+`"stream": true`).
 
 Each output line is recorded under a key, which a rerun skips: its `custom_id`, or, for a line
 refused for having no usable `custom_id` of its own (bad JSON, none given, a repeat), its line
@@ -109,24 +113,25 @@ class BatchOutputLine:
 
     id: str
     custom_id: Optional[str]
-    response: dict[str, Any]
-    error: Optional[dict[str, Any]]
+    response: Optional[dict[str, Any]]  # None on a failed line
+    error: Optional[dict[str, Any]]  # {"error": {...}} on a failed line
 
     @classmethod
     def answer(cls, custom_id: str, status: int, body: Any) -> "BatchOutputLine":
         """The server's answer to a request: `body` its JSON (an error body unless status is 200)."""
-        error = None
-        if status != 200:
-            inner = body.get("error") if isinstance(body, dict) else None
-            error = inner if isinstance(inner, dict) else {"message": str(body), "type": "server_error",
-                                                           "param": None, "code": None}
-        return cls(f"vlmrun-{uuid.uuid4().hex}", custom_id, _response(status, body), error)
+        line_id = f"vlmrun-{uuid.uuid4().hex}"
+        if status == 200:
+            return cls(line_id, custom_id, _response(status, body), None)
+        if not (isinstance(body, dict) and isinstance(body.get("error"), dict)):
+            body = {"error": {"message": f"status {status}: {body}", "type": "server_error", "param": None,
+                              "code": None}}
+        return cls(line_id, custom_id, None, body)
 
     @classmethod
     def refusal(cls, refused: Refusal) -> "BatchOutputLine":
         err = refused.error
         line_id = f"{LINE_ID_PREFIX}{refused.line}" if refused.keyed_by_line else f"vlmrun-{uuid.uuid4().hex}"
-        return cls(line_id, refused.custom_id, _response(err.status, err.body()), err.body()["error"])
+        return cls(line_id, refused.custom_id, None, err.body())
 
     @property
     def failed(self) -> bool:
@@ -135,7 +140,8 @@ class BatchOutputLine:
     @property
     def num_tokens(self) -> int:
         """Completion tokens of a successful answer (its `usage`), 0 otherwise."""
-        usage = self.response["body"].get("usage") if isinstance(self.response["body"], dict) else None
+        body = self.response["body"] if self.response is not None else None
+        usage = body.get("usage") if isinstance(body, dict) else None
         return int(usage.get("completion_tokens") or 0) if isinstance(usage, dict) and not self.failed else 0
 
     def to_dict(self) -> dict[str, Any]:

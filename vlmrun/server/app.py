@@ -10,9 +10,12 @@ With an API key set, the /v1 routes, /tokenize and /detokenize need `Authorizati
 Every error, ours or the framework's (unknown route, wrong method), is answered in OpenAI's
 JSON error shape; an unexpected exception becomes a JSON 500 that leaves the keep-alive connection
 usable and is counted in /metrics like any other status. /v1/models shows the served name, never
-the model's local path (that goes to the server log). The app does not own the engine: whoever
-created the `AsyncEngine` starts and stops it; the app's lifespan shuts down only its own
-preprocessing pool.
+the model's local path (that goes to the server log); with several served names (vLLM's
+`--served-model-name a b`) it lists each. CORS as vLLM answers it (`ServerSettings.allowed_origins`
+...: by default any origin). `root_path`: vLLM's --root-path, the prefix a proxy serves the app under
+(the bare paths answer too). The app does not own the engine: whoever created the `AsyncEngine` starts
+and stops it; the app's lifespan shuts down only its own preprocessing pool, and runs the periodic
+statistics log line (`stats_log.py`, unless `log_stats` is off).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,6 +41,7 @@ from vlmrun.server.errors import APIError, bad_request, error_response, internal
 from vlmrun.server.metrics import CONTENT_TYPE
 from vlmrun.server.settings import ServerSettings
 from vlmrun.server.state import ServerState
+from vlmrun.server.stats_log import StatsLog
 from vlmrun.server.transport import ClientDisconnected
 
 logger = logging.getLogger(__name__)
@@ -46,20 +51,29 @@ _KNOWN_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v
                 "/ping", "/version", "/metrics")
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: AsyncEngine, settings: ServerSettings, root_path: str = "") -> FastAPI:
     state = ServerState.build(engine, settings)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        vllm = state.metrics.vllm
+        stats = (StatsLog(lambda: engine.stats, lambda: (vllm.prompt_total, vllm.generation_total),
+                          settings.log_stats_interval_s).start() if settings.log_stats else None)
         try:
             yield
         finally:
+            if stats is not None:
+                await stats.stop()
             state.shutdown_pools()
 
     app = FastAPI(title="vlmrun", version=vlmrun_version(), lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.root_path = root_path  # as vLLM sets it: requests with and without the prefix route alike
     app.state.vlmrun = state
     _install_error_handlers(app)
     app.add_middleware(_AnswerUnexpected)
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                       allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                       allow_credentials=settings.allow_credentials)
     app.add_middleware(_CountResponses, state=state)  # added last: outermost, so it sees the 500s too
     logger.info("serving the model at %s as %r", engine.engine.model_config.path, state.model_name)
 
@@ -99,13 +113,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(state), *map(lambda n: _model_card(state, n),
-                                                                        state.settings.lora_modules)]}
+        bases = [_model_card(state, name=name) for name in state.settings.served_model_names]
+        return {"object": "list", "data": [*bases, *map(lambda n: _model_card(state, n), state.settings.lora_modules)]}
 
     @app.get("/v1/models/{model:path}", dependencies=auth)
     async def get_model(model: str) -> dict[str, Any]:
         state.check_model(model)
-        return _model_card(state, None if model == state.model_name else model)
+        if model in state.settings.served_model_names:
+            return _model_card(state, name=model)
+        return _model_card(state, model)
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
@@ -138,13 +154,15 @@ def vlmrun_version() -> str:
     return importlib.metadata.version("vlmrun")
 
 
-def _model_card(state: ServerState, adapter: Optional[str] = None) -> dict[str, Any]:
-    """The served model's card, or (`adapter`) a LoRA adapter's: its folder as root, the model as parent."""
+def _model_card(state: ServerState, adapter: Optional[str] = None, name: Optional[str] = None) -> dict[str, Any]:
+    """The served model's card under `name` (default: the reported one), or (`adapter`) a LoRA adapter's: its
+    folder as root, the model as parent."""
     if adapter is not None:
         return {"id": adapter, "object": "model", "created": state.created, "owned_by": "vlmrun",
                 "root": state.settings.lora_modules[adapter], "parent": state.model_name,
                 "max_model_len": state.engine.max_model_len}
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vlmrun",
+    name = name or state.model_name
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "vlmrun",
             "root": state.model_name, "parent": None,
             "max_model_len": state.engine.max_model_len}
 
@@ -217,6 +235,9 @@ class _CountResponses:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root + "/"):  # behind --root-path
+            path = path[len(root):]
         endpoint = next((p for p in _KNOWN_PATHS if path == p or path.startswith(p + "/")), "other")
 
         async def counting_send(message: Message) -> None:

@@ -58,14 +58,14 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
-                       "messages", heavy=heavy, lora=lora, scheduling=req.scheduling)
+                       "messages", heavy=heavy, lora=lora, scheduling=req.scheduling, n=req.params.n)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("chatcmpl", rid)
     parsers = [ChatOutputParser(state.settings.reasoning_parser is not None,
                                 req.tools if req.parses_tool_calls else (), prompt_text)
                for _ in sub.choices]
-    role = response_role(req.messages, req.prompt)
+    role = response_role(req.messages, req.prompt, state.settings.response_role)
     echo = echo_text(req.messages, role) if req.echo else ""
 
     if not req.stream:
@@ -92,7 +92,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
 
         def chunk(c: R.ChoiceState, delta: dict[str, Any], token_ids: list[int], lp: Optional[dict[str, Any]] = None,
                   finish_reason: Optional[str] = None) -> bytes:
-            choices = [R.chat_chunk_choice(c.index, delta, lp, finish_reason)]
+            choices = [R.chat_chunk_choice(c.index, delta, lp, finish_reason, c.stop_reason)]
             return req.extras.add_to_chunk(R.chat_chunk(answer_id, sub.created, model, choices, req.include_usage),
                                            c, token_ids, chat=True)
 
@@ -139,6 +139,9 @@ def render_chat(state: ServerState, messages: list[Any], tools: list[dict[str, A
     if options.chat_template is not None and not state.settings.trust_request_chat_template:
         raise bad_request("a per-request 'chat_template' needs a server started with --trust-request-chat-template",
                           param="chat_template")
+    if options.mm_processor_kwargs and not state.settings.trust_request_mm_kwargs:
+        raise bad_request("a per-request 'mm_processor_kwargs' needs a server started with --trust-request-mm-kwargs "
+                          "(or size every request's media with --mm-processor-kwargs)", param="mm_processor_kwargs")
     resolved = state.media.resolve_messages(messages)
     mm_kwargs = options.mm_processor_kwargs  # over the engine's own (--mm-processor-kwargs), which the processor applies
     return state.processor.process_chat(resolved, add_generation_prompt=options.add_generation_prompt,

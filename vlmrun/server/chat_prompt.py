@@ -88,9 +88,10 @@ def chat_prompt_options(body: dict[str, Any]) -> ChatPromptOptions:
                              opt_bool(body, "add_special_tokens", False))
 
 
-def response_role(messages: list[Any], options: ChatPromptOptions) -> str:
-    """The answer's role: "assistant", or the last message's when no generation prompt opens a reply (vLLM's)."""
-    return "assistant" if options.add_generation_prompt else messages[-1]["role"]
+def response_role(messages: list[Any], options: ChatPromptOptions, generation_role: str = "assistant") -> str:
+    """The answer's role: `generation_role` (vLLM's --response-role), or the last message's when no generation
+    prompt opens a reply (vLLM's)."""
+    return generation_role if options.add_generation_prompt else messages[-1]["role"]
 
 
 def echo_text(messages: list[Any], role: str) -> str:

@@ -3,8 +3,9 @@
 Its flags follow `vllm serve` where vLLM has one (same name, meaning and default): the model as the
 positional argument (or `--model`), `--revision`, `--seed`, `--enable-prefix-caching` /
 `--no-enable-prefix-caching`, `--chat-template`, `--limit-mm-per-prompt`, `--enable-auto-tool-choice`,
-`--tool-call-parser`, `--trust-request-chat-template`, `--mm-processor-kwargs`. The engine flags are
-shared with `vlmrun web`.
+`--tool-call-parser`, `--trust-request-chat-template`, `--mm-processor-kwargs`, and the further vLLM
+flags of `vllm_flags.py` (`-tp`, `--kv-cache-dtype`, `--max-logprobs`, `--root-path`, `--ssl-*`, CORS, ...).
+The engine flags are shared with `vlmrun web`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from typing import Any, Optional
 from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.default_model import resolve_model, served_name
 from vlmrun.server.settings import TOOL_CALL_PARSERS, MiB
+from vlmrun.server.vllm_flags import (add_vllm_engine_flags, add_vllm_http_flags, add_vllm_request_flags,
+                                      announce_accepted, check_tokenizer, mm_limits, show_server_logs,
+                                      vllm_engine_fields, vllm_server_fields)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -60,7 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-string-length", type=int, default=512, help="characters of one stop string")
     p.add_argument("--max-stop-token-ids", type=int, default=64, help="stop token ids one request may give")
     add_kernel_args(p)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks (devices) the model is split over")
+    add_vllm_engine_flags(p)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, help="ranks (devices) the model is split over")
     p.add_argument("--distributed-executor-backend", choices=("mp", "ray"), default="mp",
                    help="how the ranks are started: local processes (mp) or a Ray placement group (ray)")
     p.add_argument("--mm-encoder-tp-mode", choices=("weights", "data"), default="weights",
@@ -97,7 +102,8 @@ def media_limits(args: argparse.Namespace) -> dict[str, int]:
     (ValueError for a bad value, or for the two flags giving different image counts)."""
     from vlmrun.config import mm_limit_fields
 
-    fields = mm_limit_fields(args.limit_mm_per_prompt) if args.limit_mm_per_prompt is not None else {}
+    limits = mm_limits(args)
+    fields = mm_limit_fields(limits) if limits is not None else {}
     images = args.max_images_per_request
     if images is not None:
         if fields.get("max_images_per_request", images) != images:
@@ -127,7 +133,7 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (imported lazily
                         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
                         mm_processor_kwargs=args.mm_processor_kwargs, scheduling_policy=args.scheduling_policy,
                         runner=getattr(args, "runner", "generate"), pooler_config=getattr(args, "pooler_config", None),
-                        **kernel_options(args))
+                        **kernel_options(args), **vllm_engine_fields(args))
 
 
 def lora_modules(args: argparse.Namespace) -> dict[str, str]:
@@ -156,8 +162,9 @@ def lora_modules(args: argparse.Namespace) -> dict[str, str]:
 def server_settings(args: argparse.Namespace):  # -> ServerSettings
     from vlmrun.server.settings import ServerSettings
 
+    names = args.served_model_name or [served_name(model_argument(args))]
     return ServerSettings(
-        served_model_name=args.served_model_name or served_name(model_argument(args)),
+        served_model_name=names[0], served_model_aliases=tuple(names[1:]),
         api_key=args.api_key or os.environ.get("VLMRUN_API_KEY") or None,
         max_request_bytes=args.max_request_mb * MiB, max_queued_requests=args.max_queued_requests,
         max_n=args.max_n, preprocess_workers=args.preprocess_workers,
@@ -166,7 +173,8 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        trust_request_chat_template=args.trust_request_chat_template, lora_modules=lora_modules(args))
+        trust_request_chat_template=args.trust_request_chat_template, lora_modules=lora_modules(args),
+        **vllm_server_fields(args))
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -178,7 +186,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         '"normalize": false}')
     p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                    help="LoRA adapters served by name: a request's model NAME runs the PEFT folder PATH")
-    p.add_argument("--served-model-name", default=None, help="the model id clients use (default: --model, or the bundled model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model ids clients may use, the first reported in answers and metrics (default: "
+                        "--model, or the bundled model's name)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (or VLMRUN_API_KEY)")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="directory whose images clients may name by path or file:// URI (default: none)")
@@ -203,6 +213,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "either is read whichever is named")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request carry its own 'chat_template' (without it such a request is a 400)")
+    add_vllm_request_flags(p)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -212,11 +223,16 @@ def serve(args: argparse.Namespace) -> int:
         settings = server_settings(args)
         config = engine_config(args)
         model = resolve_model(config.model, announce=False)
+        check_tokenizer(args.tokenizer, config.model, model)
+        from vlmrun.server.launch import HTTPOptions
+
+        http = HTTPOptions.of(args)
         if config.chat_template is not None:
             load_chat_template(config.chat_template)
     except (FileNotFoundError, ValueError) as exc:
         print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
+    announce_accepted(args, "serve")
     from vlmrun.server.launch import PortInUse, bind_socket, build_engine, run_server
 
     try:  # the port before the model: a busy port fails at once, not after loading
@@ -224,6 +240,7 @@ def serve(args: argparse.Namespace) -> int:
     except PortInUse as exc:
         print(f"vlmrun serve: {exc}", file=sys.stderr)
         return 2
+    show_server_logs(settings.log_requests, settings.log_stats)
     try:
         engine = build_engine(config, model)
     except BaseException:
@@ -233,10 +250,10 @@ def serve(args: argparse.Namespace) -> int:
         from vlmrun.server.app import create_app
 
         sock.listen(2048)  # from here connections wait in the backlog for uvicorn
-        address = f"http://{args.host}:{sock.getsockname()[1]}"
+        address = f"{http.scheme}://{args.host}:{sock.getsockname()[1]}{http.root_path}"
         print(f"vlmrun serve: serving {model} as {settings.served_model_name!r} on {address} "
               f"(OpenAI API at {address}/v1)", file=sys.stderr, flush=True)
-        run_server(create_app(engine, settings), sock, log_level=args.log_level)
+        run_server(create_app(engine, settings, root_path=http.root_path), sock, http)
     finally:
         engine.shutdown()
         sock.close()
@@ -251,6 +268,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_server_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
-    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+    add_vllm_http_flags(p)
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
                    help="uvicorn's log level")
     p.set_defaults(func=serve)

@@ -52,7 +52,7 @@ async def completions(state: ServerState, request: Request) -> Response:
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
                        lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=heavy, lora=lora,
-                       scheduling=req.scheduling)
+                       scheduling=req.scheduling, n=n)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("cmpl", rid)
@@ -73,7 +73,7 @@ async def completions(state: ServerState, request: Request) -> Response:
     async def events() -> AsyncIterator[bytes]:
         def chunk(c: R.ChoiceState, text: str, token_ids: list[int], lp: Optional[dict[str, Any]] = None,
                   finish_reason: Optional[str] = None) -> bytes:
-            choices = [R.completion_chunk_choice(c.index, text, lp, finish_reason)]
+            choices = [R.completion_chunk_choice(c.index, text, lp, finish_reason, c.stop_reason)]
             return req.extras.add_to_chunk(R.completion_chunk(answer_id, sub.created, model, choices,
                                                               req.include_usage), c, token_ids, chat=False)
 

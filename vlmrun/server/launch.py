@@ -4,11 +4,15 @@ used by the tests and by `vlmrun web --model`).
 The port is bound before the model loads (`bind_socket`: a busy port is an error at once, not after a
 load of minutes) and handed to uvicorn afterwards (`run_server`); until then connections are refused.
 `build_engine` says on stderr what it loads and how long it took (a ticking line on a terminal).
+`HTTPOptions`: what uvicorn is told beside the app (vLLM's `--uvicorn-log-level`, `--root-path`,
+`--ssl-*`, `--disable-uvicorn-access-log`).
 """
 
 from __future__ import annotations
 
+import argparse
 import errno
+import os
 import socket
 import threading
 import time
@@ -43,12 +47,53 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(app: Any, sock: socket.socket, log_level: str = "info") -> None:
+@dataclass(frozen=True)
+class HTTPOptions:
+    """uvicorn's settings beside the app: log level, access log, the proxy's path prefix, TLS."""
+
+    log_level: str = "info"
+    access_log: bool = True
+    root_path: str = ""
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_cert_reqs: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both --ssl-keyfile and --ssl-certfile")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise FileNotFoundError(f"--{name.replace('_', '-')} {path}: no such file")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"--root-path {self.root_path!r} must start with '/', e.g. /llm")
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "HTTPOptions":
+        return cls(log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
+                   root_path=(args.root_path or "").rstrip("/"), ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                   ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.ssl_certfile else "http"
+
+    def uvicorn_config(self, app: Any) -> Any:  # -> uvicorn.Config
+        import uvicorn
+
+        # the root path is the app's own (create_app), which serves both the prefixed and the bare paths
+        return uvicorn.Config(app, log_level=self.log_level, access_log=self.access_log,
+                              ssl_keyfile=self.ssl_keyfile, ssl_certfile=self.ssl_certfile,
+                              ssl_ca_certs=self.ssl_ca_certs, ssl_cert_reqs=self.ssl_cert_reqs,
+                              lifespan="on", timeout_graceful_shutdown=5)
+
+
+def run_server(app: Any, sock: socket.socket, http: HTTPOptions = HTTPOptions()) -> None:
     """uvicorn serving `app` on the bound `sock` in the foreground, until Ctrl-C / SIGTERM."""
     import uvicorn
 
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(http.uvicorn_config(app)).run(sockets=[sock])
 
 
 def build_engine(config: EngineConfig, model: Optional[str] = None) -> AsyncEngine:
@@ -66,13 +111,15 @@ class ServerThread:
     host: str = "127.0.0.1"
     port: int = 0
     log_level: str = "warning"
+    http: Optional[HTTPOptions] = None  # None: plain HTTP at `log_level`
     _server: Any = None
     _thread: Optional[threading.Thread] = None
     _sock: Optional[socket.socket] = None
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "http" if self.http is None else self.http.scheme
+        return f"{scheme}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
         import uvicorn
@@ -80,8 +127,8 @@ class ServerThread:
         sock = bind_socket(self.host, self.port)
         self.port = sock.getsockname()[1]
         self._sock = sock
-        config = uvicorn.Config(self.app, log_level=self.log_level, lifespan="on", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
+        http = self.http if self.http is not None else HTTPOptions(log_level=self.log_level)
+        self._server = uvicorn.Server(http.uvicorn_config(self.app))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="vlmrun-http", daemon=True)
         self._thread.start()
@@ -102,7 +149,9 @@ class ServerThread:
 
 
 def serve_in_thread(engine: AsyncEngine, settings: ServerSettings, host: str = "127.0.0.1",
-                    port: int = 0) -> ServerThread:
+                    port: int = 0, http: Optional[HTTPOptions] = None) -> ServerThread:
+    """`create_app` served by a `ServerThread`; `http`: uvicorn's settings (`vlmrun serve`'s HTTP flags)."""
     from vlmrun.server.app import create_app
 
-    return ServerThread(create_app(engine, settings), host=host, port=port).start()
+    app = create_app(engine, settings, root_path="" if http is None else http.root_path)
+    return ServerThread(app, host=host, port=port, http=http).start()

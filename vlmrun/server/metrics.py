@@ -5,7 +5,8 @@ running requests, KV and GDN pool use) are read at scrape time from the engine t
 `AsyncEngineStats` snapshot, plus the server's own count of admitted requests. GDN gauges appear only
 when the engine has a GDN state pool (hybrid models); the speculative decoding counters (vLLM's
 `spec_decode_*` names: verify steps with drafts, draft tokens, accepted tokens, accepted tokens per
-draft position) only when the engine speculates.
+draft position) only when the engine speculates. vLLM's `vllm:` series live beside them in the same
+registry (`vllm_metrics.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from vlmrun.engine.async_engine import AsyncEngineStats
+from vlmrun.server.vllm_metrics import VllmMetrics
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -25,7 +27,8 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], AsyncEngineStats], pending: Callable[[], int], model: str):
+    def __init__(self, stats: Callable[[], AsyncEngineStats], pending: Callable[[], int], model: str,
+                 max_model_len: int = 32768):
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model}
         self._model = model
@@ -45,6 +48,7 @@ class ServerMetrics:
         self.e2e = Histogram("vlmrun_e2e_request_latency_seconds", "From request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(stats, pending, labels))
+        self.vllm = VllmMetrics(self.registry, model, max_model_len, stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

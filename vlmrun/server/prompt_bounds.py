@@ -72,7 +72,8 @@ def message_text_chars(messages: Any) -> int:
         elif isinstance(content, list):
             total += sum(len(part["text"]) for part in content
                          if isinstance(part, dict) and isinstance(part.get("text"), str))
-        for call in message.get("tool_calls") or ():
+        calls = message.get("tool_calls")
+        for call in calls if isinstance(calls, list) else ():  # (another type: refused later, not a 500 here)
             fn = call.get("function") if isinstance(call, dict) else None
             if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                 total += len(fn["arguments"])

@@ -63,6 +63,9 @@ class RequestLimits:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the checkpoint's generation_config
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
     prompt: Optional[PromptBounds] = None
+    max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: logprobs / top_logprobs / prompt_logprobs above it are a 400
+    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the request field's default
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
 
     def check_prompt_chars(self, chars: int, params: SamplingParams, param: str) -> None:
         """400 when `chars` characters of prompt text can never fit the context (before tokenizing)."""
@@ -142,7 +145,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
         raise bad_request("'messages' must be a non-empty list of {'role', 'content'} objects", param="messages")
     messages = _check_messages(messages)
     logprobs = opt_bool(body, "logprobs", False)
-    top = opt_int(body, "top_logprobs", 0, lo=0, hi=MAX_LOGPROBS)
+    top = opt_int(body, "top_logprobs", 0, lo=0)
     if top and not logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = opt_int(body, "max_completion_tokens", None, lo=1)
@@ -161,10 +164,11 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
     limits.check_prompt_chars(message_text_chars(messages), params, "messages")
     prompt = chat_prompt_options(body)
     return ChatRequest(model=opt_model(body), messages=messages, params=params, stream=opt_bool(body, "stream", False),
-                       include_usage=_include_usage(body), logprobs=logprobs, top_logprobs=top, prompt=prompt,
+                       include_usage=_include_usage(body, limits), logprobs=logprobs, top_logprobs=top, prompt=prompt,
                        echo=opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
                        parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
-                       extras=vllm_output_extras(body, chat=True), scheduling=SchedulingFields.of(body))
+                       extras=vllm_output_extras(body, chat=True, tokens_as_ids=limits.tokens_as_ids),
+                       scheduling=SchedulingFields.of(body))
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
@@ -172,10 +176,10 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", param="suffix")
     prompts = _prompts(body.get("prompt"))
-    logprobs = opt_int(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    logprobs = opt_int(body, "logprobs", None, lo=0)
     echo = opt_bool(body, "echo", False)
     max_tokens = opt_int(body, "max_tokens", 16, lo=0 if echo else 1)
-    extras = vllm_output_extras(body, chat=False)  # the body as sent: a streamed prompt_logprobs is a 400
+    extras = vllm_output_extras(body, chat=False, tokens_as_ids=limits.tokens_as_ids)  # the body as sent: a streamed prompt_logprobs is a 400
     body = echo_prompt_logprobs(body, echo, logprobs)
     params = _sampling_params(body, limits, max(max_tokens, 1), logprobs, _structured_outputs(body, limits))
     for p in prompts:
@@ -184,7 +188,7 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     if best_of is not None and best_of != params.n:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
     return CompletionRequest(model=opt_model(body), prompts=prompts, params=params,
-                             stream=opt_bool(body, "stream", False), include_usage=_include_usage(body),
+                             stream=opt_bool(body, "stream", False), include_usage=_include_usage(body, limits),
                              logprobs=logprobs, echo=echo, echo_only=max_tokens == 0,
                              add_special_tokens=opt_bool(body, "add_special_tokens", True),
                              extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs),
@@ -229,6 +233,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         **logits_processor_fields(body),
         **vllm_sampling_fields(body),
     )
+    _check_max_logprobs(body, logprobs, limits.max_logprobs)
     if kwargs["top_p"] == 0.0:
         raise bad_request("'top_p' must be in (0, 1]", param="top_p")
     try:
@@ -237,6 +242,16 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
     except SamplingParamError as exc:
         raise bad_request(str(exc), param=exc.field) from None
     return params
+
+
+def _check_max_logprobs(body: dict[str, Any], logprobs: Optional[int], most: int) -> None:
+    """400, as vLLM answers, for logprobs (the chat top_logprobs) or prompt_logprobs above --max-logprobs."""
+    prompt_logprobs = body.get("prompt_logprobs")
+    for name, value in (("top_logprobs" if "top_logprobs" in body else "logprobs", logprobs),
+                        ("prompt_logprobs", prompt_logprobs)):
+        if is_int(value) and value > most:
+            raise bad_request(f"'{name}' asks for {value} logprobs per token; this server returns at most {most} "
+                              "(its --max-logprobs)", param=name)
 
 
 def _refuse_unsupported(body: dict[str, Any]) -> None:
@@ -361,15 +376,15 @@ def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
     return prompts
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
+def _include_usage(body: dict[str, Any], limits: RequestLimits) -> bool:
     opts = body.get("stream_options")
     if opts is None:
-        return False
+        return limits.force_include_usage and body.get("stream") is True
     if not isinstance(opts, dict):
         raise bad_request("'stream_options' must be an object", param="stream_options")
     if body.get("stream") is not True:  # vLLM and OpenAI refuse it too, rather than ignore it
         raise bad_request("'stream_options' is only allowed with 'stream': true", param="stream_options")
-    return opt_bool(opts, "include_usage", False)
+    return opt_bool(opts, "include_usage", False) or limits.force_include_usage
 
 
 __all__ = ["APIError", "ChatRequest", "CompletionRequest", "RequestLimits", "parse_json", "parse_chat_request",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from vlmrun.engine.request_group import FINISH_ABORT
 
@@ -27,6 +27,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    stop_reason: Union[int, str, None] = None  # vLLM's: the stop string or stop token id that ended it
     num_prompt_tokens: int = 0
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None  # SamplingParams.prompt_logprobs, when asked
@@ -138,6 +139,7 @@ def chat_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
             "logprobs": chat_logprobs(c.token_ids, c.logprobs, top, token_text) if want_logprobs else None,
             "finish_reason": client_finish_reason(with_tool_calls(c.finish_reason,
                                                                   len(c.parsed.calls) if c.parsed else 0)),
+            "stop_reason": c.stop_reason,
         })
     completion = sum(len(c.token_ids) for c in choices)
     return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
@@ -167,9 +169,12 @@ def chat_chunk(rid: str, created: int, model: str, choices: list[dict[str, Any]]
 
 
 def chat_chunk_choice(index: int, delta: dict[str, Any], logprobs: Optional[dict[str, Any]] = None,
-                      finish_reason: Optional[str] = None) -> dict[str, Any]:
-    return {"index": index, "delta": delta, "logprobs": logprobs,
-            "finish_reason": client_finish_reason(finish_reason)}
+                      finish_reason: Optional[str] = None, stop_reason: Union[int, str, None] = None) -> dict[str, Any]:
+    """One choice of a chat chunk; the chunk that finishes it carries its `stop_reason` too (vLLM's)."""
+    out = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": client_finish_reason(finish_reason)}
+    if finish_reason is not None:
+        out["stop_reason"] = stop_reason
+    return out
 
 
 # ---------------------------------------------------------------------------- completions
@@ -201,7 +206,7 @@ def text_completion(rid: str, created: int, model: str, choices: list[ChoiceStat
         ids, lps = echo.logprobs(c) if echo is not None else (c.token_ids, c.logprobs)
         lp = completion_logprobs(ids, lps, logprobs, token_text) if logprobs is not None else None
         out.append({"index": c.index, "text": echo.text(c) if echo is not None else c.text, "logprobs": lp,
-                    "finish_reason": client_finish_reason(c.finish_reason)})
+                    "finish_reason": client_finish_reason(c.finish_reason), "stop_reason": c.stop_reason})
     completion = sum(len(c.token_ids) for c in choices)
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
             "usage": usage(prompt_tokens, completion), "system_fingerprint": None}
@@ -217,9 +222,13 @@ def completion_chunk(rid: str, created: int, model: str, choices: list[dict[str,
 
 
 def completion_chunk_choice(index: int, text: str, logprobs: Optional[dict[str, Any]] = None,
-                            finish_reason: Optional[str] = None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": logprobs,
-            "finish_reason": client_finish_reason(finish_reason)}
+                            finish_reason: Optional[str] = None,
+                            stop_reason: Union[int, str, None] = None) -> dict[str, Any]:
+    """One choice of a completions chunk; the chunk that finishes it carries its `stop_reason` too (vLLM's)."""
+    out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": client_finish_reason(finish_reason)}
+    if finish_reason is not None:
+        out["stop_reason"] = stop_reason
+    return out
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, prompt_tokens: int,

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
+from vlmrun.generation_config import SAMPLING_FIELDS
 from vlmrun.lora.request import LoRARequest
 
 MiB = 1 << 20
@@ -16,7 +17,9 @@ TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "qwen3_xml")
 
 @dataclass
 class ServerSettings:
-    """served_model_name: the id clients put in `model` (and /v1/models lists).
+    """served_model_name: the id clients put in `model` (and /v1/models lists), reported in answers and
+        in the metrics' `model_name` label; served_model_aliases: further ids that name the same model
+        (vLLM's `--served-model-name a b c`: all accepted, the first reported).
     api_key: when set, every /v1 route needs `Authorization: Bearer <api_key>` (/health and
         /metrics stay open).
     max_request_bytes: request bodies above this get 413 (base64 images make bodies large).
@@ -46,6 +49,13 @@ class ServerSettings:
     grammar_workers / max_pending_grammars / grammar_timeout_s: the threads compiling constraints (their
         own: never the pools that parse and tokenize), how many compiles may be queued or running (one
         more is a 429), how long a client waits for its compile (then a 400) (`grammar_pool.py`).
+    vLLM's flags (`vllm_flags.py`): max_logprobs (a request's logprobs / top_logprobs / prompt_logprobs
+        above it: 400), trust_request_mm_kwargs (without it a request's own `mm_processor_kwargs` is a 400),
+        override_generation_config (generation_config.json names over the checkpoint's sampling
+        defaults), return_tokens_as_token_ids (the default of the request field), log_requests (a log line
+        per request), log_stats (a periodic engine statistics line), enable_force_include_usage (streams end
+        with a usage chunk even without stream_options), response_role (vLLM's --response-role), and the CORS lists
+        (allowed_origins / allowed_methods / allowed_headers, allow_credentials; vLLM's defaults).
     """
 
     served_model_name: str
@@ -71,6 +81,30 @@ class ServerSettings:
     grammar_workers: int = 2
     max_pending_grammars: int = 8
     grammar_timeout_s: float = 30.0
+    served_model_aliases: tuple[str, ...] = ()
+    max_logprobs: int = 20
+    trust_request_mm_kwargs: bool = False
+    override_generation_config: dict[str, Any] = field(default_factory=dict)
+    return_tokens_as_token_ids: bool = False
+    log_requests: bool = False
+    enable_force_include_usage: bool = False  # every streamed answer ends with its usage chunk
+    response_role: str = "assistant"  # the role of a chat answer that a generation prompt opens
+    max_log_len: Optional[int] = None  # characters of a logged request's prompt text (None: all)
+    log_stats: bool = True
+    log_stats_interval_s: float = 10.0
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every id of the base model, the reported one first."""
+        return (self.served_model_name, *self.served_model_aliases)
+
+    def sampling_overrides(self) -> dict[str, Any]:
+        """`override_generation_config` as SamplingParams fields (max_new_tokens -> max_tokens)."""
+        return {SAMPLING_FIELDS[name]: value for name, value in self.override_generation_config.items()}
 
     def lora_request(self, name: str) -> LoRARequest:
         """The `LoRARequest` of a `--lora-modules` adapter (ids 1, 2, ... in the order given)."""
@@ -82,6 +116,14 @@ class ServerSettings:
                      "max_grammar_chars", "max_grammar_choices", "grammar_workers", "max_pending_grammars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
+        unknown = sorted(set(self.override_generation_config) - set(SAMPLING_FIELDS))
+        if unknown:
+            raise ValueError(f"override_generation_config (--override-generation-config): unknown key(s) "
+                             f"{', '.join(unknown)}; the sampling defaults it can set are {', '.join(SAMPLING_FIELDS)}")
+        if self.max_logprobs < 0:
+            raise ValueError("ServerSettings.max_logprobs must be >= 0")
+        if self.log_stats_interval_s <= 0:
+            raise ValueError("ServerSettings.log_stats_interval_s must be > 0")
         if self.max_queued_requests < 0:
             raise ValueError("ServerSettings.max_queued_requests must be >= 0")
         if self.reasoning_parser not in (None, "qwen3"):

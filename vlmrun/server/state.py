@@ -100,13 +100,17 @@ class ServerState:
             max_image_bytes=limits.max_image_bytes, max_video_bytes=limits.max_video_bytes,
             max_redirects=settings.max_url_redirects))
         admission = Admission(engine.engine.config.max_num_seqs + settings.max_queued_requests)
-        metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name)
+        metrics = ServerMetrics(lambda: engine.stats, lambda: admission.in_flight, settings.served_model_name,
+                                engine.engine.max_model_len)
         media_pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="vlmrun-media")
         light_pool = ThreadPoolExecutor(LIGHT_WORKERS, thread_name_prefix="vlmrun-light")
         grammar_limits = GrammarLimits(settings.max_grammar_chars, settings.max_grammar_choices)
+        sampling_defaults = {**engine.engine.model_config.sampling_defaults, **settings.sampling_overrides()}
         limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config),
-                               sampling_defaults=engine.engine.model_config.sampling_defaults, grammar=grammar_limits,
-                               prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len))
+                               sampling_defaults=sampling_defaults, grammar=grammar_limits,
+                               prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len),
+                               max_logprobs=settings.max_logprobs, tokens_as_ids=settings.return_tokens_as_token_ids,
+                               force_include_usage=settings.enable_force_include_usage)
         compiler = engine.engine.grammars
         trimmer = MemoryTrimmer(media_pool)
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
@@ -119,13 +123,13 @@ class ServerState:
         return self.settings.served_model_name
 
     def check_model(self, model: Optional[str]) -> Optional[LoRARequest]:
-        """None or the served name: the base model (None); a `--lora-modules` name: that adapter; any other
+        """None or a served name: the base model (None); a `--lora-modules` name: that adapter; any other
         name is a 404."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.settings.served_model_names:
             return None
         if model in self.settings.lora_modules:
             return self.settings.lora_request(model)
-        raise model_not_found(model, [self.model_name, *self.settings.lora_modules])
+        raise model_not_found(model, [*self.settings.served_model_names, *self.settings.lora_modules])
 
     async def in_pool(self, fn: Callable[[], T], heavy: bool) -> T:
         """Run `fn` off the event loop: in the media pool when `heavy`, else in the light pool."""

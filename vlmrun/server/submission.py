@@ -18,6 +18,7 @@ What differs per route (preparing the prompts, the response bodies and stream ch
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -43,23 +44,30 @@ from vlmrun.server.state import LIGHT_BODY_BYTES, ServerState, Ticket
 from vlmrun.server.transport import SSEResponse, read_json_body, until_done_or_disconnected
 
 logger = logging.getLogger(__name__)
+request_log = logging.getLogger("vlmrun.server.requests")  # --enable-log-requests (shown by `vlmrun serve`)
 
 
 # ---------------------------------------------------------------------------- per-request metrics
 
 
 class RequestTracker:
-    """Feeds one request's timings and token counts into the server metrics."""
+    """Feeds one request's timings and token counts into the server metrics (vlmrun's and vLLM's)."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float):
+    def __init__(self, metrics: ServerMetrics, arrival: float,
+                 items: Optional[list[tuple[ProcessedPrompt, SamplingParams]]] = None, n: int = 1):
         self.metrics = metrics
         self.arrival = arrival
+        items = items or []
+        self.vllm = metrics.vllm.request(arrival, [len(p.token_ids) for p, _ in items],
+                                         [getattr(params, "max_tokens", None) for _, params in items],
+                                         n)
         self._first_token: dict[int, float] = {}
         self._seen_first = False
         self._closed = False
 
     def on_batch(self, batch: list[ChoiceDelta]) -> None:
         now = time.monotonic()
+        self.vllm.on_batch(batch, now)
         for d in batch:
             if d.token_ids:
                 self.metrics.generation_tokens.inc(len(d.token_ids))
@@ -76,6 +84,7 @@ class RequestTracker:
     def close(self) -> None:
         if not self._closed:
             self._closed = True
+            self.vllm.close()
             if self._seen_first:
                 self.metrics.e2e.observe(time.monotonic() - self.arrival)
 
@@ -86,17 +95,12 @@ def merge_batch(batch: list[ChoiceDelta]) -> list[ChoiceDelta]:
     for d in batch:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = ChoiceDelta(d.index, list(d.token_ids), list(d.logprobs), d.text, d.finished,
-                                          d.finish_reason, d.num_prompt_tokens, d.num_output_tokens,
-                                          d.first_token_time, d.prompt_logprobs)
+            merged[d.index] = dataclasses.replace(d, token_ids=list(d.token_ids), logprobs=list(d.logprobs))
             continue
-        m.token_ids += d.token_ids
-        m.logprobs += d.logprobs
-        m.text += d.text
-        if d.finished:
-            m.finished, m.finish_reason = True, d.finish_reason
-            m.num_prompt_tokens, m.num_output_tokens = d.num_prompt_tokens, d.num_output_tokens
-            m.prompt_logprobs = d.prompt_logprobs
+        text, token_ids, logprobs = m.text + d.text, m.token_ids + d.token_ids, m.logprobs + d.logprobs
+        if d.finished:  # the last delta's end fields (counts, reasons, times) with the text of all
+            m = merged[d.index] = dataclasses.replace(d, first_token_time=m.first_token_time or d.first_token_time)
+        m.text, m.token_ids, m.logprobs = text, token_ids, logprobs
     return sorted(merged.values(), key=lambda d: d.index)
 
 
@@ -145,10 +149,11 @@ Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams
 async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
                  param: str, heavy: bool, lora: Optional[LoRARequest] = None,
-                 scheduling: SchedulingFields = SchedulingFields()) -> Submitted:
+                 scheduling: SchedulingFields = SchedulingFields(), n: int = 1) -> Submitted:
     """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine (with
     `scheduling`'s priority and cache salt). A client that leaves while it is prepared sets `prepare`'s
-    event, which stops it at the next image."""
+    event, which stops it at the next image. `n`: the choices of each prompt (consecutive items), for the
+    metrics."""
     cancel = threading.Event()
     try:
         tokenizer = state.processor.tokenizer
@@ -188,7 +193,20 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
     state.metrics.prompt_tokens.inc(n_prompt)
     choices = [R.ChoiceState(i, num_prompt_tokens=len(p.token_ids), prompt_token_ids=p.token_ids)
                for i, (p, _) in enumerate(items)]
-    return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival), n_prompt, choices)
+    if state.settings.log_requests:
+        log_request(rid, items, lora, state.settings.max_log_len)
+    return Submitted(rid, int(time.time()), group, ticket, RequestTracker(state.metrics, arrival, items, n), n_prompt,
+                     choices)
+
+
+def log_request(rid: str, items: list[tuple[ProcessedPrompt, SamplingParams]], lora: Optional[LoRARequest],
+                max_log_len: Optional[int] = None) -> None:
+    """vLLM's --enable-log-requests: one line per request accepted by the engine (its prompt text cut to
+    `max_log_len` characters, vLLM's --max-log-len)."""
+    prompt, params = items[0]
+    text = prompt.text if max_log_len is None or prompt.text is None else prompt.text[:max_log_len]
+    request_log.info("request %s: %d choice(s), %d prompt tokens%s, prompt %r, %s", rid, len(items),
+                     len(prompt.token_ids), "" if lora is None else f", adapter {lora.lora_name}", text, params)
 
 
 def _truncate_prompts(items: list[tuple[ProcessedPrompt, SamplingParams]],
@@ -239,6 +257,7 @@ def record(choice: R.ChoiceState, d: ChoiceDelta) -> None:
     choice.logprobs += d.logprobs
     if d.finished:
         choice.finish_reason, choice.prompt_logprobs = d.finish_reason, d.prompt_logprobs
+        choice.stop_reason = d.stop_reason
 
 
 async def _collect(sub: Submitted) -> None:

@@ -68,8 +68,9 @@ WITHOUT_COUNTERPART = (
 )
 
 
-def vllm_output_extras(body: dict[str, Any], chat: bool) -> "OutputExtras":
-    """What the body's vLLM fields add to the response; 400 naming a field this server does not act on."""
+def vllm_output_extras(body: dict[str, Any], chat: bool, tokens_as_ids: bool = False) -> "OutputExtras":
+    """What the body's vLLM fields add to the response; 400 naming a field this server does not act on.
+    `tokens_as_ids`: return_tokens_as_token_ids when the body leaves it out (the server's flag)."""
     best_of = body.get("best_of")
     if chat and best_of is not None and best_of != body.get("n", 1):
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
@@ -77,6 +78,8 @@ def vllm_output_extras(body: dict[str, Any], chat: bool) -> "OutputExtras":
         value = body.get(name)
         if value is not None and not any(type(value) is type(v) and value == v for v in neutral):
             raise bad_request(f"'{name}': {why}", param=name)
+    if body.get("return_tokens_as_token_ids") is None and tokens_as_ids:
+        body = {**body, "return_tokens_as_token_ids": True}
     return OutputExtras.of(body, stream=body.get("stream") is True)
 
 
