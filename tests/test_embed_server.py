@@ -135,5 +135,5 @@ def test_run_batch_embedding_lines(qwen3_vl_dir: Path, tmp_path: Path, offline):
     body = answers["e1"]["response"]["body"]
     want = [o.outputs.embedding for o in offline.embed(TEXTS, use_tqdm=False)]
     np.testing.assert_allclose([d["embedding"] for d in body["data"]], want, atol=1e-5)
-    assert answers["e2"]["response"]["status_code"] == 400
-    assert json.dumps(answers["e2"]["response"]["body"]).count("max_tokens") >= 1
+    assert answers["e2"]["response"] is None  # vLLM's failed line: no response, the error beside it
+    assert "max_tokens" in json.dumps(answers["e2"]["error"])

@@ -76,7 +76,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=1, help="LoRA adapters one step may run (slots)")
     p.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank served")
     p.add_argument("--max-cpu-loras", type=int, default=None, help="read LoRA adapters kept on the host")
-    p.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+    p.add_argument("--scheduling-policy", default="fcfs",
                    help="who runs first: arrival order (fcfs) or each request's `priority`, lower first (priority)")
 
 

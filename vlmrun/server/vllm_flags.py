@@ -38,7 +38,7 @@ ENGINE_MAX_LOGPROBS = 20
 
 def add_vllm_engine_flags(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """vLLM's engine flags beyond `add_engine_args`' own (which hold `-tp` on --tensor-parallel-size)."""
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+    p.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's dtype (vLLM's name): auto, the model's dtype; fp8 / fp8_e4m3 / fp8_e5m2, "
                         "float8 with the checkpoint's k/v scales (else 1.0), half a 16-bit cache's bytes "
                         "(docs/kv_cache_dtype.md)")
