@@ -9,109 +9,35 @@ each to completion.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from vlmrun.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.processors.processor import check_continuation
 from vlmrun.processors.processor_kwargs import check_processor_kwargs
 from vlmrun.config import EngineConfig, mm_limit_fields
 from vlmrun.engine.engine import Engine
-from vlmrun.engine.outputs import RequestResult
-from vlmrun.engine.prompt_forms import parse_prompt
-from vlmrun.feed.pipeline import DEFAULT_PREFETCH, Finished, InputPipeline, Work
+from vlmrun.engine.prompt_forms import UserTurnPrompt, parse_prompt, with_processor_kwargs
+from vlmrun.feed.pipeline import DEFAULT_PREFETCH, InputPipeline, Work
 from vlmrun.feed.progress import FeedProgress
 from vlmrun.feed.workers import preprocess_workers as default_preprocess_workers
+from vlmrun.llm_metrics import LLMStats, Metric
+from vlmrun.llm_options import engine_kwargs as vllm_engine_kwargs
+from vlmrun.logprobs import TokenDecoder
 from vlmrun.lora.request import LoRARequest
+from vlmrun.request_output import CompletionOutput, RequestMetrics, RequestOutput, request_output
 from vlmrun.sampling_params import SamplingParams
-from vlmrun.spec_decode.metrics import SpecDecodeStats
 
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: Optional[list[dict[int, float]]]
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
-    cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs; None without logprobs
-    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it; None for EOS / length
-
-    @classmethod
-    def of(cls, index: int, result: RequestResult) -> "CompletionOutput":
-        """Choice `index` from the engine's result of it."""
-        cumulative = None if result.logprobs is None else sum(
-            lp[t] for t, lp in zip(result.token_ids, result.logprobs))
-        return cls(index, result.text, result.token_ids, result.logprobs, result.finish_reason,
-                   cumulative_logprob=cumulative, stop_reason=result.stop_reason)
-
-
-@dataclass
-class RequestMetrics:
-    """vLLM's names, time.monotonic() seconds; over the request's choices (first arrival and token, last
-    finish, speculative decoding's counters summed)."""
-
-    arrival_time: float
-    first_token_time: Optional[float]  # None: no token was generated
-    finished_time: float
-    spec_decode: Optional[SpecDecodeStats] = None  # drafts proposed / accepted; None without speculative decoding
-
-    @classmethod
-    def of(cls, result: RequestResult) -> "RequestMetrics":
-        return cls(result.arrival_time, result.first_token_time, result.finished_time, result.spec_decode)
-
-    def merged(self, other: "RequestMetrics") -> "RequestMetrics":
-        """The metrics of two choices of one request as one."""
-        first = [t for t in (self.first_token_time, other.first_token_time) if t is not None]
-        spec = self.spec_decode if other.spec_decode is None else (
-            other.spec_decode if self.spec_decode is None else self.spec_decode.merged(other.spec_decode))
-        return RequestMetrics(min(self.arrival_time, other.arrival_time), min(first, default=None),
-                              max(self.finished_time, other.finished_time), spec)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    error: Optional[str] = None
-    prompt: Optional[str] = None  # the prompt as text (a chat: its rendered template); None when given as token ids
-    # SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (it + the top-k); the first is None
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
-    metrics: Optional[RequestMetrics] = None
-
-    def add_completion(self, index: int, result: RequestResult) -> None:
-        """Record the engine's result of choice `index` (the prompt fields come from the first one)."""
-        self.outputs.append(CompletionOutput.of(index, result))
-        self.prompt, self.prompt_token_ids = result.prompt_text, list(result.prompt_token_ids)
-        self.prompt_logprobs = result.prompt_logprobs
-        metrics = RequestMetrics.of(result)
-        self.metrics = metrics if self.metrics is None else self.metrics.merged(metrics)
-
-    @property
-    def finished(self) -> bool:
-        return True
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text if self.outputs else ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids if self.outputs else []
-
-    @property
-    def logprobs(self) -> Optional[list[dict[int, float]]]:
-        return self.outputs[0].logprobs if self.outputs else None
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason if self.outputs else "error"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "BeamSearchParams",
+           "BeamSearchOutput", "generate"]
+logger = logging.getLogger(__name__)
 
 
 Conversation = list[dict[str, Any]]
@@ -131,7 +57,10 @@ class LLM:
     the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
     preprocess_workers: threads preprocessing the inputs of a call (None: the CPUs this process may use,
     at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
-    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`).
+    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `seed`,
+    `enforce_eager`, `gpu_memory_utilization`, `mm_processor_kwargs`) or vLLM's other `LLM` keywords
+    (`trust_remote_code`, `tokenizer`, `disable_log_stats`, `swap_space`, ...): each honoured, accepted
+    with a log line saying it changes nothing here, or refused saying why (`vlmrun/llm_options.py`).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
@@ -142,6 +71,8 @@ class LLM:
                  **engine_kwargs: Any):
         if limit_mm_per_prompt is not None:
             engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
+        engine_kwargs = vllm_engine_kwargs(model, engine_kwargs.get("revision"), engine_kwargs,
+                                           {f.name for f in dataclasses.fields(EngineConfig)})
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               generation_config=generation_config, quantization=quantization, **engine_kwargs)
@@ -151,9 +82,48 @@ class LLM:
         self._lock = threading.Lock()  # one call at a time drives the (single-threaded) engine
         self.preprocess_workers = preprocess_workers or default_preprocess_workers()
         self.preprocess_prefetch = preprocess_prefetch
+        self.stats = LLMStats()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt page (the next prompts compute their KV afresh). False, and
+        nothing done, while requests run (another thread's call); True otherwise (also without a cache)."""
+        with self._lock:
+            if self.engine.has_unfinished():
+                return False
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.reset()
+            return True
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metric snapshot (`vlmrun/llm_metrics.py`): `vllm:*` counters, gauges and histograms of
+        the engine now and of this LLM's finished requests (unlike vLLM, also with disable_log_stats)."""
+        return self.stats.snapshot(self.engine.stats(), str(self.engine.config.model or self.engine.model_config.path))
+
+    def beam_search(self, prompts: Union[Any, Sequence[Any]], params: BeamSearchParams,
+                    lora_request: LoRAArg = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`vlmrun/beam_search.py`): each prompt (any `generate` form) searched with
+        `params`, one engine round per output token; per prompt a `BeamSearchOutput`, its best
+        `beam_width` sequences first. A prompt whose input is bad has no sequences and an `error`."""
+        inputs, total = _prompt_inputs(prompts)
+        search = BeamSearch(params, self.tokenizer)
+        for prompt, lora in zip(inputs, _per_input(lora_request, total, "LoRA requests", None)):
+            try:
+                search.start(self.engine.process(prompt), lora)
+            except ValueError as exc:  # InputError and PromptFormError are ValueErrors
+                search.start(None, error=str(exc))
+        _warn_failed("beam_search", [(i, inst.error) for i, inst in enumerate(search.instances) if inst.error],
+                     empty="sequences=[]")
+        round_params = params.round_params()
+        while not search.done:
+            batch = search.round_prompts()
+            outs = _in_input_order(self._stream([p for p, _ in batch], len(batch), round_params, use_tqdm=False,
+                                                process=self.engine.process,
+                                                lora_request=[lora for _, lora in batch], call=None))
+            search.advance([o.outputs[0].logprobs[0] if o.outputs and o.outputs[0].logprobs else None for o in outs])
+        return search.outputs()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the generation config's defaults (`generation_config`); what a call
@@ -161,7 +131,8 @@ class LLM:
         return SamplingParams(**self.engine.model_config.sampling_defaults)
 
     def generate(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
-                 use_tqdm: bool = True, lora_request: LoRAArg = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRAArg = None, *,
+                 mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Each prompt in one of the forms of `vlmrun/engine/prompt_forms.py`, as vLLM takes them: a string
         is the raw prompt (no chat template; `chat` applies it); {"prompt": str, "multi_modal_data":
         {"image": ..., "video": ...}} a raw prompt holding one placeholder per item; {"prompt_token_ids":
@@ -179,16 +150,41 @@ class LLM:
 
         `lora_request` (vLLM's): a `LoRARequest` for all prompts or a list with one (or None) per prompt;
         the engine needs `enable_lora=True`. A bad adapter fails its requests alone (their `error`).
+        Failed inputs are also named in one warning per call (vLLM raises instead; vlmrun keeps the others).
+
+        `mm_processor_kwargs` ({"min_pixels", "max_pixels", "fps"}, as `chat`'s): options for every image
+        / video of the call; a prompt's own "mm_processor_kwargs" and an item's own sizing win over them.
         """
-        return _in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request))
+        return _in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request,
+                                                    mm_processor_kwargs=mm_processor_kwargs))
 
     def generate_stream(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
-                        use_tqdm: bool = True, lora_request: LoRAArg = None) -> Iterator[tuple[int, RequestOutput]]:
+                        use_tqdm: bool = True, lora_request: LoRAArg = None, *,
+                        mm_processor_kwargs: Optional[dict[str, Any]] = None) -> Iterator[tuple[int, RequestOutput]]:
         """`generate`, each output handed out as soon as it finishes: `(index, output)`, `index` the
         prompt's position in `prompts`. Holds the LLM (other calls wait) until exhausted or closed;
         leaving the loop early aborts the prompts not yet finished."""
         inputs, total = _prompt_inputs(prompts)
-        return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request)
+        return self._stream(inputs, total, sampling_params, use_tqdm, self._processing(mm_processor_kwargs),
+                            lora_request)
+
+    def _processing(self, mm_processor_kwargs: Optional[dict[str, Any]]) -> Callable[[Any], ProcessedPrompt]:
+        """How `generate` processes a prompt: `Engine.process`, with a call's processor options under the
+        prompt's own (checked now: an InputError naming a bad option)."""
+        if mm_processor_kwargs is None:
+            return self.engine.process
+        check_processor_kwargs(mm_processor_kwargs)
+
+        def process(prompt: Any) -> ProcessedPrompt:
+            parsed = with_processor_kwargs(parse_prompt(prompt), mm_processor_kwargs)
+            if isinstance(parsed, UserTurnPrompt):
+                return self.engine.processor.process_prompt(parsed.text, parsed.images, videos=parsed.videos,
+                                                            mm_processor_kwargs=mm_processor_kwargs)
+            if isinstance(parsed, list):  # a chat given to generate
+                return self.engine.processor.process_chat(parsed, mm_processor_kwargs=mm_processor_kwargs)
+            return self.engine.process(parsed)
+
+        return process
 
     def chat(self, messages: Union[Conversation, Iterable[Conversation]],
              sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
@@ -233,14 +229,16 @@ class LLM:
 
         total = len(messages) if isinstance(messages, Sequence) else None
         return self._stream((list(conv) for conv in messages), total, sampling_params, use_tqdm, process,
-                            lora_request)
+                            lora_request, call="chat")
 
     def _stream(self, inputs: Iterable[Any], total: Optional[int], params_arg: ParamsArg, use_tqdm: bool,
-                process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg) -> Iterator[tuple[int, RequestOutput]]:
-        """Check the per-input arguments (now, for a known length), then run (when iterated)."""
+                process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg,
+                call: Optional[str] = "generate") -> Iterator[tuple[int, RequestOutput]]:
+        """Check the per-input arguments (now, for a known length), then run (when iterated). `call` names
+        the LLM method in the warning about failed inputs (None: no warning)."""
         params = _per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
         loras = _per_input(lora_request, total, "LoRA requests", None)
-        return self._run(self._works(inputs, params, loras), total, use_tqdm, process)
+        return self._run(self._works(inputs, params, loras), total, use_tqdm, process, call)
 
     def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
                loras: Iterator[Optional[LoRARequest]]) -> Iterator[Work]:
@@ -255,18 +253,26 @@ class LLM:
             raise ValueError("got more sampling params than prompts")
 
     def _run(self, works: Iterator[Work], total: Optional[int], use_tqdm: bool,
-             process: Callable[[Any], ProcessedPrompt]) -> Iterator[tuple[int, RequestOutput]]:
+             process: Callable[[Any], ProcessedPrompt], call: Optional[str]) -> Iterator[tuple[int, RequestOutput]]:
         with self._lock:
             pipeline = InputPipeline(self.engine, process, workers=self.preprocess_workers,
                                      prefetch=self.preprocess_prefetch)
             bar = FeedProgress(total, enabled=use_tqdm and total != 1 and total != 0)
+            decode, failed = TokenDecoder(self.tokenizer), []
             try:
                 small = total is not None and total <= self.preprocess_prefetch  # one batch, added at once
                 for finished in pipeline.stream(works, whole_batch=small):
                     bar.advance(finished.num_output_tokens, pipeline.preprocessed)
-                    yield finished.index, _request_output(finished)
+                    for result in finished.results:
+                        if result is not None:
+                            self.stats.record(result)
+                    if finished.error is not None:
+                        failed.append((finished.index, finished.error))
+                    yield finished.index, request_output(finished, decode)
             finally:
                 bar.close()
+                if call is not None:
+                    _warn_failed(call, failed)
 
 
 def _prompt_inputs(prompts: Any) -> tuple[Iterable[Any], Optional[int]]:
@@ -279,13 +285,16 @@ def _prompt_inputs(prompts: Any) -> tuple[Iterable[Any], Optional[int]]:
     return (parse_prompt(prompt) for prompt in prompts), None
 
 
-def _request_output(finished: Finished) -> RequestOutput:
-    out = RequestOutput(request_id=finished.work.request_id, prompt_token_ids=finished.prompt_token_ids,
-                        error=finished.error)
-    for index, result in enumerate(finished.results):
-        if result is not None:
-            out.add_completion(index, result)
-    return out
+def _warn_failed(call: str, failed: list[tuple[int, str]], empty: str = "outputs=[]", shown: int = 3) -> None:
+    """One warning naming a call's failed inputs (index and error, the first `shown`) and their count;
+    `empty` says what their output holds."""
+    if not failed:
+        return
+    failed = sorted(failed)
+    named = "; ".join(f"input {index}: {error}" for index, error in failed[:shown])
+    more = f"; and {len(failed) - shown} more" if len(failed) > shown else ""
+    logger.warning("LLM.%s: %d input(s) failed; their output has %s and .error set (%s%s). vLLM would raise; "
+                   "vlmrun kept the other inputs' outputs.", call, len(failed), empty, named, more)
 
 
 def _in_input_order(stream: Iterator[tuple[int, RequestOutput]]) -> list[RequestOutput]:

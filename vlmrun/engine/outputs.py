@@ -33,6 +33,7 @@ class RequestResult:
     # per prompt position {token id: raw logprob} (the prompt token + top-k); the first is None; None unless asked
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters; None when the engine does not speculate
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's num_cached_tokens)
 
     @property
     def num_output_tokens(self) -> int:
