@@ -45,6 +45,7 @@ from vlmrun.processors.limits import InputError, ProcessorLimits
 from vlmrun.processors.pixel_backends import TorchvisionPixels
 from vlmrun.processors.video_config import VideoProcessorConfig
 from vlmrun.processors.video_io import open_video
+from vlmrun.processors.video_metadata import FrameMetadata, is_frames_with_metadata  # noqa: F401 (re-exported)
 
 # Frame rate assumed for frames given as a list or an array (no container to read it from).
 DEFAULT_FRAME_LIST_FPS = 2.0
@@ -111,16 +112,21 @@ class VideoProcessor:
         once, so a request holds at most `DECODE_BATCH` full-size frames."""
         cfg = self._config_for(options)
         budget = limits.max_video_tokens if max_tokens is None else max_tokens
+        metadata = None
+        if is_frames_with_metadata(source):  # vLLM's (frames, metadata) form
+            source, metadata = source[0], FrameMetadata.of(source[1], len(source[0]), DEFAULT_FRAME_LIST_FPS)
         if isinstance(source, (list, tuple)) or isinstance(source, (np.ndarray, torch.Tensor)):
             given_list = isinstance(source, (list, tuple))
             frames = _frames_from_list(source, limits) if given_list else _frames_from_array(source)
             self._check_frame_count(frames.shape[0], limits)
-            fps = options.fps or DEFAULT_FRAME_LIST_FPS
-            indices = list(range(frames.shape[0]))
-            size = self._plan(len(indices), *frames.shape[-2:], cfg, options.total_pixels, budget,
+            n = frames.shape[0]
+            fps = options.fps or (metadata.fps if metadata else DEFAULT_FRAME_LIST_FPS)
+            indices = metadata.frames_indices if metadata else list(range(n))
+            total = metadata.total_num_frames if metadata else n
+            size = self._plan(n, *frames.shape[-2:], cfg, options.total_pixels, budget,
                               limits.max_video_tokens)
             resized = self.pixels.finish(frames, size, cfg.resample) if cfg.do_resize else frames
-            return self._process_frames(resized, indices, len(indices), fps, cfg)
+            return self._process_frames(resized, indices, total, fps, cfg)
         video = open_video(source, limits)
         total, fps = video.info.num_frames, video.info.fps
         indices = self.sample_indices(total, fps, cfg, options)
