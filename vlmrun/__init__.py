@@ -6,7 +6,7 @@ The public names load lazily, so importing a submodule (`import vlmrun.config`, 
 from typing import Any
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate",
-           "LoRARequest"]
+           "LoRARequest", "BeamSearchParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
         from vlmrun.lora.request import LoRARequest
 
         return LoRARequest
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "generate"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "generate", "BeamSearchParams"):
         from vlmrun import api
 
         return getattr(api, name)
