@@ -11,10 +11,9 @@ refused with a message; give the video file with `fps` / `nframes` for that.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Mapping
-
-import numpy as np
 
 from vlmrun.processors.limits import InputError
 
@@ -37,19 +36,24 @@ class FrameMetadata:
     def of(cls, metadata: Mapping[str, Any], num_frames: int, default_fps: float = 2.0) -> "FrameMetadata":
         """From vLLM's metadata dict (`fps`, `frames_indices`, `total_num_frames`; `duration`, `video_backend`
         and the like are not needed); InputError for a value that does not fit `num_frames` frames."""
-        fps = metadata.get("fps") or default_fps
-        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+        fps = _plain(metadata.get("fps")) or default_fps
+        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not math.isfinite(fps) or fps <= 0:
             raise InputError(f"video metadata: fps must be a positive number, got {fps!r}")
-        indices = metadata.get("frames_indices")
+        indices = _plain(metadata.get("frames_indices"))
         indices = list(range(num_frames)) if indices is None else list(indices)
-        if len(indices) != num_frames or not all(isinstance(i, (int, np.integer)) and i >= 0 for i in indices):
+        if len(indices) != num_frames or not all(isinstance(i, numbers.Integral) and i >= 0 for i in indices):
             raise InputError(f"video metadata: frames_indices must hold one index (an integer >= 0) per frame, "
                              f"{num_frames} here; got {len(indices)}")
-        total = metadata.get("total_num_frames") or (max(indices) + 1)
-        if isinstance(total, bool) or not isinstance(total, (int, np.integer)) or total <= max(indices):
+        total = _plain(metadata.get("total_num_frames")) or (max(indices) + 1)
+        if isinstance(total, bool) or not isinstance(total, numbers.Integral) or total <= max(indices):
             raise InputError(f"video metadata: total_num_frames must be an integer above every frame index, "
                              f"got {total!r}")
         if metadata.get("do_sample_frames"):
             raise InputError("video metadata: do_sample_frames=True is not supported (give the frames sampled "
                              "already, or the video file with 'fps' / 'nframes' to sample it)")
         return cls(float(fps), [int(i) for i in indices], int(total))
+
+
+def _plain(value: Any) -> Any:
+    """A numpy / torch scalar or array as Python numbers (`.tolist()`); anything else as it is."""
+    return value.tolist() if hasattr(value, "tolist") else value

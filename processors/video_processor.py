@@ -53,7 +53,7 @@ DEFAULT_FRAME_LIST_FPS = 2.0
 DECODE_BATCH = 2
 # Pixel values normalised and patchified at a time (the gather's int32 and float32 copies).
 PATCHIFY_CHUNK = 1 << 22
-VIDEO_OPTION_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
+VIDEO_OPTION_KEYS = ("do_sample_frames", "fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
                      "video_start", "video_end")
 
 @dataclass
@@ -88,6 +88,7 @@ class VideoOptions:
     total_pixels: int | None = None
     video_start: float | None = None
     video_end: float | None = None
+    do_sample_frames: bool | None = None  # transformers' / vLLM's: False takes every frame given or decoded
 
 
 class VideoProcessor:
@@ -115,6 +116,9 @@ class VideoProcessor:
         metadata = None
         if is_frames_with_metadata(source):  # vLLM's (frames, metadata) form
             source, metadata = source[0], FrameMetadata.of(source[1], len(source[0]), DEFAULT_FRAME_LIST_FPS)
+            if options.do_sample_frames:
+                raise InputError("do_sample_frames=True with (frames, metadata): the frames are taken as sampled "
+                                 "already (give the video file with 'fps' / 'nframes' to sample it)")
         if isinstance(source, (list, tuple)) or isinstance(source, (np.ndarray, torch.Tensor)):
             given_list = isinstance(source, (list, tuple))
             frames = _frames_from_list(source, limits) if given_list else _frames_from_array(source)
@@ -170,6 +174,8 @@ class VideoProcessor:
         if options.fps is not None or options.nframes is not None:
             changes.update(do_sample_frames=True, fps=options.fps if options.nframes is None else None,
                            num_frames=options.nframes)
+        if options.do_sample_frames is not None:
+            changes["do_sample_frames"] = options.do_sample_frames
         for key in ("min_frames", "max_frames", "min_pixels", "max_pixels"):
             if getattr(options, key) is not None:
                 changes[key] = getattr(options, key)
@@ -355,12 +361,18 @@ def _frames_from_list(frames: Sequence[Any], limits: ProcessorLimits) -> torch.T
 
 
 def _frames_from_array(array: Any) -> torch.Tensor:
-    """An array [T, H, W, 3] uint8 (numpy or torch): [T, 3, H, W] uint8."""
+    """An array [T, H, W, 3] (numpy or torch), or [T, 3, H, W] as qwen-vl-utils returns frames: [T, 3, H, W]
+    uint8. uint8, or floats in [0, 255] (rounded to uint8)."""
     tensor = torch.as_tensor(array)
-    if tensor.ndim != 4 or tensor.shape[-1] != 3:
-        raise InputError(f"a video array must have shape [T, H, W, 3], got {tuple(tensor.shape)}")
+    channels_first = tensor.ndim == 4 and tensor.shape[1] == 3 and tensor.shape[-1] != 3
+    if tensor.ndim != 4 or (tensor.shape[-1] != 3 and not channels_first):
+        raise InputError(f"a video array must have shape [T, H, W, 3] or [T, 3, H, W], got {tuple(tensor.shape)}")
+    if tensor.is_floating_point():
+        if tensor.numel() and not (bool(torch.isfinite(tensor).all()) and tensor.min() >= 0 and tensor.max() <= 255):
+            raise InputError("a float video array must hold pixel values in [0, 255]")
+        tensor = tensor.round().to(torch.uint8)
     if tensor.dtype != torch.uint8:
-        raise InputError(f"a video array must be uint8, got {tensor.dtype}")
+        raise InputError(f"a video array must be uint8 (or floats in [0, 255]), got {tensor.dtype}")
     if tensor.shape[0] == 0:
         raise InputError("the video has no frames (an empty array)")
-    return tensor.permute(0, 3, 1, 2).contiguous()
+    return tensor.contiguous() if channels_first else tensor.permute(0, 3, 1, 2).contiguous()

@@ -13,13 +13,16 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
+from testing.hf_reference import HFReference
 from tests.test_engine_parity import make_image
 from tests.test_vllm_api import llm  # noqa: F401 (fixture)
 from vlmrun import LLM, SamplingParams
 from vlmrun.beam_search import BeamSearchOutput, BeamSearchParams
 from vlmrun.llm_metrics import Counter, Gauge, Histogram, find_metric
 from vlmrun.logprobs import Logprob
+from vlmrun.processors import InputError, Processor
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 VIDEO_PROMPT = "<|vision_start|><|video_pad|><|vision_end|>Describe the video."
@@ -88,6 +91,27 @@ def test_qwen3_vl_video_frames_with_metadata(llm):
     bad = llm.generate({"prompt": VIDEO_PROMPT, "multi_modal_data": {"video": (frames, {"frames_indices": [0]})}},
                        GREEDY, use_tqdm=False)[0]
     assert bad.outputs == [] and "frames_indices" in bad.error
+
+
+def test_frames_with_metadata_equal_hf_processor(qwen3_vl_dir):
+    """Token ids (timestamps included) and pixels equal HF's Qwen3-VL processor given the same frames and
+    `video_metadata` with do_sample_frames=False (what vLLM hands it)."""
+    hf = HFReference.processor_only(qwen3_vl_dir)
+    ours = Processor.from_pretrained(qwen3_vl_dir)
+    frames = np.random.default_rng(0).integers(0, 255, (5, 64, 96, 3), dtype=np.uint8)
+    meta = {"fps": 24.0, "frames_indices": [0, 12, 30, 48, 70], "total_num_frames": 80}
+    text = "<|vision_start|><|video_pad|><|vision_end|>Describe."
+    want = hf(text=[text], videos=[torch.from_numpy(frames).permute(0, 3, 1, 2)], video_metadata=[meta],
+              do_sample_frames=False, return_tensors="pt")
+    got = ours.process_raw(text, videos=[(frames, meta)])
+    assert got.token_ids == want["input_ids"][0].tolist()
+    assert torch.equal(torch.cat([it.pixel_values for it in got.mm_items]), want["pixel_values_videos"])
+    # qwen-vl-utils' frames: [T, 3, H, W] floats, with vLLM's mm_processor_kwargs {"do_sample_frames": False}
+    as_utils = torch.from_numpy(frames).permute(0, 3, 1, 2).float()
+    again = ours.process_raw(text, videos=[(as_utils, meta)], mm_processor_kwargs={"do_sample_frames": False})
+    assert again.token_ids == got.token_ids
+    with pytest.raises(InputError, match="do_sample_frames"):
+        ours.process_raw(text, videos=[(frames, meta)], mm_processor_kwargs={"do_sample_frames": True})
 
 
 def test_request_output_fields(llm):
