@@ -59,6 +59,15 @@ def test_bad_prompt_fails_alone(text_llm, caplog):
     assert "LLM.beam_search: 1 input(s) failed" in caplog.text and "input 1: " in caplog.text
 
 
+def test_concurrency_limit_searches_in_batches_with_the_same_result(text_llm):
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    together = text_llm.beam_search(PROMPTS + ["Third one"], params)
+    batched = text_llm.beam_search(PROMPTS + ["Third one"], params, concurrency_limit=2)
+    assert [[s.tokens for s in o.sequences] for o in together] == [[s.tokens for s in o.sequences] for o in batched]
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        text_llm.beam_search(PROMPTS, params, concurrency_limit=0)
+
+
 class _Tokenizer:
     eos_token_id = 9
 

@@ -103,19 +103,34 @@ class LLM:
         return self.stats.snapshot(self.engine.stats(), str(self.engine.config.model or self.engine.model_config.path))
 
     def beam_search(self, prompts: Union[Any, Sequence[Any]], params: BeamSearchParams,
-                    lora_request: LoRAArg = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+                    lora_request: LoRAArg = None, use_tqdm: bool = False,
+                    concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
         """vLLM's beam search (`vlmrun/beam_search.py`): each prompt (any `generate` form) searched with
         `params`, one engine round per output token; per prompt a `BeamSearchOutput`, its best
-        `beam_width` sequences first. A prompt whose input is bad has no sequences and an `error`."""
+        `beam_width` sequences first. A prompt whose input is bad has no sequences and an `error`.
+        `concurrency_limit` (vLLM's): search at most that many prompts at a time (None: all at once);
+        `use_tqdm` is accepted and shows nothing (a round is one short engine call)."""
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(
+                concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
         inputs, total = _prompt_inputs(prompts)
+        pairs = list(zip(inputs, _per_input(lora_request, total, "LoRA requests", None)))
+        step = concurrency_limit or max(len(pairs), 1)
+        outputs = [out for start in range(0, len(pairs), step) for out in self._beam_search(pairs[start:start + step],
+                                                                                            params)]
+        _warn_failed("beam_search", [(i, out.error) for i, out in enumerate(outputs) if out.error],
+                     empty="sequences=[]")
+        return outputs
+
+    def _beam_search(self, pairs: list[tuple[Any, Optional[LoRARequest]]],
+                     params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """One search over `pairs` (prompt, LoRA request): the prompts processed, then a round per token."""
         search = BeamSearch(params, self.tokenizer)
-        for prompt, lora in zip(inputs, _per_input(lora_request, total, "LoRA requests", None)):
+        for prompt, lora in pairs:
             try:
                 search.start(self.engine.process(prompt), lora)
             except ValueError as exc:  # InputError and PromptFormError are ValueErrors
                 search.start(None, error=str(exc))
-        _warn_failed("beam_search", [(i, inst.error) for i, inst in enumerate(search.instances) if inst.error],
-                     empty="sequences=[]")
         round_params = params.round_params()
         while not search.done:
             batch = search.round_prompts()

@@ -39,6 +39,8 @@ NO_EFFECT: dict[str, str] = {
     "disable_log_stats": "LLM logs no periodic stats; LLM.get_metrics works either way",
     "max_num_partial_prefills": "the scheduler chunks every prefill within max_num_batched_tokens",
     "override_pooler_config": "vlmrun has no pooling models",
+    "disable_mm_preprocessor_cache": "vlmrun keeps vision embeddings by content hash (encoder_cache_tokens)",
+    "mm_processor_cache_gb": "vlmrun keeps vision embeddings by content hash (encoder_cache_tokens)",
 }
 
 # vLLM keyword -> (the values that mean what vlmrun does, what to do instead)
