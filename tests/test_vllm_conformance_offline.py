@@ -14,6 +14,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from transformers import AutoModelForImageTextToText
 
 from testing.hf_reference import HFReference
 from tests.test_engine_parity import make_image
@@ -70,8 +71,23 @@ def test_logprobs_are_logprob_objects(llm):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     for token, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
         assert token in position and isinstance(position[token].logprob, float)
-        ranked = [lp for t, lp in position.items() if lp.rank is not None]
-        assert len(ranked) == 2  # the top 2; the prompt token outside them has no rank (not computed)
+        assert sorted(lp.rank for t, lp in position.items() if t != token)[:2] == [1, 2][:len(position) - 1]
+
+
+def test_rank_is_the_rank_in_the_vocabulary(llm, qwen3_vl_dir):
+    """vLLM's rank of the chosen token (sampled or prompt), in the top-k or not: how many tokens are at
+    least as likely, here against HF's logits of the prompt."""
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=8, logprobs=1, prompt_logprobs=0)
+    out = llm.generate("The sky over the sea is", params, use_tqdm=False)[0]
+    hf = AutoModelForImageTextToText.from_pretrained(qwen3_vl_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = out.prompt_token_ids + out.outputs[0].token_ids
+        logprobs = torch.log_softmax(hf(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [int((logprobs[i - 1] >= logprobs[i - 1, t]).sum()) for i, t in enumerate(ids) if i > 0]
+    prompt = [position[t].rank for t, position in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    sampled = [position[t].rank for t, position in zip(out.outputs[0].token_ids, out.outputs[0].logprobs)]
+    assert prompt + sampled == want
+    assert max(sampled) > 1  # a sampled token outside the top 1, ranked in the vocabulary
 
 
 def test_qwen3_vl_video_frames_with_metadata(llm):

@@ -1,14 +1,15 @@
 """vLLM's logprob objects for `LLM`'s outputs: `Logprob(logprob, rank, decoded_token)`.
 
 The engine hands out raw logprobs as {token id: float} per position (the top-k, most likely first,
-then the chosen token when it is not among them: `vlmrun/layers/sampler_output.py`). `LLM` turns
-them into vLLM's shape at its output boundary (`sample_logprobs`, `prompt_logprobs`): per position a
-dict token id -> `Logprob`, with
+then the chosen token when it is not among them), a `TokenLogprobs` dict whose `chosen_rank` is the
+chosen token's rank in the whole vocabulary (the sampler counts it: `vlmrun/layers/sampler_output.py`).
+`LLM` turns them into vLLM's shape at its output boundary (`sample_logprobs`, `prompt_logprobs`): per
+position a dict token id -> `Logprob`, with
 
 - `logprob`: the raw logprob (as before);
-- `rank`: 1-based, the top-k in order (1 = most likely); the chosen token takes its top-k rank. A
-  chosen token outside the top-k returned (a sampled one, or `logprobs=0`) has rank None: its rank
-  among the whole vocabulary is not computed (vLLM counts it);
+- `rank`: 1-based, as vLLM's: the top-k ranked 1..k in order (1 = most likely), the chosen token (the
+  sampled one, or the prompt token) its rank in the whole vocabulary (how many tokens are at least as
+  likely: `chosen_rank`), inside the top-k or not;
 - `decoded_token`: `tokenizer.decode([token_id])`, special tokens kept (as vLLM and the server's
   logprobs write them).
 
@@ -23,6 +24,23 @@ from typing import Any, Callable, Optional
 
 RawLogprobs = dict[int, float]  # one position: token id -> raw logprob, as the engine hands it out
 Decode = Callable[[int], str]
+
+
+class TokenLogprobs(dict):
+    """One position's {token id: raw logprob}, as the engine hands it out, with `chosen_rank`: the chosen
+    token's rank in the whole vocabulary (1-based; None when not counted)."""
+
+    __slots__ = ("chosen_rank",)
+
+    def __init__(self, *args: Any, chosen_rank: Optional[int] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.chosen_rank = chosen_rank
+
+    def __reduce__(self) -> tuple:  # pickle / copy (tensor-parallel ranks send these): items and the rank
+        return TokenLogprobs, (dict(self),), {"chosen_rank": self.chosen_rank}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.chosen_rank = state["chosen_rank"]
 
 
 class Logprob(float):
@@ -63,7 +81,8 @@ class TokenDecoder:
 
 def position_logprobs(raw: RawLogprobs, chosen: int, top_k: int, decode: Decode) -> dict[int, Logprob]:
     """One position's {token id: Logprob}: the top `top_k` entries ranked 1..k in the engine's order (most
-    likely first); `chosen` (the sampled or prompt token) keeps its top-k rank, None outside the top-k."""
+    likely first); `chosen` (the sampled or prompt token) its rank in the vocabulary (`chosen_rank`; without
+    one, its top-k rank, None outside the top-k)."""
     out: dict[int, Logprob] = {}
     rank = 0
     for token_id, value in raw.items():
@@ -71,6 +90,9 @@ def position_logprobs(raw: RawLogprobs, chosen: int, top_k: int, decode: Decode)
         if in_top:
             rank += 1
         out[token_id] = Logprob(value, rank if in_top else None, decode(token_id))
+    counted = getattr(raw, "chosen_rank", None)
+    if counted is not None and chosen in out:
+        out[chosen] = Logprob(out[chosen], counted, out[chosen].decoded_token)
     return out
 
 
