@@ -36,7 +36,7 @@ from vlmrun.processors.placeholders import (IMAGE_PAD, VIDEO_PAD, VISION_END, VI
 from vlmrun.processors.processor_kwargs import apply_processor_kwargs, check_processor_kwargs
 from vlmrun.processors.processor_files import load_chat_template, model_type, read_chat_template, video_prompt_style
 from vlmrun.processors.video_config import VideoProcessorConfig, video_style
-from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor
+from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor, is_frames_with_metadata
 
 
 class Processor:
@@ -104,7 +104,7 @@ class Processor:
         return self.image_processor is not None
 
     def process_prompt(self, text: str, images: Sequence[Any] = (), *, videos: Sequence[Any] = (),
-                       add_generation_prompt: bool = True,
+                       add_generation_prompt: bool = True, mm_processor_kwargs: Mapping[str, Any] | None = None,
                        device: str | torch.device | None = None) -> ProcessedPrompt:
         """One user turn: the images first (in order), then the videos, then the text.
 
@@ -117,8 +117,8 @@ class Processor:
             raise InputError(f"prompt must be a string, got {type(text).__name__}")
         content = _media_items("image", images) + _media_items("video", videos)
         content.append({"type": "text", "text": text})
-        return self.process_chat([{"role": "user", "content": content}],
-                                 add_generation_prompt=add_generation_prompt, device=device)
+        return self.process_chat([{"role": "user", "content": content}], add_generation_prompt=add_generation_prompt,
+                                 mm_processor_kwargs=mm_processor_kwargs, device=device)
 
     def process_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                      tools: list[dict[str, Any]] | None = None,
@@ -364,6 +364,6 @@ def _media_items(kind: str, sources: Any) -> list[dict[str, Any]]:
     """Chat items of one kind for `process_prompt`: one bare source, or a list of sources / item dicts."""
     if sources is None:
         return []
-    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence):
-        sources = [sources]  # one item passed bare (a path, bytes, an array, a PIL image)
+    if isinstance(sources, (str, bytes)) or not isinstance(sources, Sequence) or is_frames_with_metadata(sources):
+        sources = [sources]  # one item passed bare (a path, bytes, an array, a PIL image, vLLM's (frames, metadata))
     return [{"type": kind, **s} if isinstance(s, Mapping) else {"type": kind, kind: s} for s in sources]

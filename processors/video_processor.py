@@ -45,6 +45,7 @@ from vlmrun.processors.limits import InputError, ProcessorLimits
 from vlmrun.processors.pixel_backends import TorchvisionPixels
 from vlmrun.processors.video_config import VideoProcessorConfig
 from vlmrun.processors.video_io import open_video
+from vlmrun.processors.video_metadata import FrameMetadata, is_frames_with_metadata  # noqa: F401 (re-exported)
 
 # Frame rate assumed for frames given as a list or an array (no container to read it from).
 DEFAULT_FRAME_LIST_FPS = 2.0
@@ -52,7 +53,7 @@ DEFAULT_FRAME_LIST_FPS = 2.0
 DECODE_BATCH = 2
 # Pixel values normalised and patchified at a time (the gather's int32 and float32 copies).
 PATCHIFY_CHUNK = 1 << 22
-VIDEO_OPTION_KEYS = ("fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
+VIDEO_OPTION_KEYS = ("do_sample_frames", "fps", "nframes", "min_frames", "max_frames", "min_pixels", "max_pixels", "total_pixels",
                      "video_start", "video_end")
 
 @dataclass
@@ -87,6 +88,7 @@ class VideoOptions:
     total_pixels: int | None = None
     video_start: float | None = None
     video_end: float | None = None
+    do_sample_frames: bool | None = None  # transformers' / vLLM's: False takes every frame given or decoded
 
 
 class VideoProcessor:
@@ -111,16 +113,24 @@ class VideoProcessor:
         once, so a request holds at most `DECODE_BATCH` full-size frames."""
         cfg = self._config_for(options)
         budget = limits.max_video_tokens if max_tokens is None else max_tokens
+        metadata = None
+        if is_frames_with_metadata(source):  # vLLM's (frames, metadata) form
+            source, metadata = source[0], FrameMetadata.of(source[1], len(source[0]), DEFAULT_FRAME_LIST_FPS)
+            if options.do_sample_frames:
+                raise InputError("do_sample_frames=True with (frames, metadata): the frames are taken as sampled "
+                                 "already (give the video file with 'fps' / 'nframes' to sample it)")
         if isinstance(source, (list, tuple)) or isinstance(source, (np.ndarray, torch.Tensor)):
             given_list = isinstance(source, (list, tuple))
             frames = _frames_from_list(source, limits) if given_list else _frames_from_array(source)
             self._check_frame_count(frames.shape[0], limits)
-            fps = options.fps or DEFAULT_FRAME_LIST_FPS
-            indices = list(range(frames.shape[0]))
-            size = self._plan(len(indices), *frames.shape[-2:], cfg, options.total_pixels, budget,
+            n = frames.shape[0]
+            fps = options.fps or (metadata.fps if metadata else DEFAULT_FRAME_LIST_FPS)
+            indices = metadata.frames_indices if metadata else list(range(n))
+            total = metadata.total_num_frames if metadata else n
+            size = self._plan(n, *frames.shape[-2:], cfg, options.total_pixels, budget,
                               limits.max_video_tokens)
             resized = self.pixels.finish(frames, size, cfg.resample) if cfg.do_resize else frames
-            return self._process_frames(resized, indices, len(indices), fps, cfg)
+            return self._process_frames(resized, indices, total, fps, cfg)
         video = open_video(source, limits)
         total, fps = video.info.num_frames, video.info.fps
         indices = self.sample_indices(total, fps, cfg, options)
@@ -164,6 +174,8 @@ class VideoProcessor:
         if options.fps is not None or options.nframes is not None:
             changes.update(do_sample_frames=True, fps=options.fps if options.nframes is None else None,
                            num_frames=options.nframes)
+        if options.do_sample_frames is not None:
+            changes["do_sample_frames"] = options.do_sample_frames
         for key in ("min_frames", "max_frames", "min_pixels", "max_pixels"):
             if getattr(options, key) is not None:
                 changes[key] = getattr(options, key)
@@ -349,12 +361,18 @@ def _frames_from_list(frames: Sequence[Any], limits: ProcessorLimits) -> torch.T
 
 
 def _frames_from_array(array: Any) -> torch.Tensor:
-    """An array [T, H, W, 3] uint8 (numpy or torch): [T, 3, H, W] uint8."""
+    """An array [T, H, W, 3] (numpy or torch), or [T, 3, H, W] as qwen-vl-utils returns frames: [T, 3, H, W]
+    uint8. uint8, or floats in [0, 255] (rounded to uint8)."""
     tensor = torch.as_tensor(array)
-    if tensor.ndim != 4 or tensor.shape[-1] != 3:
-        raise InputError(f"a video array must have shape [T, H, W, 3], got {tuple(tensor.shape)}")
+    channels_first = tensor.ndim == 4 and tensor.shape[1] == 3 and tensor.shape[-1] != 3
+    if tensor.ndim != 4 or (tensor.shape[-1] != 3 and not channels_first):
+        raise InputError(f"a video array must have shape [T, H, W, 3] or [T, 3, H, W], got {tuple(tensor.shape)}")
+    if tensor.is_floating_point():
+        if tensor.numel() and not (bool(torch.isfinite(tensor).all()) and tensor.min() >= 0 and tensor.max() <= 255):
+            raise InputError("a float video array must hold pixel values in [0, 255]")
+        tensor = tensor.round().to(torch.uint8)
     if tensor.dtype != torch.uint8:
-        raise InputError(f"a video array must be uint8, got {tensor.dtype}")
+        raise InputError(f"a video array must be uint8 (or floats in [0, 255]), got {tensor.dtype}")
     if tensor.shape[0] == 0:
         raise InputError("the video has no frames (an empty array)")
-    return tensor.permute(0, 3, 1, 2).contiguous()
+    return tensor.contiguous() if channels_first else tensor.permute(0, 3, 1, 2).contiguous()

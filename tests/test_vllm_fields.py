@@ -296,7 +296,7 @@ def test_server_refuses_streamed_prompt_logprobs(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("use_beam_search", True), ("priority", 1), ("logits_processors", ["my.Processor"]), ("cache_salt", ""),
+    ("use_beam_search", "yes"), ("priority", 1), ("logits_processors", ["my.Processor"]), ("cache_salt", ""),
     ("kv_transfer_params", {"do_remote_decode": True}), ("vllm_xargs", {"x": 1}), ("structural_tag", "{}"),
     ("guided_decoding_backend", "outlines"), ("guided_whitespace_pattern", " "),
     ("media_io_kwargs", {"video": {"num_frames": 2}}), ("prompt_embeds", "AAAA"), ("request_id", ""),

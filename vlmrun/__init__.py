@@ -6,7 +6,7 @@ The public names load lazily, so importing a submodule (`import vlmrun.config`, 
 from typing import Any
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "generate",
-           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "PoolingRequestOutput"]
+           "LoRARequest", "PoolingParams", "EmbeddingRequestOutput", "PoolingRequestOutput", "BeamSearchParams"]
 
 
 def __getattr__(name: str) -> Any:
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
         from vlmrun.pooling import outputs
 
         return getattr(outputs, name)
-    if name in ("LLM", "RequestOutput", "CompletionOutput", "generate"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput", "generate", "BeamSearchParams"):
         from vlmrun import api
 
         return getattr(api, name)

@@ -9,113 +9,40 @@ each to completion.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import logging
 import threading
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
 
 from transformers import PreTrainedTokenizerBase
 
+from vlmrun.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.processors.processor import check_continuation
 from vlmrun.processors.processor_kwargs import check_processor_kwargs
 from vlmrun.config import EngineConfig, mm_limit_fields
 from vlmrun.engine.engine import Engine
-from vlmrun.engine.outputs import RequestResult
-from vlmrun.engine.prompt_forms import parse_prompt
+from vlmrun.engine.prompt_forms import UserTurnPrompt, parse_prompt, with_processor_kwargs
 from vlmrun.feed.pipeline import DEFAULT_PREFETCH, Finished, InputPipeline, Work
 from vlmrun.feed.progress import FeedProgress
 from vlmrun.feed.workers import preprocess_workers as default_preprocess_workers
+from vlmrun.llm_calls import in_input_order, per_input, prompt_inputs, warn_failed
+from vlmrun.llm_metrics import LLMStats, Metric
+from vlmrun.llm_options import engine_kwargs as vllm_engine_kwargs
+from vlmrun.logprobs import TokenDecoder
 from vlmrun.lora.request import LoRARequest
 from vlmrun.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput, embedding_request_output,
                                     pooling_request_output)
 from vlmrun.pooling.params import PoolingParams
 from vlmrun.pooling.runner_mode import runner_for
+from vlmrun.request_output import CompletionOutput, RequestMetrics, RequestOutput, request_output
 from vlmrun.sampling_params import SamplingParams
-from vlmrun.spec_decode.metrics import SpecDecodeStats
 
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: Optional[list[dict[int, float]]]
-    finish_reason: Optional[str]  # "stop" | "length" | "abort" | "error"
-    cumulative_logprob: Optional[float] = None  # sum of the sampled tokens' logprobs; None without logprobs
-    stop_reason: Union[int, str, None] = None  # the stop string or stop token id that ended it; None for EOS / length
-
-    @classmethod
-    def of(cls, index: int, result: RequestResult) -> "CompletionOutput":
-        """Choice `index` from the engine's result of it."""
-        cumulative = None if result.logprobs is None else sum(
-            lp[t] for t, lp in zip(result.token_ids, result.logprobs))
-        return cls(index, result.text, result.token_ids, result.logprobs, result.finish_reason,
-                   cumulative_logprob=cumulative, stop_reason=result.stop_reason)
-
-
-@dataclass
-class RequestMetrics:
-    """vLLM's names, time.monotonic() seconds; over the request's choices (first arrival and token, last
-    finish, speculative decoding's counters summed)."""
-
-    arrival_time: float
-    first_token_time: Optional[float]  # None: no token was generated
-    finished_time: float
-    spec_decode: Optional[SpecDecodeStats] = None  # drafts proposed / accepted; None without speculative decoding
-
-    @classmethod
-    def of(cls, result: RequestResult) -> "RequestMetrics":
-        return cls(result.arrival_time, result.first_token_time, result.finished_time, result.spec_decode)
-
-    def merged(self, other: "RequestMetrics") -> "RequestMetrics":
-        """The metrics of two choices of one request as one."""
-        first = [t for t in (self.first_token_time, other.first_token_time) if t is not None]
-        spec = self.spec_decode if other.spec_decode is None else (
-            other.spec_decode if self.spec_decode is None else self.spec_decode.merged(other.spec_decode))
-        return RequestMetrics(min(self.arrival_time, other.arrival_time), min(first, default=None),
-                              max(self.finished_time, other.finished_time), spec)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    error: Optional[str] = None
-    prompt: Optional[str] = None  # the prompt as text (a chat: its rendered template); None when given as token ids
-    # SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (it + the top-k); the first is None
-    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
-    metrics: Optional[RequestMetrics] = None
-
-    def add_completion(self, index: int, result: RequestResult) -> None:
-        """Record the engine's result of choice `index` (the prompt fields come from the first one)."""
-        self.outputs.append(CompletionOutput.of(index, result))
-        self.prompt, self.prompt_token_ids = result.prompt_text, list(result.prompt_token_ids)
-        self.prompt_logprobs = result.prompt_logprobs
-        metrics = RequestMetrics.of(result)
-        self.metrics = metrics if self.metrics is None else self.metrics.merged(metrics)
-
-    @property
-    def finished(self) -> bool:
-        return True
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text if self.outputs else ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids if self.outputs else []
-
-    @property
-    def logprobs(self) -> Optional[list[dict[int, float]]]:
-        return self.outputs[0].logprobs if self.outputs else None
-
-    @property
-    def finish_reason(self) -> Optional[str]:
-        return self.outputs[0].finish_reason if self.outputs else "error"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "BeamSearchParams",
+           "BeamSearchOutput", "generate"]
+logger = logging.getLogger(__name__)
 
 
 Conversation = list[dict[str, Any]]
@@ -139,8 +66,11 @@ class LLM:
     runner (vLLM's): "generate" (text) or "pooling" (embeddings: `embed` / `encode`); vLLM's older
     `task="embed"` means runner="pooling". `pooler_config` ({"pooling_type", "normalize"}) overrides the
     checkpoint's pooling (docs/embeddings.md).
-    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `kv_cache_dtype`
-    "fp8" for a float8 KV cache, `scheduling_policy` "priority" for `generate`'s `priority`).
+    Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `seed`,
+    `enforce_eager`, `gpu_memory_utilization`, `mm_processor_kwargs`, `kv_cache_dtype` "fp8" for a float8
+    KV cache, `scheduling_policy` "priority" for `generate`'s `priority`) or vLLM's other `LLM` keywords
+    (`trust_remote_code`, `tokenizer`, `disable_log_stats`, `swap_space`, ...): each honoured, accepted
+    with a log line saying it changes nothing here, or refused saying why (`vlmrun/llm_options.py`).
     """
 
     def __init__(self, model: Optional[str] = None, *, dtype: str = "auto", device: str = "auto",
@@ -151,6 +81,8 @@ class LLM:
                  runner: str = "generate", task: Optional[str] = None, **engine_kwargs: Any):
         if limit_mm_per_prompt is not None:
             engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
+        engine_kwargs = vllm_engine_kwargs(model, engine_kwargs.get("revision"), engine_kwargs,
+                                           {f.name for f in dataclasses.fields(EngineConfig)})
         config = EngineConfig(model=model, dtype=dtype, device=device, max_model_len=max_model_len,
                               max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                               generation_config=generation_config, quantization=quantization,
@@ -161,9 +93,63 @@ class LLM:
         self._lock = threading.Lock()  # one call at a time drives the (single-threaded) engine
         self.preprocess_workers = preprocess_workers or default_preprocess_workers()
         self.preprocess_prefetch = preprocess_prefetch
+        self.stats = LLMStats()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every cached prompt page (the next prompts compute their KV afresh). False, and
+        nothing done, while requests run (another thread's call); True otherwise (also without a cache)."""
+        with self._lock:
+            if self.engine.has_unfinished():
+                return False
+            if self.engine.prefix_cache is not None:
+                self.engine.prefix_cache.reset()
+            return True
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's metric snapshot (`vlmrun/llm_metrics.py`): `vllm:*` counters, gauges and histograms of
+        the engine now and of this LLM's finished requests (unlike vLLM, also with disable_log_stats)."""
+        return self.stats.snapshot(self.engine.stats(), str(self.engine.config.model or self.engine.model_config.path))
+
+    def beam_search(self, prompts: Union[Any, Sequence[Any]], params: BeamSearchParams,
+                    lora_request: LoRAArg = None, use_tqdm: bool = False,
+                    concurrency_limit: Optional[int] = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (`vlmrun/beam_search.py`): each prompt (any `generate` form) searched with
+        `params`, one engine round per output token; per prompt a `BeamSearchOutput`, its best
+        `beam_width` sequences first. A prompt whose input is bad has no sequences and an `error`.
+        `concurrency_limit` (vLLM's): search at most that many prompts at a time (None: all at once);
+        `use_tqdm` is accepted and shows nothing (a round is one short engine call)."""
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or not isinstance(
+                concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {concurrency_limit!r}")
+        inputs, total = prompt_inputs(prompts)
+        pairs = list(zip(inputs, per_input(lora_request, total, "LoRA requests", None)))
+        step = concurrency_limit or max(len(pairs), 1)
+        outputs = [out for start in range(0, len(pairs), step) for out in self._beam_search(pairs[start:start + step],
+                                                                                            params)]
+        warn_failed("beam_search", [(i, out.error) for i, out in enumerate(outputs) if out.error],
+                     empty="sequences=[]")
+        return outputs
+
+    def _beam_search(self, pairs: list[tuple[Any, Optional[LoRARequest]]],
+                     params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """One search over `pairs` (prompt, LoRA request): the prompts processed, then a round per token."""
+        search = BeamSearch(params, self.tokenizer)
+        for prompt, lora in pairs:
+            try:
+                search.start(self.engine.process(prompt), lora)
+            except ValueError as exc:  # InputError and PromptFormError are ValueErrors
+                search.start(None, error=str(exc))
+        round_params = params.round_params()
+        while not search.done:
+            batch = search.round_prompts()
+            outs = in_input_order(self._stream([p for p, _ in batch], len(batch), round_params, use_tqdm=False,
+                                                process=self.engine.process,
+                                                lora_request=[lora for _, lora in batch], call=None))
+            search.advance([o.outputs[0].logprobs[0] if o.outputs and o.outputs[0].logprobs else None for o in outs])
+        return search.outputs()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the generation config's defaults (`generation_config`); what a call
@@ -172,7 +158,8 @@ class LLM:
 
     def generate(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
                  use_tqdm: bool = True, lora_request: LoRAArg = None, *,
-                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
+                 priority: Optional[list[int]] = None,
+                 mm_processor_kwargs: Optional[dict[str, Any]] = None) -> list[RequestOutput]:
         """Each prompt in one of the forms of `vlmrun/engine/prompt_forms.py`, as vLLM takes them: a string
         is the raw prompt (no chat template; `chat` applies it); {"prompt": str, "multi_modal_data":
         {"image": ..., "video": ...}} a raw prompt holding one placeholder per item; {"prompt_token_ids":
@@ -190,28 +177,33 @@ class LLM:
 
         `lora_request` (vLLM's): a `LoRARequest` for all prompts or a list with one (or None) per prompt;
         the engine needs `enable_lora=True`. A bad adapter fails its requests alone (their `error`).
+        Failed inputs are also named in one warning per call (vLLM raises instead; vlmrun keeps the others).
 
         `priority` (vLLM's): one int per prompt, with `scheduling_policy="priority"` (lower runs first); a
         non-zero one under "fcfs" is a ValueError before anything runs.
+
+        `mm_processor_kwargs` ({"min_pixels", "max_pixels", "fps"}, as `chat`'s): options for every image
+        / video of the call; a prompt's own "mm_processor_kwargs" and an item's own sizing win over them.
         """
-        return _in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request,
-                                                    priority=priority))
+        return in_input_order(self.generate_stream(prompts, sampling_params, use_tqdm, lora_request,
+                                                    priority=priority, mm_processor_kwargs=mm_processor_kwargs))
 
     def generate_stream(self, prompts: Union[Any, Iterable[Any]], sampling_params: ParamsArg = None,
                         use_tqdm: bool = True, lora_request: LoRAArg = None, *,
-                        priority: Optional[list[int]] = None) -> Iterator[tuple[int, RequestOutput]]:
+                        priority: Optional[list[int]] = None,
+                        mm_processor_kwargs: Optional[dict[str, Any]] = None) -> Iterator[tuple[int, RequestOutput]]:
         """`generate`, each output handed out as soon as it finishes: `(index, output)`, `index` the
         prompt's position in `prompts`. Holds the LLM (other calls wait) until exhausted or closed;
         leaving the loop early aborts the prompts not yet finished."""
         self.engine.pooling.check_call(pools=False)  # a ValueError on an engine started for embeddings
-        inputs, total = _prompt_inputs(prompts)
+        inputs, total = prompt_inputs(prompts)
         if priority is not None:  # vLLM's: a list, one per prompt, checked before anything runs
             if not isinstance(priority, (list, tuple)):
                 raise ValueError(f"priority must be a list with one int per prompt, got {type(priority).__name__}")
             for value in priority:
                 self.engine.scheduler.policy.check(value)
-        return self._stream(inputs, total, sampling_params, use_tqdm, self.engine.process, lora_request,
-                            priority)
+        return self._stream(inputs, total, sampling_params, use_tqdm, self._processing(mm_processor_kwargs),
+                            lora_request, priority=priority)
 
     def embed(self, prompts: Union[Any, Iterable[Any]], pooling_params: PoolingArg = None, use_tqdm: bool = True,
               lora_request: LoRAArg = None) -> list[EmbeddingRequestOutput]:
@@ -235,13 +227,31 @@ class LLM:
                 raise ValueError(f"embed / encode take PoolingParams, got {type(p).__name__} (generation options "
                                  f"do not apply to embeddings)")
             p.resolve(self.engine.pooling.config)
-        inputs, total = _prompt_inputs(prompts)
+        inputs, total = prompt_inputs(prompts)
 
         def output(finished: Finished) -> Any:
             return convert(finished.work.request_id, finished.results[0], finished.prompt_token_ids, finished.error)
 
-        return _in_input_order(self._stream(inputs, total, params, use_tqdm, self.engine.process, lora_request,
-                                            convert=output))
+        return in_input_order(self._stream(inputs, total, params, use_tqdm, self.engine.process, lora_request,
+                                            call=None, convert=output))
+
+    def _processing(self, mm_processor_kwargs: Optional[dict[str, Any]]) -> Callable[[Any], ProcessedPrompt]:
+        """How `generate` processes a prompt: `Engine.process`, with a call's processor options under the
+        prompt's own (checked now: an InputError naming a bad option)."""
+        if mm_processor_kwargs is None:
+            return self.engine.process
+        check_processor_kwargs(mm_processor_kwargs)
+
+        def process(prompt: Any) -> ProcessedPrompt:
+            parsed = with_processor_kwargs(parse_prompt(prompt), mm_processor_kwargs)
+            if isinstance(parsed, UserTurnPrompt):
+                return self.engine.processor.process_prompt(parsed.text, parsed.images, videos=parsed.videos,
+                                                            mm_processor_kwargs=mm_processor_kwargs)
+            if isinstance(parsed, list):  # a chat given to generate
+                return self.engine.processor.process_chat(parsed, mm_processor_kwargs=mm_processor_kwargs)
+            return self.engine.process(parsed)
+
+        return process
 
     def chat(self, messages: Union[Conversation, Iterable[Conversation]],
              sampling_params: ParamsArg = None, use_tqdm: bool = True, *,
@@ -259,7 +269,7 @@ class LLM:
         `mm_processor_kwargs` ({"min_pixels", "max_pixels", "fps"}) size every image / video that does
         not size itself. `lora_request` as `generate`'s.
         """
-        return _in_input_order(self.chat_stream(
+        return in_input_order(self.chat_stream(
             messages, sampling_params, use_tqdm, chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, tools=tools, mm_processor_kwargs=mm_processor_kwargs,
@@ -287,19 +297,19 @@ class LLM:
 
         total = len(messages) if isinstance(messages, Sequence) else None
         return self._stream((list(conv) for conv in messages), total, sampling_params, use_tqdm, process,
-                            lora_request)
+                            lora_request, call="chat")
 
     def _stream(self, inputs: Iterable[Any], total: Optional[int], params_arg: ParamsArg, use_tqdm: bool,
                 process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg,
-                priority: Optional[list[int]] = None,
+                priority: Optional[list[int]] = None, call: Optional[str] = "generate",
                 convert: Optional[Callable[[Finished], Any]] = None) -> Iterator[tuple[int, Any]]:
         """Check the per-input arguments (now, for a known length), then run (when iterated); each finished
-        input becomes `convert(finished)` (default: a RequestOutput)."""
-        params = _per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
-        loras = _per_input(lora_request, total, "LoRA requests", None)
-        priorities = _per_input(priority, total, "priorities", 0)
-        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process,
-                         convert or _request_output)
+        input becomes `convert(finished)` (default: a RequestOutput). `call` names the LLM method in the
+        warning about failed inputs (None: no warning)."""
+        params = per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
+        loras = per_input(lora_request, total, "LoRA requests", None)
+        priorities = per_input(priority, total, "priorities", 0)
+        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process, call, convert)
 
     def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
                loras: Iterator[Optional[LoRARequest]], priorities: Iterator[int]) -> Iterator[Work]:
@@ -314,53 +324,27 @@ class LLM:
             raise ValueError("got more sampling params than prompts")
 
     def _run(self, works: Iterator[Work], total: Optional[int], use_tqdm: bool,
-             process: Callable[[Any], ProcessedPrompt],
+             process: Callable[[Any], ProcessedPrompt], call: Optional[str],
              convert: Optional[Callable[[Finished], Any]] = None) -> Iterator[tuple[int, Any]]:
         with self._lock:
             pipeline = InputPipeline(self.engine, process, workers=self.preprocess_workers,
                                      prefetch=self.preprocess_prefetch)
             bar = FeedProgress(total, enabled=use_tqdm and total != 1 and total != 0)
+            decode, failed = TokenDecoder(self.tokenizer), []
             try:
                 small = total is not None and total <= self.preprocess_prefetch  # one batch, added at once
                 for finished in pipeline.stream(works, whole_batch=small):
                     bar.advance(finished.num_output_tokens, pipeline.preprocessed)
-                    yield finished.index, (convert or _request_output)(finished)
+                    for result in finished.results:
+                        if result is not None and result.pooled is None:
+                            self.stats.record(result)
+                    if finished.error is not None:
+                        failed.append((finished.index, finished.error))
+                    yield finished.index, request_output(finished, decode) if convert is None else convert(finished)
             finally:
                 bar.close()
-
-
-def _prompt_inputs(prompts: Any) -> tuple[Iterable[Any], Optional[int]]:
-    """The prompts parsed (a list: all now, so a prompt of no form fails before anything runs; any
-    other iterable: lazily) and their number (None: unknown)."""
-    if isinstance(prompts, (str, dict)):
-        prompts = [prompts]
-    if isinstance(prompts, Sequence):
-        return [parse_prompt(prompt) for prompt in prompts], len(prompts)
-    return (parse_prompt(prompt) for prompt in prompts), None
-
-
-def _request_output(finished: Finished) -> RequestOutput:
-    out = RequestOutput(request_id=finished.work.request_id, prompt_token_ids=finished.prompt_token_ids,
-                        error=finished.error)
-    for index, result in enumerate(finished.results):
-        if result is not None:
-            out.add_completion(index, result)
-    return out
-
-
-def _in_input_order(stream: Iterator[tuple[int, RequestOutput]]) -> list[RequestOutput]:
-    by_index = dict(stream)
-    return [by_index[i] for i in range(len(by_index))]
-
-
-def _per_input(arg: Any, n: Optional[int], what: str, default: Any) -> Iterator[Any]:
-    """One value per input: a list of n (n None: checked as the inputs are read), or one value (None:
-    `default`) for all."""
-    if isinstance(arg, (list, tuple)):
-        if n is not None and len(arg) != n:
-            raise ValueError(f"got {len(arg)} {what} for {n} prompts")
-        return iter(arg)
-    return itertools.repeat(arg or default)
+                if call is not None:
+                    warn_failed(call, failed)
 
 
 @functools.lru_cache(maxsize=1)

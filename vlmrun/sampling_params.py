@@ -47,42 +47,26 @@ becomes an empty list), numbers (floats as float, integers as int, numpy scalars
 raises `SamplingParamError` (a ValueError) naming the bad field and what it allows: wrong types
 (a string temperature, a bool `n`, a float token id) are refused, never coerced.
 
-`StopLimits` bounds what one request may ask of the stop-string matcher (stop strings, their length,
+The field checks live in `vlmrun/sampling_fields.py`. `StopLimits` bounds what one request may ask of the stop-string matcher (stop strings, their length,
 stop token ids); the front doors (server, `LLM`) check it with the limits of `EngineConfig`.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import math
-import numbers
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any, Optional, Union
 
+from vlmrun.sampling_fields import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, TOKEN_ID_MAX, RequestOutputKind,  # noqa: F401
+                                    SamplingParamError, allowed_token_ids_field, bad_words_field, boolean_field,
+                                    integer_field, is_integer, logit_bias_field, optional_field, output_kind_field,
+                                    real_field, short_repr, stop_strings_field, token_ids_field)
 from vlmrun.structured.params import StructuredOutputError, StructuredOutputsParams
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy
 MAX_LOGPROBS = 20  # top log-probabilities one token may return (vLLM's default max_logprobs)
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # torch.Generator.manual_seed's signed 64-bit range
-TOKEN_ID_MAX = 2**63 - 1  # stop token ids must fit an int64 tensor
-MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 1024, 256  # bad_words: how many, how long each
-
-
-class RequestOutputKind(IntEnum):
-    """vLLM's values: what each output of a running request holds."""
-
-    CUMULATIVE = 0  # everything so far
-    DELTA = 1  # only what is new (refused: vlmrun hands out whole outputs)
-    FINAL_ONLY = 2  # only the finished output
-
-
-class SamplingParamError(ValueError):
-    """A sampling parameter has a bad value; `field` names it (the server's 400 `param`)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass
@@ -118,39 +102,42 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.n = _integer("n", self.n, lo=1)
-        self.temperature = _real("temperature", self.temperature, lo=0.0)
-        self.top_p = _real("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
-        self.top_k = _integer("top_k", self.top_k, lo=-1, allowed="-1 or 0 (off) or a positive integer")
+        self.n = integer_field("n", self.n, lo=1)
+        self.temperature = real_field("temperature", self.temperature, lo=0.0)
+        self.top_p = real_field("top_p", self.top_p, lo=0.0, hi=1.0, lo_open=True)
+        self.top_k = integer_field("top_k", self.top_k, lo=-1, allowed="-1 or 0 (off) or a positive integer")
         if self.top_k == -1:
             self.top_k = 0
-        self.min_p = _real("min_p", self.min_p, lo=0.0, hi=1.0)
-        self.repetition_penalty = _real("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
-        self.presence_penalty = _real("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
-        self.frequency_penalty = _real("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
-        self.seed = _optional(_integer, "seed", self.seed, lo=SEED_MIN, hi=SEED_MAX,
+        self.min_p = real_field("min_p", self.min_p, lo=0.0, hi=1.0)
+        self.repetition_penalty = real_field("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        self.presence_penalty = real_field("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
+        self.frequency_penalty = real_field("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
+        self.seed = optional_field(integer_field, "seed", self.seed, lo=SEED_MIN, hi=SEED_MAX,
                               allowed="a 64-bit signed integer (-2**63 to 2**63 - 1)")
-        self.max_tokens = _optional(_integer, "max_tokens", self.max_tokens, lo=1)
-        self.min_tokens = _integer("min_tokens", self.min_tokens, lo=0)
+        self.max_tokens = optional_field(integer_field, "max_tokens", self.max_tokens, lo=1)
+        self.min_tokens = integer_field("min_tokens", self.min_tokens, lo=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise SamplingParamError("min_tokens", f"min_tokens ({self.min_tokens}) must be <= max_tokens "
                                                    f"({self.max_tokens})")
-        self.stop = _stop_strings(self.stop)
-        self.stop_token_ids = _token_ids("stop_token_ids", self.stop_token_ids)
-        self.logit_bias = _logit_bias(self.logit_bias)
-        self.allowed_token_ids = _allowed_token_ids(self.allowed_token_ids)
-        self.bad_words = _bad_words(self.bad_words)
-        self.logprobs = _optional(_integer, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
-        self.thinking_token_budget = _optional(_integer, "thinking_token_budget", self.thinking_token_budget, lo=0)
-        self.prompt_logprobs = _optional(_integer, "prompt_logprobs", self.prompt_logprobs, lo=0, hi=MAX_LOGPROBS)
-        self.truncate_prompt_tokens = _optional(_integer, "truncate_prompt_tokens", self.truncate_prompt_tokens, lo=-1,
-                                                allowed="-1 (max_model_len) or a positive integer")
+        self.stop = stop_strings_field(self.stop)
+        self.stop_token_ids = token_ids_field("stop_token_ids", self.stop_token_ids)
+        self.logit_bias = logit_bias_field(self.logit_bias)
+        self.allowed_token_ids = allowed_token_ids_field(self.allowed_token_ids)
+        self.bad_words = bad_words_field(self.bad_words)
+        self.logprobs = optional_field(integer_field, "logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
+        self.thinking_token_budget = optional_field(integer_field, "thinking_token_budget", self.thinking_token_budget,
+                                                    lo=0)
+        self.prompt_logprobs = optional_field(integer_field, "prompt_logprobs", self.prompt_logprobs, lo=0,
+                                              hi=MAX_LOGPROBS)
+        self.truncate_prompt_tokens = optional_field(integer_field, "truncate_prompt_tokens",
+                                                     self.truncate_prompt_tokens, lo=-1,
+                                                     allowed="-1 (max_model_len) or a positive integer")
         if self.truncate_prompt_tokens == 0:
             raise SamplingParamError("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 or positive, got 0")
-        self.output_kind = _output_kind(self.output_kind)
+        self.output_kind = output_kind_field(self.output_kind)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize",
                      "spaces_between_special_tokens"):
-            setattr(self, name, _boolean(name, getattr(self, name)))
+            setattr(self, name, boolean_field(name, getattr(self, name)))
         if not self.detokenize and self.stop:
             raise SamplingParamError("detokenize", "stop strings need detokenize=True (they match the output text)")
         if self.structured_outputs is not None:
@@ -158,6 +145,10 @@ class SamplingParams:
                 self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
             except StructuredOutputError as exc:
                 raise SamplingParamError("structured_outputs", str(exc)) from None
+
+    def clone(self) -> "SamplingParams":
+        """vLLM's: a deep copy, to change without touching this one."""
+        return copy.deepcopy(self)
 
     # ------------------------------------------------------------------ derived views
 
@@ -217,7 +208,7 @@ class SamplingParams:
             outside = sorted({t for t in ids if t >= vocab_size})
             if outside:
                 raise SamplingParamError(name, f"{name} has token ids outside the vocabulary [0, {vocab_size}): "
-                                               f"{_short_repr(outside)}")
+                                               f"{short_repr(outside)}")
 
     def choices(self) -> list["SamplingParams"]:
         """The `n` single-choice params of an n-choice request, one engine request each: n=1 and, when
@@ -246,7 +237,7 @@ class StopLimits:
 
     def __post_init__(self) -> None:
         for name in ("max_stop_strings", "max_stop_string_length", "max_stop_token_ids"):
-            if not _is_integer(getattr(self, name)) or getattr(self, name) < 0:
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
 
     @classmethod
@@ -268,133 +259,3 @@ class StopLimits:
         if count > self.max_stop_token_ids:
             raise SamplingParamError("stop_token_ids", f"stop_token_ids has {count} ids; at most "
                                                        f"{self.max_stop_token_ids} are allowed")
-
-
-# ---------------------------------------------------------------------------- field checks
-
-
-def _is_integer(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _integer(name: str, value: Any, lo: Optional[int] = None, hi: Optional[int] = None,
-             allowed: Optional[str] = None) -> int:
-    allowed = allowed or _range_text("an integer", lo, hi)
-    if not _is_integer(value) or (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise SamplingParamError(name, f"{name} must be {allowed}, got {_short_repr(value)}")
-    return int(value)
-
-
-def _real(name: str, value: Any, lo: float, hi: Optional[float] = None, lo_open: bool = False) -> float:
-    if lo_open:
-        allowed = f"a number in ({lo:g}, {hi:g}]" if hi is not None else f"a finite number > {lo:g}"
-    else:
-        allowed = _range_text("a number", lo, hi)
-    number = _as_float(value)
-    ok = number is not None and math.isfinite(number) and (number > lo if lo_open else number >= lo) \
-        and (hi is None or number <= hi)
-    if not ok:
-        raise SamplingParamError(name, f"{name} must be {allowed}, got {_short_repr(value)}")
-    return number
-
-
-def _as_float(value: Any) -> Optional[float]:
-    """`value` as a float (an int too large for one: inf); None for what is not a real number."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf
-
-
-def _boolean(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise SamplingParamError(name, f"{name} must be True or False, got {_short_repr(value)}")
-    return value
-
-
-def _optional(check: Any, name: str, value: Any, **bounds: Any) -> Any:
-    return None if value is None else check(name, value, **bounds)
-
-
-def _range_text(kind: str, lo: Any, hi: Any) -> str:
-    if lo is not None and hi is not None:
-        return f"{kind} in [{lo:g}, {hi:g}]" if isinstance(lo, float) else f"{kind} in [{lo}, {hi}]"
-    if lo is not None:
-        return f"a finite {kind[2:]} >= {lo:g}" if isinstance(lo, float) else f"{kind} >= {lo}"
-    return kind
-
-
-def _stop_strings(stop: Any) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    allowed = "a non-empty string or a list of non-empty strings"
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise SamplingParamError("stop", f"stop must be {allowed}, got {_short_repr(stop)}")
-    return list(stop)
-
-
-def _is_token_id(value: Any) -> bool:
-    return _is_integer(value) and 0 <= value <= TOKEN_ID_MAX
-
-
-def _token_ids(name: str, ids: Any) -> list[int]:
-    if ids is None:
-        return []
-    allowed = f"a list of token ids (integers in [0, {TOKEN_ID_MAX}])"
-    if not isinstance(ids, (list, tuple)) or not all(_is_token_id(t) for t in ids):
-        raise SamplingParamError(name, f"{name} must be {allowed}, got {_short_repr(ids)}")
-    return [int(t) for t in ids]
-
-
-def _allowed_token_ids(ids: Any) -> Optional[list[int]]:
-    if ids is None:
-        return None
-    ids = _token_ids("allowed_token_ids", ids)
-    if not ids:
-        raise SamplingParamError("allowed_token_ids", "allowed_token_ids must not be empty (None allows every token)")
-    return ids
-
-
-def _logit_bias(bias: Any) -> Optional[dict[int, float]]:
-    if bias is None:
-        return None
-    allowed = f"a dict of token ids (integers in [0, {TOKEN_ID_MAX}]) to finite numbers"
-    values = {} if not isinstance(bias, dict) else {t: _as_float(v) for t, v in bias.items()}
-    ok = isinstance(bias, dict) and all(_is_token_id(t) and v is not None and math.isfinite(v) for t, v in values.items())
-    if not ok:
-        raise SamplingParamError("logit_bias", f"logit_bias must be {allowed}, got {_short_repr(bias)}")
-    return {int(t): v for t, v in values.items()}
-
-
-def _output_kind(kind: Any) -> RequestOutputKind:
-    try:
-        kind = RequestOutputKind(kind)
-    except ValueError:
-        raise SamplingParamError("output_kind", f"output_kind must be a RequestOutputKind, got {kind!r}") from None
-    if kind is RequestOutputKind.DELTA:
-        raise SamplingParamError("output_kind", "output_kind DELTA is not supported: LLM returns finished outputs "
-                                                "and the server streams its own deltas (use CUMULATIVE or FINAL_ONLY)")
-    return kind
-
-
-def _bad_words(words: Any) -> Optional[list[str]]:
-    if words is None:
-        return None
-    if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
-        raise SamplingParamError("bad_words", f"bad_words must be a list of words (strings with a non-space "
-                                              f"character), got {_short_repr(words)}")
-    longest = max(map(len, words), default=0)
-    if len(words) > MAX_BAD_WORDS or longest > MAX_BAD_WORD_CHARS:
-        raise SamplingParamError("bad_words", f"bad_words may hold at most {MAX_BAD_WORDS} words of at most "
-                                              f"{MAX_BAD_WORD_CHARS} characters each; got {len(words):,} words, "
-                                              f"the longest of {longest:,} characters")
-    return list(words)
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -176,6 +176,18 @@ class PageAllocator:
             self.refcount[p] = 1
         return pages
 
+    def evict_all(self) -> list[int]:
+        """Free every evictable page (cached, held by no request), telling `on_evict` of each; the pages
+        evicted (the prefix cache's reset)."""
+        evicted = list(self.evictable)
+        self.evictable.clear()
+        for page in evicted:
+            self.cached.discard(page)
+            if self.on_evict is not None:
+                self.on_evict(page)
+            self.free_pages.append(page)
+        return evicted
+
     def share(self, pages: list[int]) -> None:
         """One more reference to each of `pages` (cached pages reused by a prefix hit)."""
         for p in pages:

@@ -168,6 +168,11 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
 
+    def reset(self) -> int:
+        """Forget every cached page no request holds (vLLM's reset_prefix_cache): they become free pages and
+        their GDN snapshots go with them. Returns how many pages were forgotten."""
+        return len(self.allocator.evict_all())
+
     def _evict(self, page: int) -> None:
         key = self.key_of.pop(page, None)
         if key is None:

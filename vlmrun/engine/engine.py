@@ -374,8 +374,7 @@ class Engine:
         req.finish_reason = reason
         stream = self._streams.pop(req.request_id)
         del self.requests[req.request_id]
-        asked_logprobs = req.sampling_params.logprobs is not None
-        grammar = req.grammar
+        asked_logprobs, grammar = req.sampling_params.logprobs is not None, req.grammar
         result = RequestResult(text=stream.text, token_ids=list(req.output_token_ids),
                                logprobs=list(req.output_logprobs) if asked_logprobs else None, finish_reason=reason,
                                num_prompt_tokens=req.num_prompt_tokens, arrival_time=req.arrival_time,
@@ -383,5 +382,6 @@ class Engine:
                                grammar_ended=grammar is not None and grammar.is_terminated,
                                stop_reason=None if stream.finished is None else stream.finished.stop_reason,
                                prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
-                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode, scheduled_time=req.scheduled_time)
+                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode,
+                               scheduled_time=req.scheduled_time, num_cached_tokens=req.prefix_hit_tokens)
         return RequestUpdate(req.request_id, result=result)

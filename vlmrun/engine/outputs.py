@@ -37,6 +37,7 @@ class RequestResult:
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters; None when the engine does not speculate
     pooled: Optional[torch.Tensor] = None  # a pooling request's embedding [dim] float32 (CPU); None for generation
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (vLLM's num_cached_tokens)
 
     @property
     def num_output_tokens(self) -> int:

@@ -5,7 +5,8 @@ vLLM's forms:
   {"prompt": str, "multi_modal_data": {...}}      raw text holding one placeholder per image / video
   {"prompt_token_ids": [...], "multi_modal_data": {...}}   the same as token ids
   (either may carry "mm_processor_kwargs" and "cache_salt", a non-empty string: the prompt's
-  prefix-cache entries serve only prompts of the same salt; multi_modal_data: {"image": one or a list, "video": ...})
+  prefix-cache entries serve only prompts of the same salt; multi_modal_data: {"image": one or a list, "video": ...};
+  a video may be vLLM's `(frames, metadata)` tuple: frames sampled already, timestamps from the metadata)
 vlmrun's own:
   {"prompt": str, "images": [...], "videos": [...]}   one user turn through the chat template
   [{"role": ..., "content": ...}, ...]                 a chat (the chat template)
@@ -15,10 +16,12 @@ A dict with a key no form has, or with keys of two forms, is a `PromptFormError`
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from vlmrun.processors import ProcessedPrompt
+from vlmrun.processors.video_processor import is_frames_with_metadata
 
 _RAW_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data", "mm_processor_kwargs", "cache_salt")
 _USER_TURN_KEYS = ("prompt", "images", "videos")
@@ -67,11 +70,23 @@ def parse_prompt(prompt: Any) -> ParsedPrompt:
     return _raw(prompt)
 
 
+def with_processor_kwargs(parsed: ParsedPrompt, kwargs: Optional[Mapping[str, Any]]) -> ParsedPrompt:
+    """`parsed` with a call's `mm_processor_kwargs` (`LLM.generate(mm_processor_kwargs=...)`) under its own: a
+    raw prompt gets a copy whose options are the call's, overridden by the prompt's own (an item's own sizing
+    still wins, `processors/processor_kwargs.py`); other forms are returned as they are (the caller passes the
+    call's options to the processor for a user turn or a chat)."""
+    if not kwargs or not isinstance(parsed, RawPrompt):
+        return parsed
+    return dataclasses.replace(parsed, mm_processor_kwargs={**kwargs, **(parsed.mm_processor_kwargs or {})})
+
+
 def media_list(items: Any) -> list[Any]:
-    """One item (a path, URL, bytes, PIL image, array, item dict) -> [it]; None -> []; a list or tuple as is
-    (so a video given as a list of frames must be wrapped: [{"video": frames}])."""
+    """One item (a path, URL, bytes, PIL image, array, item dict, vLLM's video `(frames, metadata)`) -> [it];
+    None -> []; a list or tuple as is (so a video given as a list of frames must be wrapped: [{"video": frames}])."""
     if items is None:
         return []
+    if is_frames_with_metadata(items):
+        return [items]
     if isinstance(items, (list, tuple)):
         return list(items)
     return [items]

@@ -75,7 +75,7 @@ class LaunchedStep:
 
     samples: list[bool]  # per chunk: it samples a token
     output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
-    prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 2 + 2k] rows (gather_prompt_logprobs) or None
+    prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 3 + 2k] rows (gather_prompt_logprobs) or None
     drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
     seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
     mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
@@ -207,7 +207,7 @@ class ModelRunner:
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
-        a prompt token) -> [m, 2 + 2k] rows (`gather_prompt_logprobs`); None for the other chunks."""
+        a prompt token) -> [m, 3 + 2k] rows (`gather_prompt_logprobs`); None for the other chunks."""
         out: list[Optional[torch.Tensor]] = []
         if all(c.prompt_logprobs is None for c in chunks):
             return [None] * len(chunks)
@@ -248,7 +248,7 @@ class ModelRunner:
             out.pooled = vector
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
-                k = (rows.shape[1] - 2) // 2
+                k = (rows.shape[1] - 3) // 2
                 out.prompt_logprobs = logprob_dicts(rows.tolist(), k)
         return outputs
 

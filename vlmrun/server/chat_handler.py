@@ -24,6 +24,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
+from vlmrun.server.beam_search_handler import run_beam_search
 from vlmrun.server.chat_prompt import ChatPromptOptions, echo_text, response_role, special_tokens_around
 from vlmrun.server.errors import bad_request
 from vlmrun.server.prompt_bounds import is_heavy_text, message_text_chars
@@ -55,10 +56,17 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
                               "around a prompt holding images)", param="add_special_tokens")
         prompt = render_chat(state, req.messages, req.tools, req.prompt, cancel)
         prompt_text = prompt.text
+        prompts.append(prompt)
+        if req.beam is not None:  # round one of the search
+            return [(prompt, req.beam.round_params())]
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
+    prompts: list[ProcessedPrompt] = []
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
-                       "messages", heavy=heavy, lora=lora, scheduling=req.scheduling, n=req.params.n)
+                       "messages", heavy=heavy, lora=lora, scheduling=req.scheduling,
+                       n=1 if req.beam else req.params.n)
+    if req.beam is not None:
+        await run_beam_search(state, request, sub, prompts, req.beam, req.params.n, lora)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("chatcmpl", rid)

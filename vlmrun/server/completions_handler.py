@@ -25,6 +25,7 @@ from vlmrun.processors.chat import check_unicode
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.prompt_bounds import is_heavy_text
+from vlmrun.server.beam_search_handler import run_beam_search
 from vlmrun.server.protocol import CompletionRequest, parse_completion_request
 from vlmrun.server.state import ServerState
 from vlmrun.server.submission import (large_body, merge_batch, parse_body, record, respond_collected,
@@ -47,12 +48,14 @@ async def completions(state: ServerState, request: Request) -> Response:
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         prompts.extend(_raw_prompt(state, p, i, len(req.prompts), req.add_special_tokens)
                        for i, p in enumerate(req.prompts))
-        children = req.params.choices()
+        children = req.params.choices() if req.beam is None else [req.beam.round_params()]  # a beam: round one
         return [(p, c) for p in prompts for c in children]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
-                       lambda items: sum(len(p.token_ids) for p, _ in items[::n]), "prompt", heavy=heavy, lora=lora,
-                       scheduling=req.scheduling, n=n)
+                       lambda items: sum(len(p.token_ids) for p, _ in items[::1 if req.beam else n]), "prompt",
+                       heavy=heavy, lora=lora, scheduling=req.scheduling, n=1 if req.beam else n)
+    if req.beam is not None:
+        await run_beam_search(state, request, sub, prompts, req.beam, n, lora)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("cmpl", rid)

@@ -37,6 +37,8 @@ from typing import Any, Optional, Union
 
 from vlmrun.processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
+from vlmrun.beam_search import BeamSearchParams
+from vlmrun.server.beam_fields import beam_search_params
 from vlmrun.server.body_fields import is_int, opt_bool, opt_float, opt_int, opt_model
 from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import APIError, bad_request
@@ -95,6 +97,7 @@ class ChatRequest:
     parallel_tool_calls: bool = True
     extras: OutputExtras = OutputExtras()
     scheduling: SchedulingFields = SchedulingFields()  # priority, cache_salt
+    beam: Optional[BeamSearchParams] = None  # use_beam_search (`beam_fields.py`)
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -114,6 +117,7 @@ class CompletionRequest:
     add_special_tokens: bool = True  # vLLM's: the tokenizer's special tokens around a text prompt
     extras: OutputExtras = OutputExtras()
     scheduling: SchedulingFields = SchedulingFields()  # priority, cache_salt
+    beam: Optional[BeamSearchParams] = None  # use_beam_search (`beam_fields.py`)
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -168,7 +172,7 @@ def parse_chat_request(body: dict[str, Any], limits: RequestLimits) -> ChatReque
                        echo=opt_bool(body, "echo", False), tools=tools, tool_choice=tool_choice, forced_tools=forced,
                        parallel_tool_calls=opt_bool(body, "parallel_tool_calls", True),
                        extras=vllm_output_extras(body, chat=True, tokens_as_ids=limits.tokens_as_ids),
-                       scheduling=SchedulingFields.of(body))
+                       scheduling=SchedulingFields.of(body), beam=beam_search_params(body, params))
 
 
 def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> CompletionRequest:
@@ -185,14 +189,15 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     for p in prompts:
         limits.check_prompt_size(p, params, "prompt")
     best_of = opt_int(body, "best_of", None, lo=1)
-    if best_of is not None and best_of != params.n:
+    beam = beam_search_params(body, params)
+    if best_of is not None and best_of != params.n and beam is None:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
     return CompletionRequest(model=opt_model(body), prompts=prompts, params=params,
                              stream=opt_bool(body, "stream", False), include_usage=_include_usage(body, limits),
                              logprobs=logprobs, echo=echo, echo_only=max_tokens == 0,
                              add_special_tokens=opt_bool(body, "add_special_tokens", True),
                              extras=dataclasses.replace(extras, prompt_logprobs=params.prompt_logprobs),
-                             scheduling=SchedulingFields.of(body))
+                             scheduling=SchedulingFields.of(body), beam=beam)
 
 
 # ---------------------------------------------------------------------------- pieces

@@ -20,8 +20,9 @@ name their tokens "token_id:<id>". `request_id`: the answer's id is the route's 
 Defaults (vLLM's `--generation-config`): a sampling field the body leaves out takes the checkpoint's
 `generation_config.json` value (`with_generation_defaults`; read once, `ModelConfig.sampling_defaults`).
 
-Refused with a 400 naming the field, never ignored: chat `best_of` other than `n`, and vLLM's fields
-this server has no counterpart for (`WITHOUT_COUNTERPART`: beam search, logits
+Refused with a 400 naming the field, never ignored: chat `best_of` other than `n` (but with
+`use_beam_search`, the beam width: `beam_fields.py`), and vLLM's fields
+this server has no counterpart for (`WITHOUT_COUNTERPART`: logits
 processors by name, KV transfer, extension arguments, structural tags, another
 structured-output backend or whitespace pattern, media IO options, prompt embeddings) set to anything
 but the value that asks for nothing.
@@ -55,7 +56,6 @@ def echo_prompt_logprobs(body: dict[str, Any], echo: bool, logprobs: Optional[in
 # vLLM's request fields with no counterpart here: (field, the values that ask for nothing, why). Another
 # value is a 400 naming the field; vLLM itself answers so for most when it runs without the feature.
 WITHOUT_COUNTERPART = (
-    ("use_beam_search", (False,), "beam search is not supported by this server"),
     ("logits_processors", ([],), "logits processors by name are not supported (use logit_bias, "
                                  "allowed_token_ids or bad_words)"),
     ("kv_transfer_params", ({},), "KV transfer (disaggregated serving) is not supported by this server"),
@@ -72,7 +72,7 @@ def vllm_output_extras(body: dict[str, Any], chat: bool, tokens_as_ids: bool = F
     """What the body's vLLM fields add to the response; 400 naming a field this server does not act on.
     `tokens_as_ids`: return_tokens_as_token_ids when the body leaves it out (the server's flag)."""
     best_of = body.get("best_of")
-    if chat and best_of is not None and best_of != body.get("n", 1):
+    if chat and best_of is not None and best_of != body.get("n", 1) and body.get("use_beam_search") is not True:
         raise bad_request("'best_of' other than 'n' is not supported", param="best_of")
     for name, neutral, why in WITHOUT_COUNTERPART:
         value = body.get(name)
