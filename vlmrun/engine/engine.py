@@ -35,12 +35,13 @@ from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorL
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
-from vlmrun.engine.detokenizer import OutputTextStream
-from vlmrun.engine.outputs import RequestResult, RequestUpdate
+from vlmrun.engine.output_processor import OutputProcessor
+from vlmrun.engine.outputs import RequestUpdate
 from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.prompt_forms import RawPrompt, UserTurnPrompt, parse_prompt
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
+from vlmrun.engine.startup_heap import freeze_startup_heap
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
@@ -120,8 +121,9 @@ class Engine:
                                         self.model_config.eos_token_ids)
         self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, OutputTextStream] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids, self.max_model_len)
         self._in_flight: Optional[LaunchedChunks] = None  # async scheduling: launched, not yet collected
+        freeze_startup_heap()  # (a full GC pass otherwise walks every library object: engine/startup_heap.py)
 
     def _build_executor(self) -> Executor:
         """One device: the model, its caches and the runner here. Tensor parallel: rank processes (or
@@ -254,8 +256,7 @@ class Engine:
             page_size = self.caches.plan.page_size
             req.page_keys = page_keys(prompt.token_ids, prompt.mm_items, page_size, n // page_size, cache_salt(lora_request))
         self.requests[request_id] = req
-        self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
-                                                     self.model_config.eos_token_ids, self.max_model_len)
+        self.outputs.add(req)
         self.scheduler.add(req)
 
     def compile_structured(self, params: SamplingParams) -> None:
@@ -283,7 +284,7 @@ class Engine:
         if req is not None:
             self.scheduler.finish(req)
             req.finish_reason = "abort"
-            self._streams.pop(request_id, None)
+            self.outputs.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -362,39 +363,15 @@ class Engine:
                     self.abort(chunk.request.request_id)
 
     def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestUpdate:
-        """A step's tokens for `req` (several after accepted drafts), one at a time as plain decode
-        appends them: a stop string, EOS, the grammar's end or a length limit ends the request at that
-        token and the rest are dropped."""
-        update = RequestUpdate(req.request_id)
-        for sampled in tokens:
-            req.output_token_ids.append(sampled.token_id)
-            update.new_token_ids.append(sampled.token_id)
-            if sampled.logprobs is not None:
-                req.output_logprobs.append(sampled.logprobs)
-                update.new_logprobs.append(sampled.logprobs)
-            grammar_finish = None if req.grammar is None else req.advance_grammar(sampled.token_id)
-            token = self._streams[req.request_id].add_token(sampled.token_id)
-            update.text_delta += token.delta
-            finish_reason = token.finish_reason or grammar_finish
-            if finish_reason is not None:
-                update.result = self._finish(req, finish_reason).result
-                break
+        """A step's tokens for `req` (engine/output_processor.py); a finishing one's update carries its result."""
+        update, finish_reason = self.outputs.append(req, tokens)
+        if finish_reason is not None:
+            update.result = self._finish(req, finish_reason).result
         return update
 
     def _finish(self, req: Request, reason: str) -> RequestUpdate:
         """Free the request's memory, forget it, and return its last update (with its result)."""
         self.scheduler.finish(req)
         req.finish_reason = reason
-        stream = self._streams.pop(req.request_id)
         del self.requests[req.request_id]
-        asked_logprobs = req.sampling_params.logprobs is not None
-        grammar = req.grammar
-        result = RequestResult(text=stream.text, token_ids=list(req.output_token_ids),
-                               logprobs=list(req.output_logprobs) if asked_logprobs else None, finish_reason=reason,
-                               num_prompt_tokens=req.num_prompt_tokens, arrival_time=req.arrival_time,
-                               first_token_time=req.first_token_time, finished_time=time.monotonic(),
-                               grammar_ended=grammar is not None and grammar.is_terminated,
-                               stop_reason=None if stream.finished is None else stream.finished.stop_reason,
-                               prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
-                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode)
-        return RequestUpdate(req.request_id, result=result)
+        return RequestUpdate(req.request_id, result=self.outputs.result(req, reason))
