@@ -40,12 +40,14 @@ from vlmrun.engine.outputs import RequestUpdate
 from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.prompt_forms import RawPrompt, UserTurnPrompt, parse_prompt
 from vlmrun.engine.request import Request, RequestStatus
+from vlmrun.engine.scheduled_chunk import ScheduledDecodes
+from vlmrun.engine.stats import EngineStats
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
 from vlmrun.engine.startup_heap import freeze_startup_heap
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
-from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.model_runner import DecodedRows, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model
@@ -61,40 +63,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LaunchedChunks:
-    """A launched step: its chunks, and the executor's handle to collect it by."""
+    """A launched step: its chunks and plain decodes, and the executor's handle to collect it by."""
 
     chunks: list[ScheduledChunk]
     handle: Any
     collected: bool = False
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine holds at one moment (`Engine.stats()`): queues, cache occupancy, counters, weights."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_pages_used: int = 0
-    kv_pages_total: int = 0  # usable pages (the dummy page not counted)
-    req_rows_used: int = 0
-    req_rows_total: int = 0
-    gdn_slots_used: Optional[int] = None  # None: the model has no GDN state pool
-    gdn_slots_total: Optional[int] = None  # usable slots (the dummy slot not counted)
-    num_preemptions: int = 0
-    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    weight_bytes: tuple[int, ...] = ()  # the model's parameter bytes per device: one, or each TP rank's
-    spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters, all requests; None: off
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_pages_used / self.kv_pages_total if self.kv_pages_total else 0.0
-
-    @property
-    def gdn_usage(self) -> Optional[float]:
-        if self.gdn_slots_used is None or not self.gdn_slots_total:
-            return None
-        return self.gdn_slots_used / self.gdn_slots_total
+    decodes: Optional[ScheduledDecodes] = None
 
 
 class Engine:
@@ -115,7 +89,8 @@ class Engine:
         self.prefix_cache = self._make_prefix_cache()
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval, proposer=build_proposer(config),
-                                   max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size)
+                                   max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size,
+                                   decode_rows=getattr(self.runner, "takes_decode_rows", False))
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size,
                                         self.model_config.eos_token_ids)
@@ -311,25 +286,33 @@ class Engine:
 
     def _launch(self, updates: list[RequestUpdate], uncollected: list[LaunchedChunks]) -> Optional[LaunchedChunks]:
         """Schedule and launch a step (appended to `uncollected` the moment it is launched)."""
-        chunks, too_long = self.scheduler.schedule()
+        chunks, decodes, too_long = self.scheduler.schedule()
         updates += [self._finish(req, "length") for req in too_long]
-        if not chunks:
+        if not chunks and not decodes:
             return None
         try:
-            launched = LaunchedChunks(chunks, self.runner.launch(inputs := [c.to_input() for c in chunks]))
+            inputs = [c.to_input() for c in chunks]
+            handle = self.runner.launch(inputs, decodes.to_input()) if decodes else self.runner.launch(inputs)
         except BaseException:
-            self._drop_interrupted([LaunchedChunks(chunks, None, collected=True)])
+            self._drop_interrupted([LaunchedChunks(chunks, None, collected=True, decodes=decodes)])
             raise
+        launched = LaunchedChunks(chunks, handle, decodes=decodes)
         uncollected.append(launched)
+        for req, start in zip(decodes.requests, decodes.starts):
+            req.mark_launched(start + 1, True, 0)
         for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
             c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
         return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
-        results = self.runner.collect(step.handle)
+        decodes = step.decodes
+        if decodes:
+            results, decoded = self.runner.collect_step(step.handle)
+        else:
+            results, decoded = self.runner.collect(step.handle), None
         step.collected = True
         now = time.monotonic()
-        updates = []
+        updates = [] if decoded is None else self._collect_decodes(decodes, decoded, now)
         for chunk, output in zip(step.chunks, results):
             req, sampled = chunk.request, output.sampled
             req.mark_collected(sampled is not None, len(chunk.draft_token_ids))
@@ -346,6 +329,25 @@ class Engine:
                 updates.append(self._append_tokens(req, [sampled, *output.after_drafts]))
         return updates
 
+    def _collect_decodes(self, decodes: ScheduledDecodes, decoded: DecodedRows, now: float) -> list[RequestUpdate]:
+        """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs)."""
+        updates = []
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        for req, start, token_id, logprobs in zip(decodes.requests, decodes.starts, decoded.token_ids,
+                                                   decoded.logprobs):
+            req.mark_collected(True, 0)
+            if req.status is finished:  # finished or aborted while this step ran: its token goes
+                continue
+            if req.page_keys and req.status is running:
+                self.scheduler.commit(req, start + 1)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            update, finish_reason = self.outputs.append_one(req, token_id, logprobs)
+            if finish_reason is not None:
+                update.result = self._finish(req, finish_reason).result
+            updates.append(update)
+        return updates
+
     def _drop_interrupted(self, steps: list[LaunchedChunks]) -> None:
         """A step that raised (an error, a KeyboardInterrupt) mid-way may have advanced some layers' GDN
         state in place, or committed some requests and not others: the requests of every launched,
@@ -358,9 +360,9 @@ class Engine:
                     self.runner.collect(step.handle)
                 except BaseException:  # noqa: BLE001 - its requests are dropped either way
                     pass
-            for chunk in step.chunks:
-                if self.requests.get(chunk.request.request_id) is chunk.request:
-                    self.abort(chunk.request.request_id)
+            for req in [c.request for c in step.chunks] + ([] if step.decodes is None else step.decodes.requests):
+                if self.requests.get(req.request_id) is req:
+                    self.abort(req.request_id)
 
     def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestUpdate:
         """A step's tokens for `req` (engine/output_processor.py); a finishing one's update carries its result."""

@@ -7,8 +7,8 @@ token; the rest are dropped), and returns the step's `RequestUpdate` and the fin
 `result(req, reason)` is the finished request's `RequestResult`. The engine frees the request's
 memory; this module only reads the request.
 
-A step's tokens of one request mostly are one token without logprobs nor grammar: that case takes a
-short path (`_append_one`) with the same rules and the same order (grammar, then the text stream).
+A step's tokens of one request mostly are one token of a request without a grammar: that case takes
+a short path (`append_one`, which the engine calls for its plain decodes) with the same rules.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class OutputProcessor:
     def append(self, req: Request, tokens: list) -> tuple[RequestUpdate, Optional[str]]:
         """A step's tokens for `req` (`SampledToken`s; several after accepted drafts) -> its update and the
         reason it finished (None: it runs on)."""
-        if len(tokens) == 1 and tokens[0].logprobs is None and req.grammar is None:
-            return self._append_one(req, tokens[0].token_id)
+        if len(tokens) == 1 and req.grammar is None:
+            return self.append_one(req, tokens[0].token_id, tokens[0].logprobs)
         update = RequestUpdate(req.request_id)
         stream = self._streams[req.request_id]
         for sampled in tokens:
@@ -58,11 +58,15 @@ class OutputProcessor:
                 return update, finish_reason
         return update, None
 
-    def _append_one(self, req: Request, token_id: int) -> tuple[RequestUpdate, Optional[str]]:
-        """One token, no logprobs, no grammar: the common decode step of a request."""
+    def append_one(self, req: Request, token_id: int,
+                   logprobs: Optional[dict[int, float]] = None) -> tuple[RequestUpdate, Optional[str]]:
+        """One token of a request without a grammar: the common decode step of a request."""
         req.output_token_ids.append(token_id)
+        if logprobs is not None:
+            req.output_logprobs.append(logprobs)
         token = self._streams[req.request_id].add_token(token_id)
-        return RequestUpdate(req.request_id, [token_id], [], token.delta), token.finish_reason
+        return (RequestUpdate(req.request_id, [token_id], [] if logprobs is None else [logprobs], token.delta),
+                token.finish_reason)
 
     def result(self, req: Request, reason: str) -> RequestResult:
         """The finished request's whole result (its stream is dropped)."""

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
+from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
@@ -60,6 +61,10 @@ class Request:
     spec_decode: Optional[SpecDecodeStats] = None  # speculative decoding's counters (None: the engine does not speculate)
     speculates: bool = True  # may get drafts (False: added above speculative_config's disable_by_batch_size)
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
+    # its decodes go in a step's `DecodeRows` (no grammar, adapter, nor sampling that reads its outputs;
+    # set by the scheduler), sampled with `sampling_row`, made once
+    plain_decode: bool = False
+    sampling_row: Optional[SamplingRow] = None
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property

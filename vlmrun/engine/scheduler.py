@@ -42,7 +42,8 @@ from vlmrun.cache.kv_pool import pages_needed, token_slots
 from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
-from vlmrun.engine.scheduled_chunk import ScheduledChunk
+from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
+from vlmrun.layers.sampling_batch import SamplingRow, reads_rows
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import Proposer
 
@@ -50,7 +51,7 @@ from vlmrun.spec_decode.proposer import Proposer
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
                  snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None,
-                 disable_by_batch_size: Optional[int] = None):
+                 disable_by_batch_size: Optional[int] = None, decode_rows: bool = False):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -69,6 +70,9 @@ class Scheduler:
         # a request added while more than this many are enqueued never speculates (None: no limit)
         self.disable_by_batch_size = disable_by_batch_size
         self.max_loras = max_loras  # LoRA: distinct adapters the running requests may use (None: LoRA off)
+        # plain decodes go in the step's `ScheduledDecodes` columns (the runner takes `DecodeRows`; not
+        # with speculative decoding, whose rows are verified as chunks)
+        self.decode_rows = decode_rows and proposer is None
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None
                             else SpecDecodeStats(num_accepted_tokens_per_pos=[0] * proposer.k))
@@ -84,30 +88,47 @@ class Scheduler:
             req.spec_decode = SpecDecodeStats()
             limit = self.disable_by_batch_size
             req.speculates = limit is None or len(self.running) + len(self.waiting) <= limit
+        if self.decode_rows and req.grammar is None and req.lora is None and not reads_rows(req.sampling_params):
+            req.plain_decode = True
+            req.sampling_row = SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
+                                           req.generator, req.eos_token_ids)
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[ScheduledChunk], list[Request]]:
-        """Chunks to run this step, and requests that can never fit (to be finished by the engine).
+    def schedule(self) -> tuple[list[ScheduledChunk], ScheduledDecodes, list[Request]]:
+        """Chunks to run this step, its plain decodes (they run first), and requests that can never fit
+        (to be finished by the engine).
 
-        The chunks' page table rows and KV slots are written, and fresh GDN slots zeroed, on return."""
-        chunks, too_long = self._pick_chunks()
-        self._map_tokens(chunks)
+        The page table rows and KV slots are written, and fresh GDN slots zeroed, on return."""
+        decodes = ScheduledDecodes()
+        chunks, too_long = self._pick_chunks(decodes)
+        self._map_tokens(chunks, decodes)
         self._zero_fresh_gdn_slots(chunks)
-        return chunks, too_long
+        return chunks, decodes, too_long
 
-    def _pick_chunks(self) -> tuple[list[ScheduledChunk], list[Request]]:
+    def _pick_chunks(self, decodes: ScheduledDecodes) -> tuple[list[ScheduledChunk], list[Request]]:
+        """The running requests in order, then admissions. A plain decode (`Request.plain_decode`) goes in
+        `decodes` until the first request that runs as a chunk: the decodes run first in the step, so the
+        rows keep this order."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         too_long: list[Request] = []
         preempted_any = False
+        page_size = self.page_size
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_launched_steps and self.must_wait(req):
+                i += 1
+                continue
+            start = req.num_computed_tokens
+            if (req.plain_decode and not chunks and start >= req.num_prompt_tokens and start == req.num_tokens - 1
+                    and (start < len(req.pages) * page_size or self._grow_or_preempt(req, start + 1))):
+                decodes.add(req, start, page_size)
+                budget -= 1
                 i += 1
                 continue
             n = self._chunk_len(req, budget)
@@ -220,15 +241,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ cache bookkeeping
 
-    def _map_tokens(self, chunks: list[ScheduledChunk]) -> None:
+    def _map_tokens(self, chunks: list[ScheduledChunk], decodes: ScheduledDecodes) -> None:
         """Set each chunk's KV slots and write them into its page table row, in one copy for the step.
 
         A request admitted this step also gets the rows of its cached prefix (a prefix-cache hit).
-        The step's slots are worked out as host ints and become one tensor; each chunk's are a view of it."""
-        rows: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sizes: list[int] = []  # per chunk: its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        The step's slots are worked out as host ints and become one tensor; each chunk's are a view of it.
+        The decodes' slots (worked out as they were picked) come first."""
+        rows: list[int] = list(decodes.rows)
+        positions: list[int] = list(decodes.starts)
+        slots: list[int] = list(decodes.slots)
+        sizes: list[int] = [len(decodes)]  # the decodes', then per chunk: its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
         page_size = self.page_size
         for c in chunks:
             req, start = c.request, c.start
@@ -243,10 +265,12 @@ class Scheduler:
             rows.extend([req.req_pool_idx] * (end - first))
             positions.extend(range(first, end))
             slots.extend(token_slots(req.pages, first, end, page_size))
-        if not chunks:
+        if not slots:
             return
         step_slots = torch.tensor(slots, dtype=torch.int64)
-        for c, size, piece in zip(chunks, sizes, step_slots.split(sizes)):
+        pieces = step_slots.split(sizes)
+        decodes.kv_slots = pieces[0]
+        for c, size, piece in zip(chunks, sizes[1:], pieces[1:]):
             c.kv_slots = piece if size == c.num_tokens else piece[size - c.num_tokens:]
         self.req_pool.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
                             step_slots)
