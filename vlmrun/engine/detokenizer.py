@@ -232,6 +232,12 @@ class OutputTextStream:
         self._final_text: Optional[str] = None
         self._num_streamed = 0  # chars of the text already handed out
         self._held = ""  # text produced but held back: it may be the start of a stop string
+        # a token can end the request (check_stop) only after min_tokens outputs, by one of these ids, or at
+        # this many outputs: any other token skips check_stop
+        self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
+        limits = [n for n in (params.max_tokens, None if max_model_len is None else max_model_len - self.num_prompt_tokens)
+                  if n is not None]
+        self._length_limit = min(limits) if limits else None
 
     @property
     def text(self) -> str:
@@ -241,9 +247,13 @@ class OutputTextStream:
     def add_token(self, token_id: int) -> TokenUpdate:
         if self.finished is not None:
             raise RuntimeError("add_token called after the request finished")
-        self.output_token_ids.append(int(token_id))
-        decision = check_stop(self.output_token_ids, self.params, self.eos_token_ids,
-                              self.num_prompt_tokens, self.max_model_len)
+        token_id = int(token_id)
+        outputs = self.output_token_ids
+        outputs.append(token_id)
+        n, limit = len(outputs), self._length_limit
+        decision = None
+        if (n > self.params.min_tokens and token_id in self._stop_ids) or (limit is not None and n >= limit):
+            decision = check_stop(outputs, self.params, self.eos_token_ids, self.num_prompt_tokens, self.max_model_len)
         if decision is None and not self.matcher.stop:  # the common case: nothing to hold back or cut
             new_text = self.detokenizer.append(token_id) if self.params.detokenize else ""
             self._num_streamed += len(new_text)
