@@ -306,15 +306,14 @@ class ModelRunner:
             return [self.padded_decode.width] * len(chunks)
         return [c.num_tokens for c in chunks]
 
-    def fill_placeholders(self, host_ids: torch.Tensor, chunks: list[ChunkInput],
+    def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput],
                           decodes: Optional[DecodeRows] = None) -> torch.Tensor:
-        """The step's input ids [num_tokens] on the device, each PLACEHOLDER_TOKEN replaced there by the last
+        """`input_ids` [num_tokens] (on the device) with each PLACEHOLDER_TOKEN replaced there by the last
         token sampled for its row (async scheduling: a request's last known token may not have reached the
         host; MTP drafts after it are placeholders too, filled by `MTPStep.draft`)."""
-        input_ids = self.upload(host_ids)
         if not self.feeds_placeholders:  # synchronous: every token is on the host
             return input_ids
-        found = placeholder_positions(chunks, decodes, host_ids)
+        found = placeholder_positions(chunks, decodes)
         if found is not None:
             where, rows = found
             input_ids[self.upload(where)] = self.last_tokens[self.upload(rows)]
