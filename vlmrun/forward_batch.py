@@ -1,6 +1,7 @@
 """The per-step record that models, layers, attention backends and the vision stage read.
 
-This module sits on the bottom floor: it imports nothing from vlmrun, so every layer can import it.
+This module sits on the bottom floor: it imports nothing from vlmrun but `host_to_device` (its floor),
+so every layer can import it.
 A `ForwardBatch` describes one forward pass over a ragged batch: each sequence feeds
 `extend_seq_lens[i]` new tokens on top of `extend_prefix_lens[i]` tokens already in the KV cache.
 A decode is an extend of one token. Chunked-prefill chunks and decodes can share one batch.
@@ -19,6 +20,8 @@ from enum import Enum, auto
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+
+from vlmrun.host_to_device import int64_tensor
 
 ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor on the step's device (`vlmrun.host_to_device.upload`)
 
@@ -101,9 +104,9 @@ class ForwardBatch:
             mode=ForwardMode.DECODE if len(extend_seq_lens) == input_ids.shape[0] else ForwardMode.EXTEND,
             input_ids=on_device(input_ids), positions=on_device(positions),
             req_pool_indices=on_device(req_pool_indices),
-            seq_lens=on_device(torch.tensor(seq_lens, dtype=torch.int64)),
-            extend_prefix_lens=on_device(torch.tensor(extend_prefix_lens, dtype=torch.int64)),
-            extend_seq_lens=on_device(torch.tensor(extend_seq_lens, dtype=torch.int64)),
+            seq_lens=on_device(int64_tensor(seq_lens)),
+            extend_prefix_lens=on_device(int64_tensor(extend_prefix_lens)),
+            extend_seq_lens=on_device(int64_tensor(extend_seq_lens)),
             out_cache_loc=on_device(out_cache_loc), seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=extend_prefix_lens, extend_seq_lens_cpu=extend_seq_lens,
             logits_indices=on_device(logits_indices), attn_backend=attn_backend,

@@ -109,7 +109,9 @@ class IncrementalDetokenizer:
             else:
                 if piece is None:  # an incomplete character, or no new text (a skipped special token)
                     return ""
-                self._slide()
+                self._prefix_offset = self._read_offset  # (`_slide`, inline: once per token)
+                self._read_offset = len(self._tokens)
+                self._prefix_text = None
                 self._pieces.append(piece)
                 return piece
         full = self._decode(self._prefix_offset, len(self._tokens))
@@ -238,6 +240,8 @@ class OutputTextStream:
         limits = [n for n in (params.max_tokens, None if max_model_len is None else max_model_len - self.num_prompt_tokens)
                   if n is not None]
         self._length_limit = min(limits) if limits else None
+        self._min_tokens = params.min_tokens
+        self._plain = params.detokenize and not self.matcher.stop  # every token: detokenize, stream the text
 
     @property
     def text(self) -> str:
@@ -252,12 +256,14 @@ class OutputTextStream:
         outputs.append(token_id)
         n, limit = len(outputs), self._length_limit
         decision = None
-        if (n > self.params.min_tokens and token_id in self._stop_ids) or (limit is not None and n >= limit):
+        if (n > self._min_tokens and token_id in self._stop_ids) or (limit is not None and n >= limit):
             decision = check_stop(outputs, self.params, self.eos_token_ids, self.num_prompt_tokens, self.max_model_len)
-        if decision is None and not self.matcher.stop:  # the common case: nothing to hold back or cut
-            new_text = self.detokenizer.append(token_id) if self.params.detokenize else ""
+        if decision is None and self._plain:  # the common case: nothing to hold back or cut
+            new_text = self.detokenizer.append(token_id)
             self._num_streamed += len(new_text)
             return TokenUpdate(new_text)
+        if decision is None and not self.matcher.stop:  # detokenize=False
+            return TokenUpdate("")
         stopped_by_token = decision is not None and decision.finish_reason == FINISH_STOP
         new_text = ""
         if self.params.detokenize and (not stopped_by_token or self.params.include_stop_str_in_output):

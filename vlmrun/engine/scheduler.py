@@ -43,6 +43,7 @@ from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
+from vlmrun.host_to_device import int64_tensor
 from vlmrun.layers.sampling_batch import SamplingRow, reads_rows
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import Proposer
@@ -267,13 +268,12 @@ class Scheduler:
             slots.extend(token_slots(req.pages, first, end, page_size))
         if not slots:
             return
-        step_slots = torch.tensor(slots, dtype=torch.int64)
+        step_slots = int64_tensor(slots)
         pieces = step_slots.split(sizes)
         decodes.kv_slots = pieces[0]
         for c, size, piece in zip(chunks, sizes[1:], pieces[1:]):
             c.kv_slots = piece if size == c.num_tokens else piece[size - c.num_tokens:]
-        self.req_pool.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                            step_slots)
+        self.req_pool.write(int64_tensor(rows), int64_tensor(positions), step_slots)
 
     def _zero_fresh_gdn_slots(self, chunks: list[ScheduledChunk]) -> None:
         """A request computing from its first token (new, or recomputing after a preemption) starts

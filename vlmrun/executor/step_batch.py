@@ -18,6 +18,7 @@ import torch
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, DecodeRows, step_positions
 from vlmrun.forward_batch import AttentionForward, ForwardBatch
+from vlmrun.host_to_device import int64_tensor
 
 Upload = Callable[[torch.Tensor], torch.Tensor]
 
@@ -39,7 +40,7 @@ def build_forward_batch(chunks: Sequence[ChunkInput], decodes: Optional[DecodeRo
     prefix_lens = [c.start for c in chunks]
     rows = [c.row for c in chunks]
     slots = [c.kv_slots for c in chunks]
-    logits = torch.tensor(logits_rows, dtype=torch.int64)  # [sampled chunk positions]
+    logits = int64_tensor(logits_rows)  # [sampled chunk positions]
     if n:  # the decode rows before them
         extend_lens = [1] * n + extend_lens
         prefix_lens = decodes.starts + prefix_lens
@@ -47,9 +48,9 @@ def build_forward_batch(chunks: Sequence[ChunkInput], decodes: Optional[DecodeRo
         positions = decodes.positions() if positions is None else torch.cat([decodes.positions(), positions], dim=1)
         slots.insert(0, decodes.kv_slots)
         logits = torch.cat([torch.arange(n, dtype=torch.int64), logits])
-    rows_t = torch.tensor(rows, dtype=torch.int64)  # [batch]
+    rows_t = int64_tensor(rows)  # [batch]
     return ForwardBatch.build(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64), positions=positions.contiguous(),
+        input_ids=int64_tensor(input_ids), positions=positions.contiguous(),
         req_pool_indices=rows_t, extend_prefix_lens=prefix_lens, extend_seq_lens=extend_lens,
         out_cache_loc=slots[0] if len(slots) == 1 else torch.cat(slots), logits_indices=logits, to_device=upload,
         attn_backend=attn_backend, state_slots=rows_t + gdn_slot_for_row(0) if gdn else None,  # slot = row + 1

@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from vlmrun.host_to_device import int64_tensor
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.lora.request import LoRARequest
 from vlmrun.spec_decode.grammar import DraftGrammar, FilledDraftGrammar
@@ -98,8 +99,7 @@ class DecodeRows:
 
     def positions(self) -> torch.Tensor:
         """[3, n] int64 M-RoPE positions of the fed tokens (CPU): start + mrope_delta on all three rows."""
-        starts = torch.tensor(self.starts, dtype=torch.int64)  # [n]
-        return (starts + torch.tensor(self.mrope_deltas, dtype=torch.int64)).expand(3, -1)
+        return (int64_tensor(self.starts) + int64_tensor(self.mrope_deltas)).expand(3, -1)  # [3, n]
 
 
 def step_positions(chunks: Sequence[ChunkInput], num_tokens: list[int]) -> torch.Tensor:
