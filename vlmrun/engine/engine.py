@@ -53,7 +53,6 @@ from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model
 from vlmrun.multimodal.mrope import compute_mrope_positions
 from vlmrun.sampling_params import SamplingParams, StopLimits
-from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import build_proposer
 from vlmrun.structured.compiler import GrammarCompiler, GrammarState
 from vlmrun.structured.reasoning import ReasoningGate, ReasoningMarkers

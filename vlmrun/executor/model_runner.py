@@ -22,7 +22,7 @@ the states after the accepted positions, the MTP layer's kept outputs, `last_tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.spec_decode.mtp import MTPDrafter
-from vlmrun.spec_decode.verify import SeededDraws, accepted_on_device, count_accepted, position_rows
+from vlmrun.spec_decode.verify import Verification
 
 
 @dataclass
@@ -80,8 +80,7 @@ class LaunchedStep:
     samples: list[bool]  # per chunk: it samples a token
     output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
     prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 2 + 2k] rows (gather_prompt_logprobs) or None
-    drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
-    seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
+    verification: Optional[Verification] = None  # speculative decoding: the step's drafts and seeded draws
     mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
     num_decodes: int = 0  # decode rows (`DecodeRows`): the first rows of `output`, one each
     decoded: Optional[DecodedRows] = None  # their tokens, once collected
@@ -145,7 +144,7 @@ class ModelRunner:
                             num_decodes=num_decodes)
         self.sample(step, chunks, decodes, hidden, fb)
         if step.output is not None:
-            self.settle_on_device(chunks, step.output.token_ids, fb, mtp, step.num_decodes)
+            self.settle_on_device(chunks, step.output.token_ids, fb, mtp, step.num_decodes, step.verification)
             step.output.start_transfer()
         return step
 
@@ -167,10 +166,11 @@ class ModelRunner:
         """Sample at the step's logits rows (a row per verified position of a speculating chunk); the
         output goes on `step` (None when nothing samples; MTP still catches up over the fed tokens)."""
         mtp = step.mtp
-        verifies = any(c.num_drafts for c in chunks)
-        if verifies:  # a row per verified position
-            rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None
-                    for row in position_rows(c.sampling, c.draft_token_ids, masks)]
+        verification = None if not any(c.num_drafts for c in chunks) else Verification.of(
+            [c.sampling for c in chunks], [c.draft_token_ids for c in chunks])
+        step.verification = verification
+        if verification is not None:  # a row per verified position
+            rows = verification.position_rows(self._draft_masks(chunks, mtp))
         else:
             rows = [c.sampling for c in chunks if c.sampling is not None]
         if decodes is not None:  # the step's first rows
@@ -181,14 +181,10 @@ class ModelRunner:
             return
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
-        if verifies:
-            step.drafts = [c.draft_token_ids for c in chunks]
-            step.seeded_draws = [None if c.sampling is None else SeededDraws.before_sampling(
-                c.sampling, c.num_drafts, vocab, self.device) for c in chunks]
-        else:
-            step.drafts, step.seeded_draws = [()] * len(chunks), [None] * len(chunks)
+        if verification is not None:
+            verification.before_sampling(vocab, self.device)
         output = self.sampler.sample(logits, SamplingBatch.build(rows, vocab, device=self.device))
-        if self.feeds_placeholders or mtp is not None or verifies:
+        if self.feeds_placeholders or mtp is not None or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
@@ -197,27 +193,25 @@ class ModelRunner:
         step.output = output
 
     def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, fb: ForwardBatch,
-                         mtp: Optional[MTPStep], num_decodes: int = 0) -> None:
+                         mtp: Optional[MTPStep], num_decodes: int = 0,
+                         verification: Optional[Verification] = None) -> None:
         """What acceptance decides on the device, queued with the step itself (`accepted_on_device`, no
         sync): each verified GDN slot takes the states after its accepted positions, each sampling row's
         MTP output its last kept position, and (async scheduling) `last_tokens` each row's last token.
         Under async scheduling the host reads a step's tokens after the next step is launched; writes made
         then would land after that step's cache writes (a slot zeroed or restored for a new owner).
         The step's `num_decodes` decode rows (`DecodeRows`, before the chunks) sample one row each, first."""
-        speculating = [i for i, c in enumerate(chunks) if c.num_drafts]
-        if not speculating and mtp is None and not self.feeds_placeholders:
+        if verification is None and mtp is None and not self.feeds_placeholders:
             return
         first_rows, row = [], num_decodes  # each chunk's first row in `sampled` [sampled positions]
         for c in chunks:
             first_rows.append(row)
             row += 1 + c.num_drafts if c.sampling is not None else 0
-        accepted = torch.zeros(len(chunks), dtype=torch.int64, device=self.device)  # [chunks]
-        if speculating:
-            width = max(chunks[i].num_drafts for i in speculating)
-            drafts = mtp.drafted if mtp is not None else self.upload(torch.tensor(
-                [chunks[i].draft_token_ids + [0] * (width - chunks[i].num_drafts) for i in speculating]))
-            accepted[self.upload(torch.tensor(speculating, dtype=torch.int64))] = accepted_on_device(
-                sampled, [first_rows[i] for i in speculating], drafts, [chunks[i].num_drafts for i in speculating])
+        if verification is None:
+            accepted = torch.zeros(len(chunks), dtype=torch.int64, device=self.device)  # [chunks]
+        else:
+            accepted = verification.accepted_on_device(sampled, first_rows, None if mtp is None else mtp.drafted,
+                                                       self.device)  # [chunks]
             if self.attn_backend.linear is not None:  # GDN slots: the states after the accepted positions
                 self.attn_backend.linear.keep_accepted_states(fb.linear_attn_metadata, accepted)
         if mtp is not None:
@@ -269,18 +263,17 @@ class ModelRunner:
             if n:
                 step.decoded = DecodedRows(host.token_ids[:n], host.logprobs[:n])
             sampled = iter(zip(host.token_ids[n:], host.logprobs[n:]) if n else zip(host.token_ids, host.logprobs))
-            step_drafts = step.drafts if step.mtp is None else step.mtp.drafts_on_host()
-            if not any(step_drafts):  # nothing verified: one token a sampling chunk
+            verification = step.verification
+            if verification is None:  # nothing verified: one token a sampling chunk
                 for out, samples in zip(outputs, step.samples):
                     if samples:
                         out.sampled = SampledToken(*next(sampled))
             else:
-                for out, samples, drafts, seeded in zip(outputs, step.samples, step_drafts, step.seeded_draws):
+                step_drafts = verification.drafts if step.mtp is None else step.mtp.drafts_on_host()
+                for out, samples, drafts, seeded in zip(outputs, step.samples, step_drafts, verification.seeded):
                     if samples:
                         tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
-                        accepted = count_accepted([t.token_id for t in tokens], drafts)
-                        if accepted < len(drafts) and seeded is not None:
-                            seeded.keep(1 + accepted)  # the draws of the emitted positions only
+                        accepted = verification.emitted([t.token_id for t in tokens], drafts, seeded)
                         out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
         for out, rows in zip(outputs, step.prompt_logprobs):
             if rows is not None:
