@@ -236,9 +236,9 @@ class OutputTextStream:
         self._held = ""  # text produced but held back: it may be the start of a stop string
         # a token can end the request (check_stop) only after min_tokens outputs, by one of these ids, or at
         # this many outputs: any other token skips check_stop
-        self._stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
-        limits = [n for n in (params.max_tokens, None if max_model_len is None else max_model_len - self.num_prompt_tokens)
-                  if n is not None]
+        self._stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+        context_left = None if max_model_len is None else max_model_len - self.num_prompt_tokens
+        limits = [n for n in (params.max_tokens, context_left) if n is not None]
         self._length_limit = min(limits) if limits else None
         self._min_tokens = params.min_tokens
         self._plain = params.detokenize and not self.matcher.stop  # every token: detokenize, stream the text

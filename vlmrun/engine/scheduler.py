@@ -251,7 +251,8 @@ class Scheduler:
         rows: list[int] = list(decodes.rows)
         positions: list[int] = list(decodes.starts)
         slots: list[int] = list(decodes.slots)
-        sizes: list[int] = [len(decodes)]  # the decodes', then per chunk: its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        # the decodes' slots, then per chunk its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        sizes: list[int] = [len(decodes)]
         page_size = self.page_size
         for c in chunks:
             req, start = c.request, c.start
