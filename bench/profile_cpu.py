@@ -59,6 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     hide_flash_linear_attention()
     from vlmrun import LLM
+    from vlmrun.executor import model_runner  # (its build_forward_batch: executor/step_batch.py)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_checkpoint(Path(tmp))
@@ -72,10 +73,10 @@ def main() -> None:
         run(1000)  # warm-up
         timer = PhaseTimer()
         timer.wrap(runner, "forward", lambda fb: f"text forward {fb.mode.name.lower()}")
-        timer.wrap(runner, "embed_images", lambda fb, chunks: "vision (embed_images)")
+        timer.wrap(runner, "embed_images", lambda fb, chunks, *rest, **kw: "vision (embed_images)")
         timer.wrap(runner.model, "compute_logits", lambda h: "logits")
         timer.wrap(runner.sampler, "sample", lambda logits, batch: "sampling")
-        timer.wrap(runner, "build_forward_batch", lambda chunks: "build_forward_batch")
+        timer.wrap(model_runner, "build_forward_batch", lambda *args, **kw: "build_forward_batch")
         total = run(1001)
         print(f"{args.dtype}, enforce_eager={args.enforce_eager}: {args.requests} requests in {total:.2f} s "
               f"({args.requests / total:.2f} req/s)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import sys
 from pathlib import Path
@@ -21,6 +22,14 @@ if not torch.cuda.is_available():
     sys.modules["fla"] = None  # type: ignore[assignment]
 elif importlib.util.find_spec("fla") is not None:
     route_hf_gdn_kernels_by_device()
+
+
+@pytest.fixture(autouse=True)
+def _unfreeze_heap():
+    """An Engine freezes the objects alive at its startup (vlmrun/engine/startup_heap.py); the next test's
+    garbage cycles among them (an engine it dropped) must stay collectable."""
+    yield
+    gc.unfreeze()
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -45,9 +45,9 @@ class RanAhead:
 
         def counting_schedule():
             waiting = any(r.num_launched_drafts for r in scheduler.running)
-            chunks, too_long = schedule()
-            self.count += bool(waiting and chunks)
-            return chunks, too_long
+            chunks, decodes, too_long = schedule()
+            self.count += bool(waiting and (chunks or decodes))
+            return chunks, decodes, too_long
 
         scheduler.schedule = counting_schedule
 

@@ -42,10 +42,10 @@ class GuardedLaunches:
         self.launches = 0
         launch = ModelRunner.launch
 
-        def guarded(runner: ModelRunner, chunks: list) -> Any:
-            guard = LaunchSyncGuard(chunks, raise_on_sync=False)
+        def guarded(runner: ModelRunner, chunks: list, decodes: Any = None) -> Any:
+            guard = LaunchSyncGuard([chunks, decodes], raise_on_sync=False)
             with guard:
-                step = launch(runner, chunks)
+                step = launch(runner, chunks, decodes)
             self.syncs.update(guard.syncs)
             self.launches += 1
             return step

@@ -33,7 +33,7 @@ def request(name: str, lora: LoRARequest | None) -> Request:
 
 
 def admitted(sched: Scheduler) -> list[str]:
-    chunks, too_long = sched.schedule()
+    chunks, _, too_long = sched.schedule()
     assert not too_long
     return [c.request.request_id for c in chunks if c.admitted]
 

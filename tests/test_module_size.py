@@ -11,7 +11,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE_FOLDERS = ("vlmrun", "processors", "web")  # processors/ and web/ install as vlmrun.processors / vlmrun.web
 MAX_LINES = 400
 # path: (ceiling, why this module is one piece). Empty today; add an entry with a reason, not a dodge.
-ALLOWED_LONGER: dict[str, tuple[int, str]] = {}
+ALLOWED_LONGER: dict[str, tuple[int, str]] = {
+    "vlmrun/engine/scheduler.py": (440, "one decision per step: picking chunks and decode rows, their pages, preemption "
+                                        "and admission read and change the same running / waiting state"),
+}
 
 
 def long_modules(root: Path, folders: tuple[str, ...], max_lines: int) -> dict[str, int]:

@@ -84,17 +84,17 @@ def live_state_differences(engine) -> list[str]:
     GDN slot outside the dummy page / dummy slot where the two end states differ. (The real rows'
     own writes differ by GEMM rounding, which depends on the row count: hence the tolerance; a
     padding row writing live state changes it by far more.)"""
-    chunks, _ = engine.scheduler.schedule()
-    assert chunks and all(c.num_tokens == 1 for c in chunks), "a decode step"
-    inputs = [c.to_input() for c in chunks]
+    chunks, decodes, _ = engine.scheduler.schedule()
+    assert not chunks and len(decodes), "a decode step (plain decodes: one row each)"
+    rows = decodes.to_input()
     runner = engine.runner
     before = snapshot(engine)
-    padded_tokens = [s.sampled.token_id for s in runner.execute(inputs)]
+    padded_tokens = runner.collect_step(runner.launch([], rows))[1].token_ids
     padded = snapshot(engine)
     restore(engine, before)
     runner_padded, runner.padded_decode = runner.padded_decode, None
     try:
-        eager_tokens = [s.sampled.token_id for s in runner.execute(inputs)]
+        eager_tokens = runner.collect_step(runner.launch([], rows))[1].token_ids
     finally:
         runner.padded_decode = runner_padded
     assert padded_tokens == eager_tokens

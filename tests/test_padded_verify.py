@@ -91,7 +91,7 @@ def live_state_differences(engine) -> list[str]:
     """Run the next (verify) step padded and unpadded from the same state; name every KV slot outside
     the dummy page and every GDN slot but the dummy where the two end states differ (GEMM rounding
     depends on the row count: hence the tolerance; padding writing live state changes far more)."""
-    chunks, _ = engine.scheduler.schedule()
+    chunks, _, _ = engine.scheduler.schedule()  # (speculating: no plain decode rows)
     inputs = [c.to_input() for c in chunks]
     assert [c.num_drafts for c in inputs] == NUM_DRAFTS
     runner = engine.runner

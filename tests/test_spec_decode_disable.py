@@ -76,10 +76,10 @@ def test_mtp_layer_skips_requests_that_never_draft(prefix_caching, mtp_dirs):
     schedule, catch_up, draft = scheduler.schedule, drafter.catch_up, drafter.draft
 
     def recording_schedule():
-        chunks, too_long = schedule()
+        chunks, decodes, too_long = schedule()  # (speculating: no plain decode rows)
         scheduled.append({c.request.req_pool_idx: (c.request.request_id, c.start < c.request.num_prompt_tokens)
                           for c in chunks})
-        return chunks, too_long
+        return chunks, decodes, too_long
 
     def recording_catch_up(hidden, next_ids, fb, backend, chunk_ends):
         caught_up.append((len(scheduled) - 1, fb.req_pool_indices.tolist()))

@@ -1,9 +1,12 @@
 """The per-step record that models, layers, attention backends and the vision stage read.
 
-This module sits on the bottom floor: it imports nothing from vlmrun, so every layer can import it.
+This module sits on the bottom floor: it imports nothing from vlmrun but `host_to_device` (its floor),
+so every layer can import it.
 A `ForwardBatch` describes one forward pass over a ragged batch: each sequence feeds
 `extend_seq_lens[i]` new tokens on top of `extend_prefix_lens[i]` tokens already in the KV cache.
 A decode is an extend of one token. Chunked-prefill chunks and decodes can share one batch.
+`ForwardBatch.build` makes one from host values (the step's, `vlmrun/executor/step_batch.py`, and MTP's
+drafting steps); `select` cuts one to some of its sequences (MTP's catch-up over the chunks that feed it).
 
 It carries the step's attention backend, typed by what the attention layers call on it
 (`AttentionForward`, `LinearAttentionForward`); `AttentionBackend` and `LinearAttentionBackend`
@@ -14,9 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
-from typing import Any, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+
+from vlmrun.host_to_device import int64_tensor
+
+ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor on the step's device (`vlmrun.host_to_device.upload`)
 
 
 class ForwardMode(Enum):
@@ -78,6 +85,55 @@ class ForwardBatch:
     # Speculative decoding: per sequence, how many of its fed tokens (the last ones) are drafts; None
     # when no sequence has any. A GDN backend keeps the state after each position of such a sequence.
     num_drafts_cpu: Optional[list[int]] = None
+
+    @classmethod
+    def build(cls, *, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
+              extend_prefix_lens: list[int], extend_seq_lens: list[int], out_cache_loc: torch.Tensor,
+              logits_indices: torch.Tensor, to_device: ToDevice, attn_backend: Optional[AttentionForward] = None,
+              state_slots: Optional[torch.Tensor] = None,
+              num_drafts: Optional[list[int]] = None) -> ForwardBatch:
+        """The one way a step's batch is made from host values: host tensors go to the device with
+        `to_device` (one already on a device stays), the sequence lengths are prefix + extend, the mode
+        follows the extend lengths, `num_drafts` is kept only when a sequence has drafts."""
+        seq_lens = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
+
+        def on_device(t: torch.Tensor) -> torch.Tensor:
+            return to_device(t) if t.device.type == "cpu" else t
+
+        return cls(
+            mode=ForwardMode.DECODE if len(extend_seq_lens) == input_ids.shape[0] else ForwardMode.EXTEND,
+            input_ids=on_device(input_ids), positions=on_device(positions),
+            req_pool_indices=on_device(req_pool_indices),
+            seq_lens=on_device(int64_tensor(seq_lens)),
+            extend_prefix_lens=on_device(int64_tensor(extend_prefix_lens)),
+            extend_seq_lens=on_device(int64_tensor(extend_seq_lens)),
+            out_cache_loc=on_device(out_cache_loc), seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=extend_prefix_lens, extend_seq_lens_cpu=extend_seq_lens,
+            logits_indices=on_device(logits_indices), attn_backend=attn_backend,
+            state_slots=None if state_slots is None else on_device(state_slots),
+            num_drafts_cpu=num_drafts if num_drafts is not None and any(num_drafts) else None)
+
+    def select(self, sequences: Sequence[int], token_rows: torch.Tensor, to_device: ToDevice) -> ForwardBatch:
+        """This batch cut to some of its sequences (`sequences`, whose fed tokens are `token_rows` [n] of
+        the token stream, on the device), unprepared, without logits rows nor GDN slots (the full-attention
+        layers that run over a cut batch read none); the kept image rows follow."""
+        at = to_device(torch.tensor(sequences, dtype=torch.int64))  # [sequences]
+        extend_lens = [self.extend_seq_lens_cpu[i] for i in sequences]
+        out = ForwardBatch(
+            mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
+            input_ids=self.input_ids[token_rows], positions=self.positions[:, token_rows],
+            req_pool_indices=self.req_pool_indices[at], seq_lens=self.seq_lens[at],
+            extend_prefix_lens=self.extend_prefix_lens[at], extend_seq_lens=self.extend_seq_lens[at],
+            out_cache_loc=self.out_cache_loc[token_rows], seq_lens_cpu=[self.seq_lens_cpu[i] for i in sequences],
+            extend_prefix_lens_cpu=[self.extend_prefix_lens_cpu[i] for i in sequences], extend_seq_lens_cpu=extend_lens,
+            logits_indices=self.logits_indices[:0], attn_backend=self.attn_backend)
+        if self.num_drafts_cpu is not None and any(self.num_drafts_cpu[i] for i in sequences):
+            out.num_drafts_cpu = [self.num_drafts_cpu[i] for i in sequences]
+        if self.mm_mask is not None:  # the image rows of the kept tokens, in order
+            kept = torch.zeros_like(self.mm_mask)
+            kept[token_rows] = True
+            out.mm_mask, out.mm_embeds = self.mm_mask[token_rows], self.mm_embeds[kept[self.mm_mask]]
+        return out
 
     @property
     def batch_size(self) -> int:

@@ -8,6 +8,9 @@ block until the copy has run). Every host-built tensor that goes up in a step us
 
 from __future__ import annotations
 
+import array
+from typing import Sequence
+
 import torch
 
 
@@ -17,3 +20,12 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device, non_blocking=True)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def int64_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A host int64 tensor [n] of `values` (Python ints), about twice as fast as `torch.tensor(values)` for
+    the step's few-hundred-long lists: one copy into an `array` buffer, which the tensor then shares
+    (a short list goes through `torch.tensor`, quicker there)."""
+    if len(values) < 8:
+        return torch.tensor(values, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)

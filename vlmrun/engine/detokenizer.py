@@ -109,7 +109,9 @@ class IncrementalDetokenizer:
             else:
                 if piece is None:  # an incomplete character, or no new text (a skipped special token)
                     return ""
-                self._slide()
+                self._prefix_offset = self._read_offset  # (`_slide`, inline: once per token)
+                self._read_offset = len(self._tokens)
+                self._prefix_text = None
                 self._pieces.append(piece)
                 return piece
         full = self._decode(self._prefix_offset, len(self._tokens))
@@ -232,6 +234,14 @@ class OutputTextStream:
         self._final_text: Optional[str] = None
         self._num_streamed = 0  # chars of the text already handed out
         self._held = ""  # text produced but held back: it may be the start of a stop string
+        # a token can end the request (check_stop) only after min_tokens outputs, by one of these ids, or at
+        # this many outputs: any other token skips check_stop
+        self._stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+        context_left = None if max_model_len is None else max_model_len - self.num_prompt_tokens
+        limits = [n for n in (params.max_tokens, context_left) if n is not None]
+        self._length_limit = min(limits) if limits else None
+        self._min_tokens = params.min_tokens
+        self._plain = params.detokenize and not self.matcher.stop  # every token: detokenize, stream the text
 
     @property
     def text(self) -> str:
@@ -241,13 +251,19 @@ class OutputTextStream:
     def add_token(self, token_id: int) -> TokenUpdate:
         if self.finished is not None:
             raise RuntimeError("add_token called after the request finished")
-        self.output_token_ids.append(int(token_id))
-        decision = check_stop(self.output_token_ids, self.params, self.eos_token_ids,
-                              self.num_prompt_tokens, self.max_model_len)
-        if decision is None and not self.matcher.stop:  # the common case: nothing to hold back or cut
-            new_text = self.detokenizer.append(token_id) if self.params.detokenize else ""
+        token_id = int(token_id)
+        outputs = self.output_token_ids
+        outputs.append(token_id)
+        n, limit = len(outputs), self._length_limit
+        decision = None
+        if (n > self._min_tokens and token_id in self._stop_ids) or (limit is not None and n >= limit):
+            decision = check_stop(outputs, self.params, self.eos_token_ids, self.num_prompt_tokens, self.max_model_len)
+        if decision is None and self._plain:  # the common case: nothing to hold back or cut
+            new_text = self.detokenizer.append(token_id)
             self._num_streamed += len(new_text)
             return TokenUpdate(new_text)
+        if decision is None and not self.matcher.stop:  # detokenize=False
+            return TokenUpdate("")
         stopped_by_token = decision is not None and decision.finish_reason == FINISH_STOP
         new_text = ""
         if self.params.detokenize and (not stopped_by_token or self.params.include_stop_str_in_output):

@@ -35,17 +35,20 @@ from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorL
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, prompt_page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
-from vlmrun.engine.detokenizer import OutputTextStream
-from vlmrun.engine.outputs import RequestResult, RequestUpdate
+from vlmrun.engine.output_processor import OutputProcessor
+from vlmrun.engine.outputs import RequestUpdate
 from vlmrun.engine.prompt_truncation import truncate_prompt
 from vlmrun.engine.prompt_forms import RawPrompt, UserTurnPrompt, parse_prompt
 from vlmrun.engine.request import Request, RequestStatus
+from vlmrun.engine.scheduled_chunk import ScheduledDecodes
+from vlmrun.engine.stats import EngineStats
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
 from vlmrun.engine.stats import EngineStats
+from vlmrun.engine.startup_heap import freeze_startup_heap
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
-from vlmrun.executor.model_runner import SampledToken
+from vlmrun.executor.model_runner import DecodedRows, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model
@@ -61,11 +64,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LaunchedChunks:
-    """A launched step: its chunks, and the executor's handle to collect it by."""
+    """A launched step: its chunks and plain decodes, and the executor's handle to collect it by."""
 
     chunks: list[ScheduledChunk]
     handle: Any
     collected: bool = False
+    decodes: Optional[ScheduledDecodes] = None
 
 
 class Engine:
@@ -89,13 +93,15 @@ class Engine:
         self.scheduler = Scheduler(self.caches, config.max_num_batched_tokens, prefix_cache=self.prefix_cache,
                                    snapshot_interval=config.prefix_snapshot_interval, proposer=build_proposer(config),
                                    max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size,
-                                   scheduling_policy=config.scheduling_policy)
+                                   scheduling_policy=config.scheduling_policy,
+                                   decode_rows=getattr(self.runner, "takes_decode_rows", False))
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size, self.model_config.eos_token_ids)
         self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
         self.requests: dict[str, Request] = {}
-        self._streams: dict[str, OutputTextStream] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids, self.max_model_len)
         self._in_flight: Optional[LaunchedChunks] = None  # async scheduling: launched, not yet collected
+        freeze_startup_heap()  # (a full GC pass otherwise walks every library object: engine/startup_heap.py)
 
     def _build_executor(self) -> Executor:
         """One device: the model, its caches and the runner here. Tensor parallel: rank processes (or
@@ -229,8 +235,7 @@ class Engine:
         if self.prefix_cache is not None and (pooling is None or not pooling.pooling.reads_prefix):
             req.page_keys = prompt_page_keys(prompt, self.caches.plan.page_size, cache_salt(lora_request))
         self.requests[request_id] = req
-        self._streams[request_id] = OutputTextStream(self.tokenizer, prompt.token_ids, params,
-                                                     self.model_config.eos_token_ids, self.max_model_len)
+        self.outputs.add(req)
         self.scheduler.add(req)
 
     def compile_structured(self, params: SamplingParams) -> None:
@@ -258,7 +263,7 @@ class Engine:
         if req is not None:
             self.scheduler.finish(req)
             req.finish_reason = "abort"
-            self._streams.pop(request_id, None)
+            self.outputs.drop(request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -285,25 +290,33 @@ class Engine:
 
     def _launch(self, updates: list[RequestUpdate], uncollected: list[LaunchedChunks]) -> Optional[LaunchedChunks]:
         """Schedule and launch a step (appended to `uncollected` the moment it is launched)."""
-        chunks, too_long = self.scheduler.schedule()
+        chunks, decodes, too_long = self.scheduler.schedule()
         updates += [self._finish(req, "length") for req in too_long]
-        if not chunks:
+        if not chunks and not decodes:
             return None
         try:
-            launched = LaunchedChunks(chunks, self.runner.launch(inputs := [c.to_input() for c in chunks]))
+            inputs = [c.to_input() for c in chunks]
+            handle = self.runner.launch(inputs, decodes.to_input()) if decodes else self.runner.launch(inputs)
         except BaseException:
-            self._drop_interrupted([LaunchedChunks(chunks, None, collected=True)])
+            self._drop_interrupted([LaunchedChunks(chunks, None, collected=True, decodes=decodes)])
             raise
+        launched = LaunchedChunks(chunks, handle, decodes=decodes)
         uncollected.append(launched)
+        for req, start in zip(decodes.requests, decodes.starts):
+            req.mark_launched(start + 1, True, 0)
         for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
             c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
         return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
-        results = self.runner.collect(step.handle)
+        decodes = step.decodes
+        if decodes:
+            results, decoded = self.runner.collect_step(step.handle)
+        else:
+            results, decoded = self.runner.collect(step.handle), None
         step.collected = True
         now = time.monotonic()
-        updates = []
+        updates = [] if decoded is None else self._collect_decodes(decodes, decoded, now)
         for chunk, output in zip(step.chunks, results):
             req, sampled = chunk.request, output.sampled
             req.mark_collected(sampled is not None, len(chunk.draft_token_ids))
@@ -332,6 +345,25 @@ class Engine:
         update.result = dataclasses.replace(update.result, pooled=embedding)
         return [update]
 
+    def _collect_decodes(self, decodes: ScheduledDecodes, decoded: DecodedRows, now: float) -> list[RequestUpdate]:
+        """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs)."""
+        updates = []
+        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
+        for req, start, token_id, logprobs in zip(decodes.requests, decodes.starts, decoded.token_ids,
+                                                   decoded.logprobs):
+            req.mark_collected(True, 0)
+            if req.status is finished:  # finished or aborted while this step ran: its token goes
+                continue
+            if req.page_keys and req.status is running:
+                self.scheduler.commit(req, start + 1)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            update, finish_reason = self.outputs.append_one(req, token_id, logprobs)
+            if finish_reason is not None:
+                update.result = self._finish(req, finish_reason).result
+            updates.append(update)
+        return updates
+
     def _drop_interrupted(self, steps: list[LaunchedChunks]) -> None:
         """A step that raised (an error, a KeyboardInterrupt) mid-way may have advanced some layers' GDN
         state in place, or committed some requests and not others: the requests of every launched,
@@ -344,44 +376,20 @@ class Engine:
                     self.runner.collect(step.handle)
                 except BaseException:  # noqa: BLE001 - its requests are dropped either way
                     pass
-            for chunk in step.chunks:
-                if self.requests.get(chunk.request.request_id) is chunk.request:
-                    self.abort(chunk.request.request_id)
+            for req in [c.request for c in step.chunks] + ([] if step.decodes is None else step.decodes.requests):
+                if self.requests.get(req.request_id) is req:
+                    self.abort(req.request_id)
 
     def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestUpdate:
-        """A step's tokens for `req` (several after accepted drafts), one at a time as plain decode
-        appends them: a stop string, EOS, the grammar's end or a length limit ends the request at that
-        token and the rest are dropped."""
-        update = RequestUpdate(req.request_id)
-        for sampled in tokens:
-            req.output_token_ids.append(sampled.token_id)
-            update.new_token_ids.append(sampled.token_id)
-            if sampled.logprobs is not None:
-                req.output_logprobs.append(sampled.logprobs)
-                update.new_logprobs.append(sampled.logprobs)
-            grammar_finish = None if req.grammar is None else req.advance_grammar(sampled.token_id)
-            token = self._streams[req.request_id].add_token(sampled.token_id)
-            update.text_delta += token.delta
-            finish_reason = token.finish_reason or grammar_finish
-            if finish_reason is not None:
-                update.result = self._finish(req, finish_reason).result
-                break
+        """A step's tokens for `req` (engine/output_processor.py); a finishing one's update carries its result."""
+        update, finish_reason = self.outputs.append(req, tokens)
+        if finish_reason is not None:
+            update.result = self._finish(req, finish_reason).result
         return update
 
     def _finish(self, req: Request, reason: str) -> RequestUpdate:
         """Free the request's memory, forget it, and return its last update (with its result)."""
         self.scheduler.finish(req)
         req.finish_reason = reason
-        stream = self._streams.pop(req.request_id)
         del self.requests[req.request_id]
-        asked_logprobs, grammar = req.sampling_params.logprobs is not None, req.grammar
-        result = RequestResult(text=stream.text, token_ids=list(req.output_token_ids),
-                               logprobs=list(req.output_logprobs) if asked_logprobs else None, finish_reason=reason,
-                               num_prompt_tokens=req.num_prompt_tokens, arrival_time=req.arrival_time,
-                               first_token_time=req.first_token_time, finished_time=time.monotonic(),
-                               grammar_ended=grammar is not None and grammar.is_terminated,
-                               stop_reason=None if stream.finished is None else stream.finished.stop_reason,
-                               prompt_text=req.prompt.text or None, prompt_token_ids=list(req.prompt_token_ids),
-                               prompt_logprobs=req.prompt_logprobs, spec_decode=req.spec_decode,
-                               scheduled_time=req.scheduled_time, num_cached_tokens=req.prefix_hit_tokens)
-        return RequestUpdate(req.request_id, result=result)
+        return RequestUpdate(req.request_id, result=self.outputs.result(req, reason))

@@ -11,6 +11,7 @@ from typing import Any, Optional
 import torch
 
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
+from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.lora.request import LoRARequest
 from vlmrun.pooling.pooler import PoolingState
 from vlmrun.processors import ProcessedPrompt
@@ -64,6 +65,10 @@ class Request:
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
     priority: int = 0  # the priority scheduling policy serves lower values first (engine/queue_policy.py)
     pooling: Optional[PoolingState] = None  # a pooling (embedding) request: prefill-only, pooled (vlmrun/pooling/)
+    # its decodes go in a step's `DecodeRows` (no grammar, adapter, nor sampling that reads its outputs;
+    # set by the scheduler), sampled with `sampling_row`, made once
+    plain_decode: bool = False
+    sampling_row: Optional[SamplingRow] = None
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property

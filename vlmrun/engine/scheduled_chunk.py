@@ -1,5 +1,7 @@
 """`ScheduledChunk`: one request's part of a step, as the scheduler picked it, and what the model runner
-gets of it (`to_input`: a `ChunkInput`)."""
+gets of it (`to_input`: a `ChunkInput`). `ScheduledDecodes`: the step's plain decodes (a request past its
+prompt feeding its last known token, `Request.plain_decode`) as columns, one append per request and no
+object (the runner gets them as one `DecodeRows`)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Optional
 import torch
 
 from vlmrun.engine.request import Request
-from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, DecodeRows, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.grammar import DraftGrammar
 
@@ -78,3 +80,42 @@ class ScheduledChunk:
         if k is None or self.start >= last:
             return None
         return PromptLogprobTargets(k, req.prompt_token_ids[self.start + 1:last + 1])
+
+
+@dataclass
+class ScheduledDecodes:
+    """A step's plain decodes, a column per field: request i feeds its last known token, at position
+    starts[i], into KV slot slots[i] of page-table row rows[i], and samples after it."""
+
+    requests: list[Request] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER_TOKEN: still on the device
+    slots: list[int] = field(default_factory=list)
+    kv_slots: Optional[torch.Tensor] = None  # [n] int64 `slots` as a tensor, set by the scheduler's one copy
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, req: Request, start: int, page_size: int) -> None:
+        """`req` decodes this step (`start` = its tokens in the cache = its last token's position)."""
+        self.requests.append(req)
+        self.rows.append(req.req_pool_idx)
+        self.starts.append(start)
+        self.token_ids.append(req.output_token_ids[-1] if not req.num_pending_tokens else PLACEHOLDER_TOKEN)
+        self.slots.append(req.pages[start // page_size] * page_size + start % page_size)
+
+    def remove(self, req: Request) -> bool:
+        """Drop `req`'s row (preempted after it was picked); False when it has none."""
+        for i, picked in enumerate(self.requests):
+            if picked is req:
+                for column in (self.requests, self.rows, self.starts, self.token_ids, self.slots):
+                    del column[i]
+                return True
+        return False
+
+    def to_input(self) -> DecodeRows:
+        """What the model runner needs of them: the columns, each request's delta and sampling row."""
+        requests = self.requests
+        return DecodeRows(rows=self.rows, starts=self.starts, token_ids=self.token_ids, kv_slots=self.kv_slots,
+                          mrope_deltas=[r.mrope_delta for r in requests], sampling=[r.sampling_row for r in requests])

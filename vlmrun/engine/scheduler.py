@@ -46,7 +46,9 @@ from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
-from vlmrun.engine.scheduled_chunk import ScheduledChunk
+from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
+from vlmrun.host_to_device import int64_tensor
+from vlmrun.layers.sampling_batch import SamplingRow, reads_rows
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import Proposer
 
@@ -54,7 +56,8 @@ from vlmrun.spec_decode.proposer import Proposer
 class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
                  snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None,
-                 disable_by_batch_size: Optional[int] = None, scheduling_policy: str = "fcfs"):
+                 disable_by_batch_size: Optional[int] = None, scheduling_policy: str = "fcfs",
+                 decode_rows: bool = False):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -74,6 +77,9 @@ class Scheduler:
         # a request added while more than this many are enqueued never speculates (None: no limit)
         self.disable_by_batch_size = disable_by_batch_size
         self.max_loras = max_loras  # LoRA: distinct adapters the running requests may use (None: LoRA off)
+        # plain decodes go in the step's `ScheduledDecodes` columns (the runner takes `DecodeRows`; not
+        # with speculative decoding, whose rows are verified as chunks)
+        self.decode_rows = decode_rows and proposer is None
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None
                             else SpecDecodeStats(num_accepted_tokens_per_pos=[0] * proposer.k))
@@ -89,31 +95,48 @@ class Scheduler:
             req.spec_decode = SpecDecodeStats()
             limit = self.disable_by_batch_size
             req.speculates = limit is None or len(self.running) + len(self.waiting) <= limit
+        if self.decode_rows and req.grammar is None and req.lora is None and not reads_rows(req.sampling_params):
+            req.plain_decode = True
+            req.sampling_row = SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
+                                           req.generator, req.eos_token_ids)
         self.policy.enqueue(self.waiting, req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[ScheduledChunk], list[Request]]:
-        """Chunks to run this step, and requests that can never fit (to be finished by the engine).
+    def schedule(self) -> tuple[list[ScheduledChunk], ScheduledDecodes, list[Request]]:
+        """Chunks to run this step, its plain decodes (they run first), and requests that can never fit
+        (to be finished by the engine).
 
-        The chunks' page table rows and KV slots are written, and fresh GDN slots zeroed, on return."""
-        chunks, too_long = self._pick_chunks()
-        self._map_tokens(chunks)
+        The page table rows and KV slots are written, and fresh GDN slots zeroed, on return."""
+        decodes = ScheduledDecodes()
+        chunks, too_long = self._pick_chunks(decodes)
+        self._map_tokens(chunks, decodes)
         self._zero_fresh_gdn_slots(chunks)
-        return chunks, too_long
+        return chunks, decodes, too_long
 
-    def _pick_chunks(self) -> tuple[list[ScheduledChunk], list[Request]]:
+    def _pick_chunks(self, decodes: ScheduledDecodes) -> tuple[list[ScheduledChunk], list[Request]]:
+        """The running requests in order, then admissions. A plain decode (`Request.plain_decode`) goes in
+        `decodes` until the first request that runs as a chunk: the decodes run first in the step, so the
+        rows keep this order."""
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         too_long: list[Request] = []
         preempted_any = False
         self.policy.order_running(self.running)  # the last is the one preempted first
+        page_size = self.page_size
 
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_launched_steps and self.must_wait(req):
+                i += 1
+                continue
+            start = req.num_computed_tokens
+            if (req.plain_decode and not chunks and start >= req.num_prompt_tokens and start == req.num_tokens - 1
+                    and (start < len(req.pages) * page_size or self._grow_or_preempt(req, start + 1))):
+                decodes.add(req, start, page_size)
+                budget -= 1
                 i += 1
                 continue
             n = self._chunk_len(req, budget)
@@ -154,7 +177,7 @@ class Scheduler:
             n = self._chunk_len(req, budget)
             fits = self._grow(req, req.num_computed_tokens + n)
             while not fits and (victim := self.policy.admission_victim(self.running, req)) is not None:
-                budget += self._preempt_scheduled(victim, chunks)  # (priority: one ranked after `req`)
+                budget += self._preempt_scheduled(victim, chunks, decodes)  # (priority: one ranked after `req`)
                 fits = self._grow(req, req.num_computed_tokens + n)
             if not fits:
                 self._release(req)
@@ -215,7 +238,8 @@ class Scheduler:
         max_tokens = req.sampling_params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - req.num_output_tokens - 1)
-        return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, limit)
+        # (keyed: the n-gram proposer extends its index of the request's tokens by the new ones only)
+        return self.proposer.propose(req.prompt_token_ids + req.output_token_ids, limit, key=req.request_id)
 
     def settle(self, chunk: ScheduledChunk, num_accepted: int) -> int:
         """After `chunk`'s step `num_accepted` of its drafts were accepted; the rejected ones no longer count
@@ -232,15 +256,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ cache bookkeeping
 
-    def _map_tokens(self, chunks: list[ScheduledChunk]) -> None:
+    def _map_tokens(self, chunks: list[ScheduledChunk], decodes: ScheduledDecodes) -> None:
         """Set each chunk's KV slots and write them into its page table row, in one copy for the step.
 
         A request admitted this step also gets the rows of its cached prefix (a prefix-cache hit).
-        The step's slots are worked out as host ints and become one tensor; each chunk's are a view of it."""
-        rows: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sizes: list[int] = []  # per chunk: its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        The step's slots are worked out as host ints and become one tensor; each chunk's are a view of it.
+        The decodes' slots (worked out as they were picked) come first."""
+        rows: list[int] = list(decodes.rows)
+        positions: list[int] = list(decodes.starts)
+        slots: list[int] = list(decodes.slots)
+        # the decodes' slots, then per chunk its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
+        sizes: list[int] = [len(decodes)]
         page_size = self.page_size
         for c in chunks:
             req, start = c.request, c.start
@@ -255,13 +281,14 @@ class Scheduler:
             rows.extend([req.req_pool_idx] * (end - first))
             positions.extend(range(first, end))
             slots.extend(token_slots(req.pages, first, end, page_size))
-        if not chunks:
+        if not slots:
             return
-        step_slots = torch.tensor(slots, dtype=torch.int64)
-        for c, size, piece in zip(chunks, sizes, step_slots.split(sizes)):
+        step_slots = int64_tensor(slots)
+        pieces = step_slots.split(sizes)
+        decodes.kv_slots = pieces[0]
+        for c, size, piece in zip(chunks, sizes[1:], pieces[1:]):
             c.kv_slots = piece if size == c.num_tokens else piece[size - c.num_tokens:]
-        self.req_pool.write(torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                            step_slots)
+        self.req_pool.write(int64_tensor(rows), int64_tensor(positions), step_slots)
 
     def _zero_fresh_gdn_slots(self, chunks: list[ScheduledChunk]) -> None:
         """A request computing from its first token (new, or recomputing after a preemption) starts
@@ -368,14 +395,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.policy.requeue(self.waiting, req)
 
-    def _preempt_scheduled(self, req: Request, chunks: list[ScheduledChunk]) -> int:
-        """Preempt running `req` for a waiting request ranked before it, dropping its chunk of this
-        step if it has one; returns the tokens of budget that gives back."""
+    def _preempt_scheduled(self, req: Request, chunks: list[ScheduledChunk], decodes: ScheduledDecodes) -> int:
+        """Preempt running `req` for a waiting request ranked before it, dropping its chunk or decode row
+        of this step if it has one; returns the tokens of budget that gives back."""
         chunk = next((c for c in chunks if c.request is req), None)
         if chunk is not None:
             chunks.remove(chunk)
+        freed = 1 if decodes.remove(req) else 0 if chunk is None else chunk.num_tokens
         self._preempt(req)
-        return 0 if chunk is None else chunk.num_tokens
+        return freed
 
     def _release(self, req: Request) -> None:
         if req.pages:
@@ -393,3 +421,5 @@ class Scheduler:
             self.waiting.remove(req)
         self._release(req)
         req.status = RequestStatus.FINISHED
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)

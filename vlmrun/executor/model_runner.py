@@ -29,11 +29,11 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.plan import Caches
 from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
-from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, PromptLogprobTargets, step_positions
+from vlmrun.executor.step_batch import build_forward_batch, placeholder_positions
+from vlmrun.executor.step_input import ChunkInput, DecodeRows, PromptLogprobTargets
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
@@ -47,7 +47,7 @@ from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.pooling.pooler import pool_chunks, pooled_to_host
 from vlmrun.spec_decode.mtp import MTPDrafter
-from vlmrun.spec_decode.verify import SeededDraws, accepted_on_device, count_accepted, position_rows
+from vlmrun.spec_decode.verify import Verification
 
 
 @dataclass
@@ -70,15 +70,24 @@ class ChunkOutput:
 
 
 @dataclass
+class DecodedRows:
+    """What a step's decode rows (`DecodeRows`) sampled, row by row, as the host reads them."""
+
+    token_ids: list[int]
+    logprobs: list[Optional[dict[int, float]]]  # None where a row asked for none
+
+
+@dataclass
 class LaunchedStep:
     """A step whose work is queued (on CUDA) or done (on the CPU); `ModelRunner.collect` reads it."""
 
     samples: list[bool]  # per chunk: it samples a token
     output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
     prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 3 + 2k] rows (gather_prompt_logprobs) or None
-    drafts: Sequence[list[int]] = ()  # per chunk: its draft tokens (speculative decoding)
-    seeded_draws: Sequence[Optional[SeededDraws]] = ()  # per chunk: a seeded speculating row's generator before
+    verification: Optional[Verification] = None  # speculative decoding: the step's drafts and seeded draws
     mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
+    num_decodes: int = 0  # decode rows (`DecodeRows`): the first rows of `output`, one each
+    decoded: Optional[DecodedRows] = None  # their tokens, once collected
     pooled: Sequence[Optional[torch.Tensor]] = ()  # per chunk (or empty: no pooling chunk): its pooled contribution
 
 
@@ -121,80 +130,105 @@ class ModelRunner:
         """Runs the chunks; returns, per chunk, its sampled token (None for a mid-prompt chunk) and prompt logprobs."""
         return self.collect(self.launch(chunks))
 
+    @property
+    def takes_decode_rows(self) -> bool:
+        """`launch` takes a step's plain decodes as columns (`DecodeRows`): not with LoRA nor MTP drafting,
+        which read every row as a chunk."""
+        return self.lora is None and self.drafter is None
+
     @torch.inference_mode()
-    def launch(self, chunks: list[ChunkInput]) -> LaunchedStep:
+    def launch(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows] = None) -> LaunchedStep:
         """Everything of a step but reading its tokens: on CUDA it returns once the work is queued
-        (sampled ids stay on the device, in `last_tokens`, and start their copy to the host)."""
-        fb = self.build_forward_batch(chunks)
+        (sampled ids stay on the device, in `last_tokens`, and start their copy to the host).
+        Prepare the inputs, run the forward, sample, settle what acceptance decides on the device."""
+        fb, mtp = self.prepare(chunks, decodes)
+        hidden = self.forward(fb)  # [num_tokens, hidden]
+        num_decodes = 0 if decodes is None else len(decodes)
+        prompt_logprobs = self.compute_prompt_logprobs(hidden[num_decodes:], chunks)  # (the chunks' rows)
+        step = LaunchedStep([c.sampling is not None for c in chunks], None, prompt_logprobs, mtp=mtp,
+                            num_decodes=num_decodes, pooled=self.pool(hidden[num_decodes:], chunks))
+        self.sample(step, chunks, decodes, hidden, fb)
+        if step.output is not None:
+            self.settle_on_device(chunks, step.output.token_ids, fb, mtp, step.num_decodes, step.verification)
+            step.output.start_transfer()
+        return step
+
+    def prepare(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows]) -> tuple[ForwardBatch, Optional[MTPStep]]:
+        """The step's ForwardBatch with its image embeddings and adapter rows bound; MTP's drafts put in."""
+        fb = build_forward_batch(chunks, decodes, self.upload, self.attn_backend, self.caches.gdn_pool is not None)
+        fb.input_ids = self.fill_placeholders(fb.input_ids, chunks, decodes)
         lora_slots = None if self.lora is None else self.lora.activate([c.lora for c in chunks])
-        self.embed_images(fb, chunks, lora_slots)
+        self.embed_images(fb, chunks, lora_slots, first_row=0 if decodes is None else len(decodes))
         if self.lora is not None:  # each row's adapter slot, read by the adapted layers of this forward
             self.lora.bind(lora_slots, self.rows_per_chunk(fb, chunks))
         mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device, self.tp)
         if mtp is not None:
             mtp.draft(fb)
-        hidden = self.forward(fb)  # [num_tokens, hidden]
-        pooled = self.pool(hidden, chunks)
-        prompt_logprobs = self.compute_prompt_logprobs(hidden, chunks)
-        samples = [c.sampling is not None for c in chunks]
-        verifies = any(c.num_drafts for c in chunks)
-        if verifies:  # a row per verified position
-            rows = [row for c, masks in zip(chunks, self._draft_masks(chunks, mtp)) if c.sampling is not None
-                    for row in position_rows(c.sampling, c.draft_token_ids, masks)]
+        return fb, mtp
+
+    def sample(self, step: LaunchedStep, chunks: list[ChunkInput], decodes: Optional[DecodeRows],
+               hidden: torch.Tensor, fb: ForwardBatch) -> None:
+        """Sample at the step's logits rows (a row per verified position of a speculating chunk); the
+        output goes on `step` (None when nothing samples; MTP still catches up over the fed tokens)."""
+        mtp = step.mtp
+        verification = None if not any(c.num_drafts for c in chunks) else Verification.of(
+            [c.sampling for c in chunks], [c.draft_token_ids for c in chunks])
+        step.verification = verification
+        if verification is not None:  # a row per verified position
+            rows = verification.position_rows(self._draft_masks(chunks, mtp))
         else:
             rows = [c.sampling for c in chunks if c.sampling is not None]
+        if decodes is not None:  # the step's first rows
+            rows = decodes.sampling + rows
         if not rows:
             if mtp is not None:
                 mtp.catch_up(hidden, fb, None)
-            return LaunchedStep(samples, None, prompt_logprobs, mtp=mtp, pooled=pooled)
+            return
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
-        drafts = [c.draft_token_ids for c in chunks] if verifies else [()] * len(chunks)
-        seeded = ([None if c.sampling is None else SeededDraws.before_sampling(c.sampling, c.num_drafts, vocab,
-                                                                               self.device) for c in chunks]
-                  if verifies else [None] * len(chunks))
-        batch = SamplingBatch.build(rows, vocab, device=self.device)
-        output = self.sampler.sample(logits, batch)
-        if self.feeds_placeholders or mtp is not None or verifies:
+        if verification is not None:
+            verification.before_sampling(vocab, self.device)
+        output = self.sampler.sample(logits, SamplingBatch.build(rows, vocab, device=self.device))
+        if self.feeds_placeholders or mtp is not None or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
         if mtp is not None:
             mtp.catch_up(hidden, fb, output.token_ids)
-        self.settle_on_device(chunks, output.token_ids, fb, mtp)
-        output.start_transfer()
-        return LaunchedStep(samples, output, prompt_logprobs, drafts, seeded, mtp, pooled)
+        step.output = output
 
     def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, fb: ForwardBatch,
-                         mtp: Optional[MTPStep]) -> None:
+                         mtp: Optional[MTPStep], num_decodes: int = 0,
+                         verification: Optional[Verification] = None) -> None:
         """What acceptance decides on the device, queued with the step itself (`accepted_on_device`, no
         sync): each verified GDN slot takes the states after its accepted positions, each sampling row's
         MTP output its last kept position, and (async scheduling) `last_tokens` each row's last token.
         Under async scheduling the host reads a step's tokens after the next step is launched; writes made
-        then would land after that step's cache writes (a slot zeroed or restored for a new owner)."""
-        speculating = [i for i, c in enumerate(chunks) if c.num_drafts]
-        if not speculating and mtp is None and not self.feeds_placeholders:
+        then would land after that step's cache writes (a slot zeroed or restored for a new owner).
+        The step's `num_decodes` decode rows (`DecodeRows`, before the chunks) sample one row each, first."""
+        if verification is None and mtp is None and not self.feeds_placeholders:
             return
-        first_rows, row = [], 0  # each chunk's first row in `sampled` [sampled positions]
+        first_rows, row = [], num_decodes  # each chunk's first row in `sampled` [sampled positions]
         for c in chunks:
             first_rows.append(row)
             row += 1 + c.num_drafts if c.sampling is not None else 0
-        accepted = torch.zeros(len(chunks), dtype=torch.int64, device=self.device)  # [chunks]
-        if speculating:
-            width = max(chunks[i].num_drafts for i in speculating)
-            drafts = mtp.drafted if mtp is not None else self.upload(torch.tensor(
-                [chunks[i].draft_token_ids + [0] * (width - chunks[i].num_drafts) for i in speculating]))
-            accepted[self.upload(torch.tensor(speculating, dtype=torch.int64))] = accepted_on_device(
-                sampled, [first_rows[i] for i in speculating], drafts, [chunks[i].num_drafts for i in speculating])
+        if verification is None:
+            accepted = torch.zeros(len(chunks), dtype=torch.int64, device=self.device)  # [chunks]
+        else:
+            accepted = verification.accepted_on_device(sampled, first_rows, None if mtp is None else mtp.drafted,
+                                                       self.device)  # [chunks]
             if self.attn_backend.linear is not None:  # GDN slots: the states after the accepted positions
                 self.attn_backend.linear.keep_accepted_states(fb.linear_attn_metadata, accepted)
         if mtp is not None:
             mtp.remember(accepted)
-        if self.feeds_placeholders:  # one upload: [3, sampling chunks] page-table row, chunk, first sampled row
-            rows, chunk_index, first = self.upload(torch.tensor(
-                [(c.row, i, first_rows[i]) for i, c in enumerate(chunks) if c.sampling is not None],
-                dtype=torch.int64).T.contiguous())
+        if not self.feeds_placeholders:
+            return
+        sampling = [(c.row, i, first_rows[i]) for i, c in enumerate(chunks) if c.sampling is not None]
+        if sampling:  # one upload: [3, sampling chunks] page-table row, chunk, first sampled row
+            rows, chunk_index, first = self.upload(torch.tensor(sampling, dtype=torch.int64).T.contiguous())
             self.last_tokens[rows] = sampled[first + accepted[chunk_index]]
+        if num_decodes:  # the decode rows: the step's first rows of `sampled`, one each
+            self.last_tokens[fb.req_pool_indices[:num_decodes]] = sampled[:num_decodes]
 
     @staticmethod
     def _draft_masks(chunks: list[ChunkInput], mtp: Optional[MTPStep]) -> list[Optional[list]]:
@@ -226,23 +260,25 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> list[ChunkOutput]:
         """The step's sampled tokens on the host: the step's one device→host sync (and, in a step with
-        prompt logprobs, their rows)."""
+        prompt logprobs, their rows). Per chunk; the decode rows' tokens are left on `step.decoded`."""
         outputs = [ChunkOutput() for _ in step.samples]
         if step.output is not None:
             host = step.output.to_host()
-            sampled = iter(zip(host.token_ids, host.logprobs))
-            step_drafts = step.drafts if step.mtp is None else step.mtp.drafts_on_host()
-            if not any(step_drafts):  # nothing verified: one token a sampling chunk
+            n = step.num_decodes  # the first rows, one a decode row
+            if n:
+                step.decoded = DecodedRows(host.token_ids[:n], host.logprobs[:n])
+            sampled = iter(zip(host.token_ids[n:], host.logprobs[n:]) if n else zip(host.token_ids, host.logprobs))
+            verification = step.verification
+            if verification is None:  # nothing verified: one token a sampling chunk
                 for out, samples in zip(outputs, step.samples):
                     if samples:
                         out.sampled = SampledToken(*next(sampled))
             else:
-                for out, samples, drafts, seeded in zip(outputs, step.samples, step_drafts, step.seeded_draws):
+                step_drafts = verification.drafts if step.mtp is None else step.mtp.drafts_on_host()
+                for out, samples, drafts, seeded in zip(outputs, step.samples, step_drafts, verification.seeded):
                     if samples:
                         tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
-                        accepted = count_accepted([t.token_id for t in tokens], drafts)
-                        if accepted < len(drafts) and seeded is not None:
-                            seeded.keep(1 + accepted)  # the draws of the emitted positions only
+                        accepted = verification.emitted([t.token_id for t in tokens], drafts, seeded)
                         out.sampled, out.after_drafts = tokens[0], tokens[1:1 + accepted]
         for out, vector in zip(outputs, pooled_to_host(step.pooled)):  # (one transfer, in steps with pooling only)
             out.pooled = vector
@@ -260,6 +296,10 @@ class ModelRunner:
             return []
         return pool_chunks(hidden, [c.pooling for c in chunks], [c.num_tokens for c in chunks])
 
+    def collect_step(self, step: LaunchedStep) -> tuple[list[ChunkOutput], Optional[DecodedRows]]:
+        """`collect`, and the decode rows' tokens (None when the step had none)."""
+        return self.collect(step), step.decoded
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model over the step's tokens -> hidden states [num_tokens, hidden]."""
         if self.padded_decode is not None and self.padded_decode.fits(fb):
@@ -274,68 +314,30 @@ class ModelRunner:
             return [self.padded_decode.width] * len(chunks)
         return [c.num_tokens for c in chunks]
 
-    def build_forward_batch(self, chunks: list[ChunkInput]) -> ForwardBatch:
-        """The step's ForwardBatch from the chunks alone: no cache or model is touched."""
-        input_ids: list[int] = []
-        logits_rows: list[int] = []
-        for c in chunks:
-            input_ids.extend(c.token_ids)
-            if c.sampling is not None:  # the last token's position, after each draft's too
-                logits_rows.extend(range(len(input_ids) - 1 - c.num_drafts, len(input_ids)))
-        extend_lens = [c.num_tokens for c in chunks]
-        prefix_lens = [c.start for c in chunks]
-        seq_lens = [c.end for c in chunks]
-        up = self.upload
-        fb = ForwardBatch(
-            mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
-            input_ids=self.fill_placeholders(up(torch.tensor(input_ids, dtype=torch.int64)), chunks),
-            positions=up(step_positions(chunks, extend_lens)),
-            req_pool_indices=up(torch.tensor([c.row for c in chunks], dtype=torch.int64)),
-            seq_lens=up(torch.tensor(seq_lens, dtype=torch.int64)),
-            extend_prefix_lens=up(torch.tensor(prefix_lens, dtype=torch.int64)),
-            extend_seq_lens=up(torch.tensor(extend_lens, dtype=torch.int64)),
-            out_cache_loc=up(torch.cat([c.kv_slots for c in chunks])),
-            seq_lens_cpu=seq_lens,
-            extend_prefix_lens_cpu=prefix_lens,
-            extend_seq_lens_cpu=extend_lens,
-            logits_indices=up(torch.tensor(logits_rows, dtype=torch.int64)),
-            attn_backend=self.attn_backend,
-        )
-        if self.caches.gdn_pool is not None:
-            slots = [gdn_slot_for_row(c.row) for c in chunks]
-            fb.state_slots = up(torch.tensor(slots, dtype=torch.int64))  # [batch]
-        if any(c.num_drafts for c in chunks):
-            fb.num_drafts_cpu = [c.num_drafts for c in chunks]
-        return fb
-
-    def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput]) -> torch.Tensor:
-        """`input_ids` [num_tokens] with each PLACEHOLDER_TOKEN replaced, on the device, by the last token
-        sampled for its chunk's row (async scheduling: a chunk's last known token may not have reached the
+    def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput],
+                          decodes: Optional[DecodeRows] = None) -> torch.Tensor:
+        """`input_ids` [num_tokens] (on the device) with each PLACEHOLDER_TOKEN replaced there by the last
+        token sampled for its row (async scheduling: a request's last known token may not have reached the
         host; MTP drafts after it are placeholders too, filled by `MTPStep.draft`)."""
         if not self.feeds_placeholders:  # synchronous: every token is on the host
             return input_ids
-        where, rows, offset = [], [], 0
-        for c in chunks:
-            last_known = c.num_tokens - 1 - c.num_drafts
-            if c.token_ids[last_known] == PLACEHOLDER_TOKEN:
-                where.append(offset + last_known)
-                rows.append(c.row)
-            offset += c.num_tokens
-        if where:
-            up = self.upload
-            input_ids[up(torch.tensor(where, dtype=torch.int64))] = self.last_tokens[up(torch.tensor(rows, dtype=torch.int64))]
+        found = placeholder_positions(chunks, decodes)
+        if found is not None:
+            where, rows = found
+            input_ids[self.upload(where)] = self.last_tokens[self.upload(rows)]
         return input_ids
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the runner's device, without blocking (`vlmrun.host_to_device.upload`)."""
         return upload(host, self.device)
 
-    def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput], lora_slots: Optional[list[int]] = None) -> None:
+    def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput], lora_slots: Optional[list[int]] = None,
+                     first_row: int = 0) -> None:
         """The vision stage: encode (or take from the encoder cache) the images the chunks feed and
-        put their embeddings on `fb` for the model to splice in."""
+        put their embeddings on `fb` for the model to splice in (the chunks' tokens start at `first_row`)."""
         if self.vision is None:
             return
-        spans, row = [], 0
+        spans, row = [], first_row
         for i, c in enumerate(chunks):
             if c.mm_items:
                 slot = -1 if lora_slots is None else lora_slots[i]

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.parallel import SINGLE, TensorParallel
@@ -84,7 +84,7 @@ class MTPStep:
             starts = self._starts()
             rows = [r for i in fed for r in range(starts[i], starts[i + 1])]
             at = upload(torch.tensor(rows, dtype=torch.int64), self.device)  # [fed tokens]
-            hidden, next_ids, fb = hidden[at], next_ids[at], _select_chunks(fb, fed, at)
+            hidden, next_ids, fb = hidden[at], next_ids[at], fb.select(fed, at, self._upload)
         self.outputs = self.drafter.catch_up(hidden, next_ids, fb, self.backend, self._starts(fed)[1:])
 
     def drafts_on_host(self) -> list[list[int]]:
@@ -115,6 +115,9 @@ class MTPStep:
                         else upload(torch.tensor(num_accepted, dtype=torch.int64), self.device))
             self.drafter.remember(rows, self.outputs[base + accepted[chunks]])
 
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        return upload(host, self.device)
+
     def _feeding(self) -> list[int]:
         """The chunks the MTP layer catches up over (`ChunkInput.feeds_drafter`)."""
         return [i for i, c in enumerate(self.chunks) if c.feeds_drafter]
@@ -126,24 +129,3 @@ class MTPStep:
         for i in range(len(self.chunks)) if which is None else which:
             starts.append(starts[-1] + self.chunks[i].num_tokens)
         return starts
-
-
-def _select_chunks(fb: ForwardBatch, chunks: list[int], rows: torch.Tensor) -> ForwardBatch:
-    """The step's batch cut to some of its chunks (`chunks`, their fed tokens at `rows` [n] of the stream),
-    unprepared: the MTP layer attends over those alone."""
-    at = upload(torch.tensor(chunks, dtype=torch.int64), fb.seq_lens.device)  # [chunks]
-    extend_lens = [fb.extend_seq_lens_cpu[i] for i in chunks]
-    out = ForwardBatch(
-        mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
-        input_ids=fb.input_ids[rows], positions=fb.positions[:, rows], req_pool_indices=fb.req_pool_indices[at],
-        seq_lens=fb.seq_lens[at], extend_prefix_lens=fb.extend_prefix_lens[at], extend_seq_lens=fb.extend_seq_lens[at],
-        out_cache_loc=fb.out_cache_loc[rows], seq_lens_cpu=[fb.seq_lens_cpu[i] for i in chunks],
-        extend_prefix_lens_cpu=[fb.extend_prefix_lens_cpu[i] for i in chunks], extend_seq_lens_cpu=extend_lens,
-        logits_indices=fb.logits_indices[:0], attn_backend=fb.attn_backend)
-    if fb.num_drafts_cpu is not None and any(fb.num_drafts_cpu[i] for i in chunks):
-        out.num_drafts_cpu = [fb.num_drafts_cpu[i] for i in chunks]
-    if fb.mm_mask is not None:  # the image rows of the kept tokens, in order
-        kept = torch.zeros_like(fb.mm_mask)
-        kept[rows] = True
-        out.mm_mask, out.mm_embeds = fb.mm_mask[rows], fb.mm_embeds[kept[fb.mm_mask]]
-    return out

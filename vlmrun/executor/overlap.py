@@ -25,8 +25,8 @@ from typing import Optional, Union
 import torch
 
 from vlmrun.cache.shadow import CacheOp, build_shadow_caches, replay_cache_ops
-from vlmrun.executor.model_runner import ChunkOutput, LaunchedStep, ModelRunner
-from vlmrun.executor.step_input import ChunkInput
+from vlmrun.executor.model_runner import ChunkOutput, DecodedRows, LaunchedStep, ModelRunner
+from vlmrun.executor.step_input import ChunkInput, DecodeRows
 from vlmrun.lora.request import LoRARequest
 
 Handle = Union[LaunchedStep, Future]
@@ -50,16 +50,23 @@ class OverlappedRunner:
     def add_lora(self, request: LoRARequest) -> None:
         self.runner.add_lora(request)
 
-    def launch(self, chunks: list[ChunkInput]) -> Handle:
+    @property
+    def takes_decode_rows(self) -> bool:
+        return self.runner.takes_decode_rows
+
+    def launch(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows] = None) -> Handle:
         ops = self._cache_ops.drain()
         if self._worker is None:
-            return self._launch(ops, chunks)
-        return self._worker.submit(self._run, ops, chunks)
+            return self._launch(ops, chunks, decodes)
+        return self._worker.submit(self._run, ops, chunks, decodes)
 
     def collect(self, handle: Handle) -> list[ChunkOutput]:
+        return self.collect_step(handle)[0]
+
+    def collect_step(self, handle: Handle) -> tuple[list[ChunkOutput], Optional[DecodedRows]]:
         if isinstance(handle, Future):
             return handle.result()
-        return self.runner.collect(handle)
+        return self.runner.collect_step(handle)
 
     def execute(self, chunks: list[ChunkInput]) -> list[ChunkOutput]:
         return self.collect(self.launch(chunks))
@@ -68,10 +75,11 @@ class OverlappedRunner:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
 
-    def _launch(self, ops: list[CacheOp], chunks: list[ChunkInput]) -> LaunchedStep:
+    def _launch(self, ops: list[CacheOp], chunks: list[ChunkInput], decodes: Optional[DecodeRows]) -> LaunchedStep:
         replay_cache_ops(self.runner.caches, ops)
-        return self.runner.launch(chunks)
+        return self.runner.launch(chunks, decodes)
 
-    def _run(self, ops: list[CacheOp], chunks: list[ChunkInput]) -> list[ChunkOutput]:
+    def _run(self, ops: list[CacheOp], chunks: list[ChunkInput],
+             decodes: Optional[DecodeRows]) -> tuple[list[ChunkOutput], Optional[DecodedRows]]:
         """A whole step on the worker thread (the CPU)."""
-        return self.runner.collect(self._launch(ops, chunks))
+        return self.runner.collect_step(self._launch(ops, chunks, decodes))

@@ -4,6 +4,12 @@ The scheduler decides the chunks and writes the cache bookkeeping for them (page
 slots, a fresh request's zeroed GDN slot) before the step; the engine turns each scheduled chunk
 into a `ChunkInput`. The runner only reads these and the caches, so the types it needs live here,
 below the engine.
+
+The plain decodes of a step (a request past its prompt feeding its last token, no drafts, nothing
+its sampling reads from its outputs, no grammar, no adapter) come as one `DecodeRows` instead: a
+column per field, so the step's host work for them does not make an object per request. They come
+first in the step's token order (the scheduler takes them before any chunk, so the order of the rows,
+and with it which noise an unseeded sampled row draws, is the order a step of chunks alone has).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from vlmrun.host_to_device import int64_tensor
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.lora.request import LoRARequest
 from vlmrun.pooling.pooler import ChunkPooling
@@ -76,6 +83,25 @@ class ChunkInput:
     @property
     def draft_token_ids(self) -> list[int]:
         return self.token_ids[len(self.token_ids) - self.num_drafts:]
+
+
+@dataclass
+class DecodeRows:
+    """A step's plain decodes as columns: row i feeds one token (its request's last known one) and samples after it."""
+
+    rows: list[int]  # [n] ReqToTokenPool rows
+    starts: list[int]  # [n] tokens of each request already in the cache (its fed token's position before M-RoPE)
+    token_ids: list[int]  # [n] the fed tokens; PLACEHOLDER_TOKEN: on the device, in the runner's last_tokens
+    kv_slots: torch.Tensor  # [n] int64 KV slots the fed tokens write (CPU)
+    mrope_deltas: list[int]  # [n] each request's M-RoPE offset of positions after its prompt
+    sampling: list[SamplingRow]  # [n] each request's sampling row, made once when it was admitted
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def positions(self) -> torch.Tensor:
+        """[3, n] int64 M-RoPE positions of the fed tokens (CPU): start + mrope_delta on all three rows."""
+        return (int64_tensor(self.starts) + int64_tensor(self.mrope_deltas)).expand(3, -1)  # [3, n]
 
 
 def step_positions(chunks: Sequence[ChunkInput], num_tokens: list[int]) -> torch.Tensor:

@@ -91,7 +91,7 @@ class SamplingBatch:
         if not batch.all_greedy:
             _fill_sampling_settings(batch, params, greedy, device)
             batch.seeded_rows = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is not None]
-        if any(_reads_rows(p) for p in {id(p): p for p in params}.values()):  # each distinct params once
+        if any(reads_rows(p) for p in {id(p): p for p in params}.values()):  # each distinct params once
             _fill_penalties(batch, rows, device)
             _fill_blocked_tokens(batch, rows, device)
             _fill_allowed_mask(batch, rows, device)
@@ -101,7 +101,7 @@ class SamplingBatch:
         return batch
 
 
-def _reads_rows(params: SamplingParams) -> bool:
+def reads_rows(params: SamplingParams) -> bool:
     """The params ask for a setting filled from the rows: penalties, min_tokens, bad words, allowed ids, a bias."""
     return bool(params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
                 or params.min_tokens or params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias)

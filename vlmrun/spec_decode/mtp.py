@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
-from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.attention.hybrid_backend import full_attention
@@ -118,19 +118,14 @@ class MTPDrafter:
         """One token per chunk: its fed token `offset`, at that token's KV slot and position, attending to
         every token before it (cached) and itself."""
         n = len(chunks)
-        seq_lens = [c.start + offset + 1 for c in chunks]
-
-        def up(values: list[int]) -> torch.Tensor:
-            return upload(torch.tensor(values, dtype=torch.int64), device)
-
-        fb = ForwardBatch(
-            mode=ForwardMode.DECODE, input_ids=torch.zeros(n, dtype=torch.int64, device=device),
-            positions=upload(torch.stack([c.positions[:, offset] for c in chunks], dim=1), device),
-            req_pool_indices=up([c.row for c in chunks]), seq_lens=up(seq_lens),
-            extend_prefix_lens=up([s - 1 for s in seq_lens]), extend_seq_lens=up([1] * n),
-            out_cache_loc=upload(torch.stack([c.kv_slots[offset] for c in chunks]), device),
-            seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=[s - 1 for s in seq_lens], extend_seq_lens_cpu=[1] * n,
-            logits_indices=torch.zeros(0, dtype=torch.int64, device=device), attn_backend=full_attention(backend))
+        fb = ForwardBatch.build(
+            input_ids=torch.zeros(n, dtype=torch.int64, device=device),
+            positions=torch.stack([c.positions[:, offset] for c in chunks], dim=1),
+            req_pool_indices=torch.tensor([c.row for c in chunks], dtype=torch.int64),
+            extend_prefix_lens=[c.start + offset for c in chunks], extend_seq_lens=[1] * n,
+            out_cache_loc=torch.stack([c.kv_slots[offset] for c in chunks]),
+            logits_indices=torch.zeros(0, dtype=torch.int64, device=device),
+            to_device=lambda t: upload(t, device), attn_backend=full_attention(backend))
         fb.attn_backend.prepare(fb)
         return fb
 

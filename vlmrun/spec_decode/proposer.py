@@ -12,7 +12,7 @@ applies it when a request is added (`Request.speculates`).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Hashable, Optional, Sequence, Union
 
 from vlmrun.config import EngineConfig
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
@@ -30,8 +30,11 @@ class MTPDraftSlots:
         self.k = num_speculative_tokens
         self.drafts_grammar_rows = drafts_grammar_rows
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int], max_drafts: int, key: Optional[Hashable] = None) -> list[int]:
         return [PLACEHOLDER_TOKEN] * max(0, min(self.k, max_drafts))
+
+    def forget(self, key: Hashable) -> None:
+        """Nothing is kept per request."""
 
 
 Proposer = Union[NgramProposer, MTPDraftSlots]

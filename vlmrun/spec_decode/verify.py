@@ -22,10 +22,14 @@ position order: the draws plain decode makes for those tokens. After a rejection
 positions behind it belong to tokens that were never emitted; `SeededDraws.keep` winds the generator
 back to just after the emitted positions, so a seeded request gives the tokens it gives without
 speculation.
+
+`Verification` is the runner's one object for all of it in a step: the rows, the seeded draws, the
+acceptance on the device (queued with the step) and on the host (at collect).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -96,3 +100,56 @@ class SeededDraws:
         scratch = torch.empty(self.vocab_size, dtype=torch.float32, device=self.device)
         for _ in range(num_positions):
             scratch.exponential_(generator=self.generator)
+
+
+@dataclass
+class Verification:
+    """One step's draft verification, per chunk of the step in order: `rows[i]` its sampling row (None: it
+    does not sample), `drafts[i]` its drafts (empty: it does not speculate; MTP's are read from the device
+    at collect, `drafts_on_host`). The runner asks it for the sampling row of every verified position, the
+    seeded rows' generators before their draws, how many drafts each chunk keeps on the device (queued with
+    the step) and, at collect, the tokens each chunk emits."""
+
+    rows: list[Optional[SamplingRow]]
+    drafts: list[list[int]]
+    seeded: list[Optional[SeededDraws]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, rows: list[Optional[SamplingRow]], drafts: list[list[int]]) -> Optional["Verification"]:
+        """None when no chunk speculates (the step samples one row a sampling chunk)."""
+        return cls(rows, drafts) if any(drafts) else None
+
+    def position_rows(self, masks: Sequence[Optional[Masks]]) -> list[SamplingRow]:
+        """The sampling row of every verified position, chunk after chunk (`masks`: per chunk, its grammar
+        masks after the drafts, or None)."""
+        return [row for r, d, m in zip(self.rows, self.drafts, masks) if r is not None
+                for row in position_rows(r, d, m)]
+
+    def before_sampling(self, vocab_size: int, device: torch.device) -> None:
+        """Keep each seeded speculating row's generator state before the positions draw from it."""
+        self.seeded = [None if r is None else SeededDraws.before_sampling(r, len(d), vocab_size, device)
+                       for r, d in zip(self.rows, self.drafts)]
+
+    def accepted_on_device(self, sampled: torch.Tensor, first_rows: Sequence[int],
+                           drafted: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """[chunks] int64 on the device: the drafts each chunk keeps (0 for a chunk without), from the step's
+        sampled ids and each chunk's first row in them; `drafted` [speculating chunks, width] the drafts on
+        the device when they were made there (MTP), else the host's go up."""
+        speculating = [i for i, d in enumerate(self.drafts) if d]
+        counts = [len(self.drafts[i]) for i in speculating]
+        if drafted is None:
+            width = max(counts)
+            drafted = upload(torch.tensor([self.drafts[i] + [0] * (width - len(self.drafts[i])) for i in speculating],
+                                          dtype=torch.int64), device)
+        accepted = torch.zeros(len(self.drafts), dtype=torch.int64, device=device)  # [chunks]
+        accepted[upload(torch.tensor(speculating, dtype=torch.int64), device)] = accepted_on_device(
+            sampled, [first_rows[i] for i in speculating], drafted, counts)
+        return accepted
+
+    def emitted(self, tokens: Sequence[int], drafts: Sequence[int], seeded: Optional[SeededDraws]) -> int:
+        """A chunk's `tokens` sampled at its 1 + len(drafts) positions: how many drafts it keeps (it emits
+        tokens[:1 + that]); a seeded row's generator is wound back to its emitted positions' draws."""
+        accepted = count_accepted(tokens, drafts)
+        if accepted < len(drafts) and seeded is not None:
+            seeded.keep(1 + accepted)
+        return accepted
