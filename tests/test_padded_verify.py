@@ -68,7 +68,10 @@ class FixedDrafts:
     def __init__(self, prompt_ids: list[list[int]]):
         self.prompt_ids = prompt_ids
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def forget(self, key: object) -> None:
+        """Nothing is kept per request."""
+
+    def propose(self, token_ids: list[int], max_drafts: int, key: object = None) -> list[int]:
         i = next(i for i, ids in enumerate(self.prompt_ids) if token_ids[:len(ids)] == ids)
         return [7] * min(NUM_DRAFTS[i], max_drafts)
 

@@ -120,7 +120,10 @@ class OracleDrafts:
     def __init__(self, references: list[list[int]], k: int, vocab_size: int):
         self.references, self.k, self.vocab_size = references, k, vocab_size
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def forget(self, key: object) -> None:
+        """Nothing is kept per request."""
+
+    def propose(self, token_ids: list[int], max_drafts: int, key: object = None) -> list[int]:
         n = len(token_ids)
         for ref in self.references:
             if len(ref) > n and ref[:n] == token_ids:
