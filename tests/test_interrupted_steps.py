@@ -131,3 +131,32 @@ def test_threads_share_one_llm_serialised(qwen3_5_dir):
     assert not errors, errors
     assert results == expected
     assert_idle(llm)
+
+
+def test_a_ctrl_c_while_waiting_for_the_launched_step_is_raised(qwen3_5_dir):
+    """Async scheduling: a step fails while another is launched; the engine waits for the launched steps
+    before dropping their requests. A Ctrl-C during that wait is raised (not swallowed as the failure's
+    cleanup), and every request of the steps is dropped."""
+    llm = make_llm(qwen3_5_dir, async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("victim", engine.process(PROMPT), greedy())
+    InterruptAt(first_gdn_layer(llm), 2, RuntimeError("the model failed"))
+    real_collect, real_drop, dropping = engine.runner.collect, engine._drop_interrupted, []
+
+    def drop(steps):  # the cleanup after the failure
+        dropping.append(len(steps))
+        return real_drop(steps)
+
+    def collect(handle):  # a Ctrl-C arrives while the cleanup waits
+        if dropping:
+            engine.runner.collect = real_collect
+            raise KeyboardInterrupt
+        return real_collect(handle)
+
+    engine._drop_interrupted, engine.runner.collect = drop, collect
+    with pytest.raises(KeyboardInterrupt):
+        while engine.has_unfinished():
+            engine.step()
+    assert dropping and engine.runner.collect is real_collect
+    assert "victim" not in engine.requests and not engine.has_unfinished()
+    assert_idle(llm)

@@ -369,16 +369,20 @@ class Engine:
         state in place, or committed some requests and not others: the requests of every launched,
         uncollected step are aborted, so nothing later reads their KV pages, GDN slots or grammar
         state, and no snapshot is taken of them. A step still running is waited for first."""
-        self._in_flight = None
+        self._in_flight, interrupt = None, None
         for step in steps:
             if not step.collected:
                 try:
                     self.runner.collect(step.handle)
-                except BaseException:  # noqa: BLE001 - its requests are dropped either way
+                except Exception:  # noqa: BLE001 - its requests are dropped either way
                     pass
+                except BaseException as exc:  # a Ctrl-C during the wait: every request dropped, then it is raised
+                    interrupt = interrupt or exc
             for req in [c.request for c in step.chunks] + ([] if step.decodes is None else step.decodes.requests):
                 if self.requests.get(req.request_id) is req:
                     self.abort(req.request_id)
+        if interrupt is not None:
+            raise interrupt
 
     def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestUpdate:
         """A step's tokens for `req` (engine/output_processor.py); a finishing one's update carries its result."""
