@@ -48,6 +48,7 @@ from vlmrun.config import EngineConfig
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.engine.engine import Engine
 from vlmrun.server.launch import serve_in_thread
+from vlmrun.server.memory import share_one_arena
 from vlmrun.server.settings import ServerSettings
 
 MODEL = "m"
@@ -187,6 +188,7 @@ def run_hostile(base_url: str, stop: threading.Event, cycle: list[tuple[str, Any
 
 def serve(model: Optional[str]) -> None:
     """The child: the server on 127.0.0.1 (a free port, printed as `PORT n`) until stdin closes."""
+    share_one_arena()  # as `vlmrun serve` does, before any thread starts
     hide_flash_linear_attention()
     engine = AsyncEngine(Engine(EngineConfig(model=model, dtype="float32", device="cpu"))).start()
     server = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))

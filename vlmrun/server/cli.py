@@ -197,6 +197,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     from vlmrun.processors.processor_files import load_chat_template
+    from vlmrun.server.memory import share_one_arena
+
+    share_one_arena()  # before any thread starts: the memory of large bodies can go back (server/memory.py)
 
     try:  # what the command line got wrong, before any model is loaded
         settings = server_settings(args)

@@ -10,6 +10,15 @@ after media preparation that failed, `delay_s` later (the request has let go of
 it by then) `malloc_trim(0)` returns the free pages of every arena, in a pool thread and at most once
 per `min_interval_s` (the engine's own freed blocks go too, and its next step faults them in again:
 a cost paid only after large bodies). A no-op where the C library is not glibc.
+
+`malloc_trim` cannot reach all of it, though: glibc gives each thread that allocates its own arena, and
+it trims the free top of a thread's arena only past `M_TRIM_THRESHOLD`, which the CPU engine raises to
+2 GiB (`cpu_malloc.py`); `malloc_trim` itself returns only the free blocks inside an arena, never its
+top. A 50 MB body parsed in a pool thread ends up, freed, in that top and stays resident (one such
+block per thread that ever parsed one: +120 MB after a few hostile bodies). So a server process
+calls `share_one_arena()` before it starts any thread: every thread then allocates from the main
+arena, whose free top `malloc_trim(0)` does return (`systrim`). Left alone where the user chose
+(`MALLOC_ARENA_MAX`, a `glibc.malloc.arena_max` tunable, another allocator in `LD_PRELOAD`).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import platform
 import time
 from concurrent.futures import Executor
@@ -35,6 +45,22 @@ def _glibc() -> Optional[Any]:
         return ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+
+
+M_ARENA_MAX = -8  # mallopt parameter (glibc's malloc.h)
+OTHER_ALLOCATORS = ("tcmalloc", "jemalloc", "mimalloc")
+
+
+def share_one_arena() -> bool:
+    """Have every thread of this process allocate from glibc's main arena (call it before starting
+    threads; arenas made before stay theirs); True if it was set, False where the user chose otherwise
+    or the C library is not glibc."""
+    libc = _glibc()
+    if libc is None or "MALLOC_ARENA_MAX" in os.environ or "arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS):
+        return False
+    return bool(libc.mallopt(M_ARENA_MAX, 1))
 
 
 class MemoryTrimmer:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, TypeVar
 
 from vlmrun.processors import Processor, ProcessorLimits
+from vlmrun.processors.video_io import video_decoder
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import StopLimits
@@ -91,6 +92,8 @@ class ServerState:
                                      max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes),
                                      max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes),
                                      max_video_tokens=_video_token_budget(base.limits))
+        if base.video_processor is not None:  # its libraries load now, not on a client's first video (seconds
+            video_decoder()  # under the import lock, and ~190 MB of RSS that would read as that client's)
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
                               device=base.device, source=base.source, video_processor=base.video_processor,
                               video_prompt=base.video_prompt, mm_processor_kwargs=base.mm_processor_kwargs)
