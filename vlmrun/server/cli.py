@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.default_model import resolve_model, served_name
+from vlmrun.server.grammar_options import add_grammar_args, grammar_settings
 from vlmrun.server.settings import TOOL_CALL_PARSERS, MiB
 
 
@@ -162,7 +163,8 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         max_image_bytes=args.max_image_mb * MiB, max_video_bytes=args.max_video_mb * MiB,
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
-        trust_request_chat_template=args.trust_request_chat_template, lora_modules=lora_modules(args))
+        trust_request_chat_template=args.trust_request_chat_template, lora_modules=lora_modules(args),
+        **grammar_settings(args))
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -193,6 +195,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "either is read whichever is named")
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request carry its own 'chat_template' (without it such a request is a 400)")
+    add_grammar_args(p)
 
 
 def serve(args: argparse.Namespace) -> int:

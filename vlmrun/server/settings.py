@@ -46,6 +46,8 @@ class ServerSettings:
     grammar_workers / max_pending_grammars / grammar_timeout_s: the threads compiling constraints (their
         own: never the pools that parse and tokenize), how many compiles may be queued or running (one
         more is a 429), how long a client waits for its compile (then a 400) (`grammar_pool.py`).
+    grammar_cache_bytes: the compiled grammars the engine's cache keeps (xgrammar's own size count;
+        least recently used first out), set on the engine's `GrammarCompiler` when the server starts.
     """
 
     served_model_name: str
@@ -71,6 +73,7 @@ class ServerSettings:
     grammar_workers: int = 2
     max_pending_grammars: int = 8
     grammar_timeout_s: float = 30.0
+    grammar_cache_bytes: int = 256 * MiB
 
     def lora_request(self, name: str) -> LoRARequest:
         """The `LoRARequest` of a `--lora-modules` adapter (ids 1, 2, ... in the order given)."""
@@ -79,7 +82,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes",
-                     "max_grammar_chars", "max_grammar_choices", "grammar_workers", "max_pending_grammars"):
+                     "max_grammar_chars", "max_grammar_choices", "grammar_workers", "max_pending_grammars",
+                     "grammar_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
         if self.max_queued_requests < 0:

@@ -111,6 +111,7 @@ class ServerState:
                                sampling_defaults=engine.engine.model_config.sampling_defaults, grammar=grammar_limits,
                                prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len))
         compiler = engine.engine.grammars
+        compiler.limit_bytes(settings.grammar_cache_bytes)
         trimmer = MemoryTrimmer(media_pool)
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
                                settings.max_pending_grammars, settings.grammar_timeout_s, trimmer.schedule)
