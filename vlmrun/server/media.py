@@ -15,6 +15,8 @@ before the processors see it:
 - local paths and `file://` URIs are read only when they resolve (symlinks included) inside
   `allowed_local_media_path`; relative paths are taken relative to it.
 
+Messages that fetch (`fetches`) are resolved in the server's fetch pool before their preparation, so a
+URL that never answers holds a fetch thread until its deadline, never a thread that decodes media.
 The processors then receive bytes, so the server's `Processor` runs with local paths and URLs
 switched off (a second line of defence). The fetcher connects directly: proxy environment
 variables are not used (a proxy would hide the address that the policy checks).
@@ -118,6 +120,18 @@ class MediaResolver:
                 items.append(item)
             out.append({**message, "content": items})
         return out
+
+    def fetches(self, messages: Any) -> bool:
+        """Whether resolving `messages` reads a URL or a file (waits the fetch pool takes, `state.py`)."""
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, Mapping) else None
+            for item in content if isinstance(content, list) else ():
+                kind = _media_kind(item)
+                if kind is not None:
+                    source = item_source(item, IMAGE_SOURCE_KEYS if kind == "image" else VIDEO_SOURCE_KEYS)
+                    if isinstance(source, str) and not source.strip()[:10].lower().startswith("data:"):
+                        return True
+        return False
 
     def _resolve_item(self, item: Mapping[str, Any], number: int, kind: str = "image") -> Any:
         """An image (video) item with its source as bytes or a data URI, capped at `max_image_bytes`

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from vlmrun.processors import Processor, ProcessorLimits
 from vlmrun.processors.video_io import video_decoder
@@ -68,6 +68,8 @@ class Ticket:
 # Threads of the light pool; a body over LIGHT_BODY_BYTES is parsed in the media pool.
 LIGHT_WORKERS = 2
 LIGHT_BODY_BYTES = 256 * 1024
+# Threads that fetch media URLs (each waits at most url_timeout_s; they wait, they do not compute).
+FETCH_WORKERS = 32
 
 
 @dataclass
@@ -83,6 +85,7 @@ class ServerState:
     limits: RequestLimits
     grammars: GrammarPool  # client constraints compile here, never in the light or media pool
     trimmer: MemoryTrimmer  # hands the memory of large bodies back after them
+    fetch_pool: ThreadPoolExecutor  # media URLs and files read: network waits never hold a media thread
     created: int = field(default_factory=lambda: int(time.time()))
 
     @classmethod
@@ -115,8 +118,9 @@ class ServerState:
         trimmer = MemoryTrimmer(media_pool)
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
                                settings.max_pending_grammars, settings.grammar_timeout_s, trimmer.schedule)
+        fetch_pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="vlmrun-fetch")
         return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars,
-                   trimmer)
+                   trimmer, fetch_pool)
 
     @property
     def model_name(self) -> str:
@@ -136,8 +140,16 @@ class ServerState:
         pool = self.media_pool if heavy else self.light_pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
+    async def resolve_media(self, messages: Any) -> Any:
+        """`messages` with their media URLs fetched and files read (`MediaResolver`), in the fetch pool; the
+        same messages when there is nothing to fetch (data URIs are decoded later, in the media pool)."""
+        if not self.media.fetches(messages):
+            return messages
+        return await asyncio.get_running_loop().run_in_executor(self.fetch_pool, self.media.resolve_messages,
+                                                                messages)
+
     def shutdown_pools(self) -> None:
-        for pool in (self.media_pool, self.light_pool):
+        for pool in (self.media_pool, self.light_pool, self.fetch_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.shutdown()
 
