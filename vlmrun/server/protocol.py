@@ -62,6 +62,7 @@ class RequestLimits:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the checkpoint's generation_config
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
     prompt: Optional[PromptBounds] = None
+    vocab_size: Optional[int] = None  # the model's logits: token-id lists longer than it are refused at once
 
     def check_prompt_chars(self, chars: int, params: SamplingParams, param: str) -> None:
         """400 when `chars` characters of prompt text can never fit the context (before tokenizing)."""
@@ -222,7 +223,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         skip_special_tokens=opt_bool(body, "skip_special_tokens", True),
         structured_outputs=structured,
         thinking_token_budget=opt_int(body, "thinking_token_budget", None, lo=0),
-        **logits_processor_fields(body),
+        **logits_processor_fields(body, limits.vocab_size),
         **vllm_sampling_fields(body),
     )
     if kwargs["top_p"] == 0.0:

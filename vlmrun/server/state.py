@@ -112,7 +112,8 @@ class ServerState:
         grammar_limits = GrammarLimits(settings.max_grammar_chars, settings.max_grammar_choices)
         limits = RequestLimits(settings.max_n, StopLimits.of(engine.engine.config),
                                sampling_defaults=engine.engine.model_config.sampling_defaults, grammar=grammar_limits,
-                               prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len))
+                               prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len),
+                               vocab_size=engine.engine.model_config.text_config.vocab_size)
         compiler = engine.engine.grammars
         compiler.limit_bytes(settings.grammar_cache_bytes)
         trimmer = MemoryTrimmer(media_pool)
