@@ -139,3 +139,35 @@ def test_the_server_loads_its_video_decoder_at_start(qwen3_vl_dir) -> None:
         assert video_decoder.cache_info().currsize == 1
     finally:
         engine.shutdown()
+
+
+def test_the_memory_of_a_busy_spell_is_handed_back_once_idle(qwen3_vl_dir) -> None:
+    import time
+
+    import httpx
+
+    from tests.test_server import tiny_engine
+    from vlmrun.server.launch import serve_in_thread
+    from vlmrun.server.settings import ServerSettings
+
+    engine = tiny_engine(qwen3_vl_dir, max_model_len=128)
+    srv = serve_in_thread(engine, ServerSettings(served_model_name="tiny"))
+    try:
+        trimmer = srv.app.state.vlmrun.trimmer
+        if trimmer._libc is None:
+            pytest.skip("glibc only")
+        trimmer.idle_s = 0.4
+        time.sleep(1.5)
+        assert trimmer.trims == 0  # nothing served: nothing to hand back
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+            assert http.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 10
+        while trimmer.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert trimmer.trims == 1
+        time.sleep(1.5)
+        assert trimmer.trims == 1  # once per busy spell, not while idle
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -15,6 +15,7 @@ preprocessing pool.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import importlib.metadata
@@ -47,9 +48,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        idle_trims = asyncio.ensure_future(state.trimmer.trim_when_idle(lambda: state.admission.admitted,
+                                                                        lambda: state.admission.in_flight))
         try:
             yield
         finally:
+            idle_trims.cancel()
             state.shutdown_pools()
 
     app = FastAPI(title="vlmrun", version=vlmrun_version(), lifespan=lifespan, docs_url=None, redoc_url=None)

@@ -9,7 +9,8 @@ container opened, then refused for its size). Once a body of at least `TRIM_BODY
 after media preparation that failed, `delay_s` later (the request has let go of
 it by then) `malloc_trim(0)` returns the free pages of every arena, in a pool thread and at most once
 per `min_interval_s` (the engine's own freed blocks go too, and its next step faults them in again:
-a cost paid only after large bodies). A no-op where the C library is not glibc.
+a cost paid only after large bodies), and once after each busy spell when the server has been idle for
+`idle_s` (`trim_when_idle`). A no-op where the C library is not glibc.
 
 `malloc_trim` cannot reach all of it, though: glibc gives each thread that allocates its own arena, and
 it trims the free top of a thread's arena only past `M_TRIM_THRESHOLD`, which the CPU engine raises to
@@ -30,7 +31,7 @@ import os
 import platform
 import time
 from concurrent.futures import Executor
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +65,11 @@ def share_one_arena() -> bool:
 
 
 class MemoryTrimmer:
-    def __init__(self, pool: Executor, delay_s: float = 0.5, min_interval_s: float = 1.0):
+    def __init__(self, pool: Executor, delay_s: float = 0.5, min_interval_s: float = 1.0, idle_s: float = 2.0):
         self.pool = pool
         self.delay_s = delay_s
         self.min_interval_s = min_interval_s
+        self.idle_s = idle_s  # `trim_when_idle`: seconds without a request in flight before it trims
         self._libc = _glibc()
         self._scheduled = False
         self._last = 0.0
@@ -85,6 +87,22 @@ class MemoryTrimmer:
         self._scheduled = True
         wait = max(self.delay_s, self._last + self.min_interval_s - time.monotonic())
         asyncio.get_running_loop().call_later(wait, self._start)
+
+    async def trim_when_idle(self, admitted: Callable[[], int], in_flight: Callable[[], int]) -> None:
+        """For the server's life, on the event loop: once requests were admitted (`admitted` counts them)
+        and none has been in flight for `idle_s`, trim once. The CPU engine keeps the memory of its busiest
+        step (`cpu_malloc.py`): a burst of long requests would otherwise leave it resident for good; the
+        next step after the idle spell faults it in again."""
+        trimmed_at = last = admitted()
+        quiet_since = time.monotonic()
+        while True:
+            await asyncio.sleep(self.idle_s / 4)
+            count = admitted()
+            if in_flight() > 0 or count != last:
+                last, quiet_since = count, time.monotonic()
+            elif count != trimmed_at and time.monotonic() - quiet_since >= self.idle_s:
+                trimmed_at = count
+                self.schedule()
 
     def _start(self) -> None:
         self._scheduled = False

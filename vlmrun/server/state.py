@@ -42,6 +42,7 @@ class Admission:
     def __init__(self, limit: int):
         self.limit = limit
         self.in_flight = 0
+        self.admitted = 0  # requests admitted so far (the memory trimmer's sign of activity)
 
     def admit(self, n: int) -> "Ticket":
         if n > self.limit:
@@ -50,6 +51,7 @@ class Admission:
         if self.in_flight + n > self.limit:
             raise queue_full(self.limit)
         self.in_flight += n
+        self.admitted += 1
         return Ticket(self, n)
 
 
