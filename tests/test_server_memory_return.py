@@ -171,3 +171,46 @@ def test_the_memory_of_a_busy_spell_is_handed_back_once_idle(qwen3_vl_dir) -> No
     finally:
         srv.stop()
         engine.shutdown()
+
+
+def test_media_that_raised_the_rss_are_followed_by_a_trim(qwen3_vl_dir, monkeypatch) -> None:
+    import io
+    import time
+
+    import httpx
+    from PIL import Image
+
+    from tests.test_server import data_uri, tiny_engine
+    from vlmrun.server import memory
+    from vlmrun.server.launch import serve_in_thread
+    from vlmrun.server.settings import ServerSettings
+
+    engine = tiny_engine(qwen3_vl_dir, max_model_len=256)
+    srv = serve_in_thread(engine, ServerSettings(served_model_name="tiny"))
+    try:
+        trimmer = srv.app.state.vlmrun.trimmer
+        if trimmer._libc is None:
+            pytest.skip("glibc only")
+        trimmer.idle_s = 3600.0  # only the media rule here
+        rss = [100 << 20]
+        monkeypatch.setattr(memory, "rss_bytes", lambda: rss[0])
+        trimmer._floor = 100 << 20
+        buf = io.BytesIO()
+        Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, format="PNG")
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(buf.getvalue(), "image/png")}},
+            {"type": "text", "text": "What is it?"}]}]}
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            rss[0] = trimmer._floor + trimmer.media_growth_bytes  # grown, not past the threshold
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+            time.sleep(trimmer.delay_s + 0.5)
+            assert trimmer.trims == 0
+            rss[0] = trimmer._floor + trimmer.media_growth_bytes + 1  # as after images of tens of megapixels
+            assert http.post("/v1/chat/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 10
+        while trimmer.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert trimmer.trims == 1
+    finally:
+        srv.stop()
+        engine.shutdown()

@@ -6,7 +6,8 @@ engine even asks it to keep every freed block, `executor/cpu_malloc.py`), so a f
 would raise the server's RSS for good; so would the buffers of media refused half-way (a video's
 container opened, then refused for its size). Once a body of at least `TRIM_BODY_BYTES` is parsed
 (or one of `TRIM_REFUSED_BYTES` refused: hostile bodies of a few MB parse into 100k strings), and
-after media preparation that failed, `delay_s` later (the request has let go of
+after media preparation that failed or left the RSS `MEDIA_GROWTH_BYTES` above its last trim (a few
+images of tens of megapixels: +8.8 GB), `delay_s` later (the request has let go of
 it by then) `malloc_trim(0)` returns the free pages of every arena, in a pool thread and at most once
 per `min_interval_s` (the engine's own freed blocks go too, and its next step faults them in again:
 a cost paid only after large bodies), and once after each busy spell when the server has been idle for
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 TRIM_BODY_BYTES = 8 << 20
 TRIM_REFUSED_BYTES = 1 << 20
+MEDIA_GROWTH_BYTES = 64 << 20
 
 
 def _glibc() -> Optional[Any]:
@@ -64,16 +66,35 @@ def share_one_arena() -> bool:
     return bool(libc.mallopt(M_ARENA_MAX, 1))
 
 
+def rss_bytes() -> int:
+    """This process's resident set size (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 class MemoryTrimmer:
-    def __init__(self, pool: Executor, delay_s: float = 0.5, min_interval_s: float = 1.0, idle_s: float = 2.0):
+    def __init__(self, pool: Executor, delay_s: float = 0.5, min_interval_s: float = 1.0, idle_s: float = 2.0,
+                 media_growth_bytes: int = MEDIA_GROWTH_BYTES):
         self.pool = pool
         self.delay_s = delay_s
         self.min_interval_s = min_interval_s
         self.idle_s = idle_s  # `trim_when_idle`: seconds without a request in flight before it trims
+        self.media_growth_bytes = media_growth_bytes  # `after_media`: RSS growth over the last trim that trims
         self._libc = _glibc()
         self._scheduled = False
         self._last = 0.0
+        self._floor = rss_bytes()  # the RSS after the last trim (or at start)
         self.trims = 0  # malloc_trim calls made (for tests and logs)
+
+    def after_media(self) -> None:
+        """Called on the event loop after a request's media were prepared: trim when the RSS has grown by
+        `media_growth_bytes` since the last trim (images of tens of megapixels decode and resize through
+        gigabytes that malloc would keep; the small images of ordinary traffic leave the RSS flat)."""
+        if self._libc is not None and rss_bytes() > self._floor + self.media_growth_bytes:
+            self.schedule()
 
     def after_body(self, size: int, refused: bool = False) -> None:
         """Called on the event loop once a request body of `size` bytes was parsed, or `refused`."""
@@ -114,4 +135,5 @@ class MemoryTrimmer:
 
     def _trim(self) -> None:
         self._libc.malloc_trim(0)
+        self._floor = rss_bytes()
         self.trims += 1

@@ -159,6 +159,8 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
             raise
         finally:
             cancel.set()  # done, or nobody is waiting for it any more
+        if heavy:  # huge images decoded and resized: their buffers, once the RSS shows them
+            state.trimmer.after_media()
         gone = threading.Event()  # set when the client leaves: its compile, if not started, never starts
         # the choices of one request share their constraint
         await until_done_or_disconnected(request, state.grammars.compile(items[0][1].structured_outputs, gone))
