@@ -85,3 +85,46 @@ def test_a_url_that_never_answers_holds_up_no_other_image_request(server, silent
     for x in stuck:
         err = x.json()["error"]
         assert err["param"] == "messages" and "timed out" in err["message"], err
+
+
+def test_images_of_many_pixels_hold_up_no_other_image_request(server, monkeypatch):
+    """A request whose images declare more than `bulk_pixels` is prepared in the bulk pool: while one is
+    held there, an ordinary image request still finds the (single) media thread free."""
+    import io
+
+    from PIL import Image
+
+    state = server.app.state.vlmrun
+    monkeypatch.setattr(state, "bulk_pixels", 100 * 100)
+    buf = io.BytesIO()
+    Image.new("RGB", (400, 400), (20, 200, 30)).save(buf, format="PNG")
+    big = data_uri(buf.getvalue(), "image/png")  # 160,000 pixels, past the (lowered) bulk bound
+    gate = threading.Event()
+    original = state.processor.process_chat
+
+    def held(messages, **kwargs):
+        if any(isinstance(part, dict) and part.get("image") == big for m in messages for part in m["content"]):
+            gate.wait(30)  # the costly preparation, held until the other request is answered
+        return original(messages, **kwargs)
+
+    monkeypatch.setattr(state.processor, "process_chat", held)
+    answers: list[httpx.Response] = []
+
+    def send_big() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            answers.append(client.post("/v1/chat/completions", json=image_chat(big)))
+
+    costly = threading.Thread(target=send_big)
+    costly.start()
+    try:
+        time.sleep(0.5)
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            started = time.monotonic()
+            r = client.post("/v1/chat/completions", json=image_chat(data_uri(_png(), "image/png")))
+            took = time.monotonic() - started
+        assert r.status_code == 200, r.text
+        assert took < 5, f"an image request waited {took:.1f} s behind a request of many pixels"
+    finally:
+        gate.set()
+        costly.join(timeout=60)
+    assert answers[0].status_code == 200, answers[0].text

@@ -50,6 +50,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     prompt_text = ""
     try:  # media URLs fetched first, in the fetch pool: a URL that never answers holds no media thread
         messages = await until_done_or_disconnected(request, state.resolve_media(req.messages))
+        bulk = heavy and await state.is_bulk(messages)
     except InputError as exc:
         ticket.release()
         raise bad_request(str(exc), param="messages") from None
@@ -67,7 +68,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         return [(prompt, p) for p in _chat_params(state, req).choices()]
 
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
-                       "messages", heavy=heavy, lora=lora)
+                       "messages", heavy=heavy, lora=lora, bulk=bulk)
     model = state.model_name if lora is None else lora.lora_name
     token_text = R.TokenText(state.engine.tokenizer, req.extras.tokens_as_ids)
     answer_id = req.extras.answer_id("chatcmpl", rid)

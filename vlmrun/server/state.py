@@ -72,6 +72,10 @@ LIGHT_WORKERS = 2
 LIGHT_BODY_BYTES = 256 * 1024
 # Threads that fetch media URLs (each waits at most url_timeout_s; they wait, they do not compute).
 FETCH_WORKERS = 32
+# A request whose images declare more pixels than this in all (a 7,900 x 7,900 PNG decodes to 187 MB and
+# takes seconds to resize) is prepared in the bulk pool's thread, so such requests never fill the media pool.
+BULK_PIXELS = 16_000_000
+BULK_WORKERS = 1
 
 
 @dataclass
@@ -88,7 +92,9 @@ class ServerState:
     grammars: GrammarPool  # client constraints compile here, never in the light or media pool
     trimmer: MemoryTrimmer  # hands the memory of large bodies back after them
     fetch_pool: ThreadPoolExecutor  # media URLs and files read: network waits never hold a media thread
+    bulk_pool: ThreadPoolExecutor  # requests whose images declare over BULK_PIXELS: never hold the media pool
     created: int = field(default_factory=lambda: int(time.time()))
+    bulk_pixels: int = BULK_PIXELS
 
     @classmethod
     def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerState":
@@ -122,8 +128,9 @@ class ServerState:
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
                                settings.max_pending_grammars, settings.grammar_timeout_s, trimmer.schedule)
         fetch_pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="vlmrun-fetch")
+        bulk_pool = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="vlmrun-bulk")
         return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars,
-                   trimmer, fetch_pool)
+                   trimmer, fetch_pool, bulk_pool)
 
     @property
     def model_name(self) -> str:
@@ -138,10 +145,16 @@ class ServerState:
             return self.settings.lora_request(model)
         raise model_not_found(model, [self.model_name, *self.settings.lora_modules])
 
-    async def in_pool(self, fn: Callable[[], T], heavy: bool) -> T:
-        """Run `fn` off the event loop: in the media pool when `heavy`, else in the light pool."""
-        pool = self.media_pool if heavy else self.light_pool
+    async def in_pool(self, fn: Callable[[], T], heavy: bool, bulk: bool = False) -> T:
+        """Run `fn` off the event loop: in the bulk pool when `bulk`, the media pool when `heavy`, else in the
+        light pool."""
+        pool = self.bulk_pool if bulk else self.media_pool if heavy else self.light_pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    async def is_bulk(self, messages: Any) -> bool:
+        """Whether the images of `messages` declare more than `bulk_pixels` in all (their headers, read in
+        the light pool): such a request is prepared in the bulk pool, behind its likes only."""
+        return await self.in_pool(lambda: self.media.declared_pixels(messages) > self.bulk_pixels, heavy=False)
 
     async def resolve_media(self, messages: Any) -> Any:
         """`messages` with their media URLs fetched and files read (`MediaResolver`), in the fetch pool; the
@@ -152,7 +165,7 @@ class ServerState:
                                                                 messages)
 
     def shutdown_pools(self) -> None:
-        for pool in (self.media_pool, self.light_pool, self.fetch_pool):
+        for pool in (self.media_pool, self.light_pool, self.fetch_pool, self.bulk_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.shutdown()
 

@@ -143,14 +143,14 @@ Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams
 
 async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
-                 param: str, heavy: bool, lora: Optional[LoRARequest] = None) -> Submitted:
+                 param: str, heavy: bool, lora: Optional[LoRARequest] = None, bulk: bool = False) -> Submitted:
     """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine. A
     client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image."""
     cancel = threading.Event()
     try:
         tokenizer = state.processor.tokenizer
         work = state.in_pool(lambda: _input_errors_as_400(lambda: _tokenize_bad_words(prepare(cancel), tokenizer)),
-                             heavy)
+                             heavy, bulk)
         try:
             items = await until_done_or_disconnected(request, work)
         except BaseException:
