@@ -88,7 +88,8 @@ async def tokenize(state: ServerState, request: Request) -> Response:
             messages = await state.resolve_media(req.messages)
         except InputError as exc:
             raise bad_request(str(exc), param="messages") from None
-        ids = await state.in_pool(lambda: _chat_token_ids(state, req, messages), heavy=heavy)
+        bulk = heavy and await state.is_bulk(messages)  # images of many pixels: the bulk pool, as for a chat
+        ids = await state.in_pool(lambda: _chat_token_ids(state, req, messages), heavy=heavy, bulk=bulk)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
