@@ -11,15 +11,21 @@ against its baseline answer). Hostile clients (`--hostile-clients` threads) cycl
   each with a client that leaves after 1 s;
 - a `--huge-mb` MB /tokenize body and the same through /v1/completions;
 - 100k `bad_words`, and the most allowed (1,024) on a streamed completion;
-- a lone surrogate to /tokenize; a video asked at a size past the context (when torchcodec is there).
+- a lone surrogate to /tokenize; a video asked at a size past the context (when torchcodec is there);
+- a 100k-entry `logit_bias`, 100k chat messages, a `--huge-mb` MB image data: URL, a JSON schema nested
+  5,000 deep, a 20k x 20k PNG (a decompression bomb of a few hundred kB), `n` / `max_tokens` /
+  `top_logprobs` / `seed` far out of range, and an image URL that never answers (a local socket that
+  accepts and stays silent: the server child allows private URLs for it).
 
-Every hostile answer must be a 4xx (or a 200); the report counts them by status. Reported: per phase,
+Every hostile answer must be a 4xx (or a 200); the report counts them by kind and status (`--only` sends
+some kinds alone, by name or index). Reported: per phase,
 the normal requests' count, p50 / p99 / max latency and answers that changed or failed; the server
 process's RSS before the hostile phase, at its peak and after. Bounded: three phases, each request with
 a timeout; it stops by itself, and the server with it (the child exits when its stdin closes).
 Figures on a loaded machine say little: the clients share its cores with the server.
 
     python -m bench.bench_soak [--phase-s 20] [--normal-clients 4] [--hostile-clients 2] [--huge-mb 50]
+                               [--only logit_bias_100k,png_bomb]
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ import io
 import itertools
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -48,9 +56,20 @@ from vlmrun.config import EngineConfig
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.engine.engine import Engine
 from vlmrun.server.launch import serve_in_thread
+from vlmrun.server.memory import share_one_arena
 from vlmrun.server.settings import ServerSettings
 
 MODEL = "m"
+
+
+@dataclass(frozen=True)
+class Hostile:
+    """One hostile request: its name, path, body (a dict, or raw JSON bytes) and client timeout."""
+
+    name: str
+    path: str
+    body: Any
+    timeout_s: float
 
 
 def rss_bytes(pid: int) -> int:
@@ -85,31 +104,75 @@ def answer_of(body: dict[str, Any]) -> str:
     return choice["text"] if "text" in choice else choice["message"]["content"]
 
 
-def hostile_requests(huge_mb: int, video: Optional[str]) -> list[tuple[str, Any, float]]:
-    """(path, body (a dict, or raw JSON bytes), client timeout): the hostile cycle."""
+def hostile_requests(huge_mb: int, video: Optional[str], silent_url: Optional[str] = None) -> list[Hostile]:
+    """The hostile cycle, by name."""
     huge = json.dumps({"prompt": "x" * (huge_mb << 20)}).encode()
     huge_completion = json.dumps({"model": MODEL, "prompt": "y" * (huge_mb << 20), "max_tokens": 3}).encode()
     many_words = [f"w{i}" for i in range(100_000)]
     enum_schema = {"type": "object", "properties": {"a": {"enum": [f"v{i:05d}" for i in range(6_000)]}}}
-    out: list[tuple[str, Any, float]] = [
-        ("/v1/completions", {"model": MODEL, "prompt": "Pick", "max_tokens": 3,
-                             "structured_outputs": {"choice": [f"choice {i}" for i in range(100_000)]}}, 1.0),
-        ("/v1/chat/completions", {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "Pick"}],
-                                  "response_format": {"type": "json_schema",
-                                                      "json_schema": {"name": "e", "schema": enum_schema}}}, 1.0),
-        ("/tokenize", huge, 60.0),
-        ("/v1/completions", huge_completion, 60.0),
-        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "bad_words": many_words}, 60.0),
-        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 8, "stream": True,
-                             "bad_words": [f"word{i}" for i in range(1024)]}, 60.0),
-        ("/tokenize", b'{"prompt": "abc \\ud800 def"}', 10.0),
+    depth = 5_000
+    nested_schema = (b'{"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}], '
+                     b'"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": '
+                     + b'{"type": "object", "properties": {"a": ' * depth + b'{}' + b'}}' * depth + b'}}}')
+
+    def chat(content: Any, **extra: Any) -> dict[str, Any]:
+        return {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": content}], **extra}
+
+    def image(url: str) -> list[dict[str, Any]]:
+        return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+
+    out = [
+        Hostile("choice_100k", "/v1/completions", {"model": MODEL, "prompt": "Pick", "max_tokens": 3, "structured_outputs":
+                                                   {"choice": [f"choice {i}" for i in range(100_000)]}}, 1.0),
+        Hostile("schema_enum_left", "/v1/chat/completions", chat("Pick", response_format={
+            "type": "json_schema", "json_schema": {"name": "e", "schema": enum_schema}}), 1.0),
+        Hostile("tokenize_huge", "/tokenize", huge, 60.0),
+        Hostile("completion_huge", "/v1/completions", huge_completion, 60.0),
+        Hostile("bad_words_100k", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                                                      "bad_words": many_words}, 60.0),
+        Hostile("bad_words_1024_stream", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 8,
+                                                             "stream": True,
+                                                             "bad_words": [f"word{i}" for i in range(1024)]}, 60.0),
+        Hostile("lone_surrogate", "/tokenize", b'{"prompt": "abc \\ud800 def"}', 10.0),
+        Hostile("logit_bias_100k", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 3,
+                                                       "logit_bias": {str(i): 1 for i in range(100_000)}}, 60.0),
+        Hostile("messages_100k", "/v1/chat/completions", {"model": MODEL, "max_tokens": 3, "messages": [
+            {"role": "user", "content": "x"}] * 100_000}, 60.0),
+        Hostile("data_url_huge", "/v1/chat/completions", chat(image("data:image/png;base64," + "A" * (huge_mb << 20))),
+                60.0),
+        Hostile("schema_nested", "/v1/chat/completions", nested_schema, 60.0),
+        Hostile("png_bomb", "/v1/chat/completions", chat(image(png_bomb_uri())), 60.0),
+        Hostile("huge_numbers", "/v1/chat/completions", chat("Hi", n=10**6, max_tokens=10**12, top_logprobs=10**6,
+                                                             logprobs=True, seed=2**70), 10.0),
     ]
+    if silent_url is not None:
+        out.append(Hostile("url_never_answers", "/v1/chat/completions", chat(image(silent_url)), 60.0))
     if video is not None:
         part = {"type": "video_url", "video_url": {"url": video}}
-        out.append(("/v1/chat/completions", {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": [
-            part, {"type": "text", "text": "What happens?"}]}], "mm_processor_kwargs": {"fps": 30.0,
-                                                                                          "max_pixels": 10**8}}, 60.0))
+        out.append(Hostile("video_past_context", "/v1/chat/completions", chat(
+            [part, {"type": "text", "text": "What happens?"}], mm_processor_kwargs={"fps": 30.0, "max_pixels": 10**8}),
+            60.0))
     return out
+
+
+def png_bomb_uri(side: int = 20_000) -> str:
+    """A data URI of a `side` x `side` one-bit PNG: a few hundred kB that would decode to `side`² pixels."""
+    buf = io.BytesIO()
+    Image.new("1", (side, side)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class SilentServer:
+    """A local socket that accepts connections and never answers (an image URL that never answers)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(256)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/picture.png"
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def make_video() -> Optional[str]:
@@ -165,31 +228,31 @@ def run_normal(base_url: str, stop: threading.Event, phase: Callable[[], Phase],
                 current.changed += 1
 
 
-def run_hostile(base_url: str, stop: threading.Event, cycle: list[tuple[str, Any, float]], statuses: Counter,
-                seed: int) -> None:
+def run_hostile(base_url: str, stop: threading.Event, cycle: list[Hostile], statuses: Counter, seed: int) -> None:
     for k in itertools.count(seed):
         if stop.is_set():
             return
-        path, body, timeout = cycle[k % len(cycle)]
-        kind = f"{path} #{k % len(cycle)}"
+        h = cycle[k % len(cycle)]
         try:
-            with httpx.Client(base_url=base_url, timeout=timeout) as client:
-                if isinstance(body, bytes):
-                    r = client.post(path, content=body, headers={"content-type": "application/json"})
+            with httpx.Client(base_url=base_url, timeout=h.timeout_s) as client:
+                if isinstance(h.body, bytes):
+                    r = client.post(h.path, content=h.body, headers={"content-type": "application/json"})
                 else:
-                    r = client.post(path, json=body)
-            statuses[(kind, r.status_code)] += 1
+                    r = client.post(h.path, json=h.body)
+            statuses[(h.name, r.status_code)] += 1
         except httpx.TimeoutException:
-            statuses[(kind, "client left")] += 1
+            statuses[(h.name, "client left")] += 1
         except httpx.HTTPError as exc:
-            statuses[(kind, type(exc).__name__)] += 1
+            statuses[(h.name, type(exc).__name__)] += 1
 
 
 def serve(model: Optional[str]) -> None:
     """The child: the server on 127.0.0.1 (a free port, printed as `PORT n`) until stdin closes."""
+    share_one_arena()  # as `vlmrun serve` does, before any thread starts
     hide_flash_linear_attention()
     engine = AsyncEngine(Engine(EngineConfig(model=model, dtype="float32", device="cpu"))).start()
-    server = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
+    # private URLs allowed: the URL that never answers is a local socket (nothing here reaches the network)
+    server = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, allow_private_urls=True))
     print(f"PORT {server.port}", flush=True)
     try:
         sys.stdin.read()
@@ -216,7 +279,7 @@ def main() -> None:
     parser.add_argument("--normal-clients", type=int, default=4)
     parser.add_argument("--hostile-clients", type=int, default=2)
     parser.add_argument("--huge-mb", type=int, default=50, help="size of the huge /tokenize and completion bodies")
-    parser.add_argument("--only", default=None, help="comma-separated indices of the hostile cycle to send")
+    parser.add_argument("--only", default=None, help="comma-separated names (or indices) of the hostile kinds to send")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args()
     if args.serve:
@@ -224,9 +287,11 @@ def main() -> None:
         return
 
     child, base_url = start_server(args.model)
-    cycle = hostile_requests(args.huge_mb, make_video())
+    silent = SilentServer()
+    cycle = hostile_requests(args.huge_mb, make_video(), silent.url)
     if args.only:
-        cycle = [cycle[int(i)] for i in args.only.split(",")]
+        names = args.only.split(",")
+        cycle = [h for i, h in enumerate(cycle) if h.name in names or str(i) in names]
     phases = [Phase("baseline"), Phase("hostile"), Phase("after")]
     current = [phases[0]]
     expected: dict[int, str] = {}
@@ -269,6 +334,7 @@ def main() -> None:
         stop_hostile.set()
         stop_sampler.set()
         assert child.stdin is not None
+        silent.close()
         child.stdin.close()  # the server stops
         try:
             child.wait(timeout=60)

@@ -20,6 +20,7 @@ statistics log line (`stats_log.py`, unless `log_stats` is off).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import importlib.metadata
@@ -59,9 +60,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, root_path: str = "
         vllm = state.metrics.vllm
         stats = (StatsLog(lambda: engine.stats, lambda: (vllm.prompt_total, vllm.generation_total),
                           settings.log_stats_interval_s).start() if settings.log_stats else None)
+        idle_trims = asyncio.ensure_future(state.trimmer.trim_when_idle(lambda: state.admission.admitted,
+                                                                        lambda: state.admission.in_flight))
         try:
             yield
         finally:
+            idle_trims.cancel()
             if stats is not None:
                 await stats.stop()
             state.shutdown_pools()

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from vlmrun.processors import ProcessedPrompt
+from vlmrun.processors import InputError, ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 from vlmrun.server import responses as R
 from vlmrun.server.chat_output import ChatOutputParser
@@ -33,6 +33,7 @@ from vlmrun.server.state import ServerState
 from vlmrun.server.submission import (large_body, merge_batch, parse_body, record, respond_collected,
                                       stream_response, submit)
 from vlmrun.server.tool_calls import tool_call_grammar, uses_xml_calls
+from vlmrun.server.transport import until_done_or_disconnected
 from vlmrun.structured import StructuredOutputsParams
 
 
@@ -48,13 +49,22 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
              or is_heavy_text(message_text_chars(req.messages), req.params.bad_words))
 
     prompt_text = ""
+    try:  # media URLs fetched first, in the fetch pool: a URL that never answers holds no media thread
+        messages = await until_done_or_disconnected(request, state.resolve_media(req.messages))
+        bulk = heavy and await state.is_bulk(messages)
+    except InputError as exc:
+        ticket.release()
+        raise bad_request(str(exc), param="messages") from None
+    except BaseException:
+        ticket.release()
+        raise
 
     def prepare(cancel: threading.Event) -> list[tuple[ProcessedPrompt, SamplingParams]]:
         nonlocal prompt_text
         if req.prompt.add_special_tokens and any(special_tokens_around(state.processor.tokenizer)):
             raise bad_request("'add_special_tokens' is not supported for this tokenizer (it would put tokens "
                               "around a prompt holding images)", param="add_special_tokens")
-        prompt = render_chat(state, req.messages, req.tools, req.prompt, cancel)
+        prompt = render_chat(state, messages, req.tools, req.prompt, cancel)
         prompt_text = prompt.text
         prompts.append(prompt)
         if req.beam is not None:  # round one of the search
@@ -64,7 +74,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     prompts: list[ProcessedPrompt] = []
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
                        "messages", heavy=heavy, lora=lora, scheduling=req.scheduling,
-                       n=1 if req.beam else req.params.n)
+                       n=1 if req.beam else req.params.n, bulk=bulk)
     if req.beam is not None:
         await run_beam_search(state, request, sub, prompts, req.beam, req.params.n, lora)
     model = state.model_name if lora is None else lora.lora_name

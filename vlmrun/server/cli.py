@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.default_model import resolve_model, served_name
+from vlmrun.server.grammar_options import add_grammar_args, grammar_settings
 from vlmrun.server.settings import TOOL_CALL_PARSERS, MiB
 from vlmrun.server.vllm_flags import (add_vllm_engine_flags, add_vllm_http_flags, add_vllm_request_flags,
                                       announce_accepted, check_tokenizer, mm_limits, show_server_logs,
@@ -174,7 +175,7 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
         reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template, lora_modules=lora_modules(args),
-        **vllm_server_fields(args))
+        **vllm_server_fields(args), **grammar_settings(args))
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -214,10 +215,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let a chat request carry its own 'chat_template' (without it such a request is a 400)")
     add_vllm_request_flags(p)
+    add_grammar_args(p)
 
 
 def serve(args: argparse.Namespace) -> int:
     from vlmrun.processors.processor_files import load_chat_template
+    from vlmrun.server.memory import share_one_arena
+
+    share_one_arena()  # before any thread starts: the memory of large bodies can go back (server/memory.py)
 
     try:  # what the command line got wrong, before any model is loaded
         settings = server_settings(args)

@@ -15,6 +15,8 @@ before the processors see it:
 - local paths and `file://` URIs are read only when they resolve (symlinks included) inside
   `allowed_local_media_path`; relative paths are taken relative to it.
 
+Messages that fetch (`fetches`) are resolved in the server's fetch pool before their preparation, so a
+URL that never answers holds a fetch thread until its deadline, never a thread that decodes media.
 The processors then receive bytes, so the server's `Processor` runs with local paths and URLs
 switched off (a second line of defence). The fetcher connects directly: proxy environment
 variables are not used (a proxy would hide the address that the policy checks).
@@ -22,8 +24,10 @@ variables are not used (a proxy would hide the address that the policy checks).
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import http.client
+import io
 import ipaddress
 import os
 import socket
@@ -43,6 +47,7 @@ _USER_AGENT = "vlmrun-server/1"
 _IMAGE_TYPES = ("image", "image_url", "input_image")
 _SIZE_KEYS = ("min_pixels", "max_pixels", "resized_height", "resized_width")
 _VIDEO_TYPES = ("video", "video_url", "input_video")
+HEADER_PEEK_BYTES = 64 << 10  # of an image, to read its declared size (`MediaResolver.declared_pixels`)
 
 Resolver = Callable[[str, int], list[str]]
 
@@ -118,6 +123,30 @@ class MediaResolver:
                 items.append(item)
             out.append({**message, "content": items})
         return out
+
+    def declared_pixels(self, messages: Any) -> int:
+        """The pixels the images of `messages` (data URIs or bytes, as resolved) declare in their headers,
+        read from their first `HEADER_PEEK_BYTES` without decoding; an image whose header is not there
+        counts 0 (the processors judge it)."""
+        total = 0
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, Mapping) else None
+            for item in content if isinstance(content, list) else ():
+                if _media_kind(item) == "image":
+                    total += _header_pixels(item_source(item, IMAGE_SOURCE_KEYS))
+        return total
+
+    def fetches(self, messages: Any) -> bool:
+        """Whether resolving `messages` reads a URL or a file (waits the fetch pool takes, `state.py`)."""
+        for message in messages if isinstance(messages, list) else ():
+            content = message.get("content") if isinstance(message, Mapping) else None
+            for item in content if isinstance(content, list) else ():
+                kind = _media_kind(item)
+                if kind is not None:
+                    source = item_source(item, IMAGE_SOURCE_KEYS if kind == "image" else VIDEO_SOURCE_KEYS)
+                    if isinstance(source, str) and not source.strip()[:10].lower().startswith("data:"):
+                        return True
+        return False
 
     def _resolve_item(self, item: Mapping[str, Any], number: int, kind: str = "image") -> Any:
         """An image (video) item with its source as bytes or a data URI, capped at `max_image_bytes`
@@ -315,6 +344,28 @@ def _connection(parts: urllib.parse.SplitResult, address: str, timeout: float) -
     if parts.scheme.lower() == "https":
         return _PinnedHTTPSConnection(host, parts.port or 443, address, timeout, ssl.create_default_context())
     return _PinnedHTTPConnection(host, parts.port or 80, address, timeout)
+
+
+def _header_pixels(source: Any) -> int:
+    """width x height from the header of an image given as a data URI or bytes; 0 when not found there."""
+    if isinstance(source, str) and source[:5].lower() == "data:" and "," in source[:256]:
+        text = source.split(",", 1)[1][:HEADER_PEEK_BYTES * 4 // 3]
+        try:
+            head = base64.b64decode(text[:len(text) - len(text) % 4])
+        except (ValueError, TypeError):
+            return 0
+    elif isinstance(source, (bytes, bytearray)):
+        head = bytes(source[:HEADER_PEEK_BYTES])
+    else:
+        return 0
+    try:
+        from PIL import Image
+
+        with Image.open(io.BytesIO(head)) as image:
+            width, height = image.size
+    except Exception:  # not an image, a header past the peek, a decompression bomb (refused later)
+        return 0
+    return width * height
 
 
 def _media_kind(item: Any) -> Optional[str]:

@@ -68,6 +68,7 @@ class RequestLimits:
     max_logprobs: int = MAX_LOGPROBS  # vLLM's --max-logprobs: logprobs / top_logprobs / prompt_logprobs above it are a 400
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: the request field's default
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
+    vocab_size: Optional[int] = None  # the model's logits: token-id lists longer than it are refused at once
 
     def check_prompt_chars(self, chars: int, params: SamplingParams, param: str) -> None:
         """400 when `chars` characters of prompt text can never fit the context (before tokenizing)."""
@@ -235,7 +236,7 @@ def _sampling_params(body: dict[str, Any], limits: RequestLimits, max_tokens: Op
         skip_special_tokens=opt_bool(body, "skip_special_tokens", True),
         structured_outputs=structured,
         thinking_token_budget=opt_int(body, "thinking_token_budget", None, lo=0),
-        **logits_processor_fields(body),
+        **logits_processor_fields(body, limits.vocab_size),
         **vllm_sampling_fields(body),
     )
     _check_max_logprobs(body, logprobs, limits.max_logprobs)

@@ -56,6 +56,8 @@ class ServerSettings:
         per request), log_stats (a periodic engine statistics line), enable_force_include_usage (streams end
         with a usage chunk even without stream_options), response_role (vLLM's --response-role), and the CORS lists
         (allowed_origins / allowed_methods / allowed_headers, allow_credentials; vLLM's defaults).
+    grammar_cache_bytes: the compiled grammars the engine's cache keeps (xgrammar's own size count;
+        least recently used first out), set on the engine's `GrammarCompiler` when the server starts.
     """
 
     served_model_name: str
@@ -105,6 +107,7 @@ class ServerSettings:
     def sampling_overrides(self) -> dict[str, Any]:
         """`override_generation_config` as SamplingParams fields (max_new_tokens -> max_tokens)."""
         return {SAMPLING_FIELDS[name]: value for name, value in self.override_generation_config.items()}
+    grammar_cache_bytes: int = 256 * MiB
 
     def lora_request(self, name: str) -> LoRARequest:
         """The `LoRARequest` of a `--lora-modules` adapter (ids 1, 2, ... in the order given)."""
@@ -113,7 +116,8 @@ class ServerSettings:
 
     def __post_init__(self) -> None:
         for name in ("max_request_bytes", "max_n", "preprocess_workers", "max_image_bytes", "max_video_bytes",
-                     "max_grammar_chars", "max_grammar_choices", "grammar_workers", "max_pending_grammars"):
+                     "max_grammar_chars", "max_grammar_choices", "grammar_workers", "max_pending_grammars",
+                     "grammar_cache_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ServerSettings.{name} must be >= 1")
         unknown = sorted(set(self.override_generation_config) - set(SAMPLING_FIELDS))

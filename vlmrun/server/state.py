@@ -15,9 +15,10 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from vlmrun.processors import Processor, ProcessorLimits
+from vlmrun.processors.video_io import video_decoder
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.lora.request import LoRARequest
 from vlmrun.sampling_params import StopLimits
@@ -41,6 +42,7 @@ class Admission:
     def __init__(self, limit: int):
         self.limit = limit
         self.in_flight = 0
+        self.admitted = 0  # requests admitted so far (the memory trimmer's sign of activity)
 
     def admit(self, n: int) -> "Ticket":
         if n > self.limit:
@@ -49,6 +51,7 @@ class Admission:
         if self.in_flight + n > self.limit:
             raise queue_full(self.limit)
         self.in_flight += n
+        self.admitted += 1
         return Ticket(self, n)
 
 
@@ -67,6 +70,12 @@ class Ticket:
 # Threads of the light pool; a body over LIGHT_BODY_BYTES is parsed in the media pool.
 LIGHT_WORKERS = 2
 LIGHT_BODY_BYTES = 256 * 1024
+# Threads that fetch media URLs (each waits at most url_timeout_s; they wait, they do not compute).
+FETCH_WORKERS = 32
+# A request whose images declare more pixels than this in all (a 7,900 x 7,900 PNG decodes to 187 MB and
+# takes seconds to resize) is prepared in the bulk pool's thread, so such requests never fill the media pool.
+BULK_PIXELS = 16_000_000
+BULK_WORKERS = 1
 
 
 @dataclass
@@ -82,7 +91,10 @@ class ServerState:
     limits: RequestLimits
     grammars: GrammarPool  # client constraints compile here, never in the light or media pool
     trimmer: MemoryTrimmer  # hands the memory of large bodies back after them
+    fetch_pool: ThreadPoolExecutor  # media URLs and files read: network waits never hold a media thread
+    bulk_pool: ThreadPoolExecutor  # requests whose images declare over BULK_PIXELS: never hold the media pool
     created: int = field(default_factory=lambda: int(time.time()))
+    bulk_pixels: int = BULK_PIXELS
 
     @classmethod
     def build(cls, engine: AsyncEngine, settings: ServerSettings) -> "ServerState":
@@ -91,6 +103,8 @@ class ServerState:
                                      max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes),
                                      max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes),
                                      max_video_tokens=_video_token_budget(base.limits))
+        if base.video_processor is not None:  # its libraries load now, not on a client's first video (seconds
+            video_decoder()  # under the import lock, and ~190 MB of RSS that would read as that client's)
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
                               device=base.device, source=base.source, video_processor=base.video_processor,
                               video_prompt=base.video_prompt, mm_processor_kwargs=base.mm_processor_kwargs)
@@ -110,13 +124,17 @@ class ServerState:
                                sampling_defaults=sampling_defaults, grammar=grammar_limits,
                                prompt=PromptBounds.of(base.tokenizer, engine.engine.max_model_len),
                                max_logprobs=settings.max_logprobs, tokens_as_ids=settings.return_tokens_as_token_ids,
-                               force_include_usage=settings.enable_force_include_usage)
+                               force_include_usage=settings.enable_force_include_usage,
+                               vocab_size=engine.engine.model_config.text_config.vocab_size)
         compiler = engine.engine.grammars
+        compiler.limit_bytes(settings.grammar_cache_bytes)
         trimmer = MemoryTrimmer(media_pool)
         grammars = GrammarPool(compiler.compile, compiler.is_cached, settings.grammar_workers,
                                settings.max_pending_grammars, settings.grammar_timeout_s, trimmer.schedule)
+        fetch_pool = ThreadPoolExecutor(FETCH_WORKERS, thread_name_prefix="vlmrun-fetch")
+        bulk_pool = ThreadPoolExecutor(BULK_WORKERS, thread_name_prefix="vlmrun-bulk")
         return cls(engine, settings, processor, media, media_pool, light_pool, metrics, admission, limits, grammars,
-                   trimmer)
+                   trimmer, fetch_pool, bulk_pool)
 
     @property
     def model_name(self) -> str:
@@ -131,13 +149,27 @@ class ServerState:
             return self.settings.lora_request(model)
         raise model_not_found(model, [*self.settings.served_model_names, *self.settings.lora_modules])
 
-    async def in_pool(self, fn: Callable[[], T], heavy: bool) -> T:
-        """Run `fn` off the event loop: in the media pool when `heavy`, else in the light pool."""
-        pool = self.media_pool if heavy else self.light_pool
+    async def in_pool(self, fn: Callable[[], T], heavy: bool, bulk: bool = False) -> T:
+        """Run `fn` off the event loop: in the bulk pool when `bulk`, the media pool when `heavy`, else in the
+        light pool."""
+        pool = self.bulk_pool if bulk else self.media_pool if heavy else self.light_pool
         return await asyncio.get_running_loop().run_in_executor(pool, fn)
 
+    async def is_bulk(self, messages: Any) -> bool:
+        """Whether the images of `messages` declare more than `bulk_pixels` in all (their headers, read in
+        the light pool): such a request is prepared in the bulk pool, behind its likes only."""
+        return await self.in_pool(lambda: self.media.declared_pixels(messages) > self.bulk_pixels, heavy=False)
+
+    async def resolve_media(self, messages: Any) -> Any:
+        """`messages` with their media URLs fetched and files read (`MediaResolver`), in the fetch pool; the
+        same messages when there is nothing to fetch (data URIs are decoded later, in the media pool)."""
+        if not self.media.fetches(messages):
+            return messages
+        return await asyncio.get_running_loop().run_in_executor(self.fetch_pool, self.media.resolve_messages,
+                                                                messages)
+
     def shutdown_pools(self) -> None:
-        for pool in (self.media_pool, self.light_pool):
+        for pool in (self.media_pool, self.light_pool, self.fetch_pool, self.bulk_pool):
             pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.shutdown()
 

@@ -149,16 +149,16 @@ Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams
 async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
                  param: str, heavy: bool, lora: Optional[LoRARequest] = None,
-                 scheduling: SchedulingFields = SchedulingFields(), n: int = 1) -> Submitted:
-    """Prepare the request off the event loop (`heavy`: in the media pool) and hand it to the engine (with
-    `scheduling`'s priority and cache salt). A client that leaves while it is prepared sets `prepare`'s
-    event, which stops it at the next image. `n`: the choices of each prompt (consecutive items), for the
-    metrics."""
+                 scheduling: SchedulingFields = SchedulingFields(), n: int = 1, bulk: bool = False) -> Submitted:
+    """Prepare the request off the event loop (`heavy`: in the media pool; `bulk`: images of many
+    megapixels, in the one-thread bulk pool) and hand it to the engine (with `scheduling`'s priority and
+    cache salt). A client that leaves while it is prepared sets `prepare`'s event, which stops it at the
+    next image. `n`: the choices of each prompt (consecutive items), for the metrics."""
     cancel = threading.Event()
     try:
         tokenizer = state.processor.tokenizer
         work = state.in_pool(lambda: _input_errors_as_400(lambda: _tokenize_bad_words(prepare(cancel), tokenizer)),
-                             heavy)
+                             heavy, bulk)
         try:
             items = await until_done_or_disconnected(request, work)
         except BaseException:
@@ -167,6 +167,8 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
             raise
         finally:
             cancel.set()  # done, or nobody is waiting for it any more
+        if heavy:  # huge images decoded and resized: their buffers, once the RSS shows them
+            state.trimmer.after_media()
         gone = threading.Event()  # set when the client leaves: its compile, if not started, never starts
         if isinstance(items[0][1], SamplingParams):  # the choices of one request share their constraint
             await until_done_or_disconnected(request, state.grammars.compile(items[0][1].structured_outputs, gone))

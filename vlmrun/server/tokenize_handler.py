@@ -84,7 +84,12 @@ async def tokenize(state: ServerState, request: Request) -> Response:
                                   heavy=large_body(request) or is_heavy_text(len(req.prompt), None))
     else:
         heavy = has_media(req.messages) or large_body(request) or is_heavy_text(message_text_chars(req.messages), None)
-        ids = await state.in_pool(lambda: _chat_token_ids(state, req), heavy=heavy)
+        try:  # media URLs fetched first, in the fetch pool (as for a chat completion)
+            messages = await state.resolve_media(req.messages)
+        except InputError as exc:
+            raise bad_request(str(exc), param="messages") from None
+        bulk = heavy and await state.is_bulk(messages)  # images of many pixels: the bulk pool, as for a chat
+        ids = await state.in_pool(lambda: _chat_token_ids(state, req, messages), heavy=heavy, bulk=bulk)
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
@@ -109,10 +114,11 @@ def _decode(state: ServerState, tokens: list[int]) -> str:
     return tokenizer.decode(tokens)
 
 
-def _chat_token_ids(state: ServerState, req: TokenizeRequest) -> list[int]:
-    """The chat's ids as the engine would run them (pads expanded), 400 for what the processor refuses."""
+def _chat_token_ids(state: ServerState, req: TokenizeRequest, messages: Any) -> list[int]:
+    """The chat's ids (its `messages`, media fetched) as the engine would run them (pads expanded), 400 for
+    what the processor refuses."""
     try:
-        prompt = render_chat(state, req.messages, req.tools, req.options)
+        prompt = render_chat(state, messages, req.tools, req.options)
     except InputError as exc:
         raise bad_request(str(exc), param="messages") from None
     except ValueError as exc:  # e.g. a checkpoint without a chat template

@@ -9,6 +9,11 @@ A client that goes away must not keep its request running. Two cases:
   time, so a client that leaves while the engine is still in prefill (nothing to send yet) is
   noticed at once, not at the next write. Either way the event generator is closed, and its
   `finally` aborts what is left.
+
+A failed `work` (a refused image or video) leaves no reference cycle behind: the error's traceback holds
+the frame that awaited the task, and the task holds the error, so a frame that kept the task would keep
+the whole chain (the refused media's decoder and bytes among its frames' locals) until the cyclic garbage
+collector's next full pass, which on a server's large heap may be minutes away.
 """
 
 from __future__ import annotations
@@ -77,7 +82,10 @@ async def until_done_or_disconnected(request: Request, work: Awaitable[T]) -> T:
     finally:
         watcher.cancel()
     if task in done:
-        return task.result()
+        try:
+            return task.result()
+        finally:  # the error's traceback holds this frame: no frame -> task -> error cycle (see the docstring)
+            del task, done, watcher
     task.cancel()
     try:
         await task

@@ -203,6 +203,14 @@ class GrammarCompiler:
         """Bytes of the compiled grammars the cache holds."""
         return self._bytes
 
+    def limit_bytes(self, cache_bytes: int) -> None:
+        """Keep at most `cache_bytes` of compiled grammars from now on (evicting what is past it now)."""
+        if cache_bytes < 1:
+            raise ValueError("the grammar cache needs cache_bytes >= 1")
+        with self._lock:
+            self.cache_bytes = cache_bytes
+            self._evict()
+
     def _evict(self) -> None:
         """Drop the least recently used entries past `cache_size` entries or `cache_bytes` (the newest
         entry stays, whatever its size: the request that asked for it holds it anyway). Under the lock."""
