@@ -5,6 +5,7 @@ them, and outputs do not change."""
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -85,3 +86,34 @@ def kv_bytes(llm: LLM, tokens: int) -> int:
     text = llm.engine.model_config.text_config
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     return tokens * text.num_hidden_layers * 2 * text.num_key_value_heads * head_dim * 4
+
+
+def test_generate_holds_the_pixels_of_the_prefetch_and_one_step_not_of_max_num_seqs(qwen2_5_vl_dir, monkeypatch):
+    prefetch, budget, n = 2, 48, 24
+    llm = LLM(str(qwen2_5_vl_dir), dtype="float32", device="cpu", max_num_seqs=n, max_num_batched_tokens=budget,
+              preprocess_workers=1, preprocess_prefetch=prefetch)
+    engine = llm.engine
+    items: list = []
+    seen = {"holding": 0, "in_flight": 0}
+    process, step = engine.process, engine.step
+
+    def recording_process(prompt):
+        out = process(prompt)
+        items.extend(weakref.ref(it) for it in out.mm_items)
+        return out
+
+    def watching_step():
+        holding = sum(1 for ref in items if ref() is not None and ref().pixel_values is not None)
+        seen["holding"] = max(seen["holding"], holding)
+        seen["in_flight"] = max(seen["in_flight"], len(engine.requests))
+        return step()
+
+    monkeypatch.setattr(engine, "process", recording_process)
+    monkeypatch.setattr(engine, "step", watching_step)
+    prompts = ({"prompt": f"Picture {i}.", "images": [image(i, 32, 32)]} for i in range(n))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert all(o.error is None for o in outs)
+    tokens = len(process({"prompt": "Picture 0.", "images": [image(0, 32, 32)]}).token_ids)
+    window = max(prefetch, -(-budget // tokens)) + 1  # inputs with no token yet: the prefetch, one step's budget
+    assert seen["holding"] <= prefetch + 1 + window, seen  # + the one a worker is preprocessing
+    assert seen["in_flight"] > prefetch + 1 + window, "decoding requests are not held back"
