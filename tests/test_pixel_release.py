@@ -14,6 +14,7 @@ from PIL import Image
 
 from vlmrun import LLM, SamplingParams
 from vlmrun.cache.encoder_cache import EncoderCache, ImageEmbedding
+from vlmrun.feed.pipeline import PREFILL_STEPS_AHEAD
 
 
 def image(seed: int, w: int = 64, h: int = 48) -> Image.Image:
@@ -89,7 +90,7 @@ def kv_bytes(llm: LLM, tokens: int) -> int:
 
 
 def test_generate_holds_the_pixels_of_the_prefetch_and_one_step_not_of_max_num_seqs(qwen2_5_vl_dir, monkeypatch):
-    prefetch, budget, n = 2, 48, 24
+    prefetch, budget, n = 2, 24, 24
     llm = LLM(str(qwen2_5_vl_dir), dtype="float32", device="cpu", max_num_seqs=n, max_num_batched_tokens=budget,
               preprocess_workers=1, preprocess_prefetch=prefetch)
     engine = llm.engine
@@ -114,6 +115,6 @@ def test_generate_holds_the_pixels_of_the_prefetch_and_one_step_not_of_max_num_s
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert all(o.error is None for o in outs)
     tokens = len(process({"prompt": "Picture 0.", "images": [image(0, 32, 32)]}).token_ids)
-    window = max(prefetch, -(-budget // tokens)) + 1  # inputs with no token yet: the prefetch, one step's budget
+    window = max(prefetch, -(-PREFILL_STEPS_AHEAD * budget // tokens)) + 1  # inputs with no token yet
     assert seen["holding"] <= prefetch + 1 + window, seen  # + the one a worker is preprocessing
     assert seen["in_flight"] > prefetch + 1 + window, "decoding requests are not held back"

@@ -10,7 +10,7 @@
   ids, no pixels). The engine drops a request's pixels once its images are encoded
   (`vlmrun.multimodal.vision_stage`), so only inputs with media whose prefill has not ended (no token
   yet) hold pixels in it; `_PrefillWindow` stops topping up while they are at least `prefetch` inputs
-  and fill a step's token budget (`max_num_batched_tokens`).
+  and fill two steps' token budget (`max_num_batched_tokens`: the step being run and the next).
 - Before every step the engine is topped up from the ready prompts, so the first step runs as soon as
   the first input is preprocessed and finished requests are replaced at once (continuous batching).
   A call whose inputs fit the prefetch (`whole_batch`) instead submits them all, in input order,
@@ -39,6 +39,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 
 DEFAULT_PREFETCH = 64  # processed prompts kept ready ahead of the engine
+PREFILL_STEPS_AHEAD = 2  # the step running and the next one: the engine never waits for a top-up
 
 
 @dataclass
@@ -143,7 +144,7 @@ class InputPipeline:
         added at once, whatever the worker threads' timing)."""
         prefetcher = Prefetcher(works, lambda work: self.prepare(work.source), self.workers, self.prefetch)
         in_flight: dict[str, tuple[_Open, int]] = {}  # request id -> its input, choice
-        window = _PrefillWindow(self.prefetch, self.engine.config.max_num_batched_tokens)
+        window = _PrefillWindow(self.prefetch, PREFILL_STEPS_AHEAD * self.engine.config.max_num_batched_tokens)
         fed = False
         try:
             if whole_batch:  # all of them first, in input order (the workers finish in any order)
