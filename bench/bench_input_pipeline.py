@@ -12,14 +12,15 @@ process (`bench.common.run_child`):
 
     python -m bench.bench_input_pipeline --images 100,1000 --max-tokens 2 --size 448
 
-The peak holds the requests in the engine (at most --max-num-seqs, each with its pixels until it
-finishes) and the prefetch, so it is flat once N exceeds --max-num-seqs + --prefetch:
+The peak holds the prefetch (--prefetch processed prompts) and the inputs whose prefill has not ended
+(the engine drops a request's pixels once its images are encoded, and the pipeline admits inputs with
+media up to two steps' prefill), not --max-num-seqs requests' pixels, so it is flat in N past those:
 
-    python -m bench.bench_input_pipeline --images 200,1000 --max-num-seqs 32 --prefetch 16 --sides generate \
-        --encoder-cache-tokens 256
+    python -m bench.bench_input_pipeline --images 100,1000,10000 --sides generate
 
 (The engine's encoder cache, 32,768 tokens of vision embeddings by default, also fills as N grows, up to
-its own bound; --encoder-cache-tokens small leaves the pipeline's own memory.)
+its own bound; --encoder-cache-tokens small leaves the pipeline's own memory, e.g. with
+--max-num-seqs 32 --prefetch 16 --encoder-cache-tokens 256.)
 """
 
 from __future__ import annotations

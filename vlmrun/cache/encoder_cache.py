@@ -5,12 +5,14 @@ the embeddings here instead, pinned while its image item lives, because a preemp
 a later prefill chunk needs them again. Pins count toward the same capacity (the device memory the
 cache may use does not change), are never evicted, and are refused once they would fill it; the
 caller then keeps its pixels. A pin is counted per holder: the entry is unpinned (and evictable
-again) when its last holder lets go (`unpin`).
+again) when its last holder lets go (`unpin`). A holder that lets go from another thread (a finalizer
+runs wherever the last reference goes) calls `unpin_later`, which only queues the key; the cache's
+own thread applies it at its next call (`settle`), so the cache is only ever changed by one thread.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Optional
 
@@ -42,8 +44,10 @@ class EncoderCache:
         self.num_pinned_tokens = 0
         self.hits = 0
         self.misses = 0
+        self._unpinned: deque[str] = deque()  # keys let go from any thread (deque appends are atomic)
 
     def get(self, key: str) -> Optional[ImageEmbedding]:
+        self.settle()
         pinned = self.pinned.get(key)
         entry = pinned.entry if pinned is not None else self.entries.get(key)
         if entry is None:
@@ -55,6 +59,7 @@ class EncoderCache:
         return entry
 
     def put(self, key: str, entry: ImageEmbedding) -> None:
+        self.settle()
         if key in self.entries or key in self.pinned:
             return
         self.entries[key] = entry
@@ -64,6 +69,7 @@ class EncoderCache:
     def pin(self, key: str, entry: ImageEmbedding) -> bool:
         """Hold `entry` under `key` until `unpin(key)`: True, or False when the pins would exceed the
         capacity (nothing changes then). Evictable entries make room."""
+        self.settle()
         pinned = self.pinned.get(key)
         if pinned is not None:
             pinned.holders += 1
@@ -77,6 +83,15 @@ class EncoderCache:
         self.num_pinned_tokens += entry.num_tokens
         self._evict(keep=0)
         return True
+
+    def unpin_later(self, key: str) -> None:
+        """`unpin(key)` at the cache's next call, from any thread."""
+        self._unpinned.append(key)
+
+    def settle(self) -> None:
+        """Apply the `unpin_later` calls made since the last call (on the cache's own thread)."""
+        while self._unpinned:
+            self.unpin(self._unpinned.popleft())
 
     def unpin(self, key: str) -> None:
         """A holder of `key`'s pin lets go; with the last one the entry is evictable again (most recent)."""

@@ -87,7 +87,7 @@ class VisionStage:
         """A consumed image: its embedding pinned while `item` lives, its pixels dropped (if the pin fits)."""
         if item.pixel_values is None or not self.cache.pin(key, entry):
             return
-        weakref.finalize(item, self.cache.unpin, key)
+        weakref.finalize(item, self.cache.unpin_later, key)  # wherever the item's last reference goes
         item.pixel_values = None
 
     def _embeddings_for(self, keyed: list[tuple[str, Any, int]]) -> dict[str, ImageEmbedding]:
