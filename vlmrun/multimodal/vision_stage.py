@@ -19,8 +19,8 @@ pixels, as before (`EncoderCache.pin`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import weakref
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
