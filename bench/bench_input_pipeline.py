@@ -12,14 +12,15 @@ process (`bench.common.run_child`):
 
     python -m bench.bench_input_pipeline --images 100,1000 --max-tokens 2 --size 448
 
-The peak holds the requests in the engine (at most --max-num-seqs, each with its pixels until it
-finishes) and the prefetch, so it is flat once N exceeds --max-num-seqs + --prefetch:
+The peak holds the prefetch (--prefetch processed prompts) and the inputs whose prefill has not ended
+(the engine drops a request's pixels once its images are encoded, and the pipeline admits inputs with
+media up to two steps' prefill), not --max-num-seqs requests' pixels, so it is flat in N past those:
 
-    python -m bench.bench_input_pipeline --images 200,1000 --max-num-seqs 32 --prefetch 16 --sides generate \
-        --encoder-cache-tokens 256
+    python -m bench.bench_input_pipeline --images 100,1000,10000 --sides generate
 
 (The engine's encoder cache, 32,768 tokens of vision embeddings by default, also fills as N grows, up to
-its own bound; --encoder-cache-tokens small leaves the pipeline's own memory.)
+its own bound; --encoder-cache-tokens small leaves the pipeline's own memory, e.g. with
+--max-num-seqs 32 --prefetch 16 --encoder-cache-tokens 256.)
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int) -> dict:
+def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int,
+                   max_num_batched_tokens: int) -> dict:
     from vlmrun import LLM, SamplingParams
 
     paths = sorted(folder.glob("*.png"))
     llm = LLM(device="cpu", max_num_seqs=max_num_seqs, preprocess_prefetch=prefetch,
-              encoder_cache_tokens=encoder_cache_tokens)
+              encoder_cache_tokens=encoder_cache_tokens, max_num_batched_tokens=max_num_batched_tokens)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt": PROMPT, "images": [str(paths[0])]}], params, use_tqdm=False)  # warm-up
     gc.collect()
@@ -114,7 +116,8 @@ def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: i
             "workers": llm.preprocess_workers, "prefetch": llm.preprocess_prefetch}
 
 
-def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int) -> dict:
+def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int,
+                  max_num_batched_tokens: int) -> dict:
     from vlmrun.default_model import resolve_model
     from vlmrun.jobs.config import CaptionJobConfig
     from vlmrun.jobs.runner import run_caption_job
@@ -124,7 +127,8 @@ def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: in
         config = CaptionJobConfig(inputs=[str(folder)], model=resolve_model(None), out=str(Path(tmp) / "out.jsonl"),
                                   prompt=PROMPT, progress=False, prefetch=prefetch,
                                   engine_options={"device": "cpu", "max_num_seqs": max_num_seqs,
-                                                  "encoder_cache_tokens": encoder_cache_tokens},
+                                                  "encoder_cache_tokens": encoder_cache_tokens,
+                                                  "max_num_batched_tokens": max_num_batched_tokens},
                                   sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
         summary = run_caption_job(config)
     assert summary.failed == 0
@@ -140,6 +144,8 @@ def main() -> None:
     parser.add_argument("--prefetch", type=int, default=64, help="processed prompts ahead of the engine")
     parser.add_argument("--encoder-cache-tokens", type=int, default=32768,
                         help="the engine's encoder cache (it fills with N up to this bound; small: the pipeline alone)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="the engine's step budget (the pipeline keeps two steps' prefill in it)")
     parser.add_argument("--sides", default="generate,caption", help="which to run: generate, caption or both")
     parser.add_argument("--child", choices=("generate", "caption"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -149,17 +155,19 @@ def main() -> None:
     if args.child is not None:
         run = child_generate if args.child == "generate" else child_caption
         print(json.dumps(run(Path(args.folder), args.max_tokens, args.max_num_seqs, args.prefetch,
-                             args.encoder_cache_tokens)))
+                             args.encoder_cache_tokens, args.max_num_batched_tokens)))
         return
     print(describe_run(__spec__.name))
     common = ["--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs), "--prefetch",
-              str(args.prefetch), "--encoder-cache-tokens", str(args.encoder_cache_tokens), *(["--threads", str(args.threads)] if args.threads else [])]
+              str(args.prefetch), "--encoder-cache-tokens", str(args.encoder_cache_tokens),
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), *(["--threads", str(args.threads)] if args.threads else [])]
     sides = args.sides.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.images.split(",")):
             folder = Path(tmp) / f"n{n}"
             write_scenes(folder, n, args.size)
-            line = f"{n:>6,} images {args.size} px, max_num_seqs {args.max_num_seqs}:"
+            line = (f"{n:>6,} images {args.size} px, max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
+                    f"{args.max_num_batched_tokens}:")
             if "generate" in sides:
                 gen = run_child(__spec__.name, ["--child", "generate", "--folder", str(folder), *common])
                 line += (f" generate peak RSS +{gen['peak_above_engine_mb']:.0f} MB above the engine, first step after "

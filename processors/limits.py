@@ -49,7 +49,8 @@ class ProcessorLimits:
         30 KB per token (float32 pixel values 24 KB, the resized frames 6 KB; README, "Video").
     Each video frame is also bounded by `max_image_pixels` as decoded.
     max_prompt_tokens: the most tokens a prompt may have (None: unchecked here). The images of a
-        request are refused from their headers, before any is decoded, when they alone need more.
+        request are refused from their headers, before any is decoded, when they alone need more;
+        its videos too, from their containers' metadata (`video_token_budget`).
     """
 
     max_image_pixels: int = 64_000_000
@@ -77,6 +78,21 @@ class ProcessorLimits:
         if self.url_timeout_s <= 0:
             raise ValueError("ProcessorLimits.url_timeout_s must be positive")
 
+    @property
+    def video_token_budget(self) -> int:
+        """The LLM tokens the videos of one request may need together: `max_video_tokens`, and never
+        more than a prompt may hold (the model's context), so a video that could never run is refused
+        from its container's metadata, before a frame is decoded (the server and the offline API alike)."""
+        if self.max_prompt_tokens is None:
+            return self.max_video_tokens
+        return max(1, min(self.max_video_tokens, self.max_prompt_tokens))
+
+    def describe_video_budget(self) -> str:
+        """The video token budget as an error message names it."""
+        if self.video_token_budget < self.max_video_tokens:
+            return f"the {self.video_token_budget:,} tokens a prompt may hold in this model's context"
+        return f"the limit of {self.max_video_tokens:,} video tokens per request"
+
 
 def quote(value: object, limit: int = 100) -> str:
     """A client value as an error message shows it: repr'd, at most `limit` characters of it."""
@@ -88,9 +104,9 @@ def quote(value: object, limit: int = 100) -> str:
 
 def check_video_tokens(n_tokens: int, limits: ProcessorLimits) -> None:
     """Raise InputError if the videos of a request need more LLM tokens than `limits` allows."""
-    if n_tokens > limits.max_video_tokens:
+    if n_tokens > limits.video_token_budget:
         raise InputError(
-            f"the videos of this request need {n_tokens:,} tokens, more than the limit of {limits.max_video_tokens:,} "
+            f"the videos of this request need {n_tokens:,} tokens, more than {limits.describe_video_budget()} "
             "(sample fewer frames with 'fps' / 'nframes', or fewer pixels with 'max_pixels')"
         )
 

@@ -28,7 +28,8 @@ class MMItem:
     hash: content hash of the preprocessed pixels (encoder-cache / prefix-cache key).
     offset: index in token_ids of the item's first pad token.
     length: number of pad tokens (= grid t*h*w // merge**2 = rows of its embedding).
-    pixel_values: [t*h*w, 3*T*P*P] float32.
+    pixel_values: [t*h*w, 3*T*P*P] float32; None once the engine has encoded the item (its embedding
+        then stays pinned in the engine's encoder cache while the item lives: `vlmrun.multimodal.vision_stage`).
     grid_thw: (t, h, w) in patches.
     kind: "image" or "video".
     second_per_grid_t: seconds per temporal group of a "qwen2"-style video (its temporal M-RoPE
@@ -38,7 +39,7 @@ class MMItem:
     hash: str
     offset: int
     length: int
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     grid_thw: tuple[int, int, int]
     kind: str = "image"
     second_per_grid_t: float | None = None

@@ -298,7 +298,7 @@ class Processor:
             _stop_if_cancelled(cancel)
             try:
                 video = self.video_processor.preprocess(ref.source, self.limits, VideoOptions(**ref.options),
-                                                        max_tokens=self.limits.max_video_tokens - tokens)
+                                                        max_tokens=self.limits.video_token_budget - tokens)
             except InputError as exc:
                 raise InputError(f"video {k + 1} ({describe_source(ref.source)}): {exc}") from None
             tokens += self.video_processor.num_tokens(video.grid_thw)

@@ -109,10 +109,11 @@ class VideoProcessor:
 
         The frame count and the size every frame is resized to, and so the LLM tokens, come from the
         container's metadata before any frame is decoded: a video over `max_tokens` (default
-        `limits.max_video_tokens`) is refused then. Frames are decoded a few at a time and resized at
-        once, so a request holds at most `DECODE_BATCH` full-size frames."""
+        `limits.video_token_budget`: the request's limit and the model's context) is refused then.
+        Frames are decoded a few at a time and resized at once, so a request holds at most
+        `DECODE_BATCH` full-size frames."""
         cfg = self._config_for(options)
-        budget = limits.max_video_tokens if max_tokens is None else max_tokens
+        budget = limits.video_token_budget if max_tokens is None else max_tokens
         metadata = None
         if is_frames_with_metadata(source):  # vLLM's (frames, metadata) form
             source, metadata = source[0], FrameMetadata.of(source[1], len(source[0]), DEFAULT_FRAME_LIST_FPS)
@@ -128,7 +129,7 @@ class VideoProcessor:
             indices = metadata.frames_indices if metadata else list(range(n))
             total = metadata.total_num_frames if metadata else n
             size = self._plan(n, *frames.shape[-2:], cfg, options.total_pixels, budget,
-                              limits.max_video_tokens)
+                              limits)
             resized = self.pixels.finish(frames, size, cfg.resample) if cfg.do_resize else frames
             return self._process_frames(resized, indices, total, fps, cfg)
         video = open_video(source, limits)
@@ -138,7 +139,7 @@ class VideoProcessor:
         if not indices:
             raise InputError("the video has no frames")
         size = self._plan(len(indices), video.info.height, video.info.width, cfg, options.total_pixels, budget,
-                          limits.max_video_tokens)
+                          limits)
         resized = torch.empty(len(indices), 3, *size, dtype=torch.uint8)
         for start in range(0, len(indices), DECODE_BATCH):
             frames = video.frames_at(indices[start:start + DECODE_BATCH])  # [k, 3, H, W] uint8
@@ -149,7 +150,7 @@ class VideoProcessor:
         return self._process_frames(resized, indices, total, fps, cfg)
 
     def _plan(self, num_frames: int, height: int, width: int, cfg: VideoProcessorConfig, total_pixels: int | None,
-              max_tokens: int, limit: int) -> tuple[int, int]:
+              max_tokens: int, limits: ProcessorLimits) -> tuple[int, int]:
         """The (height, width) frames are resized to; InputError when that needs more than `max_tokens`."""
         if num_frames == 0:
             raise InputError("the video has no frames")
@@ -157,9 +158,10 @@ class VideoProcessor:
         grid = (-(-num_frames // cfg.temporal_patch_size), size[0] // cfg.patch_size, size[1] // cfg.patch_size)
         tokens = self.num_tokens(grid)
         if tokens > max_tokens:
-            left = f" ({max_tokens:,} left after the request's earlier videos)" if max_tokens < limit else ""
-            raise InputError(f"{num_frames:,} frames at {size[1]}x{size[0]} need {tokens:,} tokens, more than the "
-                             f"limit of {limit:,} video tokens per request{left} (sample fewer frames with 'fps' / "
+            left = (f" ({max_tokens:,} left after the request's earlier videos)"
+                    if max_tokens < limits.video_token_budget else "")
+            raise InputError(f"{num_frames:,} frames at {size[1]}x{size[0]} need {tokens:,} tokens, more than "
+                             f"{limits.describe_video_budget()}{left} (sample fewer frames with 'fps' / "
                              "'nframes', or fewer pixels with 'max_pixels' / 'total_pixels')")
         return size
 

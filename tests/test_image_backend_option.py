@@ -65,7 +65,7 @@ def test_backends_give_other_hashes_and_prefix_keys(qwen3_vl_dir: Path) -> None:
 def test_preprocess_device_option(qwen3_vl_dir: Path, tmp_path: Path) -> None:
     parser = build_parser()
     assert engine_config(parser.parse_args(["serve", "--preprocess-device", "cuda"])).preprocess_device == "cuda"
-    assert build_config(parser.parse_args(["caption", str(tmp_path)])).engine_options["preprocess_device"] == "cpu"
+    assert build_config(parser.parse_args(["caption", str(tmp_path)])).engine_options["preprocess_device"] == "auto"
     with pytest.raises(ValueError, match="preprocess_device"):
         EngineConfig(preprocess_device="gpu")
     with pytest.raises(ValueError, match="preprocess_device='cuda' needs the engine on CUDA"):

@@ -50,8 +50,9 @@ def add_kernel_args(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
                    help="CPU threads for the engine's steps (default: chosen from the CPUs this process may use "
                         "(affinity, cgroup quota) and the model's size; or VLMRUN_NUM_THREADS; an OMP_NUM_THREADS "
                         "of yours is kept)")
-    p.add_argument("--preprocess-device", default="cpu", choices=["cpu", "cuda"],
-                   help="resize and normalise images on the CPU or on the engine's GPU (torchvision backend)")
+    p.add_argument("--preprocess-device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="resize and normalise images on the CPU or on the engine's GPU (torchvision backend); "
+                        "auto: on the GPU where it is faster, measured at start")
 
 
 def kernel_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -76,9 +76,10 @@ class EngineConfig:
     # sampled ones keep its distribution (docs/spec_decode.md).
     speculative_config: Union[None, dict, SpeculativeConfig] = None
     image_backend: str = "auto"  # auto (torchvision if it imports, else pil) | torchvision | pil: whose resize (processors/pixel_backends.py)
-    # Where images are normalised (and, with torchvision, resized): "cpu", or the engine's CUDA device
-    # ("cuda"): decoded on the host and uploaded as uint8; the pixels equal the CPU path's.
-    preprocess_device: str = "cpu"
+    # Where images are normalised (and, with torchvision, resized): "cpu", the engine's CUDA device
+    # ("cuda": decoded on the host and uploaded as uint8), or "auto": the GPU where it is faster and gives
+    # the CPU path's pixels, measured once at start (processors/device_plan.py)
+    preprocess_device: str = "auto"
     max_model_len: Optional[int] = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -174,8 +175,8 @@ class EngineConfig:
             raise ValueError(f"fp8_kernel must be dequantize or cuda, got {self.fp8_kernel!r}")
         if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
-        if self.preprocess_device not in ("cpu", "cuda"):
-            raise ValueError(f"preprocess_device must be cpu or cuda, got {self.preprocess_device!r}")
+        if self.preprocess_device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"preprocess_device must be auto, cpu or cuda, got {self.preprocess_device!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.distributed_executor_backend not in ("mp", "ray"):

@@ -32,6 +32,7 @@ from typing import Any, Optional, Union
 import torch
 
 from vlmrun.processors import InputError, ProcessedPrompt, Processor, ProcessorLimits
+from vlmrun.processors.device_plan import choose_preprocess_device
 from vlmrun.cache.prefix_cache import PrefixCache, PrefixCacheStats, prompt_page_keys
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.default_model import resolve_model
@@ -80,7 +81,7 @@ class Engine:
         path = resolve_model_path(resolve_model(config.model), config.revision)
         self.model_config = ModelConfig.from_path(path, config, self.device)
         self.processor = Processor.from_pretrained(path, limits=self._limits(), image_backend=config.image_backend,
-                                                   device=self._preprocess_device(), chat_template=config.chat_template,
+                                                   device=self._preprocess_device(path), chat_template=config.chat_template,
                                                    mm_processor_kwargs=config.mm_processor_kwargs)
         self.tokenizer = self.processor.tokenizer
         self.pooling = PoolingMode.of(config.runner, path, self.model_config.hf_config,  # generate | pooling
@@ -166,13 +167,9 @@ class Engine:
             logger.info("prefix cache: %d GDN state snapshots (%d bytes)", plan.num_gdn_snapshots,
                         plan.gdn_snapshot_bytes)
 
-    def _preprocess_device(self) -> torch.device:
-        if self.config.preprocess_device == "cpu":
-            return torch.device("cpu")
-        if self.device.type != "cuda" or not torch.cuda.is_available():
-            raise ValueError(f"preprocess_device='cuda' needs the engine on CUDA, in this process too; it runs on "
-                             f"{self.device}{'' if torch.cuda.is_available() else ' and this process has no GPU'}")
-        return self.device
+    def _preprocess_device(self, path: str) -> torch.device:
+        """Where images are resized and normalised ("auto": on the GPU where it wins, `device_plan`)."""
+        return choose_preprocess_device(self.config.preprocess_device, self.device, path, self.config.image_backend)
 
     def _limits(self) -> ProcessorLimits:
         limits = ProcessorLimits(max_images_per_request=self.config.max_images_per_request,

@@ -3,10 +3,14 @@
     works ──Prefetcher (feeder + worker threads, `prefetch` ahead)──▶ take() ──add_request──▶ engine.step()
           ──▶ Finished(index, ...) as each input's requests end, in the order they finish
 
-- Memory is bounded by the prefetch and the requests in flight, not by the number of inputs: the
-  inputs are read lazily (any iterable, a generator included), at most `prefetch` processed prompts
-  wait ahead of the engine, at most `max_in_flight` requests (default the engine's max_num_seqs) are
-  in it, and a finished input keeps only its results (its prompt's token ids, no pixels).
+- Memory is bounded by the prefetch and what the engine is about to encode, not by the number of inputs
+  nor by max_num_seqs: the inputs are read lazily (any iterable, a generator included), at most
+  `prefetch` processed prompts wait ahead of the engine, at most `max_in_flight` requests (default the
+  engine's max_num_seqs) are in it, and a finished input keeps only its results (its prompt's token
+  ids, no pixels). The engine drops a request's pixels once its images are encoded
+  (`vlmrun.multimodal.vision_stage`), so only inputs with media whose prefill has not ended (no token
+  yet) hold pixels in it; `_PrefillWindow` stops topping up while they are at least `prefetch` inputs
+  and fill two steps' token budget (`max_num_batched_tokens`: the step being run and the next).
 - Before every step the engine is topped up from the ready prompts, so the first step runs as soon as
   the first input is preprocessed and finished requests are replaced at once (continuous batching).
   A call whose inputs fit the prefetch (`whole_batch`) instead submits them all, in input order,
@@ -35,6 +39,7 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
 
 DEFAULT_PREFETCH = 64  # processed prompts kept ready ahead of the engine
+PREFILL_STEPS_AHEAD = 2  # the step running and the next one: the engine never waits for a top-up
 
 
 @dataclass
@@ -76,11 +81,39 @@ class _Open:
     prompt_token_ids: list[int]
     added: float
     left: int
+    has_media: bool = False  # its prompt has images or videos
+    in_window: bool = False  # counted in the `_PrefillWindow`
 
     def finished(self) -> Finished:
         p = self.prepared
         return Finished(p.index, p.work, self.results, self.prompt_token_ids, None, p.preprocess_s,
                         time.monotonic() - self.added)
+
+
+@dataclass
+class _PrefillWindow:
+    """The submitted inputs with media that have no token yet (they may still hold their pixels): full
+    once they are at least `min_inputs` and `min_tokens` prompt tokens (enough for the next steps)."""
+
+    min_inputs: int
+    min_tokens: int
+    inputs: int = 0
+    tokens: int = 0
+
+    def full(self) -> bool:
+        return self.inputs >= self.min_inputs and self.tokens >= self.min_tokens
+
+    def enter(self, entry: _Open) -> None:
+        if entry.has_media:
+            entry.in_window = True
+            self.inputs += 1
+            self.tokens += len(entry.prompt_token_ids)
+
+    def leave(self, entry: _Open) -> None:
+        if entry.in_window:
+            entry.in_window = False
+            self.inputs -= 1
+            self.tokens -= len(entry.prompt_token_ids)
 
 
 class InputPipeline:
@@ -112,16 +145,17 @@ class InputPipeline:
         added at once, whatever the worker threads' timing)."""
         prefetcher = Prefetcher(works, lambda work: self.prepare(work.source), self.workers, self.prefetch)
         in_flight: dict[str, tuple[_Open, int]] = {}  # request id -> its input, choice
+        window = _PrefillWindow(self.prefetch, PREFILL_STEPS_AHEAD * self.engine.config.max_num_batched_tokens)
         fed = False
         try:
             if whole_batch:  # all of them first, in input order (the workers finish in any order)
                 for prep in sorted(self._take_all(prefetcher), key=lambda p: p.index):
-                    failed = self._admit(prep, in_flight)
+                    failed = self._admit(prep, in_flight, window)
                     if failed is not None:
                         yield failed
                 fed = True
             while True:
-                while len(in_flight) < self.max_in_flight and not fed:
+                while len(in_flight) < self.max_in_flight and not fed and not window.full():
                     got = prefetcher.take(wait=not in_flight)
                     self.preprocessed = prefetcher.preprocessed
                     if got is None:
@@ -129,11 +163,11 @@ class InputPipeline:
                     if isinstance(got, FeedDone):
                         fed = True
                         break
-                    failed = self._admit(got, in_flight)
+                    failed = self._admit(got, in_flight, window)
                     if failed is not None:
                         yield failed
                 if in_flight:
-                    yield from self._step(in_flight)
+                    yield from self._step(in_flight, window)
                 elif fed:
                     break
                 if on_tick is not None:
@@ -154,13 +188,15 @@ class InputPipeline:
         self.preprocessed = prefetcher.preprocessed
         return batch
 
-    def _admit(self, prep: Prepared, in_flight: dict[str, tuple[_Open, int]]) -> Optional[Finished]:
+    def _admit(self, prep: Prepared, in_flight: dict[str, tuple[_Open, int]],
+               window: _PrefillWindow) -> Optional[Finished]:
         """Submit one input's requests; its `Finished` if it fails instead."""
         work: Work = prep.work
         prompt, prep.prompt = prep.prompt, None  # the engine's request holds it from here
         token_ids = [] if prompt is None else list(prompt.token_ids)
         if prep.error is None:
-            entry = _Open(prep, [None] * len(work.params), token_ids, time.monotonic(), len(work.params))
+            entry = _Open(prep, [None] * len(work.params), token_ids, time.monotonic(), len(work.params),
+                          has_media=bool(prompt.mm_items))
             added: list[str] = []
             try:
                 for i, params in enumerate(work.params):
@@ -168,6 +204,7 @@ class InputPipeline:
                     self.engine.add_request(rid, prompt, params, lora_request=work.lora, priority=work.priority)
                     added.append(rid)
                     in_flight[rid] = (entry, i)
+                window.enter(entry)
                 return None
             except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is this input's error
                 for rid in added:
@@ -176,10 +213,13 @@ class InputPipeline:
                 prep.error = describe_error(exc)
         return Finished(prep.index, work, [None] * len(work.params), token_ids, prep.error, prep.preprocess_s)
 
-    def _step(self, in_flight: dict[str, tuple[_Open, int]]) -> list[Finished]:
+    def _step(self, in_flight: dict[str, tuple[_Open, int]], window: _PrefillWindow) -> list[Finished]:
         done: list[Finished] = []
         for update in self.engine.step():
-            if update.result is None or update.request_id not in in_flight:
+            if update.request_id not in in_flight:
+                continue
+            window.leave(in_flight[update.request_id][0])  # a token (or the end): its prefill is over
+            if update.result is None:
                 continue
             entry, choice = in_flight.pop(update.request_id)
             entry.results[choice] = update.result
@@ -189,6 +229,7 @@ class InputPipeline:
         if in_flight and not self.engine.has_unfinished():  # every request must end with a finished update
             for rid, (entry, _) in list(in_flight.items()):
                 del in_flight[rid]
+                window.leave(entry)
                 entry.left -= 1
                 if not entry.left:
                     done.append(entry.finished())

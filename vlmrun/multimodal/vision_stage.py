@@ -9,10 +9,17 @@ request whose adapter changes the vision tower is encoded with that adapter's sl
 under its hash and the adapter's tag (`ChunkSpan.cache_tag`); other requests share the base embeddings.
 Nothing here waits for the device: pixels and the token mask go up with `upload` (pinned, non-blocking),
 and the image grids stay on the host, where the tower plans its segments and positions from them.
+
+Once a chunk reaches the end of an image's token span, the image is consumed: its embedding is
+pinned in the encoder cache for as long as the image item lives (a preemption by recompute, or the
+same item in another request, finds it there) and the item's pixels are dropped, so a request in
+decode holds no pixels. Where the pins would overflow the cache's capacity, the item keeps its
+pixels, as before (`EncoderCache.pin`).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -59,6 +66,9 @@ class VisionStage:
         if not pieces:
             return None
         embeddings = self._embeddings_for([(item.hash + s.cache_tag, item, s.lora_slot) for item, _, _, s in pieces])
+        for item, _, hi, span in pieces:
+            if hi == item.offset + item.length:
+                self._release_pixels(item, item.hash + span.cache_tag, embeddings[item.hash + span.cache_tag])
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         embeds, deepstack = [], []
         for item, lo, hi, span in pieces:  # spans and items come in token order, so rows do too
@@ -73,6 +83,13 @@ class VisionStage:
             deepstack_embeds=torch.cat(deepstack, dim=1) if deepstack else None,
         )
 
+    def _release_pixels(self, item: Any, key: str, entry: ImageEmbedding) -> None:
+        """A consumed image: its embedding pinned while `item` lives, its pixels dropped (if the pin fits)."""
+        if item.pixel_values is None or not self.cache.pin(key, entry):
+            return
+        weakref.finalize(item, self.cache.unpin_later, key)  # wherever the item's last reference goes
+        item.pixel_values = None
+
     def _embeddings_for(self, keyed: list[tuple[str, Any, int]]) -> dict[str, ImageEmbedding]:
         """(cache key, item, adapter slot) -> embeddings by key: cached, or encoded (one call per slot)."""
         found: dict[str, ImageEmbedding] = {}
@@ -84,6 +101,9 @@ class VisionStage:
             else:
                 found[key] = entry
         for slot, items in missing.items():
+            gone = [key for key, item in items.items() if item.pixel_values is None]
+            if gone:  # cannot happen: an item without pixels keeps its pin while it lives
+                raise RuntimeError(f"image {gone[0]} is neither in the encoder cache nor has pixels")
             found.update(self._encode(items, slot))
         return found
 

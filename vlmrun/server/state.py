@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, TypeVar
 
-from vlmrun.processors import Processor, ProcessorLimits
+from vlmrun.processors import Processor
 from vlmrun.processors.video_io import video_decoder
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.lora.request import LoRARequest
@@ -101,8 +101,7 @@ class ServerState:
         base = engine.engine.processor
         limits = dataclasses.replace(base.limits, allow_local_paths=False, allow_remote_urls=False,
                                      max_image_bytes=min(settings.max_image_bytes, base.limits.max_image_bytes),
-                                     max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes),
-                                     max_video_tokens=_video_token_budget(base.limits))
+                                     max_video_bytes=min(settings.max_video_bytes, base.limits.max_video_bytes))
         if base.video_processor is not None:  # its libraries load now, not on a client's first video (seconds
             video_decoder()  # under the import lock, and ~190 MB of RSS that would read as that client's)
         processor = Processor(base.tokenizer, base.chat_template, base.image_processor, limits,
@@ -173,11 +172,3 @@ class ServerState:
             pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.shutdown()
 
-
-def _video_token_budget(limits: ProcessorLimits) -> int:
-    """The video tokens one request may have: the processor's limit, and never more than a prompt may hold
-    (the context), so a video that could never run is refused from its container's metadata, before a
-    frame is decoded."""
-    if limits.max_prompt_tokens is None:
-        return limits.max_video_tokens
-    return max(1, min(limits.max_video_tokens, limits.max_prompt_tokens))
