@@ -57,8 +57,10 @@ def test_llm_keywords():
     assert engine_kwargs("m", None, {"block_size": 32, "seed": None}, FIELDS) == {"page_size": 32, "seed": 0}
     assert engine_kwargs("m", None, {"trust_remote_code": True, "swap_space": 4, "tokenizer": "m/"}, FIELDS) == {}
     assert engine_kwargs("m", None, {"kv_cache_dtype": "fp8"}, FIELDS | {"kv_cache_dtype"}) == {"kv_cache_dtype": "fp8"}
-    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8'\) is not supported"):
-        engine_kwargs("m", None, {"kv_cache_dtype": "fp8"}, FIELDS)
+    assert engine_kwargs("m", None, {"override_pooler_config": {"normalize": False}}, FIELDS) == {
+        "pooler_config": {"normalize": False}}  # vLLM's older name
+    with pytest.raises(ValueError, match=r"cpu_offload_gb=4\) is not supported"):
+        engine_kwargs("m", None, {"cpu_offload_gb": 4}, FIELDS)
     with pytest.raises(ValueError, match="tokenizer_revision"):
         engine_kwargs("m", "main", {"tokenizer_revision": "other"}, FIELDS)
     assert engine_kwargs("m", None, {"unknown_option": 1}, FIELDS) == {"unknown_option": 1}  # EngineConfig refuses it

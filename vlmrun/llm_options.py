@@ -4,11 +4,11 @@ A script written for vLLM passes keywords such as `trust_remote_code=True`, `tok
 `swap_space=0` or `disable_log_stats=False`. `engine_kwargs` sorts them before `EngineConfig` sees the
 rest (an unknown name stays a TypeError there):
 
-- renamed: `block_size` is `page_size`;
+- renamed: `block_size` is `page_size`; `override_pooler_config` (vLLM's older name) is `pooler_config`;
 - accepted, meaningless here, said once in the log (`NO_EFFECT`): e.g. `trust_remote_code` (vlmrun runs
   only its own model code), `swap_space`, `disable_custom_all_reduce`, `compilation_config`;
 - accepted only at the value that means what vlmrun does (`ONLY_DEFAULT`): e.g. `tokenizer_mode="auto"`,
-  `task="generate"`, `cpu_offload_gb=0`; another value is a ValueError saying why and what to use;
+  `cpu_offload_gb=0`; another value is a ValueError saying why and what to use;
 - `tokenizer` / `tokenizer_revision`: the checkpoint's own (vlmrun reads its tokenizer with the
   processor): None or the model's path / revision, else a ValueError;
 - `seed` None (vLLM's "no seed") is vlmrun's default seed 0; `max_logprobs` at most 20 (vLLM's default,
@@ -38,7 +38,6 @@ NO_EFFECT: dict[str, str] = {
     "enable_chunked_prefill": "chunked prefill is always on (max_num_batched_tokens bounds a step)",
     "disable_log_stats": "LLM logs no periodic stats; LLM.get_metrics works either way",
     "max_num_partial_prefills": "the scheduler chunks every prefill within max_num_batched_tokens",
-    "override_pooler_config": "vlmrun has no pooling models",
     "disable_mm_preprocessor_cache": "vlmrun keeps vision embeddings by content hash (encoder_cache_tokens)",
     "mm_processor_cache_gb": "vlmrun keeps vision embeddings by content hash (encoder_cache_tokens)",
 }
@@ -46,8 +45,6 @@ NO_EFFECT: dict[str, str] = {
 # vLLM keyword -> (the values that mean what vlmrun does, what to do instead)
 ONLY_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "tokenizer_mode": (("auto", "hf"), "vlmrun uses the checkpoint's fast tokenizer"),
-    "task": (("auto", "generate"), "vlmrun's LLM generates text (LLM.embed, where available, for embeddings)"),
-    "runner": (("auto", "generate"), "vlmrun's LLM generates text"),
     "skip_tokenizer_init": ((False,), "vlmrun needs the tokenizer for its processor and detokenizer"),
     "cpu_offload_gb": ((0, 0.0), "vlmrun keeps the weights on the device (use quantization='fp8' to halve them)"),
     "hf_overrides": ((None, {}), "vlmrun reads the checkpoint's config.json as it is"),
@@ -55,7 +52,6 @@ ONLY_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "data_parallel_size": ((1,), "run one LLM per device"),
     "load_format": (("auto", "safetensors"), "vlmrun loads safetensors checkpoints"),
     "logprobs_mode": (("raw_logprobs",), "vlmrun returns raw logprobs (before temperature and penalties)"),
-    "kv_cache_dtype": (("auto",), "vlmrun's KV cache has the model's dtype"),
 }
 
 
@@ -66,6 +62,8 @@ def engine_kwargs(model: Optional[str], revision: Optional[str], kwargs: dict[st
     out = dict(kwargs)
     if "block_size" in out and "block_size" not in config_fields:
         out["page_size"] = out.pop("block_size")
+    if "override_pooler_config" in out and "override_pooler_config" not in config_fields:
+        out["pooler_config"] = out.pop("override_pooler_config")
     for name in [n for n in out if n not in config_fields]:
         if name in NO_EFFECT:
             value = out.pop(name)
