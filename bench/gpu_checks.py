@@ -123,6 +123,10 @@ CHECKS: list[Check] = [
                   "tests/test_lora_triton.py::test_engine_with_the_triton_kernel_equals_the_torch_update_on_cuda"], 60),
     pytest_check("gpu_preprocessing_and_gdn_ops", 3, "image preprocessing on CUDA; torch GDN ops on CUDA",
                  ["tests/test_processors.py", "tests/test_gdn_ops.py"], 25, ["-m", "gpu"]),
+    pytest_check("preprocess_device_auto", 3, "preprocess_device='auto' measures the GPU image path at start; "
+                 "GPU preprocessing gives the CPU path's pixels",
+                 ["tests/test_preprocess_device_plan.py::test_gpu_image_path_measured_on_cuda",
+                  "tests/test_image_backend_option.py::test_gpu_preprocessing_gives_the_cpu_pixels"], 30),
     pytest_check("suite", 3, "the whole suite with CUDA (xdist; the gpu-marked tests ran above; no gradio)",
                  ["tests"], 100, ["-n", "14", "-m", "not gpu", *(f"--ignore={f}" for f in NOT_CUDA_FILES)]),
 ]
