@@ -29,6 +29,13 @@ def build_forward_batch(chunks: Sequence[ChunkInput], decodes: Optional[DecodeRo
     for the runner to fill on the device; `gdn`: the model has a GDN state pool, so each sequence gets its
     slot. The decode rows come first (one token and one logits row each), then the chunks."""
     n = 0 if decodes is None else len(decodes)
+    if n and not chunks:  # plain decodes only: the columns as they are
+        rows_t = int64_tensor(decodes.rows)  # [n]
+        return ForwardBatch.build(
+            input_ids=int64_tensor(decodes.token_ids), positions=decodes.positions().contiguous(),
+            req_pool_indices=rows_t, extend_prefix_lens=list(decodes.starts), extend_seq_lens=[1] * n,
+            out_cache_loc=decodes.kv_slots, logits_indices=torch.arange(n, dtype=torch.int64), to_device=upload,
+            attn_backend=attn_backend, state_slots=rows_t + gdn_slot_for_row(0) if gdn else None)
     input_ids: list[int] = [] if decodes is None else list(decodes.token_ids)
     logits_rows: list[int] = []
     for c in chunks:
