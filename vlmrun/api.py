@@ -65,7 +65,7 @@ class LLM:
     at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
     runner (vLLM's): "generate" (text) or "pooling" (embeddings: `embed` / `encode`); vLLM's older
     `task="embed"` means runner="pooling". `pooler_config` ({"pooling_type", "normalize"}) overrides the
-    checkpoint's pooling (docs/embeddings.md).
+    checkpoint's pooling (docs/guide/embeddings.md).
     Other keywords are EngineConfig fields (e.g. `fp8_kernel`, `tensor_parallel_size`, `seed`,
     `enforce_eager`, `gpu_memory_utilization`, `mm_processor_kwargs`, `kv_cache_dtype` "fp8" for a float8
     KV cache, `scheduling_policy` "priority" for `generate`'s `priority`) or vLLM's other `LLM` keywords

@@ -8,7 +8,7 @@ Each image (with the `--prompt` text, in one user turn through the chat template
 request on an engine started with runner="pooling"; its record is the caption record with `caption`
 null, `num_tokens` the prompt's tokens and `embedding` the vector (in Parquet a fixed-size list column
 of float32). Inputs, resume (exactly once), error records, progress and exit status are `vlmrun
-caption`'s (`vlmrun/jobs/cli.py`); docs/embeddings.md.
+caption`'s (`vlmrun/jobs/cli.py`); docs/guide/embeddings.md.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ def server_settings(args: argparse.Namespace):  # -> ServerSettings
 def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runner", choices=("generate", "pooling"), default="generate",
                    help="generate: text (/v1/chat/completions, /v1/completions); pooling: embeddings "
-                        "(/v1/embeddings; docs/embeddings.md)")
+                        "(/v1/embeddings; docs/guide/embeddings.md)")
     p.add_argument("--pooler-config", type=_json_object, default=None,
                    help='with --runner pooling: override the checkpoint\'s pooling, e.g. {"pooling_type": "MEAN", '
                         '"normalize": false}')
