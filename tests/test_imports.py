@@ -59,7 +59,6 @@ FLOORS: dict[str, int] = {
     "vlmrun.sampling_params": 1, "vlmrun.sampling_fields": 1, "vlmrun.default_model": 1, "vlmrun.threads": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
     "vlmrun.spec_decode": 2, "vlmrun.spec_decode.config": 1, "vlmrun.spec_decode.metrics": 1,
     "vlmrun.spec_decode.grammar": 1,
-    "vlmrun.spec_decode.mtp": 3, "vlmrun.spec_decode.proposer": 5,
     "vlmrun.lora": 3, "vlmrun.lora.request": 1, "vlmrun.lora.peft_files": 1,
     "vlmrun.pooling": 1,
 }

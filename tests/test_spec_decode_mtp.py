@@ -34,7 +34,7 @@ from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.layers.cpu_kernels import cpu_features
 from vlmrun.shape_scenes import DESCRIBE_PROMPT, make_scene
-from vlmrun.spec_decode.mtp import with_mtp_layer
+from vlmrun.executor.mtp_drafter import with_mtp_layer
 
 MTP = {"method": "mtp", "num_speculative_tokens": 3}
 

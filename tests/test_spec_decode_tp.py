@@ -78,7 +78,7 @@ def test_each_rank_loads_its_share_of_the_mtp_layer(qwen3_5_mtp_dir):
     from vlmrun.config import EngineConfig, ModelConfig
     from vlmrun.models import load_model
     from vlmrun.parallel import TensorParallel
-    from vlmrun.spec_decode.mtp import build_mtp_drafter
+    from vlmrun.executor.mtp_drafter import build_mtp_drafter
 
     config = EngineConfig(model=str(qwen3_5_mtp_dir), dtype="float32", device="cpu", speculative_config=MTP)
     model_config = ModelConfig.from_path(qwen3_5_mtp_dir, config, torch.device("cpu"))

@@ -23,6 +23,11 @@ import torch
 
 from vlmrun.host_to_device import int64_tensor
 
+# A fed token the host does not have yet: the one a launched step samples for that row (async scheduling,
+# MTP drafts); the runner fills it in on the device. Here, on the bottom floor, so the scheduler, the
+# proposers and the runner share it without importing each other.
+PLACEHOLDER_TOKEN = -1
+
 ToDevice = Callable[[torch.Tensor], torch.Tensor]  # a host tensor on the step's device (`vlmrun.host_to_device.upload`)
 
 

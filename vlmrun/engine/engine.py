@@ -49,7 +49,7 @@ from vlmrun.engine.startup_heap import freeze_startup_heap
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
-from vlmrun.executor.model_runner import DecodedRows, SampledToken
+from vlmrun.executor.step_output import DecodedRows, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model

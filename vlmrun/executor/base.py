@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Optional, Protocol, runtime_checkable
 
 from vlmrun.cache.plan import Caches
-from vlmrun.executor.model_runner import ChunkOutput
+from vlmrun.executor.step_output import ChunkOutput
 from vlmrun.executor.step_input import ChunkInput
 
 

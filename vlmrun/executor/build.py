@@ -40,7 +40,7 @@ from vlmrun.lora.manager import LoRAManager
 from vlmrun.models.blocks.vision_common import use_fused_vision_attention
 from vlmrun.multimodal.vision_stage import VisionStage
 from vlmrun.parallel import SINGLE, TensorParallel
-from vlmrun.spec_decode.mtp import MTPDrafter, build_mtp_drafter, with_mtp_layer
+from vlmrun.executor.mtp_drafter import MTPDrafter, build_mtp_drafter, with_mtp_layer
 from vlmrun.threads import apply_cpu_threads
 
 logger = logging.getLogger(__name__)

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.base import Executor
 from vlmrun.executor.lora_check import LoRAChecker
-from vlmrun.executor.model_runner import ChunkOutput
+from vlmrun.executor.step_output import ChunkOutput
 from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import run_worker

@@ -23,7 +23,7 @@ the forward (`pool`, vlmrun/pooling/pooler.py) and reach the host in `collect` (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -34,6 +34,7 @@ from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
 from vlmrun.executor.step_batch import build_forward_batch, placeholder_positions
 from vlmrun.executor.step_input import ChunkInput, DecodeRows, PromptLogprobTargets
+from vlmrun.executor.step_output import ChunkOutput, DecodedRows, SampledToken
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
@@ -46,35 +47,8 @@ from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
 from vlmrun.host_to_device import upload
 from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.pooling.pooler import pool_chunks, pooled_to_host
-from vlmrun.spec_decode.mtp import MTPDrafter
+from vlmrun.executor.mtp_drafter import MTPDrafter
 from vlmrun.spec_decode.verify import Verification
-
-
-@dataclass
-class SampledToken:
-    token_id: int
-    logprobs: Optional[dict[int, float]]
-
-
-@dataclass
-class ChunkOutput:
-    """What one chunk of a step produced."""
-
-    sampled: Optional[SampledToken] = None  # None: the chunk ends mid-prompt
-    # with prompt logprobs: {token id: raw logprob} of positions start + 1 .. start + m (next prompt token + top-k)
-    prompt_logprobs: Optional[list[dict[int, float]]] = None
-    # speculative decoding: the token sampled after each accepted draft (so one per accepted draft);
-    # the request's new tokens are `sampled`, then these
-    after_drafts: list[SampledToken] = field(default_factory=list)
-    pooled: Optional[torch.Tensor] = None  # a pooling chunk's contribution [hidden] float32 (vlmrun/pooling/pooler.py)
-
-
-@dataclass
-class DecodedRows:
-    """What a step's decode rows (`DecodeRows`) sampled, row by row, as the host reads them."""
-
-    token_ids: list[int]
-    logprobs: list[Optional[dict[int, float]]]  # None where a row asked for none
 
 
 @dataclass

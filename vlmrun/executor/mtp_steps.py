@@ -1,4 +1,4 @@
-"""The model runner's side of MTP drafting (`vlmrun/spec_decode/mtp.py`): a step's chunks in, the
+"""The model runner's side of MTP drafting (`vlmrun/executor/mtp_drafter.py`): a step's chunks in, the
 drafter's inputs out.
 
 `MTPStep` follows one step: `draft` (before the model: the speculating chunks' drafts, written into
@@ -22,7 +22,7 @@ from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.parallel import SINGLE, TensorParallel
-from vlmrun.spec_decode.mtp import DraftingChunk, MTPDrafter
+from vlmrun.executor.mtp_drafter import DraftingChunk, MTPDrafter
 
 
 @dataclass

@@ -25,7 +25,8 @@ from typing import Optional, Union
 import torch
 
 from vlmrun.cache.shadow import CacheOp, build_shadow_caches, replay_cache_ops
-from vlmrun.executor.model_runner import ChunkOutput, DecodedRows, LaunchedStep, ModelRunner
+from vlmrun.executor.model_runner import LaunchedStep, ModelRunner
+from vlmrun.executor.step_output import ChunkOutput, DecodedRows
 from vlmrun.executor.step_input import ChunkInput, DecodeRows
 from vlmrun.lora.request import LoRARequest
 

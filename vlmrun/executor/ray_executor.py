@@ -28,7 +28,7 @@ import torch
 from vlmrun.cache.plan import CachePlan
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.ranks import DriverState, RankFailure, RankGenerator, free_port, plan_for_ranks
-from vlmrun.executor.model_runner import ChunkOutput
+from vlmrun.executor.step_output import ChunkOutput
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.executor.worker import Worker, start_rank
 

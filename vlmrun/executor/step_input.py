@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from vlmrun.forward_batch import PLACEHOLDER_TOKEN  # in `ChunkInput.token_ids` (re-exported)
 from vlmrun.host_to_device import int64_tensor
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.lora.request import LoRARequest
@@ -26,7 +27,7 @@ from vlmrun.pooling.pooler import ChunkPooling
 from vlmrun.spec_decode.grammar import DraftGrammar, FilledDraftGrammar
 
 
-PLACEHOLDER_TOKEN = -1  # in `ChunkInput.token_ids`: the token a launched step samples for this row (async scheduling)
+__all__ = ["PLACEHOLDER_TOKEN", "ChunkInput", "DecodeRows", "PromptLogprobTargets", "step_positions"]
 
 
 @dataclass

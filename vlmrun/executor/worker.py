@@ -37,7 +37,7 @@ from vlmrun.executor.ranks import GeneratorWire, RankGenerators
 from vlmrun.executor.step_input import ChunkInput
 from vlmrun.models import load_model
 from vlmrun.parallel import TensorParallel
-from vlmrun.spec_decode.mtp import build_mtp_drafter, with_mtp_layer
+from vlmrun.executor.mtp_drafter import build_mtp_drafter, with_mtp_layer
 
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)
 

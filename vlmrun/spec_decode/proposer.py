@@ -2,7 +2,7 @@
 
 "ngram": `NgramProposer`, drafts made on the host. "mtp": `MTPDraftSlots`, which only reserves the
 drafts' places: the model runner drafts on the device with the checkpoint's MTP layer right before the
-verify pass (`vlmrun/spec_decode/mtp.py`), and a placeholder stands for each draft until then. What
+verify pass (`vlmrun/executor/mtp_drafter.py`), and a placeholder stands for each draft until then. What
 cannot verify drafts is refused where it is known: a GDN backend that keeps no per-position states
 and a checkpoint without an MTP layer by `build_local_executor` / `build_model_runner`. Under async
 scheduling n-gram drafts are looked up once the request's last token is on the host; MTP drafts
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Hashable, Optional, Sequence, Union
 
 from vlmrun.config import EngineConfig
-from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
+from vlmrun.forward_batch import PLACEHOLDER_TOKEN
 from vlmrun.spec_decode.ngram import NgramProposer
 
 
