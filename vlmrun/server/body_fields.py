@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from vlmrun.processors.limits import quote
 from vlmrun.server.errors import bad_request
@@ -57,3 +57,21 @@ def _check_range(name: str, value: Any, lo: Any, hi: Any) -> None:
         raise bad_request(f"'{name}' must be >= {lo}, got {value}", param=name)
     if hi is not None and value > hi:
         raise bad_request(f"'{name}' must be <= {hi}, got {value}", param=name)
+
+
+def text_or_token_lists(value: Any, param: str) -> list[Union[str, list[int]]]:
+    """A prompt field as OpenAI's completions (and embeddings) take it: a string, a list of strings, a
+    list of token ids or a list of such lists -> one item per prompt; a 400 naming `param` otherwise."""
+    what = f"'{param}' must be a string, a list of strings, a list of token ids or a list of such lists"
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and all(is_int(t) for t in value):
+        items = [list(value)]
+    elif isinstance(value, list) and value:
+        items = value
+    else:
+        raise bad_request(what, param=param)
+    for item in items:
+        if not ((isinstance(item, str) and item) or (isinstance(item, list) and item and all(is_int(t) for t in item))):
+            raise bad_request(what + " (and none may be empty)", param=param)
+    return items

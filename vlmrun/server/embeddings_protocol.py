@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from vlmrun.pooling.params import PoolingParams
-from vlmrun.server.body_fields import is_int, opt_bool, opt_int, opt_model
+from vlmrun.server.body_fields import opt_bool, opt_int, opt_model, text_or_token_lists
 from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import bad_request
 from vlmrun.server.protocol import RequestLimits, _check_messages
@@ -73,21 +73,6 @@ def parse_embedding_request(body: dict[str, Any], limits: RequestLimits) -> Embe
             raise bad_request("'messages' must be a non-empty list of {'role', 'content'} objects", param="messages")
         messages = _check_messages(messages)
     chat = chat_prompt_options({**body, "add_generation_prompt": body.get("add_generation_prompt", False)})
-    return EmbeddingRequest(opt_model(body), _inputs(body["input"]) if has_input else [], messages, chat, params,
-                            fmt, opt_bool(body, "add_special_tokens", True))
-
-
-def _inputs(value: Any) -> list[Union[str, list[int]]]:
-    what = "'input' must be a string, a list of strings, a list of token ids or a list of such lists"
-    if isinstance(value, str):
-        inputs: list[Any] = [value]
-    elif isinstance(value, list) and value and all(is_int(t) for t in value):
-        inputs = [list(value)]
-    elif isinstance(value, list) and value:
-        inputs = value
-    else:
-        raise bad_request(what, param="input")
-    for item in inputs:
-        if not ((isinstance(item, str) and item) or (isinstance(item, list) and item and all(is_int(t) for t in item))):
-            raise bad_request(what + " (and none may be empty)", param="input")
-    return inputs
+    inputs = text_or_token_lists(body["input"], "input") if has_input else []
+    return EmbeddingRequest(opt_model(body), inputs, messages, chat, params, fmt,
+                            opt_bool(body, "add_special_tokens", True))

@@ -39,7 +39,7 @@ from vlmrun.processors.limits import quote
 from vlmrun.sampling_params import MAX_LOGPROBS, SamplingParamError, SamplingParams, StopLimits
 from vlmrun.beam_search import BeamSearchParams
 from vlmrun.server.beam_fields import beam_search_params
-from vlmrun.server.body_fields import is_int, opt_bool, opt_float, opt_int, opt_model
+from vlmrun.server.body_fields import is_int, opt_bool, opt_float, opt_int, opt_model, text_or_token_lists
 from vlmrun.server.chat_prompt import ChatPromptOptions, chat_prompt_options
 from vlmrun.server.errors import APIError, bad_request
 from vlmrun.server.logits_processor_fields import logits_processor_fields
@@ -180,7 +180,7 @@ def parse_completion_request(body: dict[str, Any], limits: RequestLimits) -> Com
     _refuse_unsupported(body)
     if body.get("suffix"):
         raise bad_request("'suffix' is not supported by this server", param="suffix")
-    prompts = _prompts(body.get("prompt"))
+    prompts = text_or_token_lists(body.get("prompt"), "prompt")
     logprobs = opt_int(body, "logprobs", None, lo=0)
     echo = opt_bool(body, "echo", False)
     max_tokens = opt_int(body, "max_tokens", 16, lo=0 if echo else 1)
@@ -363,23 +363,6 @@ def _check_depth(body: Any) -> None:
             raise _too_deep()
         children = node.values() if isinstance(node, dict) else node
         stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
-
-
-def _prompts(prompt: Any) -> list[Union[str, list[int]]]:
-    what = "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists"
-    if isinstance(prompt, str):
-        prompts: list[Any] = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-        prompts = [list(prompt)]
-    elif isinstance(prompt, list) and prompt:
-        prompts = prompt
-    else:
-        raise bad_request(what, param="prompt")
-    for p in prompts:
-        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(is_int(t) for t in p))
-        if not ok:
-            raise bad_request(what + " (and none may be empty)", param="prompt")
-    return prompts
 
 
 def _include_usage(body: dict[str, Any], limits: RequestLimits) -> bool:
