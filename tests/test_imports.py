@@ -56,7 +56,7 @@ FLOORS: dict[str, int] = {
     "vlmrun.layers": 2, "vlmrun.cache": 2,
     "vlmrun.processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
     "vlmrun.host_to_device": 1, "vlmrun.generation_config": 1, "vlmrun.quantization.config": 1,
-    "vlmrun.sampling_params": 1, "vlmrun.sampling_fields": 1, "vlmrun.default_model": 1, "vlmrun.threads": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
+    "vlmrun.sampling_params": 1, "vlmrun.sampling_fields": 1, "vlmrun.default_model": 1, "vlmrun.families": 1, "vlmrun.threads": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
     "vlmrun.spec_decode": 2, "vlmrun.spec_decode.config": 1, "vlmrun.spec_decode.metrics": 1,
     "vlmrun.spec_decode.grammar": 1,
     "vlmrun.lora": 3, "vlmrun.lora.request": 1, "vlmrun.lora.peft_files": 1,
