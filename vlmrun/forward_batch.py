@@ -83,8 +83,9 @@ class ForwardBatch:
     # Multimodal splice: embeddings for the rows of input_ids where mm_mask is True, in row order.
     mm_mask: Optional[torch.Tensor] = None  # [num_tokens] bool
     mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]
-    # Qwen3-VL DeepStack: features added to the mm rows after each of the first decoder layers.
-    deepstack_embeds: Optional[torch.Tensor] = None  # [num_deepstack_layers, num_mm_tokens, hidden]
+    # The model's own extras of those rows, by name (`Model.mm_extras`; Qwen3-VL: DeepStack features), each
+    # [..., num_mm_tokens, d]; only the model that named them reads them.
+    mm_extras: Optional[dict[str, torch.Tensor]] = None
     # Hybrid models: the GDN state-pool slot of each sequence (slot 0 is the dummy for padding rows).
     state_slots: Optional[torch.Tensor] = None  # [batch] int64
     # Speculative decoding: per sequence, how many of its fed tokens (the last ones) are drafts; None

@@ -320,4 +320,4 @@ class ModelRunner:
             row += c.num_tokens
         vision = self.vision.prepare(spans, fb.num_tokens) if spans else None
         if vision is not None:
-            fb.mm_mask, fb.mm_embeds, fb.deepstack_embeds = vision.mm_mask, vision.mm_embeds, vision.deepstack_embeds
+            fb.mm_mask, fb.mm_embeds, fb.mm_extras = vision.mm_mask, vision.mm_embeds, vision.mm_extras
