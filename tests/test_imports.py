@@ -301,6 +301,31 @@ def test_the_floor_table_has_no_exceptions() -> None:
     assert not found, "\n".join(found)
 
 
+EXECUTOR_INTERFACE = "vlmrun.executor.base"
+EXECUTORS = ("vlmrun.executor.model_runner", "vlmrun.executor.overlap", "vlmrun.executor.distributed",
+             "vlmrun.executor.ray_executor")  # the modules of the classes that implement it
+
+
+def imported_by(module: str, edges: list[Edge]) -> set[str]:
+    """Every module `module` imports, directly or through others."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in edges:
+        graph[e.source].add(e.target)
+    seen: set[str] = set()
+    frontier = [module]
+    while frontier:
+        frontier = [t for m in frontier for t in graph[m] if t not in seen]
+        seen.update(frontier)
+    return seen
+
+
+def test_the_executor_interface_imports_no_implementation() -> None:
+    """executor/base.py (the `Executor` protocol) reaches none of its implementations, not even through
+    the records it names (executor/step_input.py, executor/step_output.py)."""
+    reached = imported_by(EXECUTOR_INTERFACE, import_graph(REPO, PACKAGES))
+    assert reached and not reached & set(EXECUTORS), sorted(reached & set(EXECUTORS))
+
+
 def test_the_floor_check_catches_a_module_with_a_floor_of_its_own(tmp_path: Path) -> None:
     _write(tmp_path, {"pkg/__init__.py": "", "pkg/top.py": "", "pkg/feature/__init__.py": "",
                       "pkg/feature/config.py": "", "pkg/feature/run.py": "", "pkg/feature/sub/__init__.py": ""})
