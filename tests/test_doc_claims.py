@@ -20,9 +20,11 @@ from vlmrun.config import CacheShape, EngineConfig
 from vlmrun.executor.base import Executor
 from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.layers.attention.factory import ATTENTION_BACKENDS, LINEAR_ATTENTION_BACKENDS
+from vlmrun.layers.attention.factory import ATTENTION_BACKENDS, LINEAR_ATTENTION_BACKENDS, BackendSetup
 from vlmrun.layers.moe import FusedExperts
+from vlmrun.models.blocks.vision_common import VisionEmbeddings
 from vlmrun.multimodal.vision_stage import VisionStage
+from vlmrun.parallel import TensorParallel
 from vlmrun.processors.placeholders import MMItem, ProcessedPrompt
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,7 +57,7 @@ def _written_call(text: str, name: str) -> list[str]:
     match = re.search(r"(?<![\w.])" + re.escape(name) + r"\(([^)]*)\)", text)
     assert match, f"{name}(...) is not written out"
     args = _top_level_split(match.group(1).replace("\n", " "))
-    return [re.match(r"\s*(\w+)", arg).group(1) for arg in args]
+    return [re.search(r"[A-Za-z_]\w*", arg).group(0) for arg in args]  # past a diagram's "│" at a line start
 
 
 def _field_names(cls: type) -> list[str]:
@@ -78,6 +80,11 @@ def _interface() -> set[str]:
     ("contracts.md", MMItem),
     ("contracts.md", ProcessedPrompt),
     ("contracts.md", plan.Caches),
+    ("contracts.md", BackendSetup),
+    ("contracts.md", VisionEmbeddings),
+    ("architecture.md", ProcessedPrompt),
+    ("architecture.md", MMItem),
+    ("architecture.md", TensorParallel),
 ])
 def test_a_written_out_record_lists_every_field_in_order(doc: str, cls: type) -> None:
     assert _written_call(_doc(doc), cls.__name__) == _field_names(cls)
@@ -117,17 +124,19 @@ def test_the_documented_cache_defaults_are_the_codes() -> None:
 def test_max_num_seqs_is_lowered_only_past_the_whole_budget() -> None:
     """architecture.md: GDN slots are taken first; only when `max_num_seqs + 1` of them do not fit in the
     whole budget is `max_num_seqs` lowered, to what half the budget holds."""
-    assert "if `max_num_seqs` of them do not fit in the whole budget, `max_num_seqs` is lowered" in \
-        re.sub(r"\s+", " ", _doc("architecture.md"))
+    text = re.sub(r"\s+", " ", _doc("architecture.md"))
+    assert "The GDN state pool has `max_num_seqs + 1` slots" in text
+    assert "if `max_num_seqs` of them do not fit in the whole budget, `max_num_seqs` is lowered" in text
     shape = CacheShape(num_attention_layers=1, num_kv_heads=1, head_dim=8, num_linear_layers=1, linear_conv_dim=32,
                        linear_conv_kernel=4, linear_num_v_heads=2, linear_head_v_dim=8, linear_head_k_dim=8)
     per_request = plan.gdn_bytes_per_request(shape, torch.float32, torch.float32)
     per_token = plan.kv_bytes_per_token(shape, torch.float32)
 
     def seqs(budget: int) -> int:
-        return plan.plan_cache_memory(shape, budget, dtype=torch.float32, gdn_state_dtype=torch.float32,
-                                      max_num_seqs=8, max_model_len=64, page_size=4,
-                                      max_model_len_fixed=False).max_num_seqs
+        planned = plan.plan_cache_memory(shape, budget, dtype=torch.float32, gdn_state_dtype=torch.float32,
+                                         max_num_seqs=8, max_model_len=64, page_size=4, max_model_len_fixed=False)
+        assert planned.num_gdn_slots == planned.max_num_seqs + 1  # "The GDN state pool has `max_num_seqs + 1` slots"
+        return planned.max_num_seqs
 
     fits = 9 * per_request + 8 * per_token  # the slots take far more than half, and fit: kept
     assert 9 * per_request > fits * plan.GDN_MAX_BUDGET_SHARE and seqs(fits) == 8
@@ -187,3 +196,4 @@ def test_a_written_call_is_read_across_lines_with_types_and_shapes() -> None:
     assert _written_call("see `F(a, b,\nc)` here", "F") == ["a", "b", "c"]
     assert _written_call("`G(x: int, y [n, m], z: str | None)`", "G") == ["x", "y", "z"]
     assert _written_call("`H.F(q)` then `F(r)`", "F") == ["r"]
+    assert _written_call("│ → F(a, b,\n  │   c)", "F") == ["a", "b", "c"]
