@@ -118,4 +118,5 @@ class ScheduledDecodes:
         """What the model runner needs of them: the columns, each request's delta and sampling row."""
         requests = self.requests
         return DecodeRows(rows=self.rows, starts=self.starts, token_ids=self.token_ids, kv_slots=self.kv_slots,
-                          mrope_deltas=[r.mrope_delta for r in requests], sampling=[r.sampling_row for r in requests])
+                          mrope_deltas=[r.mrope_delta for r in requests], sampling=[r.sampling_row for r in requests],
+                          loras=[r.lora for r in requests])
