@@ -40,6 +40,7 @@ from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput, gather_prompt_logprobs, logprob_dicts
 from vlmrun.layers.sampling_batch import SamplingBatch
+from vlmrun.layers.sampling_state import SamplingState
 from vlmrun.lora.manager import LoRAManager
 from vlmrun.lora.request import LoRARequest
 from vlmrun.models.weights import weight_bytes
@@ -82,6 +83,8 @@ class ModelRunner:
         self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
         # unseeded sampled rows draw from one generator started at the engine's seed (EngineConfig.seed)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        # each page-table row's sampling settings and penalty counts, kept from step to step
+        self.sampling_state = SamplingState(caches.req_to_token.max_reqs + 1, device)
         self.tp = tp  # under tensor parallel every rank feeds rank 0's sampled tokens to the next step
         self.feeds_placeholders = feeds_placeholders  # async scheduling: keep last_tokens (synchronous: unused)
         # the last token sampled for each page-table row (the dummy row included): a step's
@@ -162,11 +165,20 @@ class ModelRunner:
         vocab = logits.shape[-1]
         if verification is not None:
             verification.before_sampling(vocab, self.device)
-        output = self.sampler.sample(logits, SamplingBatch.build(rows, vocab, device=self.device))
+        if verification is not None:  # rows per position (drafts appended): built from the rows, as they are
+            state_step, batch = None, SamplingBatch.build(rows, vocab, device=self.device)
+        else:  # one row a request: gathered from the page-table rows' kept settings and counts
+            page_rows = [c.row for c in chunks if c.sampling is not None]
+            state_step = self.sampling_state.gather(page_rows if decodes is None else decodes.rows + page_rows,
+                                                    rows, vocab)
+            batch = state_step.batch
+        output = self.sampler.sample(logits, batch)
         if self.feeds_placeholders or mtp is not None or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
+        if state_step is not None:  # the penalty rows' counts take this step's tokens, on the device
+            self.sampling_state.record(state_step, output.token_ids)
         if mtp is not None:
             mtp.catch_up(hidden, fb, output.token_ids)
         step.output = output

@@ -93,12 +93,28 @@ class SamplingBatch:
             batch.seeded_rows = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is not None]
         if any(reads_rows(p) for p in {id(p): p for p in params}.values()):  # each distinct params once
             _fill_penalties(batch, rows, device)
-            _fill_blocked_tokens(batch, rows, device)
-            _fill_allowed_mask(batch, rows, device)
-            _fill_logit_bias(batch, rows, device)
+            fill_masks_and_bias(batch, rows, device)
         if any(r.grammar is not None for r in rows):
             _fill_grammar_bitmask(batch, rows, device)
         return batch
+
+
+def fill_masks_and_bias(batch: SamplingBatch, rows: Sequence[SamplingRow], device: torch.device,
+                        grammar: bool = False) -> None:
+    """The settings read from the rows themselves every step, penalties aside: the blocked tokens
+    (min_tokens, bad words), the allowed-token mask, the logit bias and (`grammar`) the grammar bitmask.
+    `SamplingState` calls it on the few rows of a step that need them (a sub-batch)."""
+    rows = list(rows)
+    _fill_blocked_tokens(batch, rows, device)
+    _fill_allowed_mask(batch, rows, device)
+    _fill_logit_bias(batch, rows, device)
+    if grammar:
+        _fill_grammar_bitmask(batch, rows, device)
+
+
+def reads_masks_or_bias(params: SamplingParams) -> bool:
+    """The params ask for a setting `fill_masks_and_bias` fills: min_tokens, bad words, allowed ids, a bias."""
+    return bool(params.min_tokens or params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias)
 
 
 def reads_rows(params: SamplingParams) -> bool:

@@ -1,0 +1,258 @@
+"""Sampling state that persists from step to step, one slot per page-table row: `SamplingState`.
+
+The model runner owns one, sized for every page-table row (`max_reqs + 1`, the dummy row included).
+A request's sampling settings are written to its row once, the first step it samples there (and again
+only when the row changes hands), as columns: a float32 block `[rows, 6]` (temperature, top_p, min_p,
+repetition, frequency and presence penalties; neutral values for greedy rows and for settings off)
+and an int64 top_k `[rows, 1]` on the device, mirrored on the host in numpy columns (greedy, seeded,
+logprobs, which settings a row uses) for the step's host-side decisions. A step's `SamplingBatch` is
+then one gather by the step's row indices (one index tensor up) plus a few numpy reductions: no
+Python work per plain row (what is per row is C-level: `map`, `itemgetter`, numpy indexing).
+
+Penalties keep their counts on the device: a seen-token mask `[rows, vocab]` bool (repetition:
+prompt + outputs) and output counts `[rows, vocab]` float32 (frequency / presence), allocated the
+first time a row uses them. A row's are built from its prompt and outputs when it first samples
+there (O(tokens), once), then each step adds the token the step sampled for it by a scatter on the
+device (`record`), so the step's host work for them is O(1): it checks that the row still holds the
+same output list and that the list grew by exactly the tokens recorded (penalty rows wait for their
+tokens under async scheduling, `Scheduler.must_wait`); anything else (a new request in the row, a
+preempted one back, rows rebuilt on another rank, a speculative step, whose rows are built by
+`SamplingBatch.build`) rebuilds the row from its lists. Objects are compared by identity and held,
+so an id is never reused while the state holds it.
+
+What cannot be a column (min_tokens' and bad words' blocked tokens, allowed ids, a logit bias, a
+grammar bitmask) is built as `SamplingBatch.build` builds it, over the step's rows that use it only
+(a sub-batch), then placed at their rows of the step. The result equals `SamplingBatch.build`'s for
+the same rows, tensor for tensor (tests/test_sampling_state.py), so sampling is unchanged: same rows
+in the same order, the same noise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from operator import attrgetter, is_, itemgetter
+from typing import Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from vlmrun.host_to_device import upload
+from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow, fill_masks_and_bias, reads_masks_or_bias
+from vlmrun.sampling_params import SamplingParams
+
+Tensor = torch.Tensor
+
+TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(6)  # the float block's columns
+_PARAMS, _PROMPT, _OUTPUTS, _GENERATOR, _EOS, _GRAMMAR = (itemgetter(i) for i in range(6))  # SamplingRow fields
+_LOGPROBS = attrgetter("logprobs")
+
+
+@dataclass
+class StepSampling:
+    """A step's batch from the state, and where its penalty rows' sampled tokens go (`SamplingState.record`)."""
+
+    batch: SamplingBatch
+    repetition_at: Optional[tuple[Tensor, Tensor]] = None  # (positions in the step [m], page-table rows [m])
+    counts_at: Optional[tuple[Tensor, Tensor]] = None  # the same, for frequency / presence rows
+    penalty_rows: Optional[np.ndarray] = None  # page-table rows whose recorded outputs grow by one
+
+
+class SamplingState:
+    """Per page-table row sampling settings and penalty counts, written when a request samples in a row."""
+
+    def __init__(self, num_rows: int, device: Union[torch.device, str]) -> None:
+        self.num_rows = num_rows
+        self.device = torch.device(device)
+        self.vocab_size = 0  # set by the first step (the logits' width)
+        self.seen: Optional[Tensor] = None  # [rows, vocab] bool: token in prompt or outputs (repetition rows)
+        self.counts: Optional[Tensor] = None  # [rows, vocab] float32: occurrences in the outputs (freq / pres rows)
+        self._reset()
+
+    def _reset(self) -> None:
+        rows = self.num_rows
+        self._params: list[Optional[SamplingParams]] = [None] * rows  # held: the settings written come from it
+        self._generators: list[Optional[torch.Generator]] = [None] * rows
+        self._floats = np.zeros((rows, 6), dtype=np.float32)  # host mirror of `floats`
+        self._top_k = np.zeros(rows, dtype=np.int64)  # host mirror of `top_k`
+        self._greedy = np.ones(rows, dtype=bool)
+        self._seeded = np.zeros(rows, dtype=bool)  # sampled with its own generator
+        self._logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none asked
+        self._repetition = np.zeros(rows, dtype=bool)  # uses the seen mask
+        self._frequency = np.zeros(rows, dtype=bool)  # uses the output counts
+        self._masks = np.zeros(rows, dtype=bool)  # min_tokens, bad words, allowed ids or a bias
+        self._outputs: list[Optional[Sequence[int]]] = [None] * rows  # the output list the counts were built from
+        self._recorded = np.full(rows, -1, dtype=np.int64)  # outputs in the counts (-1: none built)
+        self.floats = torch.zeros((rows, 6), dtype=torch.float32, device=self.device)  # [rows, 6]
+        self.top_k = torch.zeros((rows, 1), dtype=torch.int64, device=self.device)  # [rows, 1]
+        self.seen = self.counts = None
+
+    def gather(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], vocab_size: int) -> StepSampling:
+        """The step's batch: `rows[i]` samples at step position i in page-table row `page_rows[i]`."""
+        if vocab_size != self.vocab_size:
+            self.vocab_size = vocab_size
+            self._reset()
+        n, device = len(rows), self.device
+        params = list(map(_PARAMS, rows))
+        self._admit(page_rows, rows, params)
+        idx = np.fromiter(page_rows, dtype=np.int64, count=n)  # [n]
+        idx_dev = upload(torch.from_numpy(idx), device)  # [n]
+        greedy = self._greedy[idx]
+        max_logprobs = int(self._logprobs[idx].max())
+        step = StepSampling(SamplingBatch(
+            batch_size=n, vocab_size=vocab_size, all_greedy=bool(greedy.all()), generators=list(map(_GENERATOR, rows)),
+            num_logprobs=list(map(_LOGPROBS, params)), max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
+        batch, floats = step.batch, None
+        if not batch.all_greedy:
+            floats = self.floats[idx_dev]  # [n, 6]
+            self._fill_sampling_settings(batch, idx, idx_dev, greedy, floats)
+        repetition, frequency = self._repetition[idx], self._frequency[idx]
+        if repetition.any() or frequency.any():
+            floats = self.floats[idx_dev] if floats is None else floats
+            self._fill_penalties(step, page_rows, rows, idx, idx_dev, repetition, frequency, floats)
+        masks, grammars = self._masks[idx], list(map(_GRAMMAR, rows))
+        if grammars.count(None) < n:  # (grammar rows come as chunks, never as plain decode rows)
+            masks = masks | np.array([g is not None for g in grammars], dtype=bool)
+        if masks.any():
+            _fill_sub_batch(batch, rows, np.flatnonzero(masks).tolist(), device)
+        return step
+
+    def record(self, step: StepSampling, token_ids: Tensor) -> None:
+        """The step sampled `token_ids` [n] (on the device): add its penalty rows' tokens to their counts
+        there (no host read), so the next step's are current."""
+        if step.repetition_at is not None:
+            at, rows = step.repetition_at
+            self.seen[rows, token_ids[at]] = True
+        if step.counts_at is not None:
+            at, rows = step.counts_at
+            self.counts.index_put_((rows, token_ids[at]), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
+        if step.penalty_rows is not None:
+            self._recorded[step.penalty_rows] += 1
+
+    # ----------------------------------------------------------------------------- settings columns
+
+    def _admit(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], params: list[SamplingParams]) -> None:
+        """Write the settings of every row whose request (params, generator) is not the one written there."""
+        held = itemgetter(*page_rows)
+        held_params, held_generators = held(self._params), held(self._generators)
+        if len(page_rows) == 1:
+            held_params, held_generators = (held_params,), (held_generators,)
+        if all(map(is_, held_params, params)) and all(map(is_, held_generators, map(_GENERATOR, rows))):
+            return
+        changed = [(row, r) for row, r in zip(page_rows, rows)
+                   if self._params[row] is not r.params or self._generators[row] is not r.generator]
+        for row, r in changed:
+            self._write(row, r.params, r.generator)
+        at = torch.tensor([row for row, _ in changed], dtype=torch.int64)  # [c] (host)
+        at_dev = upload(at, self.device)
+        self.floats[at_dev] = upload(torch.from_numpy(self._floats[at.numpy()]), self.device)
+        self.top_k[at_dev] = upload(torch.from_numpy(self._top_k[at.numpy()]).view(-1, 1), self.device)
+        if self.seen is not None:  # a new request in the row: nothing seen, nothing counted
+            self.seen[at_dev] = False
+            self.counts[at_dev] = 0.0
+
+    def _write(self, row: int, params: SamplingParams, generator: Optional[torch.Generator]) -> None:
+        """The host columns of `row` from `params` (greedy rows hold neutral settings, as `build` makes them)."""
+        vocab, greedy = self.vocab_size, params.is_greedy
+        self._params[row], self._generators[row] = params, generator
+        self._floats[row] = (1.0 if greedy else params.temperature,
+                             float("inf") if greedy or params.top_p >= 1.0 else params.top_p,
+                             0.0 if greedy else params.min_p,
+                             params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
+        self._top_k[row] = vocab if greedy or params.top_k <= 0 else min(params.top_k, vocab)
+        self._greedy[row] = greedy
+        self._seeded[row] = not greedy and generator is not None
+        self._logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        self._repetition[row] = params.repetition_penalty != 1.0
+        self._frequency[row] = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+        self._masks[row] = reads_masks_or_bias(params)
+        self._outputs[row], self._recorded[row] = None, -1
+
+    def _fill_sampling_settings(self, batch: SamplingBatch, idx: np.ndarray, idx_dev: Tensor, greedy: np.ndarray,
+                                floats: Tensor) -> None:
+        """Temperatures, greedy mask, truncation settings: views of the gathered columns."""
+        vocab, host = self.vocab_size, self._floats[idx]  # [n, 6]
+        batch.temperatures = floats[:, TEMPERATURE:TEMPERATURE + 1]  # [n, 1]
+        if greedy.any():
+            batch.greedy_mask = upload(torch.from_numpy(greedy), self.device)  # [n]
+        top_k = self._top_k[idx]
+        limited = top_k < vocab
+        if limited.any():
+            batch.top_k = self.top_k[idx_dev]  # [n, 1]
+            batch.top_k_max = int(top_k[limited].max())
+        if (host[:, TOP_P] < 1.0).any():
+            batch.top_p = floats[:, TOP_P:TOP_P + 1]
+        if (host[:, MIN_P] > 0.0).any():
+            batch.min_p = floats[:, MIN_P:MIN_P + 1]
+        batch.seeded_rows = np.flatnonzero(self._seeded[idx]).tolist()
+
+    # ----------------------------------------------------------------------------- penalties
+
+    def _fill_penalties(self, step: StepSampling, page_rows: Sequence[int], rows: Sequence[SamplingRow],
+                        idx: np.ndarray, idx_dev: Tensor, repetition: np.ndarray, frequency: np.ndarray,
+                        floats: Tensor) -> None:
+        """The penalty columns and the gathered seen mask / counts; each penalty row's counts are
+        checked (O(1)) and rebuilt from its lists only when they are not its request's."""
+        if self.seen is None:
+            shape = (self.num_rows, self.vocab_size)
+            self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)  # [rows, vocab]
+            self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)  # [rows, vocab]
+        positions = np.flatnonzero(repetition | frequency)
+        for i in positions.tolist():
+            self._check_counts(page_rows[i], rows[i])
+        batch = step.batch
+        step.penalty_rows = idx[positions]
+        if repetition.any():
+            batch.repetition_penalties = floats[:, REPETITION:REPETITION + 1]  # [n, 1]
+            batch.seen_mask = self.seen[idx_dev]  # [n, vocab]
+            step.repetition_at = self._positions_and_rows(repetition, idx)
+        if frequency.any():
+            batch.frequency_penalties = floats[:, FREQUENCY:FREQUENCY + 1]  # [n, 1]
+            batch.presence_penalties = floats[:, PRESENCE:PRESENCE + 1]
+            batch.output_counts = self.counts[idx_dev]  # [n, vocab]
+            step.counts_at = self._positions_and_rows(frequency, idx)
+
+    def _positions_and_rows(self, used: np.ndarray, idx: np.ndarray) -> tuple[Tensor, Tensor]:
+        """(step positions, page-table rows) of the rows in `used`, both on the device, one upload."""
+        positions = np.flatnonzero(used)
+        both = upload(torch.from_numpy(np.stack([positions, idx[positions]])), self.device)  # [2, m]
+        return both[0], both[1]
+
+    def _check_counts(self, page_row: int, row: SamplingRow) -> None:
+        """O(1) when the row's counts hold its outputs so far; else rebuild them from its prompt and outputs."""
+        outputs = row.output_token_ids
+        if self._outputs[page_row] is outputs and self._recorded[page_row] == len(outputs):
+            return
+        vocab, device = self.vocab_size, self.device
+        if self._repetition[page_row]:
+            seen = torch.tensor(list(row.prompt_token_ids) + list(outputs), dtype=torch.int64)  # [tokens]
+            self.seen[page_row] = False
+            self.seen[page_row, upload(seen[(seen >= 0) & (seen < vocab)], device)] = True
+        if self._frequency[page_row]:
+            out = torch.tensor(list(outputs), dtype=torch.int64)  # [outputs]
+            out = upload(out[(out >= 0) & (out < vocab)], device)
+            self.counts[page_row] = 0.0
+            self.counts[page_row].index_put_((out,), torch.ones_like(out, dtype=torch.float32), accumulate=True)
+        self._outputs[page_row], self._recorded[page_row] = outputs, len(outputs)
+
+
+def _fill_sub_batch(batch: SamplingBatch, rows: Sequence[SamplingRow], positions: list[int],
+                    device: torch.device) -> None:
+    """Blocked tokens, allowed mask, logit bias and grammar bitmask of the rows at `positions` (built as
+    `SamplingBatch.build` builds them, over those rows only), placed at their positions in `batch`."""
+    sub = SamplingBatch(batch_size=len(positions), vocab_size=batch.vocab_size, all_greedy=True)
+    fill_masks_and_bias(sub, [rows[i] for i in positions], device, grammar=True)
+    at = upload(torch.tensor(positions, dtype=torch.int64), device)  # [m] sub row -> step position
+    shape = (batch.batch_size, batch.vocab_size)
+    if sub.blocked_rows is not None:
+        batch.blocked_rows, batch.blocked_tokens = at[sub.blocked_rows], sub.blocked_tokens
+    if sub.outside_allowed is not None:
+        batch.outside_allowed = torch.zeros(shape, dtype=torch.bool, device=device)  # [n, vocab]
+        batch.outside_allowed[at] = sub.outside_allowed
+    if sub.logit_bias is not None:
+        batch.logit_bias = torch.zeros(shape, dtype=torch.float32, device=device)  # [n, vocab]
+        batch.logit_bias[at] = sub.logit_bias
+    if sub.token_bitmask is not None:
+        words = sub.token_bitmask.shape[1]
+        batch.token_bitmask = torch.full((batch.batch_size, words), -1, dtype=torch.int32, device=device)
+        batch.token_bitmask[at] = sub.token_bitmask  # [n, words]
+        batch.grammar_rows = [positions[i] for i in sub.grammar_rows]
