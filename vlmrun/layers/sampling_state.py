@@ -43,6 +43,8 @@ from vlmrun.sampling_params import SamplingParams
 Tensor = torch.Tensor
 
 TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(6)  # the float block's columns
+# a row's flags (one uint8 column: a step ORs its rows' to know what it needs)
+GREEDY, SAMPLED, SEEDED, USES_SEEN, USES_COUNTS, USES_MASKS, LOGPROBS = (1 << i for i in range(7))
 _PARAMS, _PROMPT, _OUTPUTS, _GENERATOR, _EOS, _GRAMMAR = (itemgetter(i) for i in range(6))  # SamplingRow fields
 _LOGPROBS = attrgetter("logprobs")
 
@@ -74,12 +76,8 @@ class SamplingState:
         self._generators: list[Optional[torch.Generator]] = [None] * rows
         self._floats = np.zeros((rows, 6), dtype=np.float32)  # host mirror of `floats`
         self._top_k = np.zeros(rows, dtype=np.int64)  # host mirror of `top_k`
-        self._greedy = np.ones(rows, dtype=bool)
-        self._seeded = np.zeros(rows, dtype=bool)  # sampled with its own generator
+        self._flags = np.full(rows, GREEDY, dtype=np.uint8)  # GREEDY | SAMPLED | SEEDED | USES_... | LOGPROBS
         self._logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none asked
-        self._repetition = np.zeros(rows, dtype=bool)  # uses the seen mask
-        self._frequency = np.zeros(rows, dtype=bool)  # uses the output counts
-        self._masks = np.zeros(rows, dtype=bool)  # min_tokens, bad words, allowed ids or a bias
         self._outputs: list[Optional[Sequence[int]]] = [None] * rows  # the output list the counts were built from
         self._recorded = np.full(rows, -1, dtype=np.int64)  # outputs in the counts (-1: none built)
         self.floats = torch.zeros((rows, 6), dtype=torch.float32, device=self.device)  # [rows, 6]
@@ -95,24 +93,27 @@ class SamplingState:
         params = list(map(_PARAMS, rows))
         self._admit(page_rows, rows, params)
         idx = np.fromiter(page_rows, dtype=np.int64, count=n)  # [n]
-        idx_dev = upload(torch.from_numpy(idx), device)  # [n]
-        greedy = self._greedy[idx]
-        max_logprobs = int(self._logprobs[idx].max())
+        flags = self._flags[idx]  # [n]
+        union = int(np.bitwise_or.reduce(flags))  # what some row of the step needs
+        max_logprobs = int(self._logprobs[idx].max()) if union & LOGPROBS else -1
         step = StepSampling(SamplingBatch(
-            batch_size=n, vocab_size=vocab_size, all_greedy=bool(greedy.all()), generators=list(map(_GENERATOR, rows)),
-            num_logprobs=list(map(_LOGPROBS, params)), max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
-        batch, floats = step.batch, None
-        if not batch.all_greedy:
+            batch_size=n, vocab_size=vocab_size, all_greedy=not union & SAMPLED,
+            generators=list(map(_GENERATOR, rows)), num_logprobs=list(map(_LOGPROBS, params)),
+            max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
+        batch = step.batch
+        if union & (SAMPLED | USES_SEEN | USES_COUNTS):
+            idx_dev = upload(torch.from_numpy(idx), device)  # [n]
             floats = self.floats[idx_dev]  # [n, 6]
-            self._fill_sampling_settings(batch, idx, idx_dev, greedy, floats)
-        repetition, frequency = self._repetition[idx], self._frequency[idx]
-        if repetition.any() or frequency.any():
-            floats = self.floats[idx_dev] if floats is None else floats
-            self._fill_penalties(step, page_rows, rows, idx, idx_dev, repetition, frequency, floats)
-        masks, grammars = self._masks[idx], list(map(_GRAMMAR, rows))
+            if union & SAMPLED:
+                self._fill_sampling_settings(batch, idx, idx_dev, flags, union, floats)
+            if union & (USES_SEEN | USES_COUNTS):
+                self._fill_penalties(step, page_rows, rows, idx, idx_dev, flags, floats)
+        masks = (flags & USES_MASKS) != 0 if union & USES_MASKS else None
+        grammars = list(map(_GRAMMAR, rows))
         if grammars.count(None) < n:  # (grammar rows come as chunks, never as plain decode rows)
-            masks = masks | np.array([g is not None for g in grammars], dtype=bool)
-        if masks.any():
+            grammar = np.array([g is not None for g in grammars], dtype=bool)
+            masks = grammar if masks is None else masks | grammar
+        if masks is not None:
             _fill_sub_batch(batch, rows, np.flatnonzero(masks).tolist(), device)
         return step
 
@@ -159,21 +160,21 @@ class SamplingState:
                              0.0 if greedy else params.min_p,
                              params.repetition_penalty, params.frequency_penalty, params.presence_penalty)
         self._top_k[row] = vocab if greedy or params.top_k <= 0 else min(params.top_k, vocab)
-        self._greedy[row] = greedy
-        self._seeded[row] = not greedy and generator is not None
         self._logprobs[row] = -1 if params.logprobs is None else params.logprobs
-        self._repetition[row] = params.repetition_penalty != 1.0
-        self._frequency[row] = params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-        self._masks[row] = reads_masks_or_bias(params)
+        self._flags[row] = ((GREEDY if greedy else SAMPLED) | (SEEDED if not greedy and generator is not None else 0)
+                            | (USES_SEEN if params.repetition_penalty != 1.0 else 0)
+                            | (USES_COUNTS if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0 else 0)
+                            | (USES_MASKS if reads_masks_or_bias(params) else 0)
+                            | (LOGPROBS if params.logprobs is not None else 0))
         self._outputs[row], self._recorded[row] = None, -1
 
-    def _fill_sampling_settings(self, batch: SamplingBatch, idx: np.ndarray, idx_dev: Tensor, greedy: np.ndarray,
-                                floats: Tensor) -> None:
+    def _fill_sampling_settings(self, batch: SamplingBatch, idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray,
+                                union: int, floats: Tensor) -> None:
         """Temperatures, greedy mask, truncation settings: views of the gathered columns."""
         vocab, host = self.vocab_size, self._floats[idx]  # [n, 6]
         batch.temperatures = floats[:, TEMPERATURE:TEMPERATURE + 1]  # [n, 1]
-        if greedy.any():
-            batch.greedy_mask = upload(torch.from_numpy(greedy), self.device)  # [n]
+        if union & GREEDY:
+            batch.greedy_mask = upload(torch.from_numpy((flags & GREEDY) != 0), self.device)  # [n]
         top_k = self._top_k[idx]
         limited = top_k < vocab
         if limited.any():
@@ -183,19 +184,20 @@ class SamplingState:
             batch.top_p = floats[:, TOP_P:TOP_P + 1]
         if (host[:, MIN_P] > 0.0).any():
             batch.min_p = floats[:, MIN_P:MIN_P + 1]
-        batch.seeded_rows = np.flatnonzero(self._seeded[idx]).tolist()
+        if union & SEEDED:
+            batch.seeded_rows = np.flatnonzero(flags & SEEDED).tolist()
 
     # ----------------------------------------------------------------------------- penalties
 
     def _fill_penalties(self, step: StepSampling, page_rows: Sequence[int], rows: Sequence[SamplingRow],
-                        idx: np.ndarray, idx_dev: Tensor, repetition: np.ndarray, frequency: np.ndarray,
-                        floats: Tensor) -> None:
+                        idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray, floats: Tensor) -> None:
         """The penalty columns and the gathered seen mask / counts; each penalty row's counts are
         checked (O(1)) and rebuilt from its lists only when they are not its request's."""
         if self.seen is None:
             shape = (self.num_rows, self.vocab_size)
             self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)  # [rows, vocab]
             self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)  # [rows, vocab]
+        repetition, frequency = (flags & USES_SEEN) != 0, (flags & USES_COUNTS) != 0
         positions = np.flatnonzero(repetition | frequency)
         for i in positions.tolist():
             self._check_counts(page_rows[i], rows[i])
@@ -223,11 +225,11 @@ class SamplingState:
         if self._outputs[page_row] is outputs and self._recorded[page_row] == len(outputs):
             return
         vocab, device = self.vocab_size, self.device
-        if self._repetition[page_row]:
+        if self._flags[page_row] & USES_SEEN:
             seen = torch.tensor(list(row.prompt_token_ids) + list(outputs), dtype=torch.int64)  # [tokens]
             self.seen[page_row] = False
             self.seen[page_row, upload(seen[(seen >= 0) & (seen < vocab)], device)] = True
-        if self._frequency[page_row]:
+        if self._flags[page_row] & USES_COUNTS:
             out = torch.tensor(list(outputs), dtype=torch.int64)  # [outputs]
             out = upload(out[(out >= 0) & (out < vocab)], device)
             self.counts[page_row] = 0.0
