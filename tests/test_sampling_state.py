@@ -215,3 +215,20 @@ def test_penalties_with_rows_reused_async_equals_sync_equals_alone(qwen3_dir) ->
     assert preemptions > 0
     assert sync == alone
     assert ahead == alone
+
+
+def test_penalty_requests_decode_as_rows(qwen3_dir) -> None:
+    """With their counts kept per row, requests with penalties, bad words, a bias or allowed ids decode as
+    plain decode rows (`DecodeRows`), not as a chunk each; min_tokens (counted with placeholders) stays a chunk."""
+    engine = Engine(EngineConfig(model=str(qwen3_dir), device="cpu", dtype="float32", max_num_seqs=8,
+                                 max_num_batched_tokens=64, kv_cache_memory_bytes=16 * 1024 * 1024))
+    params = [SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3),
+              SamplingParams(temperature=0.7, max_tokens=4, frequency_penalty=0.5, logit_bias={3: 1.0}),
+              SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[3, 4, 5]),
+              SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2)]
+    try:
+        for i, p in enumerate(params):
+            engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13, 17]}), p)
+        assert [engine.scheduler.waiting[i].plain_decode for i in range(4)] == [True, True, True, False]
+    finally:
+        engine.shutdown()
