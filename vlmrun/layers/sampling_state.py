@@ -199,8 +199,9 @@ class SamplingState:
             self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)  # [rows, vocab]
         repetition, frequency = (flags & USES_SEEN) != 0, (flags & USES_COUNTS) != 0
         positions = np.flatnonzero(repetition | frequency)
-        for i in positions.tolist():
-            self._check_counts(page_rows[i], rows[i])
+        stale = [i for i in positions.tolist() if not self._counts_current(page_rows[i], rows[i])]
+        if stale:
+            self._rebuild_counts([page_rows[i] for i in stale], [rows[i] for i in stale])
         batch = step.batch
         step.penalty_rows = idx[positions]
         if repetition.any():
@@ -219,22 +220,35 @@ class SamplingState:
         both = upload(torch.from_numpy(np.stack([positions, idx[positions]])), self.device)  # [2, m]
         return both[0], both[1]
 
-    def _check_counts(self, page_row: int, row: SamplingRow) -> None:
-        """O(1) when the row's counts hold its outputs so far; else rebuild them from its prompt and outputs."""
+    def _counts_current(self, page_row: int, row: SamplingRow) -> bool:
+        """O(1): the row's counts hold this request's outputs so far (the same list, as many tokens)."""
         outputs = row.output_token_ids
-        if self._outputs[page_row] is outputs and self._recorded[page_row] == len(outputs):
-            return
-        vocab, device = self.vocab_size, self.device
-        if self._flags[page_row] & USES_SEEN:
-            seen = torch.tensor(list(row.prompt_token_ids) + list(outputs), dtype=torch.int64)  # [tokens]
-            self.seen[page_row] = False
-            self.seen[page_row, upload(seen[(seen >= 0) & (seen < vocab)], device)] = True
-        if self._flags[page_row] & USES_COUNTS:
-            out = torch.tensor(list(outputs), dtype=torch.int64)  # [outputs]
-            out = upload(out[(out >= 0) & (out < vocab)], device)
-            self.counts[page_row] = 0.0
-            self.counts[page_row].index_put_((out,), torch.ones_like(out, dtype=torch.float32), accumulate=True)
-        self._outputs[page_row], self._recorded[page_row] = outputs, len(outputs)
+        return self._outputs[page_row] is outputs and self._recorded[page_row] == len(outputs)
+
+    def _rebuild_counts(self, page_rows: list[int], rows: list[SamplingRow]) -> None:
+        """The rows' seen masks (prompt + outputs) and output counts from their lists: one scatter each."""
+        flags = self._flags[page_rows]
+        at = upload(torch.tensor(page_rows, dtype=torch.int64), self.device)  # [r]
+        self.seen[at] = False
+        self.counts[at] = 0.0
+        seen = [list(r.prompt_token_ids) + list(r.output_token_ids) if f & USES_SEEN else []
+                for r, f in zip(rows, flags.tolist())]
+        rows_at, tokens = self._flat(page_rows, seen)
+        self.seen[rows_at, tokens] = True
+        counted = [list(r.output_token_ids) if f & USES_COUNTS else [] for r, f in zip(rows, flags.tolist())]
+        rows_at, tokens = self._flat(page_rows, counted)
+        self.counts.index_put_((rows_at, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        for page_row, r in zip(page_rows, rows):
+            self._outputs[page_row], self._recorded[page_row] = r.output_token_ids, len(r.output_token_ids)
+
+    def _flat(self, page_rows: list[int], lists: list[list[int]]) -> tuple[Tensor, Tensor]:
+        """(page-table row, token) index vectors [m] on the device for the ids in `lists`, ids outside the
+        vocabulary (placeholders, ids past it) dropped."""
+        tokens = torch.tensor([t for ids in lists for t in ids], dtype=torch.int64)  # [m]
+        rows = torch.repeat_interleave(torch.tensor(page_rows, dtype=torch.int64),
+                                       torch.tensor([len(ids) for ids in lists], dtype=torch.int64))  # [m]
+        keep = (tokens >= 0) & (tokens < self.vocab_size)
+        return upload(rows[keep], self.device), upload(tokens[keep], self.device)
 
 
 def _fill_sub_batch(batch: SamplingBatch, rows: Sequence[SamplingRow], positions: list[int],
