@@ -7,9 +7,11 @@ that step. It only copies host→device (pinned,
 non-blocking on CUDA), never waits on the device. Grammar rows (structured outputs) fill their row
 of the token bitmask here, on the host (the sampler's docstring says when and why).
 
-Cost note: penalties, the blocked tokens (min_tokens, bad words), the logit bias and the allowed
-mask are rebuilt from the rows every step (O(tokens) host work for rows that use them; the
-`[batch, vocab]` tensors are filled on the device from (row, token) index vectors).
+Cost note: `build` makes everything from the rows (O(tokens) host work for rows with penalties; the
+`[batch, vocab]` tensors are filled on the device from (row, token) index vectors). The model runner
+calls it for speculative verification only (a row per verified position); its other steps gather
+the same batch from the rows' persistent state (`vlmrun.layers.sampling_state.SamplingState`), which
+calls `fill_masks_and_bias` on the few rows that need the rest.
 """
 
 from __future__ import annotations
