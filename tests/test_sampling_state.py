@@ -115,6 +115,18 @@ def test_row_taken_by_another_request_with_the_same_params_and_as_many_outputs()
     assert_same_batch(state.gather([0], [b], VOCAB).batch, SamplingBatch.build([b], VOCAB))
 
 
+def test_counts_rebuilt_after_tokens_the_state_did_not_record() -> None:
+    """A speculative verify step samples with `SamplingBatch.build` and records nothing; the row's outputs
+    grew by the accepted drafts and the bonus token: its next gathered step rebuilds the counts."""
+    state = SamplingState(num_rows=4, device="cpu")
+    row = SamplingRow(SamplingParams(temperature=0.5, repetition_penalty=1.2, presence_penalty=0.7), [3, 4], [], None, [0])
+    state.record(state.gather([2], [row], VOCAB), torch.tensor([8]))
+    row.output_token_ids.append(8)
+    state.gather([2], [row], VOCAB)  # current: nothing rebuilt, nothing recorded
+    row.output_token_ids.extend([9, 9, 10])  # a verify step's emitted tokens
+    assert_same_batch(state.gather([2], [row], VOCAB).batch, SamplingBatch.build([row], VOCAB))
+
+
 class Model(nn.Module):
     """Logits are the hidden states times a fixed matrix: the runner's `sample` is all that runs."""
 
