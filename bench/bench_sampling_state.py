@@ -9,6 +9,13 @@ steps. On the CPU the tensor work runs on the host too: a small --vocab shows th
 a real one (151936, Qwen's) adds the `[batch, vocab]` tensor work both pay.
 
     python -m bench.bench_sampling_state --batch 256 --history 2000 --vocab 1024
+
+`--engine` times whole decode steps instead: an `Engine` on bench_host_overhead's next-to-no-compute
+checkpoint (1-layer Qwen3-VL, vocab 512), --batch requests with prompts of --history random ids, greedy,
+without and with penalties (repetition 1.2, frequency 0.3, presence 0.2), ms per decode step (the steps
+after the one that prefills every prompt). Run it on an older checkout (PYTHONPATH) for the "before".
+
+    OMP_NUM_THREADS=1 python -m bench.bench_sampling_state --engine --batch 64 --history 400 --steps 16
 """
 
 from __future__ import annotations
@@ -16,12 +23,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+from vlmrun.config import EngineConfig
+from vlmrun.engine.engine import Engine
 from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
-from vlmrun.layers.sampling_state import SamplingState
 from vlmrun.sampling_params import SamplingParams
 
 
@@ -38,6 +48,8 @@ def make_rows(mix: str, batch: int, history: int, vocab: int, rng: random.Random
 
 def time_steps(mix: str, how: str, args: argparse.Namespace) -> float:
     """Median milliseconds per step after the first."""
+    from vlmrun.layers.sampling_state import SamplingState  # (here: --engine also runs on older checkouts)
+
     rng = random.Random(0)
     rows = make_rows(mix, args.batch, args.history, args.vocab, rng)
     state = SamplingState(args.batch + 1, "cpu")
@@ -56,6 +68,38 @@ def time_steps(mix: str, how: str, args: argparse.Namespace) -> float:
     return 1000 * statistics.median(times[1:])
 
 
+def time_engine(penalties: bool, args: argparse.Namespace, model_dir: Path) -> float:
+    """ms per decode step of an Engine decoding --steps tokens for --batch requests."""
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=args.batch,
+                                 enable_prefix_caching=False, max_model_len=args.history + args.steps + 16,
+                                 max_num_batched_tokens=args.batch * args.history,
+                                 kv_cache_memory_bytes=512 * 1024 * 1024))
+    extra = dict(repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.2) if penalties else {}
+    params = SamplingParams(temperature=0.0, max_tokens=args.steps, ignore_eos=True, **extra)
+    rng = random.Random(0)
+    for i in range(args.batch):
+        ids = [rng.randrange(0, 500) for _ in range(args.history)]
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params)
+    engine.step()  # every prompt, and the first tokens
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return elapsed / steps * 1e3
+
+
+def engine_main(args: argparse.Namespace) -> None:
+    from bench.bench_host_overhead import build_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_checkpoint(Path(tmp))
+        print(f"engine, batch {args.batch}, prompts of {args.history}, {args.steps} tokens: ms per decode step")
+        for penalties in (False, True):
+            print(f"{'penalties' if penalties else 'greedy':10s} {time_engine(penalties, args, model_dir):8.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=256)
@@ -63,8 +107,12 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--engine", action="store_true", help="time an Engine's decode steps instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.engine:
+        engine_main(args)
+        return
     print(f"batch {args.batch}, history {args.history}, vocab {args.vocab}: ms per step (median of {args.steps - 1})")
     for mix in ("plain", "penalties"):
         build, gather = time_steps(mix, "build", args), time_steps(mix, "gather", args)
