@@ -91,10 +91,10 @@ def time_engine(penalties: bool, args: argparse.Namespace, model_dir: Path) -> f
 
 
 def engine_main(args: argparse.Namespace) -> None:
-    from bench.bench_host_overhead import build_checkpoint
+    from testing.tiny_models import build_tiny_checkpoint
 
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_checkpoint(Path(tmp))
+    with tempfile.TemporaryDirectory() as tmp:  # bench_host_overhead's checkpoint
+        model_dir = build_tiny_checkpoint("qwen3_vl", Path(tmp), seed=0, overrides={"text": {"num_hidden_layers": 1}})
         print(f"engine, batch {args.batch}, prompts of {args.history}, {args.steps} tokens: ms per decode step")
         for penalties in (False, True):
             print(f"{'penalties' if penalties else 'greedy':10s} {time_engine(penalties, args, model_dir):8.2f}")

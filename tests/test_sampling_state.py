@@ -25,8 +25,9 @@ from vlmrun.executor.model_runner import LaunchedStep, ModelRunner
 from vlmrun.executor.step_input import ChunkInput, DecodeRows
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
-from vlmrun.layers.sampling_state import SamplingState
+from vlmrun.layers.sampling_state import SamplingState, emitted_positions
 from vlmrun.sampling_params import SamplingParams
+from vlmrun.spec_decode.verify import position_rows as position_rows_of
 
 VOCAB = 64
 
@@ -125,6 +126,31 @@ def test_counts_rebuilt_after_tokens_the_state_did_not_record() -> None:
     state.gather([2], [row], VOCAB)  # current: nothing rebuilt, nothing recorded
     row.output_token_ids.extend([9, 9, 10])  # a verify step's emitted tokens
     assert_same_batch(state.gather([2], [row], VOCAB).batch, SamplingBatch.build([row], VOCAB))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_verify_steps_gather_positions_and_record_the_emitted_tokens(seed: int) -> None:
+    """Speculative verification: each request's row at its 1 + d positions, drafts[:j] appended at position
+    j, equals `build` over `position_rows`; the counts then take only the emitted tokens (the first
+    1 + accepted), so the next step, drafts or not, equals `build` again."""
+    rng = random.Random(seed)
+    state, sampler = SamplingState(num_rows=6, device="cpu"), Sampler(torch.Generator().manual_seed(seed))
+    rows = {r: SamplingRow(random_params(rng), [rng.randrange(VOCAB) for _ in range(8)], [], None, [1])
+            for r in (1, 3, 4)}
+    for _ in range(6):
+        page, drafts = list(rows), {r: [rng.randrange(VOCAB) for _ in range(rng.randrange(3))] for r in rows}
+        position_rows = [p for r in page for p in position_rows_of(rows[r], drafts[r])]
+        spans = [1 + len(drafts[r]) for r in page]
+        step = state.gather([r for r, k in zip(page, spans) for _ in range(k)], position_rows, VOCAB,
+                            appended=[drafts[r][:j] for r, k in zip(page, spans) for j in range(k)])
+        assert_same_batch(step.batch, SamplingBatch.build(position_rows, VOCAB))
+        tokens = sampler.sample(torch.randn(len(position_rows), VOCAB), step.batch).token_ids
+        accepted = [rng.randrange(k) for k in spans]  # (as the runner would find them, any count will do)
+        state.record(step, tokens, emitted_positions(torch.tensor(accepted), spans, torch.device("cpu")))
+        first = 0
+        for r, k, a in zip(page, spans, accepted):
+            rows[r].output_token_ids.extend(tokens[first:first + 1 + a].tolist())
+            first += k
 
 
 class Model(nn.Module):

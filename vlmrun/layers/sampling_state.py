@@ -16,9 +16,13 @@ there (O(tokens), once), then each step adds the token the step sampled for it b
 device (`record`), so the step's host work for them is O(1): it checks that the row still holds the
 same output list and that the list grew by exactly the tokens recorded (penalty rows wait for their
 tokens under async scheduling, `Scheduler.must_wait`); anything else (a new request in the row, a
-preempted one back, rows rebuilt on another rank, a speculative step, whose rows are built by
-`SamplingBatch.build`) rebuilds the row from its lists. Objects are compared by identity and held,
-so an id is never reused while the state holds it.
+preempted one back, rows made anew each step on tensor-parallel ranks) rebuilds the row from its
+lists. Objects are compared by identity and held, so an id is never reused while the state holds it.
+
+Speculative verification (n-gram drafts): a request's row is gathered at each of its 1 + d positions,
+with drafts[:j] added to position j's gathered copy (`appended`), and `record` takes only the emitted
+positions' tokens (`emitted_positions`: the first 1 + accepted, acceptance computed on the device;
+rejected positions write a scratch row). MTP steps are built with `SamplingBatch.build`.
 
 What cannot be a column (min_tokens' and bad words' blocked tokens, allowed ids, a logit bias, a
 grammar bitmask) is built as `SamplingBatch.build` builds it, over the step's rows that use it only
@@ -57,6 +61,7 @@ class StepSampling:
     repetition_at: Optional[tuple[Tensor, Tensor]] = None  # (positions in the step [m], page-table rows [m])
     counts_at: Optional[tuple[Tensor, Tensor]] = None  # the same, for frequency / presence rows
     penalty_rows: Optional[np.ndarray] = None  # page-table rows whose recorded outputs grow by one
+    verified: bool = False  # a speculative verify step: positions of a row beside its own (`appended`)
 
 
 class SamplingState:
@@ -80,12 +85,18 @@ class SamplingState:
         self._logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none asked
         self._outputs: list[Optional[Sequence[int]]] = [None] * rows  # the output list the counts were built from
         self._recorded = np.full(rows, -1, dtype=np.int64)  # outputs in the counts (-1: none built)
+        self._verified = np.zeros(rows, dtype=bool)  # counts took a verify step's emitted tokens (1 + accepted)
         self.floats = torch.zeros((rows, 6), dtype=torch.float32, device=self.device)  # [rows, 6]
         self.top_k = torch.zeros((rows, 1), dtype=torch.int64, device=self.device)  # [rows, 1]
         self.seen = self.counts = None
 
-    def gather(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], vocab_size: int) -> StepSampling:
-        """The step's batch: `rows[i]` samples at step position i in page-table row `page_rows[i]`."""
+    def gather(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], vocab_size: int,
+               appended: Optional[Sequence[Sequence[int]]] = None) -> StepSampling:
+        """The step's batch: `rows[i]` samples at step position i in page-table row `page_rows[i]`.
+
+        Speculative verification: `appended[i]` are the tokens position i's outputs hold beyond its
+        request's (drafts[:j] at position j; empty at the request's own position, which comes first);
+        they are added to that position's gathered counts, never to the row's."""
         if vocab_size != self.vocab_size:
             self.vocab_size = vocab_size
             self._reset()
@@ -96,7 +107,7 @@ class SamplingState:
         flags = self._flags[idx]  # [n]
         union = int(np.bitwise_or.reduce(flags))  # what some row of the step needs
         max_logprobs = int(self._logprobs[idx].max()) if union & LOGPROBS else -1
-        step = StepSampling(SamplingBatch(
+        step = StepSampling(verified=appended is not None, batch=SamplingBatch(
             batch_size=n, vocab_size=vocab_size, all_greedy=not union & SAMPLED,
             generators=list(map(_GENERATOR, rows)), num_logprobs=list(map(_LOGPROBS, params)),
             max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
@@ -107,7 +118,7 @@ class SamplingState:
             if union & SAMPLED:
                 self._fill_sampling_settings(batch, idx, idx_dev, flags, union, floats)
             if union & (USES_SEEN | USES_COUNTS):
-                self._fill_penalties(step, page_rows, rows, idx, idx_dev, flags, floats)
+                self._fill_penalties(step, page_rows, rows, idx, idx_dev, flags, floats, appended)
         masks = (flags & USES_MASKS) != 0 if union & USES_MASKS else None
         grammars = list(map(_GRAMMAR, rows))
         if grammars.count(None) < n:  # (grammar rows come as chunks, never as plain decode rows)
@@ -117,16 +128,22 @@ class SamplingState:
             _fill_sub_batch(batch, rows, np.flatnonzero(masks).tolist(), device)
         return step
 
-    def record(self, step: StepSampling, token_ids: Tensor) -> None:
+    def record(self, step: StepSampling, token_ids: Tensor, emitted: Optional[Tensor] = None) -> None:
         """The step sampled `token_ids` [n] (on the device): add its penalty rows' tokens to their counts
-        there (no host read), so the next step's are current."""
+        there (no host read), so the next step's are current. A verify step passes `emitted` [n] bool (on
+        the device, `emitted_positions`): only those positions' tokens are the requests'."""
         if step.repetition_at is not None:
             at, rows = step.repetition_at
+            if emitted is not None:  # the others write the scratch row
+                rows = torch.where(emitted[at], rows, self.num_rows)
             self.seen[rows, token_ids[at]] = True
         if step.counts_at is not None:
             at, rows = step.counts_at
-            self.counts.index_put_((rows, token_ids[at]), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
-        if step.penalty_rows is not None:
+            ones = torch.ones_like(rows, dtype=torch.float32) if emitted is None else emitted[at].to(torch.float32)
+            self.counts.index_put_((rows, token_ids[at]), ones, accumulate=True)
+        if step.penalty_rows is not None and step.verified:
+            self._verified[step.penalty_rows] = True  # (1 + accepted tokens: the host knows how many at collect)
+        elif step.penalty_rows is not None:
             self._recorded[step.penalty_rows] += 1
 
     # ----------------------------------------------------------------------------- settings columns
@@ -166,7 +183,7 @@ class SamplingState:
                             | (USES_COUNTS if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0 else 0)
                             | (USES_MASKS if reads_masks_or_bias(params) else 0)
                             | (LOGPROBS if params.logprobs is not None else 0))
-        self._outputs[row], self._recorded[row] = None, -1
+        self._outputs[row], self._recorded[row], self._verified[row] = None, -1, False
 
     def _fill_sampling_settings(self, batch: SamplingBatch, idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray,
                                 union: int, floats: Tensor) -> None:
@@ -190,20 +207,22 @@ class SamplingState:
     # ----------------------------------------------------------------------------- penalties
 
     def _fill_penalties(self, step: StepSampling, page_rows: Sequence[int], rows: Sequence[SamplingRow],
-                        idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray, floats: Tensor) -> None:
+                        idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray, floats: Tensor,
+                        appended: Optional[Sequence[Sequence[int]]]) -> None:
         """The penalty columns and the gathered seen mask / counts; each penalty row's counts are
         checked (O(1)) and rebuilt from its lists only when they are not its request's."""
         if self.seen is None:
-            shape = (self.num_rows, self.vocab_size)
+            shape = (self.num_rows + 1, self.vocab_size)  # (+ a scratch row: a verify step's rejected tokens)
             self.seen = torch.zeros(shape, dtype=torch.bool, device=self.device)  # [rows, vocab]
             self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)  # [rows, vocab]
         repetition, frequency = (flags & USES_SEEN) != 0, (flags & USES_COUNTS) != 0
         positions = np.flatnonzero(repetition | frequency)
-        stale = [i for i in positions.tolist() if not self._counts_current(page_rows[i], rows[i])]
+        own = positions if appended is None else positions[[not appended[i] for i in positions.tolist()]]
+        stale = [i for i in own.tolist() if not self._counts_current(page_rows[i], rows[i])]
         if stale:
             self._rebuild_counts([page_rows[i] for i in stale], [rows[i] for i in stale])
         batch = step.batch
-        step.penalty_rows = idx[positions]
+        step.penalty_rows = idx[own]
         if repetition.any():
             batch.repetition_penalties = floats[:, REPETITION:REPETITION + 1]  # [n, 1]
             batch.seen_mask = self.seen[idx_dev]  # [n, vocab]
@@ -213,6 +232,21 @@ class SamplingState:
             batch.presence_penalties = floats[:, PRESENCE:PRESENCE + 1]
             batch.output_counts = self.counts[idx_dev]  # [n, vocab]
             step.counts_at = self._positions_and_rows(frequency, idx)
+        if appended is not None:
+            self._add_appended(batch, appended, repetition, frequency)
+
+    def _add_appended(self, batch: SamplingBatch, appended: Sequence[Sequence[int]], repetition: np.ndarray,
+                      frequency: np.ndarray) -> None:
+        """Each verified position's drafts before it, into its gathered seen mask / counts (copies)."""
+        for used, target in ((repetition, batch.seen_mask), (frequency, batch.output_counts)):
+            pairs = [(i, t) for i in np.flatnonzero(used).tolist() for t in appended[i] if 0 <= t < self.vocab_size]
+            if not pairs:
+                continue
+            at, tokens = upload(torch.tensor(pairs, dtype=torch.int64).T.contiguous(), self.device)  # [2, m]
+            if target.dtype == torch.bool:
+                target[at, tokens] = True
+            else:
+                target.index_put_((at, tokens), torch.ones_like(at, dtype=torch.float32), accumulate=True)
 
     def _positions_and_rows(self, used: np.ndarray, idx: np.ndarray) -> tuple[Tensor, Tensor]:
         """(step positions, page-table rows) of the rows in `used`, both on the device, one upload."""
@@ -223,7 +257,14 @@ class SamplingState:
     def _counts_current(self, page_row: int, row: SamplingRow) -> bool:
         """O(1): the row's counts hold this request's outputs so far (the same list, as many tokens)."""
         outputs = row.output_token_ids
-        return self._outputs[page_row] is outputs and self._recorded[page_row] == len(outputs)
+        if self._outputs[page_row] is not outputs:
+            return False
+        if self._verified[page_row]:  # a verify step's 1 + accepted tokens, at least one
+            self._verified[page_row] = False
+            if len(outputs) <= self._recorded[page_row]:
+                return False
+            self._recorded[page_row] = len(outputs)
+        return self._recorded[page_row] == len(outputs)
 
     def _rebuild_counts(self, page_rows: list[int], rows: list[SamplingRow]) -> None:
         """The rows' seen masks (prompt + outputs) and output counts from their lists: one scatter each."""
@@ -240,6 +281,7 @@ class SamplingState:
         self.counts.index_put_((rows_at, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
         for page_row, r in zip(page_rows, rows):
             self._outputs[page_row], self._recorded[page_row] = r.output_token_ids, len(r.output_token_ids)
+            self._verified[page_row] = False
 
     def _flat(self, page_rows: list[int], lists: list[list[int]]) -> tuple[Tensor, Tensor]:
         """(page-table row, token) index vectors [m] on the device for the ids in `lists`, ids outside the
@@ -272,3 +314,14 @@ def _fill_sub_batch(batch: SamplingBatch, rows: Sequence[SamplingRow], positions
         batch.token_bitmask = torch.full((batch.batch_size, words), -1, dtype=torch.int32, device=device)
         batch.token_bitmask[at] = sub.token_bitmask  # [n, words]
         batch.grammar_rows = [positions[i] for i in sub.grammar_rows]
+
+
+def emitted_positions(accepted: Tensor, spans: Sequence[int], device: torch.device) -> Tensor:
+    """A verify step's positions whose token its request emits: [positions] bool on the device, from
+    `accepted` [chunks] (drafts each chunk keeps, on the device) and `spans[c]` (chunk c's positions:
+    1 + drafts, 0 when it does not sample); chunk c emits its first 1 + accepted[c]."""
+    lens = torch.tensor(spans, dtype=torch.int64)  # [chunks]
+    chunk_of = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [positions]
+    index_in_chunk = torch.arange(chunk_of.shape[0]) - (torch.cumsum(lens, 0) - lens)[chunk_of]  # [positions]
+    both = upload(torch.stack([chunk_of, index_in_chunk]), device)  # [2, positions]
+    return both[1] <= accepted[both[0]]
