@@ -24,7 +24,6 @@ the forward (`pool`, vlmrun/pooling/pooler.py) and reach the host in `collect` (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Optional, Sequence
 
 import torch
@@ -36,12 +35,12 @@ from vlmrun.executor.padded_decode import PaddedDecodeRunner
 from vlmrun.executor.step_batch import build_forward_batch, placeholder_positions
 from vlmrun.executor.step_input import ChunkInput, DecodeRows, PromptLogprobTargets
 from vlmrun.executor.step_output import ChunkOutput, DecodedRows, SampledToken
+from vlmrun.executor.step_sampling import StepSampling
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput, gather_prompt_logprobs, logprob_dicts
-from vlmrun.layers.sampling_batch import SamplingBatch
-from vlmrun.layers.sampling_state import SamplingState, emitted_positions
+from vlmrun.layers.sampling_state import SamplingState
 from vlmrun.lora.manager import LoRAManager
 from vlmrun.lora.request import LoRARequest
 from vlmrun.models.weights import weight_bytes
@@ -166,34 +165,14 @@ class ModelRunner:
         vocab = logits.shape[-1]
         if verification is not None:
             verification.before_sampling(vocab, self.device)
-        # the batch is gathered from the page-table rows' kept settings and counts (`SamplingState`); a verify
-        # step's rows are a request's row at each position with drafts[:j] appended (MTP: built from the rows)
-        spans = [1 + c.num_drafts if c.sampling is not None else 0 for c in chunks]
-        state_step = None
-        if verification is not None and (mtp is not None or decodes is not None):
-            batch = SamplingBatch.build(rows, vocab, device=self.device)
-        elif verification is not None:
-            state_step = self.sampling_state.gather([c.row for c, k in zip(chunks, spans) for _ in range(k)], rows, vocab,
-                                                    appended=[c.draft_token_ids[:j] for c, k in zip(chunks, spans)
-                                                              for j in range(k)])
-        else:
-            page_rows = [c.row for c in chunks if c.sampling is not None]
-            state_step = self.sampling_state.gather(page_rows if decodes is None else decodes.rows + page_rows,
-                                                    rows, vocab)
-        if state_step is not None:
-            batch = state_step.batch
-        output = self.sampler.sample(logits, batch)
+        sampling = StepSampling.of(self.sampling_state, rows, vocab, chunks, decodes, verification, mtp is not None,
+                                   self.device)  # the batch, from each page-table row's kept settings and counts
+        output = self.sampler.sample(logits, sampling.batch)
         if self.feeds_placeholders or mtp is not None or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
-        if state_step is not None and state_step.penalty_rows is not None:  # penalty counts take the step's
-            emitted = None  # emitted tokens, on the device (a verify step: each chunk's first 1 + accepted)
-            if verification is not None:
-                first_rows = [0, *accumulate(spans[:-1])]
-                emitted = emitted_positions(verification.accepted_on_device(output.token_ids, first_rows, None,
-                                                                            self.device), spans, self.device)
-            self.sampling_state.record(state_step, output.token_ids, emitted)
+        sampling.record(self.sampling_state, output.token_ids, self.device)  # penalty counts: the kept tokens
         if mtp is not None:
             mtp.catch_up(hidden, fb, output.token_ids)
         step.output = output

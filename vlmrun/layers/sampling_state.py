@@ -54,7 +54,7 @@ _LOGPROBS = attrgetter("logprobs")
 
 
 @dataclass
-class StepSampling:
+class GatheredStep:
     """A step's batch from the state, and where its penalty rows' sampled tokens go (`SamplingState.record`)."""
 
     batch: SamplingBatch
@@ -91,7 +91,7 @@ class SamplingState:
         self.seen = self.counts = None
 
     def gather(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], vocab_size: int,
-               appended: Optional[Sequence[Sequence[int]]] = None) -> StepSampling:
+               appended: Optional[Sequence[Sequence[int]]] = None) -> GatheredStep:
         """The step's batch: `rows[i]` samples at step position i in page-table row `page_rows[i]`.
 
         Speculative verification: `appended[i]` are the tokens position i's outputs hold beyond its
@@ -107,7 +107,7 @@ class SamplingState:
         flags = self._flags[idx]  # [n]
         union = int(np.bitwise_or.reduce(flags))  # what some row of the step needs
         max_logprobs = int(self._logprobs[idx].max()) if union & LOGPROBS else -1
-        step = StepSampling(verified=appended is not None, batch=SamplingBatch(
+        step = GatheredStep(verified=appended is not None, batch=SamplingBatch(
             batch_size=n, vocab_size=vocab_size, all_greedy=not union & SAMPLED,
             generators=list(map(_GENERATOR, rows)), num_logprobs=list(map(_LOGPROBS, params)),
             max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
@@ -128,7 +128,7 @@ class SamplingState:
             _fill_sub_batch(batch, rows, np.flatnonzero(masks).tolist(), device)
         return step
 
-    def record(self, step: StepSampling, token_ids: Tensor, emitted: Optional[Tensor] = None) -> None:
+    def record(self, step: GatheredStep, token_ids: Tensor, emitted: Optional[Tensor] = None) -> None:
         """The step sampled `token_ids` [n] (on the device): add its penalty rows' tokens to their counts
         there (no host read), so the next step's are current. A verify step passes `emitted` [n] bool (on
         the device, `emitted_positions`): only those positions' tokens are the requests'."""
@@ -206,7 +206,7 @@ class SamplingState:
 
     # ----------------------------------------------------------------------------- penalties
 
-    def _fill_penalties(self, step: StepSampling, page_rows: Sequence[int], rows: Sequence[SamplingRow],
+    def _fill_penalties(self, step: GatheredStep, page_rows: Sequence[int], rows: Sequence[SamplingRow],
                         idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray, floats: Tensor,
                         appended: Optional[Sequence[Sequence[int]]]) -> None:
         """The penalty columns and the gathered seen mask / counts; each penalty row's counts are
