@@ -48,7 +48,7 @@ from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
 from vlmrun.host_to_device import int64_tensor
-from vlmrun.layers.sampling_batch import SamplingRow, reads_rows
+from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import Proposer
 
@@ -95,7 +95,9 @@ class Scheduler:
             req.spec_decode = SpecDecodeStats()
             limit = self.disable_by_batch_size
             req.speculates = limit is None or len(self.running) + len(self.waiting) <= limit
-        if self.decode_rows and req.grammar is None and not reads_rows(req.sampling_params):
+        # (penalties, bad words, a bias, allowed ids: the runner's SamplingState keeps them per row; not
+        # min_tokens, which counts the outputs still on the device, `Request.sampling_outputs`)
+        if self.decode_rows and req.grammar is None and not req.sampling_params.min_tokens:
             req.plain_decode = True
             req.sampling_row = SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                                            req.generator, req.eos_token_ids)

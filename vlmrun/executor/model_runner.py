@@ -37,11 +37,12 @@ from vlmrun.executor.step_features import (Adapters, Drafting, HostDrafting, LoR
                                            StepDrafts)
 from vlmrun.executor.step_input import ChunkInput, DecodeRows, PromptLogprobTargets
 from vlmrun.executor.step_output import ChunkOutput, DecodedRows, SampledToken
+from vlmrun.executor.step_sampling import StepSampling
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampler_output import SamplerOutput, gather_prompt_logprobs, logprob_dicts
-from vlmrun.layers.sampling_batch import SamplingBatch
+from vlmrun.layers.sampling_state import SamplingState
 from vlmrun.lora.manager import LoRAManager
 from vlmrun.lora.request import LoRARequest
 from vlmrun.models.weights import weight_bytes
@@ -84,6 +85,8 @@ class ModelRunner:
         self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
         # unseeded sampled rows draw from one generator started at the engine's seed (EngineConfig.seed)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
+        # each page-table row's sampling settings and penalty counts, kept from step to step
+        self.sampling_state = SamplingState(caches.req_to_token.max_reqs + 1, device)
         self.tp = tp  # under tensor parallel every rank feeds rank 0's sampled tokens to the next step
         self.feeds_placeholders = feeds_placeholders  # async scheduling: keep last_tokens (synchronous: unused)
         # the last token sampled for each page-table row (the dummy row included): a step's
@@ -165,11 +168,15 @@ class ModelRunner:
         vocab = logits.shape[-1]
         if verification is not None:
             verification.before_sampling(vocab, self.device)
-        output = self.sampler.sample(logits, SamplingBatch.build(rows, vocab, device=self.device))
+        # the batch, from each page-table row's kept settings and counts (MTP's drafts are on the device)
+        sampling = StepSampling.of(self.sampling_state, rows, vocab, chunks, decodes, verification,
+                                   drafts.reads_samples, self.device)
+        output = self.sampler.sample(logits, sampling.batch)
         if self.feeds_placeholders or drafts.reads_samples or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
+        sampling.record(self.sampling_state, output.token_ids, self.device)  # penalty counts: the kept tokens
         drafts.catch_up(hidden, fb, output.token_ids)
         step.output = output
 

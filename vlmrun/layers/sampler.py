@@ -51,9 +51,11 @@ host→device (pinned, non-blocking on CUDA). The single device→host sync is
 `SamplerOutput.to_host()`, which moves token ids and all logprobs in one transfer; the caller
 (model runner) does it once per step. `SamplerOutput.logprobs` calls it (cached).
 
-Cost note: penalties, the blocked tokens, the logit bias and the allowed mask are rebuilt from the
-rows every step (O(tokens) host work for rows that use them); the all-greedy path with none of
-them is one argmax.
+Cost note: the model runner does not rebuild the batch from the rows each step: it gathers it from
+its `SamplingState` (`sampling_state.py`: per page-table row settings and penalty counts, kept from
+step to step, O(1) host work per penalty row); the blocked tokens, the logit bias and the allowed
+mask are built from the rows that use them (speculative verification builds every row with
+`SamplingBatch.build`). The all-greedy path with none of them is one argmax.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@ that step. It only copies host→device (pinned,
 non-blocking on CUDA), never waits on the device. Grammar rows (structured outputs) fill their row
 of the token bitmask here, on the host (the sampler's docstring says when and why).
 
-Cost note: penalties, the blocked tokens (min_tokens, bad words), the logit bias and the allowed
-mask are rebuilt from the rows every step (O(tokens) host work for rows that use them; the
-`[batch, vocab]` tensors are filled on the device from (row, token) index vectors).
+Cost note: `build` makes everything from the rows (O(tokens) host work for rows with penalties; the
+`[batch, vocab]` tensors are filled on the device from (row, token) index vectors). The model runner
+calls it for speculative verification only (a row per verified position); its other steps gather
+the same batch from the rows' persistent state (`vlmrun.layers.sampling_state.SamplingState`), which
+calls `fill_masks_and_bias` on the few rows that need the rest.
 """
 
 from __future__ import annotations
@@ -93,12 +95,28 @@ class SamplingBatch:
             batch.seeded_rows = [i for i, r in enumerate(rows) if not greedy[i] and r.generator is not None]
         if any(reads_rows(p) for p in {id(p): p for p in params}.values()):  # each distinct params once
             _fill_penalties(batch, rows, device)
-            _fill_blocked_tokens(batch, rows, device)
-            _fill_allowed_mask(batch, rows, device)
-            _fill_logit_bias(batch, rows, device)
+            fill_masks_and_bias(batch, rows, device)
         if any(r.grammar is not None for r in rows):
             _fill_grammar_bitmask(batch, rows, device)
         return batch
+
+
+def fill_masks_and_bias(batch: SamplingBatch, rows: Sequence[SamplingRow], device: torch.device,
+                        grammar: bool = False) -> None:
+    """The settings read from the rows themselves every step, penalties aside: the blocked tokens
+    (min_tokens, bad words), the allowed-token mask, the logit bias and (`grammar`) the grammar bitmask.
+    `SamplingState` calls it on the few rows of a step that need them (a sub-batch)."""
+    rows = list(rows)
+    _fill_blocked_tokens(batch, rows, device)
+    _fill_allowed_mask(batch, rows, device)
+    _fill_logit_bias(batch, rows, device)
+    if grammar:
+        _fill_grammar_bitmask(batch, rows, device)
+
+
+def reads_masks_or_bias(params: SamplingParams) -> bool:
+    """The params ask for a setting `fill_masks_and_bias` fills: min_tokens, bad words, allowed ids, a bias."""
+    return bool(params.min_tokens or params.bad_words_token_ids or params.allowed_token_ids or params.logit_bias)
 
 
 def reads_rows(params: SamplingParams) -> bool:
