@@ -22,6 +22,7 @@ from vlmrun.cache.plan import kv_bytes_per_token
 from vlmrun.config import CacheShape, EngineConfig
 from vlmrun.engine.engine import Engine
 from vlmrun.executor.model_runner import LaunchedStep, ModelRunner
+from vlmrun.executor.step_features import HostDrafts
 from vlmrun.executor.step_input import ChunkInput, DecodeRows
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
@@ -206,7 +207,7 @@ def test_runner_penalty_rows_cost_nothing_per_token_of_history() -> None:
                              mrope_deltas=[0], sampling=[rows[2]])  # a plain decode row first, then two chunks
         chunks = [ChunkInput(row=r, start=0, token_ids=[0], positions=None, kv_slots=torch.zeros(1, dtype=torch.int64),
                              mm_items=(), sampling=row) for r, row in zip([2, 7], rows[:2])]
-        step = LaunchedStep([True, True], None, [None, None])
+        step = LaunchedStep([True, True], None, [None, None], drafts=HostDrafts(chunks))
         runner.sample(step, chunks, decodes, hidden[step_i], SimpleNamespace(logits_indices=torch.arange(3)))
         if step_i:
             assert CountedTokens.read == 0, step_i
