@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from vlmrun.host_to_device import upload
+from vlmrun.host_to_device import int64_tensor, upload
 
 
 def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -35,12 +35,14 @@ def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) 
 def tail_rows(seq_lens: Sequence[int], max_seq: int, page_size: int,
               device: torch.device) -> Optional[torch.Tensor]:
     """[n] rows of a gathered [len(seq_lens) * max_seq, ...] copy (sequence i's position p at row
-    i * max_seq + p) that lie past each sequence's length in its last page; None when there are none."""
-    rows: list[int] = []
-    for i, n in enumerate(seq_lens):
-        end = -(-n // page_size) * page_size
-        rows.extend(range(i * max_seq + n, i * max_seq + end))
-    return upload(torch.tensor(rows, dtype=torch.int64), device) if rows else None
+    i * max_seq + p) that lie past each sequence's length in its last page; None when there are none.
+    Worked out on the host (the lengths are host ints) with a few tensor ops over the batch, not a loop."""
+    lens = int64_tensor(seq_lens)  # [batch]
+    first = lens + torch.arange(len(seq_lens), dtype=torch.int64) * max_seq  # [batch] each tail's first row
+    tail_len = (-lens) % page_size  # [batch] positions past the length in the last page (0: a full page)
+    offsets = torch.arange(page_size - 1, dtype=torch.int64)  # [page_size - 1]
+    rows = (first[:, None] + offsets)[offsets < tail_len[:, None]]  # [n] row-major: sequence by sequence
+    return upload(rows, device) if rows.numel() else None
 
 
 def zero_rows(gathered: torch.Tensor, rows: Optional[torch.Tensor], num_rows: int) -> None:
