@@ -4,7 +4,8 @@ The step's engine side (scheduling the rows, marking them launched and collected
 updates) makes a fixed number of Python function calls per decoding request: the row's text (its
 `tokenizers` stream step through `OutputTextStream.add_plain_token`) and its `RequestUpdate`. Counted
 with a profile hook over one decode step at two batch sizes; the sampling side (its own per-row state,
-another piece of work) is left out of the count. And the one-pass paths give what the per-token ones give.
+another piece of work) is left out of the count. And the one-pass paths give what the per-token ones give,
+and the CPU attention's tail rows (stale_keys.tail_rows) are the same worked out either way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from vlmrun.config import EngineConfig
@@ -23,6 +25,7 @@ from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.engine import Engine
 from vlmrun.engine.output_processor import OutputProcessor
 from vlmrun.engine.request import RequestStatus
+from vlmrun.layers.attention.stale_keys import LOOP_BELOW, tail_rows
 from vlmrun.sampling_params import SamplingParams
 
 SAMPLING_FILES = ("sampling_batch.py", "sampler.py", "sampling_params.py", "sampling_state.py", "sampling_rows.py")
@@ -144,3 +147,15 @@ def test_append_decodes_gives_what_append_one_gives(tokenizer) -> None:
     assert num_finishing >= 5
     assert [r.output_token_ids for r in reqs_rows] == [r.output_token_ids for r in reqs_one]
     assert [r.output_logprobs for r in reqs_rows] == [r.output_logprobs for r in reqs_one]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_tail_rows_either_way_lists_each_sequences_tail(page_size: int) -> None:
+    rng = random.Random(page_size)
+    for batch in (1, 3, LOOP_BELOW - 1, LOOP_BELOW, 70):
+        lens = [rng.randint(1, 80) for _ in range(batch)]
+        max_seq = -(-max(lens) // page_size) * page_size
+        expected = [i * max_seq + p for i, n in enumerate(lens) for p in range(n, max_seq)
+                    if p // page_size == (n - 1) // page_size]  # past its length, in its last page
+        rows = tail_rows(lens, max_seq, page_size, torch.device("cpu"))
+        assert (rows.tolist() if rows is not None else []) == expected

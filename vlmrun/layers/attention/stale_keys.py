@@ -24,6 +24,8 @@ import torch
 
 from vlmrun.host_to_device import int64_tensor, upload
 
+LOOP_BELOW = 32  # sequences: below this a loop over them is quicker than tensor ops (measured, one thread)
+
 
 def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
     """page_table [batch, max_pages] with each entry past a sequence's last page (its first position
@@ -36,12 +38,19 @@ def tail_rows(seq_lens: Sequence[int], max_seq: int, page_size: int,
               device: torch.device) -> Optional[torch.Tensor]:
     """[n] rows of a gathered [len(seq_lens) * max_seq, ...] copy (sequence i's position p at row
     i * max_seq + p) that lie past each sequence's length in its last page; None when there are none.
-    Worked out on the host (the lengths are host ints) with a few tensor ops over the batch, not a loop."""
-    lens = int64_tensor(seq_lens)  # [batch]
-    first = lens + torch.arange(len(seq_lens), dtype=torch.int64) * max_seq  # [batch] each tail's first row
-    tail_len = (-lens) % page_size  # [batch] positions past the length in the last page (0: a full page)
-    offsets = torch.arange(page_size - 1, dtype=torch.int64)  # [page_size - 1]
-    rows = (first[:, None] + offsets)[offsets < tail_len[:, None]]  # [n] row-major: sequence by sequence
+    Worked out on the host (the lengths are host ints): a range per sequence for a few sequences, a few
+    tensor ops over the batch from LOOP_BELOW sequences on (where that is the quicker way)."""
+    if len(seq_lens) < LOOP_BELOW:
+        listed: list[int] = []
+        for i, n in enumerate(seq_lens):
+            listed.extend(range(i * max_seq + n, i * max_seq - (-n // page_size) * page_size))
+        rows = torch.tensor(listed, dtype=torch.int64)
+    else:
+        lens = int64_tensor(seq_lens)  # [batch]
+        first = lens + torch.arange(len(seq_lens), dtype=torch.int64) * max_seq  # [batch] each tail's first row
+        tail_len = (-lens) % page_size  # [batch] positions past the length in the last page (0: a full page)
+        offsets = torch.arange(page_size - 1, dtype=torch.int64)  # [page_size - 1]
+        rows = (first[:, None] + offsets)[offsets < tail_len[:, None]]  # [n] row-major: sequence by sequence
     return upload(rows, device) if rows.numel() else None
 
 
