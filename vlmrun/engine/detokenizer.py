@@ -244,6 +244,7 @@ class OutputTextStream:
         self._min_tokens = params.min_tokens
         self._plain = params.detokenize and not self.matcher.stop  # every token: detokenize, stream the text
         self._length_cap = self._length_limit if self._length_limit is not None else sys.maxsize
+        self._append_text = self.detokenizer.append  # (bound once: add_plain_token calls it per token)
 
     @property
     def text(self) -> str:
@@ -259,7 +260,7 @@ class OutputTextStream:
         if not self._plain or (n > self._min_tokens and token_id in self._stop_ids) or n >= self._length_cap:
             return None
         outputs.append(token_id)
-        new_text = self.detokenizer.append(token_id)
+        new_text = self._append_text(token_id)
         self._num_streamed += len(new_text)
         return new_text
 
