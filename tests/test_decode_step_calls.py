@@ -72,7 +72,8 @@ def random_params(rng: random.Random, eos: int) -> SamplingParams:
     max_tokens, stop = rng.choice([None, 3, 9, 30]), rng.choice([None, None, ["ab"], [" the", "x"]])
     return SamplingParams(max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2, 5]), max_tokens or 5),
                           ignore_eos=rng.random() < 0.3, stop_token_ids=rng.choice([[], [eos - 1], [7, 11]]),
-                          stop=stop, skip_special_tokens=rng.random() < 0.7, detokenize=bool(stop) or rng.random() < 0.9)
+                          stop=stop, skip_special_tokens=rng.random() < 0.7,
+                          detokenize=bool(stop) or rng.random() < 0.9)
 
 
 def test_add_plain_token_gives_what_add_token_gives(tokenizer) -> None:
