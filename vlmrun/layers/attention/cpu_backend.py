@@ -124,9 +124,13 @@ class CpuAttnBackend(AttentionBackend):
         page_ids = own_pages(self.req_to_token[req_rows, :max_seq:self.page_size] // self.page_size, lens,
                              self.page_size).flatten()  # [seqs * max_pages]
         tail = tail_rows(seq_lens, max_seq, self.page_size, device)
-        first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
-        sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
-        visible = torch.arange(max_seq, device=device)[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
+        key_positions = torch.arange(max_seq, device=device)  # [max_seq]
+        if width == 1:  # a plain decode sees its whole length (>= 1: it holds the token it feeds)
+            visible = key_positions[None, None, :] < lens[:, None, None]  # [seqs, 1, max_seq]
+        else:
+            first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
+            sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
+            visible = key_positions[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
         token_rows = None if idx is None else torch.tensor([starts[i] + j for i in idx for j in range(width)],
                                                            device=device)
         return DecodeGroup(width, token_rows, page_ids, visible, tail)
