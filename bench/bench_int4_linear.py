@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 
 from bench.common import describe_run
+from vlmrun.configs.quantization import QuantizationConfig
 from vlmrun.executor.cpu_malloc import keep_freed_memory
-from vlmrun.quantization.config import QuantizationConfig
 from vlmrun.quantization.int4 import Int4Linear, awq_natural_columns, unpack_int4
 
 

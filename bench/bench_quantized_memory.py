@@ -41,10 +41,10 @@ import torch
 from torch import nn
 
 from vlmrun.config import ModelConfig
+from vlmrun.configs.quantization import resolve_quantization
 from vlmrun.layers.linear import LinearBase
 from vlmrun.layers.moe import FusedExperts
 from vlmrun.models.registry import build_for_checkpoint
-from vlmrun.quantization.config import resolve_quantization
 from vlmrun.quantization.fp8 import Fp8BlockLinear, Fp8OnlineLinear, part_rows, weight_and_scale_names
 from vlmrun.quantization.fp8_blocks import BLOCK, ROW_GROUPS, quantize_weight
 from testing.fp8_checkpoints import QWEN_UNQUANTIZED, VISION_PATTERN

@@ -14,7 +14,9 @@ writes it; each group is then its own MMItem of grid (1, h, w) (the vision tower
 temporal group only, so encoding the groups apart gives the same rows). The prompt style follows the
 processor class and the frames follow the video processor class, each found as transformers'
 `AutoProcessor` / `AutoVideoProcessor` find them (`processor_files.video_prompt_style`,
-`VideoProcessorConfig`). The pad tokens and their expansion are `placeholders.py`'s.
+`VideoProcessorConfig`); where the checkpoint's files name no class, its family's registry line says
+(`vlmrun.families`, by config.json's `architectures`). The pad tokens and their expansion are
+`placeholders.py`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from vlmrun.families import media_style
 from vlmrun.processors.chat import ImageRef, MediaRef, VideoRef, check_unicode, parse_messages
 from vlmrun.processors.image_io import OpenedImage, describe_source, open_image
 from vlmrun.processors.image_processor import ImageProcessor, ImageProcessorConfig, ProcessedImage
@@ -34,8 +37,8 @@ from vlmrun.processors.placeholders import (IMAGE_PAD, VIDEO_PAD, VISION_END, VI
                                             ProcessedPrompt, expand_placeholders, find_token_id,
                                             find_vision_token_ids)
 from vlmrun.processors.processor_kwargs import apply_processor_kwargs, check_processor_kwargs
-from vlmrun.processors.processor_files import load_chat_template, model_type, read_chat_template, video_prompt_style
-from vlmrun.processors.video_config import VideoProcessorConfig, video_style
+from vlmrun.processors.processor_files import architectures, load_chat_template, read_chat_template, video_prompt_style
+from vlmrun.processors.video_config import VideoProcessorConfig
 from vlmrun.processors.video_processor import ProcessedVideo, VideoOptions, VideoProcessor, is_frames_with_metadata
 
 
@@ -79,8 +82,8 @@ class Processor:
             raise FileNotFoundError(f"processor: {path!r} is not a checkpoint directory")
         tokenizer = AutoTokenizer.from_pretrained(path)
         config = ImageProcessorConfig.from_pretrained(path)
-        model_style = video_style(model_type(path))
-        video_config = VideoProcessorConfig.from_pretrained(path, model_style) if config else None
+        media = media_style(architectures(path))  # the family's styles, where the checkpoint's files name no class
+        video_config = VideoProcessorConfig.from_pretrained(path, media.video) if config else None
         return cls(
             tokenizer,
             load_chat_template(chat_template) if chat_template is not None else read_chat_template(path, tokenizer),
@@ -89,7 +92,7 @@ class Processor:
             device=device,
             source=path,
             video_processor=VideoProcessor(video_config) if video_config is not None else None,
-            video_prompt=video_prompt_style(path, model_style),
+            video_prompt=video_prompt_style(path, media.prompt),
             mm_processor_kwargs=mm_processor_kwargs,
         )
 

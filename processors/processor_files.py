@@ -1,5 +1,6 @@
 """What `Processor.from_pretrained` reads from a checkpoint directory besides the tokenizer and the
-image / video processor configs: the chat template, the model type, and the processor class that
+image / video processor configs: the chat template, the architectures (which pick the family), and the
+processor class that
 decides how videos are written into the prompt (`video_prompt_style`); and a chat template given
 instead of the checkpoint's (`load_chat_template`: a file path or the template itself, as vLLM's
 `--chat-template` takes it).
@@ -16,18 +17,20 @@ from transformers import PreTrainedTokenizerBase
 from vlmrun.processors.video_config import read_json
 
 
-def model_type(path: str) -> str | None:
-    """`model_type` of the checkpoint's config.json (None when absent)."""
-    return _json_field(path, "config.json", "model_type")
+def architectures(path: str) -> list[str]:
+    """`architectures` of the checkpoint's config.json (empty when absent): what picks its family
+    (`vlmrun.families`)."""
+    names = _json_field(path, "config.json", "architectures")
+    return [str(n) for n in names] if isinstance(names, list) else []
 
 
-def video_prompt_style(path: str, model_style: str) -> str:
+def video_prompt_style(path: str, family_style: str) -> str:
     """How the checkpoint's processor class writes videos into the prompt: "qwen3" (`Qwen3VLProcessor`:
     timestamped groups) or "qwen2" (`Qwen2VLProcessor`, `Qwen2_5_VLProcessor`: one run of pads).
 
     The class is found where `AutoProcessor` looks: `processor_config.json`, `preprocessor_config.json`
     (`video_preprocessor_config.json` only without it), `tokenizer_config.json`, `config.json`; else the
-    model type decides (`model_style`)."""
+    checkpoint's family decides (`family_style`: `vlmrun.families.ProcessorStyle.prompt`)."""
     has_image_config = os.path.isfile(os.path.join(path, "preprocessor_config.json"))
     files = ("processor_config.json", "preprocessor_config.json" if has_image_config else
              "video_preprocessor_config.json", "tokenizer_config.json", "config.json")
@@ -39,7 +42,7 @@ def video_prompt_style(path: str, model_style: str) -> str:
             if str(named).startswith(("Qwen2VL", "Qwen2_5_VL")):
                 return "qwen2"
             break
-    return model_style
+    return family_style
 
 
 def _json_field(path: str, name: str, key: str) -> Any:

@@ -26,15 +26,8 @@ _STYLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3": dict(patch_size=16, min_pixels=128 * 32 * 32, max_pixels=32 * 32 * 768, image_mean=IMAGENET_STANDARD,
                   image_std=IMAGENET_STANDARD, do_sample_frames=True, fps=2.0, max_video_tokens=768),
 }
-# transformers' model type -> video processor class (VIDEO_PROCESSOR_MAPPING_NAMES), as a style
-_QWEN2_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen2_5_omni", "qwen3_omni_moe")
 # the video processor classes transformers has, by the style they sample and size frames in
 _STYLE_OF_VIDEO_CLASS = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3"}
-
-
-def video_style(model_type: str | None) -> str:
-    """"qwen2" for Qwen2-VL / Qwen2.5-VL checkpoints, "qwen3" for Qwen3-VL / Qwen3.5 (and newer)."""
-    return "qwen2" if model_type in _QWEN2_MODEL_TYPES else "qwen3"
 
 
 @dataclass(frozen=True)
@@ -71,7 +64,7 @@ class VideoProcessorConfig:
         """A video processor config dict (or, as transformers falls back to it, the image one).
 
         The class the dict names (`video_processor_type`, else the video class transformers pairs
-        with its `image_processor_type`) decides the style; `style` (from the model type) otherwise."""
+        with its `image_processor_type`) decides the style; `style` (the family's, `vlmrun.families`) otherwise."""
         style = _style_of_class(config) or style
         d = _STYLE_DEFAULTS[style]
         size = config.get("size") if isinstance(config.get("size"), Mapping) else {}
@@ -134,7 +127,7 @@ class VideoProcessorConfig:
 def _style_of_class(config: Mapping[str, Any]) -> str | None:
     """The style of the class `AutoVideoProcessor` picks from a config dict: `video_processor_type`, else
     the video twin of `image_processor_type` where transformers has one (`Qwen2VLImageProcessor` ->
-    `Qwen2VLVideoProcessor`; `Qwen2VLImageProcessorFast` has none). None: the model type decides."""
+    `Qwen2VLVideoProcessor`; `Qwen2VLImageProcessorFast` has none). None: the family decides."""
     named = config.get("video_processor_type")
     if named is None and config.get("image_processor_type"):
         named = str(config["image_processor_type"]).replace("ImageProcessor", "VideoProcessor")

@@ -12,6 +12,7 @@ from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import Attention, LinearAttention
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
+from vlmrun.models.blocks.text_decoder import DEEPSTACK
 
 
 def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.Tensor], *,
@@ -47,7 +48,7 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         attn_backend=backend,
         mm_mask=mm_mask,
         mm_embeds=mm_embeds,
-        deepstack_embeds=deepstack_embeds,
+        mm_extras=None if deepstack_embeds is None else {DEEPSTACK: deepstack_embeds},
     )
     backend.prepare(fb)
     with torch.no_grad():

@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Iterator
 
 import pytest
 
 from vlmrun.processors import InputError, ProcessedPrompt
-from tests.test_server import tiny_engine, wait_until_idle
+from tests.server_fixtures import served_fixtures, tiny_engine, wait_until_idle
 from vlmrun import LLM
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.engine.request_group import EngineDeadError, EngineStepError
 from vlmrun.sampling_params import SamplingParams
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=256)
-    yield eng
-    eng.shutdown()
+engine = served_fixtures(max_model_len=256)[0]
 
 
 def prompt_of(engine: AsyncEngine, text: str) -> ProcessedPrompt:

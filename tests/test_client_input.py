@@ -18,29 +18,17 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.test_server import tiny_engine
+from tests.server_fixtures import served_fixtures
 from tests.test_server_hardening import status_counts
 from vlmrun import LLM, SamplingParams
-from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server.launch import ServerThread, serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
 MODEL = "tiny"
 CONTEXT = 128
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=CONTEXT, max_num_seqs=8)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, max_queued_requests=8, max_n=16))
-    yield srv
-    srv.stop()
+engine, server = served_fixtures(max_model_len=CONTEXT, max_num_seqs=8, served_model_name=MODEL,
+                                 settings={"max_queued_requests": 8, "max_n": 16})[:2]
 
 
 @pytest.fixture()

@@ -12,42 +12,24 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import numpy as np
-import openai
 import pytest
 
+from tests.server_fixtures import served_fixtures, tiny_engine, wait_until_idle
 from tests.test_run_batch import ENGINE_FLAGS, _outputs, _write_lines
-from tests.test_server import data_uri, image_part, picture, png_bytes, tiny_engine, wait_until_idle
+from tests.test_server import data_uri, image_part, picture, png_bytes
 from vlmrun import LLM
 from vlmrun.cli import main
-from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server.launch import ServerThread, serve_in_thread
+from vlmrun.server.launch import serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
 MODEL = "tiny-embed"
 TEXTS = ["a red cup on the table", "the sea and the sky"]
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, runner="pooling")
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+engine, server, client = served_fixtures(runner="pooling", served_model_name=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ Inside the installed package (`vlmrun/`, `processors/`, `web/`), imports run dow
 circle. `processors/` and `web/` install as `vlmrun.processors` and `vlmrun.web` (pyproject's
 package-dir), so their modules are named that way here. The floors, top to bottom
 (docs/architecture.md): api / cli / server / web / jobs / ray -> engine -> executor -> models,
-multimodal -> layers, cache -> processors, loader, config, forward_batch. A module may import modules
+multimodal -> layers, cache -> processors, loader, config, configs, forward_batch. A module may import modules
 of its own floor and of any floor below, never of a floor above. Neither modules nor the parts of the
 table (`FLOORS`' keys: a package or a module) may import each other in a circle.
 
@@ -45,6 +45,9 @@ SCRIPT_FOLDERS = ("bench", "training")  # where a module with a __main__ block i
 # Module prefix -> floor (higher floors import lower ones). A key covers that module and everything
 # under it; the longest key wins. A module under no other key falls under "vlmrun": the top floor,
 # which nothing below may import, so a new module must be given its floor here before they can.
+# The keys are packages and the top-level modules of vlmrun/: a module inside a package has its
+# package's floor (what a lower floor needs moves into a leaf package of that floor, as the feature
+# configs that vlmrun.config holds live in vlmrun.configs); test_the_floor_table_has_no_exceptions.
 FLOORS: dict[str, int] = {
     "vlmrun": 6, "vlmrun.api": 6, "vlmrun.cli": 6, "vlmrun.server": 6, "vlmrun.web": 6, "vlmrun.jobs": 6,
     "vlmrun.ray": 6, "vlmrun.shape_scenes": 6, "vlmrun.feed": 6,
@@ -52,14 +55,11 @@ FLOORS: dict[str, int] = {
     "vlmrun.logprobs": 1,
     "vlmrun.engine": 5,
     "vlmrun.executor": 4,
-    "vlmrun.models": 3, "vlmrun.multimodal": 3, "vlmrun.quantization": 3,
-    "vlmrun.layers": 2, "vlmrun.cache": 2,
-    "vlmrun.processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.forward_batch": 1,
-    "vlmrun.host_to_device": 1, "vlmrun.generation_config": 1, "vlmrun.quantization.config": 1,
-    "vlmrun.sampling_params": 1, "vlmrun.sampling_fields": 1, "vlmrun.default_model": 1, "vlmrun.threads": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
-    "vlmrun.spec_decode": 2, "vlmrun.spec_decode.config": 1, "vlmrun.spec_decode.metrics": 1,
-    "vlmrun.spec_decode.grammar": 1,
-    "vlmrun.lora": 3, "vlmrun.lora.request": 1, "vlmrun.lora.peft_files": 1,
+    "vlmrun.models": 3, "vlmrun.multimodal": 3, "vlmrun.quantization": 3, "vlmrun.lora": 3,
+    "vlmrun.layers": 2, "vlmrun.cache": 2, "vlmrun.spec_decode": 2,
+    "vlmrun.processors": 1, "vlmrun.loader": 1, "vlmrun.config": 1, "vlmrun.configs": 1, "vlmrun.forward_batch": 1,
+    "vlmrun.host_to_device": 1, "vlmrun.generation_config": 1,
+    "vlmrun.sampling_params": 1, "vlmrun.sampling_fields": 1, "vlmrun.default_model": 1, "vlmrun.families": 1, "vlmrun.threads": 1, "vlmrun.parallel": 1, "vlmrun.structured": 1,
     "vlmrun.pooling": 1,
 }
 
@@ -228,6 +228,24 @@ def violations(root: Path, packages: dict[str, str], floors: dict[str, int]) -> 
     return upward_imports(edges, floors) + import_cycles(edges, floors)
 
 
+def floor_exceptions(floors: dict[str, int], modules: dict[str, Path], roots: set[str]) -> list[str]:
+    """Keys of `floors` that are no module of `modules`, and keys below the top level (not a root
+    package nor a module or package right inside one) whose floor differs from their package's."""
+    found = []
+    for key, floor in floors.items():
+        if key not in modules:
+            found.append(f"{key} (floor {floor}) names no module or package")
+            continue
+        package = key.rpartition(".")[0]
+        if key in roots or package in roots:
+            continue
+        outer = part_of(package, floors)
+        if floors[outer] != floor:
+            found.append(f"{key} has floor {floor} inside {outer} (floor {floors[outer]}): a module takes its "
+                         "package's floor; move what a lower floor needs into a leaf package of that floor")
+    return found
+
+
 def is_script(tree: ast.Module) -> bool:
     """Whether a module has a top-level `if __name__ == "__main__":` block."""
     for node in tree.body:
@@ -275,6 +293,54 @@ def checkout_violations(root: Path, packages: dict[str, str], may_import: dict[s
 def test_imports_run_downward_and_never_in_a_circle() -> None:
     found = violations(REPO, PACKAGES, FLOORS)
     assert not found, f"{len(found)} import rule violation(s):\n" + "\n".join(found)
+
+
+def test_the_floor_table_has_no_exceptions() -> None:
+    """No module inside a package gets a floor of its own (the table's keys: packages and top-level modules)."""
+    found = floor_exceptions(FLOORS, module_files(REPO, PACKAGES), set(PACKAGES))
+    assert not found, "\n".join(found)
+
+
+EXECUTOR_INTERFACE = "vlmrun.executor.base"
+EXECUTORS = ("vlmrun.executor.model_runner", "vlmrun.executor.overlap", "vlmrun.executor.distributed",
+             "vlmrun.executor.ray_executor")  # the modules of the classes that implement it
+
+
+def imported_by(module: str, edges: list[Edge]) -> set[str]:
+    """Every module `module` imports, directly or through others."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for e in edges:
+        graph[e.source].add(e.target)
+    seen: set[str] = set()
+    frontier = [module]
+    while frontier:
+        frontier = [t for m in frontier for t in graph[m] if t not in seen]
+        seen.update(frontier)
+    return seen
+
+
+def test_the_executor_interface_imports_no_implementation() -> None:
+    """executor/base.py (the `Executor` protocol) reaches none of its implementations, not even through
+    the records it names (executor/step_input.py, executor/step_output.py)."""
+    reached = imported_by(EXECUTOR_INTERFACE, import_graph(REPO, PACKAGES))
+    assert reached and not reached & set(EXECUTORS), sorted(reached & set(EXECUTORS))
+
+
+def test_the_floor_check_catches_a_module_with_a_floor_of_its_own(tmp_path: Path) -> None:
+    _write(tmp_path, {"pkg/__init__.py": "", "pkg/top.py": "", "pkg/feature/__init__.py": "",
+                      "pkg/feature/config.py": "", "pkg/feature/run.py": "", "pkg/feature/sub/__init__.py": ""})
+    modules = module_files(tmp_path, {"pkg": "pkg"})
+    floors = {"pkg": 3, "pkg.top": 1, "pkg.feature": 2, "pkg.feature.config": 1, "pkg.feature.run": 2,
+              "pkg.feature.sub": 1, "pkg.gone": 1}
+    assert floor_exceptions(floors, modules, {"pkg"}) == [
+        "pkg.feature.config has floor 1 inside pkg.feature (floor 2): a module takes its package's floor; move "
+        "what a lower floor needs into a leaf package of that floor",
+        "pkg.feature.sub has floor 1 inside pkg.feature (floor 2): a module takes its package's floor; move what "
+        "a lower floor needs into a leaf package of that floor",
+        "pkg.gone (floor 1) names no module or package",
+    ]
+    del floors["pkg.feature.config"], floors["pkg.feature.sub"], floors["pkg.gone"]
+    assert floor_exceptions(floors, modules, {"pkg"}) == []
 
 
 def _write(root: Path, files: dict[str, str]) -> None:

@@ -12,21 +12,17 @@ What the tiny model writes (greedy, float32, each prompt a user turn in the chat
 from __future__ import annotations
 
 import json
-from typing import Iterator
 
 import openai
 import pytest
 import torch
 
-from tests.test_server import tiny_engine, wait_until_idle
+from tests.server_fixtures import served_fixtures, wait_until_idle
 from tests.test_tensor_parallel import engine_options
 from vlmrun import LLM, SamplingParams
-from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.layers.sampler import Sampler
 from vlmrun.layers.sampling_batch import SamplingBatch, SamplingRow
 from vlmrun.sampling_params import SamplingParamError
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
 from vlmrun.structured import StructuredOutputsParams
 
 STORY = "Tell me a story."  # greedy: "... This This This ..."
@@ -194,23 +190,7 @@ def test_preemption_async_scheduling_and_tp2_give_the_synchronous_tokens(qwen3_d
 # ---------------------------------------------------------------------------- server
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_dir)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+engine, server, client = served_fixtures("qwen3_dir", served_model_name=MODEL)
 
 
 def test_server_applies_logit_bias_allowed_token_ids_and_bad_words(client, engine):

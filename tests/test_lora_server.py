@@ -12,19 +12,15 @@ import argparse
 import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest
 
 from testing.image_folders import write_images
+from tests.server_fixtures import MODEL, served_fixtures
 from tests.test_lora import MAX_NEW, lora_setup
-from tests.test_server import tiny_engine
 from vlmrun.server.cli import lora_modules
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
 
-MODEL = "tiny-qwen3-vl"
 ADAPTERS = ("all", "rs_regex")
 
 
@@ -33,19 +29,17 @@ def setup(request):
     return lora_setup(request, "qwen3_vl")
 
 
-@pytest.fixture(scope="module")
-def server(setup) -> Iterator[ServerThread]:
-    engine = tiny_engine(setup.model_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL,
-                                                 lora_modules={n: str(setup.adapters[n]) for n in ADAPTERS}))
-    yield srv
-    srv.stop()
-    engine.shutdown()
+def adapted_checkpoint(request: pytest.FixtureRequest) -> Path:
+    return request.getfixturevalue("setup").model_dir
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+def served_adapters(request: pytest.FixtureRequest) -> dict:
+    adapters = request.getfixturevalue("setup").adapters
+    return {"lora_modules": {n: str(adapters[n]) for n in ADAPTERS}}
+
+
+engine, server, client = served_fixtures(adapted_checkpoint, settings=served_adapters, enable_lora=True, max_loras=2,
+                                         max_lora_rank=8)
 
 
 def test_models_lists_the_adapters(client):

@@ -10,6 +10,7 @@ than three 64-token GDN chunks), batched vs single, and weight loading (layouts,
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from vlmrun.loader import iter_weights
 from vlmrun.models.weights import load_checkpoint
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
+from vlmrun.models.blocks.text_decoder import DEEPSTACK
 from testing.tiny_models import build_hf_inputs
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -79,7 +81,7 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         attn_backend=backend,
         mm_mask=mm_mask,
         mm_embeds=mm_embeds,
-        deepstack_embeds=deepstack_embeds,
+        mm_extras=None if deepstack_embeds is None else {DEEPSTACK: deepstack_embeds},
         state_slots=torch.arange(1, len(sequences) + 1),  # GDN slot 0 is the dummy
     )
     backend.prepare(fb)
@@ -98,7 +100,8 @@ def _our_logits(model, batch: list[dict], hf_features=None) -> torch.Tensor:
     for inp in batch:
         ids = inp["input_ids"][0]
         grids = [tuple(g) for g in inp.get("image_grid_thw", torch.zeros(0, 3)).tolist()]
-        pos, _ = compute_mrope_positions(ids.tolist(), grids, model.config)
+        items = [SimpleNamespace(grid_thw=g, second_per_grid_t=None) for g in grids]
+        pos, _ = type(model).prompt_positions(model.config)(ids.tolist(), items)  # the family's: 1-D or M-RoPE
         seqs.append(ids)
         positions.append(pos)
         if grids:
@@ -108,7 +111,7 @@ def _our_logits(model, batch: list[dict], hf_features=None) -> torch.Tensor:
             else:
                 with torch.no_grad():
                     vis = model.encode_images(inp["pixel_values"], inp["image_grid_thw"])
-                e, d = vis.embeds, vis.deepstack
+                e, d = vis.embeds, vis.extras.get(DEEPSTACK)
             embeds.append(e)
             if d is not None:
                 deepstack.append(d)
@@ -223,9 +226,9 @@ def test_vision_tower_matches_hf(loaded, name):
     assert _rel_diff(vis.embeds, ref_embeds) < 1e-5
     if name == "qwen3_vl_moe":
         ref_deep = torch.stack([torch.cat(f) for f in ref.deepstack_features])
-        assert vis.deepstack.shape == ref_deep.shape and _rel_diff(vis.deepstack, ref_deep) < 1e-5
+        assert vis.extras.get(DEEPSTACK).shape == ref_deep.shape and _rel_diff(vis.extras.get(DEEPSTACK), ref_deep) < 1e-5
     else:  # Qwen3.5 has no DeepStack
-        assert vis.deepstack is None and not ours.visual.deepstack_visual_indexes
+        assert vis.extras.get(DEEPSTACK) is None and not ours.visual.deepstack_visual_indexes
 
 
 @pytest.mark.parametrize("name", VL)

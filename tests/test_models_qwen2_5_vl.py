@@ -117,7 +117,7 @@ def test_vision_tower_matches_hf(models, grids):
     with torch.no_grad():
         ref = torch.cat(hf.model.get_image_features(pixels, grid_thw).pooler_output)
         out = ours.encode_images(pixels, grid_thw)
-    assert out.deepstack is None
+    assert out.extras == {}
     assert out.embeds.shape == ref.shape == (num_patches // 4, ours.lm_head.in_features)
     # 1e-5 relative to the output scale: the patch embed is a matmul here and a Conv3d in HF, whose
     # float32 sums round differently (~1e-6 relative); everything after it follows HF op for op.

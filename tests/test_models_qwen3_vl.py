@@ -11,6 +11,7 @@ from tests.model_harness import cache_shape_of_layers, prefill_logits
 from vlmrun.loader import iter_weights
 from vlmrun.models.registry import get_model_class
 from vlmrun.multimodal.mrope import compute_mrope_positions
+from vlmrun.models.blocks.text_decoder import DEEPSTACK
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 
@@ -58,7 +59,7 @@ def _our_logits(model, batch: list[dict]) -> torch.Tensor:
             with torch.no_grad():
                 vis = model.encode_images(inp["pixel_values"], inp["image_grid_thw"])
             embeds.append(vis.embeds)
-            deepstack.append(vis.deepstack)
+            deepstack.append(vis.extras.get(DEEPSTACK))
     mm = dict(mm_mask=torch.cat(masks), mm_embeds=torch.cat(embeds), deepstack_embeds=torch.cat(deepstack, dim=1)) \
         if embeds else {}
     return prefill_logits(model, seqs, positions, **mm)
@@ -93,11 +94,11 @@ def test_vision_tower_matches_hf(models, ckpt):
         vis = ours.encode_images(pv, grid)
     ref_embeds = torch.cat(ref.pooler_output)
     ref_deep = torch.stack([torch.cat(f) for f in ref.deepstack_features])
-    assert vis.embeds.shape == ref_embeds.shape and vis.deepstack.shape == ref_deep.shape
+    assert vis.embeds.shape == ref_embeds.shape and vis.extras.get(DEEPSTACK).shape == ref_deep.shape
     # The patch embed is a matmul where HF runs a Conv3d: same math, another summation order, so
     # outputs differ by float32 rounding (~2e-6 relative); with HF's conv they match bit for bit.
     assert _rel_diff(vis.embeds, ref_embeds) < 1e-5
-    assert _rel_diff(vis.deepstack, ref_deep) < 1e-5
+    assert _rel_diff(vis.extras.get(DEEPSTACK), ref_deep) < 1e-5
 
 
 PROMPTS = {

@@ -28,7 +28,7 @@ def chat(*images: Image.Image, text: str = "Describe these.") -> list[dict]:
 
 
 def embedding(tokens: int) -> ImageEmbedding:
-    return ImageEmbedding(torch.zeros(tokens, 2), None)
+    return ImageEmbedding(torch.zeros(tokens, 2))
 
 
 def test_pins_count_toward_the_capacity_and_are_never_evicted():

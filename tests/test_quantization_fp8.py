@@ -39,12 +39,12 @@ from tests.test_engine_parity import assert_matches, make_image, user
 from tests.test_tensor_parallel import assert_same_outputs
 from vlmrun import LLM, SamplingParams
 from vlmrun.config import EngineConfig, ModelConfig
+from vlmrun.configs.quantization import QuantizationConfig
 from vlmrun.layers.linear import ColumnParallelLinear
 from vlmrun.layers.moe import FusedExperts
 from vlmrun.models.registry import load_model
 from vlmrun.models.weights import weight_bytes
 from vlmrun.parallel import Shard, TensorParallel
-from vlmrun.quantization.config import QuantizationConfig
 from vlmrun.quantization.fp8 import Fp8BlockLinear, Fp8OnlineLinear, fp8_gemm, make_fp8_method
 from vlmrun.quantization.fp8_blocks import (FP8, compact_rows, dequantize_blocks, expand_rows, fp8_to_float32,
                                             quantize_activation, quantize_weight)

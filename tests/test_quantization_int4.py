@@ -31,10 +31,10 @@ from testing.wide_models import build_wide_checkpoint
 from tests.test_engine_parity import assert_matches, make_image, user
 from tests.test_tensor_parallel import assert_same_outputs, engine_options
 from vlmrun import LLM, SamplingParams
+from vlmrun.configs.quantization import QuantizationConfig
 from vlmrun.layers.linear import LinearBase, RowParallelLinear
 from vlmrun.layers.moe import FusedExperts
 from vlmrun.parallel import TensorParallel
-from vlmrun.quantization.config import QuantizationConfig
 from vlmrun.quantization.int4 import Int4Linear, pack_int4, unpack_int4
 
 MAX_NEW = 4

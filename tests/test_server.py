@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import io
-from typing import Iterator
 
 import httpx
 import numpy as np
@@ -18,24 +17,11 @@ import openai
 import pytest
 from PIL import Image
 
-from vlmrun.config import EngineConfig
-from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.engine.engine import Engine
-from vlmrun.server.launch import ServerThread, serve_in_thread
+from tests.server_fixtures import MODEL, served_fixtures, tiny_engine, wait_until_idle  # noqa: F401 (shared from here too)
+from vlmrun.server.launch import serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
-MODEL = "tiny-qwen3-vl"
-
-
 # ---------------------------------------------------------------------------- helpers (shared)
-
-
-def tiny_engine(model_dir, **overrides) -> AsyncEngine:
-    """The tiny checkpoint behind an AsyncEngine with small pools (fast to build on CPU)."""
-    options = dict(model=str(model_dir), dtype="float32", device="cpu", max_model_len=1024, max_num_seqs=64,
-                   kv_cache_memory_bytes=32 << 20, max_image_pixels=4_000_000)
-    options.update(overrides)
-    return AsyncEngine(Engine(EngineConfig(**options))).start()
 
 
 def picture(width: int, height: int, seed: int) -> Image.Image:
@@ -60,41 +46,10 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-def wait_until_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
-    """Wait until the engine runs nothing and its KV pages and request rows are all free."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats
-        if s.num_running == 0 and s.num_waiting == 0 and s.kv_pages_used == 0 and s.req_rows_used == 0 \
-                and s.num_groups == 0 and not s.gdn_slots_used:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the engine did not drain: {engine.stats}")
-
-
 # ---------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, enable_auto_tool_choice=True,
-                                                 tool_call_parser="hermes"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+engine, server, client = served_fixtures(settings={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
 
 
 def chat(client: openai.OpenAI, content, **kwargs):

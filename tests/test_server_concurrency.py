@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from tests.test_server import data_uri, image_part, picture, png_bytes, tiny_engine, wait_until_idle
-from vlmrun.engine.async_engine import AsyncEngine
+from tests.server_fixtures import served_fixtures, tiny_engine, wait_until_idle
+from tests.test_server import data_uri, image_part, picture, png_bytes
 from vlmrun.server.launch import ServerThread, serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
@@ -28,18 +27,7 @@ GOOD_TOKENS = 12
 LONG_TOKENS = 900  # what the leaving clients ask for: far more than the test waits for
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield srv
-    srv.stop()
+engine, server = served_fixtures(served_model_name=MODEL)[:2]
 
 
 def metric(server: ServerThread, name: str) -> float:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import base64
 import io
 import json
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
 from PIL import Image
 
-from tests.test_server import data_uri, image_part, picture, png_bytes, tiny_engine, wait_until_idle
+from tests.server_fixtures import served_fixtures, wait_until_idle
+from tests.test_server import data_uri, image_part, picture, png_bytes
 from vlmrun.engine.async_engine import AsyncEngine
 from vlmrun.server.launch import ServerThread, serve_in_thread
 from vlmrun.server.settings import ServerSettings
@@ -26,23 +26,8 @@ MODEL = "tiny"
 BODY_LIMIT = 2 << 20
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=256)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, max_request_bytes=BODY_LIMIT))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0, timeout=30)
+engine, server, client = served_fixtures(max_model_len=256, settings={"max_request_bytes": BODY_LIMIT},
+                                         served_model_name=MODEL, api_key="x", timeout=30)
 
 
 def post(server: ServerThread, body, path: str = "/v1/chat/completions", http: httpx.Client | None = None,

@@ -15,8 +15,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.test_server import data_uri, picture, png_bytes, tiny_engine
-from vlmrun.engine.async_engine import AsyncEngine
+from tests.server_fixtures import served_fixtures
+from tests.test_server import data_uri, picture, png_bytes
 from vlmrun.server.launch import ServerThread, serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
@@ -24,11 +24,7 @@ MODEL = "tiny"
 SLOW_S = 0.4  # seconds each image takes to prepare here
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=512)
-    yield eng
-    eng.shutdown()
+engine = served_fixtures(max_model_len=512)[0]
 
 
 @pytest.fixture()

@@ -5,13 +5,11 @@ against, the compile pool's threads, queue and wait, and the bytes the engine's 
 from __future__ import annotations
 
 import argparse
-from typing import Iterator
 
 import httpx
 import pytest
 
-from tests.test_server import tiny_engine
-from vlmrun.engine.async_engine import AsyncEngine
+from tests.server_fixtures import served_fixtures
 from vlmrun.server import cli
 from vlmrun.server.launch import serve_in_thread
 from vlmrun.server.settings import MiB
@@ -26,11 +24,7 @@ def serve_args(*flags: str) -> argparse.Namespace:
     return parser.parse_args(["serve", *flags])
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=128)
-    yield eng
-    eng.shutdown()
+engine = served_fixtures(max_model_len=128)[0]
 
 
 def test_the_defaults_are_the_settings_defaults(monkeypatch) -> None:

@@ -20,29 +20,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.test_server import data_uri, picture, png_bytes, tiny_engine, wait_until_idle
-from vlmrun.engine.async_engine import AsyncEngine
+from tests.server_fixtures import served_fixtures, wait_until_idle
+from tests.test_server import data_uri, picture, png_bytes
 from vlmrun.server import chat_handler
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
 
 MODEL = "tiny"
 KEY = "sk-test"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=128)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, api_key=KEY, max_n=4))
-    yield srv
-    srv.stop()
+engine, server = served_fixtures(max_model_len=128, settings={"api_key": KEY, "max_n": 4},
+                                 served_model_name=MODEL)[:2]
 
 
 @pytest.fixture()

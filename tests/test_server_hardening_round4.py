@@ -23,12 +23,12 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.test_server import data_uri, tiny_engine, wait_until_idle
-from vlmrun.engine.async_engine import AsyncEngine
+from tests.server_fixtures import served_fixtures, wait_until_idle
+from tests.test_server import data_uri
 from vlmrun.engine.request_group import RequestGroup
 from vlmrun.sampling_params import MAX_BAD_WORDS, SamplingParamError, SamplingParams
 from vlmrun.server.chat_output import ChatOutputParser
-from vlmrun.server.launch import ServerThread, serve_in_thread
+from vlmrun.server.launch import serve_in_thread
 from vlmrun.server.responses import ChoiceState, chat_message
 from vlmrun.server.settings import ServerSettings
 from vlmrun.structured import StructuredOutputsParams
@@ -37,20 +37,8 @@ from vlmrun.structured.compiler import GrammarCompiler
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=128)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, trust_request_mm_kwargs=True,
-                                                 enable_auto_tool_choice=True,
-                                                 tool_call_parser="hermes"))
-    yield srv
-    srv.stop()
+engine, server = served_fixtures(max_model_len=128, served_model_name=MODEL, settings={
+    "trust_request_mm_kwargs": True, "enable_auto_tool_choice": True, "tool_call_parser": "hermes"})[:2]
 
 
 @pytest.fixture()

@@ -9,27 +9,19 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.test_server import tiny_engine
+from tests.server_fixtures import served_fixtures
 from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
 
 MODEL = "tiny"
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=128)
-    yield eng
-    eng.shutdown()
+engine, server = served_fixtures(max_model_len=128, served_model_name=MODEL)[:2]
 
 
 @pytest.fixture(scope="module")
-def http(engine) -> Iterator[httpx.Client]:
-    srv: ServerThread = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+def http(server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
-    srv.stop()
 
 
 def completion(**extra) -> dict:

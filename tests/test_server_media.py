@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from vlmrun.processors import InputError
-from tests.test_server import data_uri, image_part, picture, png_bytes, tiny_engine
+from tests.server_fixtures import tiny_engine
+from tests.test_server import data_uri, image_part, picture, png_bytes
 from vlmrun.server import media
 from vlmrun.server.launch import serve_in_thread
 from vlmrun.server.media import MediaPolicy, MediaResolver, address_refusal

@@ -12,29 +12,16 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.test_server import data_uri, tiny_engine
-from vlmrun.engine.async_engine import AsyncEngine
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
+from tests.server_fixtures import served_fixtures
+from tests.test_server import data_uri
 
 MODEL = "tiny"
 URL_TIMEOUT_S = 4.0
 
 
-@pytest.fixture(scope="module")
-def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
-    eng = tiny_engine(qwen3_vl_dir, max_model_len=256)
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine) -> Iterator[ServerThread]:
-    # one media thread: a fetch that held it would hold every other image request
-    srv = serve_in_thread(engine, ServerSettings(served_model_name=MODEL, preprocess_workers=1,
-                                                 allow_private_urls=True, url_timeout_s=URL_TIMEOUT_S))
-    yield srv
-    srv.stop()
+# one media thread: a fetch that held it would hold every other image request
+engine, server = served_fixtures(max_model_len=256, served_model_name=MODEL, settings={
+    "preprocess_workers": 1, "allow_private_urls": True, "url_timeout_s": URL_TIMEOUT_S})[:2]
 
 
 @pytest.fixture()

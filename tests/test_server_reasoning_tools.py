@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from typing import Iterator
+from pathlib import Path
 
 import jsonschema
 import openai
@@ -21,10 +21,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vlmrun.server.chat_output import ChatOutputParser
-from vlmrun.server.launch import ServerThread, serve_in_thread
-from vlmrun.server.settings import ServerSettings
 from testing.tiny_models import CHAT_TEMPLATE
-from tests.test_server import tiny_engine
+from tests.server_fixtures import served_fixtures
 from tests.test_server_structured import NOTE, SHAPES, TIME, WEATHER, assemble
 
 MODEL = "tiny-thinking"
@@ -34,18 +32,17 @@ THINKING_TEMPLATE = CHAT_TEMPLATE.replace(GENERATION_PROMPT, GENERATION_PROMPT +
     "{%- else -%}{{- '<think>\\n' -}}{%- endif -%}"))
 
 
-@pytest.fixture(scope="module")
-def client(qwen3_vl_dir, tmp_path_factory) -> Iterator[openai.OpenAI]:
+def thinking_checkpoint(request: pytest.FixtureRequest) -> Path:
+    """The tiny Qwen3-VL checkpoint with a chat template that opens a `<think>` block."""
     assert THINKING_TEMPLATE != CHAT_TEMPLATE
-    model_dir = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(qwen3_vl_dir, model_dir)
+    model_dir = request.getfixturevalue("tmp_path_factory").mktemp("thinking") / "model"
+    shutil.copytree(request.getfixturevalue("qwen3_vl_dir"), model_dir)
     (model_dir / "chat_template.jinja").write_text(THINKING_TEMPLATE, encoding="utf-8")
-    engine = tiny_engine(model_dir)
-    settings = ServerSettings(served_model_name=MODEL, enable_auto_tool_choice=True, tool_call_parser="hermes")
-    server: ServerThread = serve_in_thread(engine, settings)
-    yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    server.stop()
-    engine.shutdown()
+    return model_dir
+
+
+engine, server, client = served_fixtures(thinking_checkpoint, served_model_name=MODEL,
+                                         settings={"enable_auto_tool_choice": True, "tool_call_parser": "hermes"})
 
 
 def chat(client: openai.OpenAI, **kwargs):

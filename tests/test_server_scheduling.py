@@ -5,20 +5,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.test_server import MODEL, tiny_engine
+from tests.server_fixtures import MODEL, served_fixtures, tiny_engine
 from vlmrun.server.launch import serve_in_thread
 from vlmrun.server.settings import ServerSettings
 
 PROMPT = "Once upon a time there was a small red fox who lived at the edge of a very old forest."
 
 
-@pytest.fixture(scope="module")
-def served(qwen3_dir):
-    engine = tiny_engine(qwen3_dir, scheduling_policy="priority", page_size=4)
-    server = serve_in_thread(engine, ServerSettings(served_model_name=MODEL))
-    yield engine, openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    server.stop()
-    engine.shutdown()
+engine, server, client = served_fixtures("qwen3_dir", scheduling_policy="priority", page_size=4)
 
 
 def completion(client, **extra):
@@ -37,8 +31,7 @@ def hits(engine, create, client, **extra) -> int:
 
 
 @pytest.mark.parametrize("create", [completion, chat])
-def test_cache_salt_isolates_prefix_hits(served, create):
-    engine, client = served
+def test_cache_salt_isolates_prefix_hits(engine, client, create):
     salt = f"tenant-{create.__name__}"
     assert hits(engine, create, client, cache_salt=salt) == 0
     assert hits(engine, create, client, cache_salt=salt + "-other") == 0, "another salt never hits"
@@ -46,8 +39,7 @@ def test_cache_salt_isolates_prefix_hits(served, create):
 
 
 @pytest.mark.parametrize("create", [completion, chat])
-def test_priority_is_taken_and_checked(served, create):
-    _, client = served
+def test_priority_is_taken_and_checked(client, create):
     assert create(client, priority=-3).choices  # the priority policy takes any int
     for field, bad in (("priority", "high"), ("priority", 1.5), ("cache_salt", ""), ("cache_salt", 7)):
         with pytest.raises(openai.BadRequestError) as err:

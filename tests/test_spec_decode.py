@@ -41,10 +41,10 @@ from tests.test_async_scheduling import assert_pools_empty, assert_same, engine_
 from tests.test_gdn_pool import CONV_DIM, DK, DV, HK, HV, KERNEL, Stream, gdn_batch, make_pool
 from vlmrun import LLM, SamplingParams
 from vlmrun.config import EngineConfig
+from vlmrun.configs.speculative import SpeculativeConfig
 from vlmrun.layers.attention import LinearAttention
 from vlmrun.layers.attention.factory import LINEAR_ATTENTION_BACKENDS
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
-from vlmrun.spec_decode.config import SpeculativeConfig
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.ngram import NgramProposer
 from vlmrun.structured import StructuredOutputsParams

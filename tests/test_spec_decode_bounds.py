@@ -15,7 +15,7 @@ import pytest
 from testing.image_folders import write_images
 from vlmrun.cli import main
 from vlmrun.config import EngineConfig
-from vlmrun.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
+from vlmrun.configs.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
 
 def test_the_largest_k_is_taken_and_larger_ones_are_refused_naming_the_bound():

@@ -23,7 +23,7 @@ from tests.test_spec_decode_mtp import MTP, mtp_dirs, mtp_options  # noqa: F401 
 from vlmrun import LLM, SamplingParams
 from vlmrun.cli_options import add_kernel_args, kernel_options
 from vlmrun.config import EngineConfig
-from vlmrun.spec_decode.config import SpeculativeConfig
+from vlmrun.configs.speculative import SpeculativeConfig
 
 LIMIT = 5  # requests 0 .. 5 (at most 5 enqueued before them) speculate, the later ones do not
 

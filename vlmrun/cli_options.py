@@ -10,7 +10,7 @@ import argparse
 import json
 from typing import Any
 
-from vlmrun.quantization.config import QUANTIZATION_METHODS
+from vlmrun.configs.quantization import QUANTIZATION_METHODS
 
 # EngineConfig's LORA_KERNELS (vlmrun/config.py imports torch: the names are repeated here, and
 # tests/test_cli_startup.py checks they agree).

@@ -14,11 +14,11 @@ from typing import Any, Optional, Union
 
 import torch
 
+from vlmrun.configs.quantization import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
+from vlmrun.configs.speculative import SpeculativeConfig
 from vlmrun.generation_config import read_sampling_defaults
 from vlmrun.processors.pixel_backends import IMAGE_BACKENDS
 from vlmrun.processors.processor_kwargs import check_processor_kwargs
-from vlmrun.quantization.config import QUANTIZATION_METHODS, QuantizationConfig, resolve_quantization
-from vlmrun.spec_decode.config import SpeculativeConfig
 
 LINEAR_BACKENDS = ("auto", "torch", "onednn")
 LORA_KERNELS = ("torch", "triton")  # the update of a batch of mixed LoRA adapters (`EngineConfig.lora_kernel`)

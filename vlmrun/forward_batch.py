@@ -5,8 +5,8 @@ so every layer can import it.
 A `ForwardBatch` describes one forward pass over a ragged batch: each sequence feeds
 `extend_seq_lens[i]` new tokens on top of `extend_prefix_lens[i]` tokens already in the KV cache.
 A decode is an extend of one token. Chunked-prefill chunks and decodes can share one batch.
-`ForwardBatch.build` makes one from host values (the step's, `vlmrun/executor/step_batch.py`, and MTP's
-drafting steps); `select` cuts one to some of its sequences (MTP's catch-up over the chunks that feed it).
+`ForwardBatch.build` makes one from host values (the step's, `vlmrun/executor/step_batch.py`, MTP's
+drafting steps and padded decode's, `vlmrun/executor/padded_decode.py`); `select` cuts one to some of its sequences (MTP's catch-up over the chunks that feed it).
 
 It carries the step's attention backend, typed by what the attention layers call on it
 (`AttentionForward`, `LinearAttentionForward`); `AttentionBackend` and `LinearAttentionBackend`
@@ -83,8 +83,9 @@ class ForwardBatch:
     # Multimodal splice: embeddings for the rows of input_ids where mm_mask is True, in row order.
     mm_mask: Optional[torch.Tensor] = None  # [num_tokens] bool
     mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]
-    # Qwen3-VL DeepStack: features added to the mm rows after each of the first decoder layers.
-    deepstack_embeds: Optional[torch.Tensor] = None  # [num_deepstack_layers, num_mm_tokens, hidden]
+    # The model's own extras of those rows, by name (`Model.mm_extras`; Qwen3-VL: DeepStack features), each
+    # [..., num_mm_tokens, d]; only the model that named them reads them.
+    mm_extras: Optional[dict[str, torch.Tensor]] = None
     # Hybrid models: the GDN state-pool slot of each sequence (slot 0 is the dummy for padding rows).
     state_slots: Optional[torch.Tensor] = None  # [batch] int64
     # Speculative decoding: per sequence, how many of its fed tokens (the last ones) are drafts; None
@@ -96,22 +97,27 @@ class ForwardBatch:
               extend_prefix_lens: list[int], extend_seq_lens: list[int], out_cache_loc: torch.Tensor,
               logits_indices: torch.Tensor, to_device: ToDevice, attn_backend: Optional[AttentionForward] = None,
               state_slots: Optional[torch.Tensor] = None,
-              num_drafts: Optional[list[int]] = None) -> ForwardBatch:
+              num_drafts: Optional[list[int]] = None,
+              device_lens: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> ForwardBatch:
         """The one way a step's batch is made from host values: host tensors go to the device with
         `to_device` (one already on a device stays), the sequence lengths are prefix + extend, the mode
-        follows the extend lengths, `num_drafts` is kept only when a sequence has drafts."""
+        follows the extend lengths, `num_drafts` is kept only when a sequence has drafts. `device_lens`:
+        (seq_lens, extend_prefix_lens, extend_seq_lens) [batch] already on the device with the host lists'
+        values (a padded decode's static buffers, which its CUDA graph reads), taken as they are."""
         seq_lens = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
 
         def on_device(t: torch.Tensor) -> torch.Tensor:
             return to_device(t) if t.device.type == "cpu" else t
 
+        if device_lens is None:
+            device_lens = (on_device(int64_tensor(seq_lens)), on_device(int64_tensor(extend_prefix_lens)),
+                           on_device(int64_tensor(extend_seq_lens)))
+
         return cls(
             mode=ForwardMode.DECODE if len(extend_seq_lens) == input_ids.shape[0] else ForwardMode.EXTEND,
             input_ids=on_device(input_ids), positions=on_device(positions),
             req_pool_indices=on_device(req_pool_indices),
-            seq_lens=on_device(int64_tensor(seq_lens)),
-            extend_prefix_lens=on_device(int64_tensor(extend_prefix_lens)),
-            extend_seq_lens=on_device(int64_tensor(extend_seq_lens)),
+            seq_lens=device_lens[0], extend_prefix_lens=device_lens[1], extend_seq_lens=device_lens[2],
             out_cache_loc=on_device(out_cache_loc), seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=extend_prefix_lens, extend_seq_lens_cpu=extend_seq_lens,
             logits_indices=on_device(logits_indices), attn_backend=attn_backend,

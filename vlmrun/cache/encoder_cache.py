@@ -13,7 +13,7 @@ own thread applies it at its next call (`settle`), so the cache is only ever cha
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -22,7 +22,7 @@ import torch
 @dataclass
 class ImageEmbedding:
     embeds: torch.Tensor  # [num_image_tokens, hidden]
-    deepstack: Optional[torch.Tensor]  # [num_deepstack_layers, num_image_tokens, hidden] or None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the model's, each [..., num_image_tokens, d]
 
     @property
     def num_tokens(self) -> int:

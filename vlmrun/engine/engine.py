@@ -53,7 +53,7 @@ from vlmrun.executor.step_output import DecodedRows, SampledToken
 from vlmrun.loader import resolve_model_path
 from vlmrun.lora.request import LoRARequest, cache_salt
 from vlmrun.models import load_model
-from vlmrun.multimodal.mrope import compute_mrope_positions
+from vlmrun.models.registry import prompt_positions
 from vlmrun.pooling.runner_mode import PoolingMode
 from vlmrun.sampling_params import SamplingParams, StopLimits
 from vlmrun.spec_decode.proposer import build_proposer
@@ -220,9 +220,7 @@ class Engine:
                              f"(max_model_len={self.max_model_len}, one left for output)")
         if n + 1 > self.scheduler.capacity_tokens:
             raise InputError(f"the prompt has {n} tokens but the KV cache holds only {self.scheduler.capacity_tokens}")
-        positions, delta = compute_mrope_positions(prompt.token_ids, [it.grid_thw for it in prompt.mm_items],
-                                                   self.model_config.hf_config,
-                                                   [it.second_per_grid_t for it in prompt.mm_items])
+        positions, delta = prompt_positions(self.model_config.hf_config, prompt.token_ids, prompt.mm_items)
         generator = None if params.seed is None else self.runner.make_generator(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,

@@ -130,7 +130,8 @@ class ScheduledDecodes:
                 req.first_token_time = now
 
     def to_input(self) -> DecodeRows:
-        """What the model runner needs of them: the columns and each request's sampling row (the runner keeps
-        each row's M-RoPE delta from the request's chunks)."""
+        """What the model runner needs of them: the columns, each request's sampling row and adapter (the
+        runner keeps each row's M-RoPE delta from the request's chunks)."""
+        requests = self.requests
         return DecodeRows(rows=self.rows, starts=self.starts, token_ids=self.token_ids, kv_slots=self.kv_slots,
-                          sampling=[r.sampling_row for r in self.requests])
+                          sampling=[r.sampling_row for r in requests], loras=[r.lora for r in requests])

@@ -96,7 +96,7 @@ class Scheduler:
             req.spec_decode = SpecDecodeStats()
             limit = self.disable_by_batch_size
             req.speculates = limit is None or len(self.running) + len(self.waiting) <= limit
-        if self.decode_rows and req.grammar is None and req.lora is None and not reads_rows(req.sampling_params):
+        if self.decode_rows and req.grammar is None and not reads_rows(req.sampling_params):
             req.plain_decode = True
             req.sampling_row = SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                                            req.generator, req.eos_token_ids)

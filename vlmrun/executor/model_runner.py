@@ -30,9 +30,11 @@ import torch
 from torch import nn
 
 from vlmrun.cache.plan import Caches
-from vlmrun.executor.mtp_steps import MTPStep
+from vlmrun.executor.mtp_steps import MTPDrafting
 from vlmrun.executor.padded_decode import PaddedDecodeRunner
 from vlmrun.executor.step_batch import build_forward_batch, placeholder_positions
+from vlmrun.executor.step_features import (Adapters, Drafting, HostDrafting, LoRAAdapters, NoAdapters, StepAdapters,
+                                           StepDrafts)
 from vlmrun.executor.step_input import ChunkInput, DecodeRows, PromptLogprobTargets
 from vlmrun.executor.step_output import ChunkOutput, DecodedRows, SampledToken
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
@@ -59,7 +61,7 @@ class LaunchedStep:
     output: Optional[SamplerOutput]  # on its way to the host; None when no chunk samples
     prompt_logprobs: list[Optional[torch.Tensor]]  # per chunk: [m, 3 + 2k] rows (gather_prompt_logprobs) or None
     verification: Optional[Verification] = None  # speculative decoding: the step's drafts and seeded draws
-    mtp: Optional[MTPStep] = None  # MTP drafting: this step's drafts and MTP outputs
+    drafts: Optional[StepDrafts] = None  # this step's drafts (MTP: made on the device, and its outputs)
     num_decodes: int = 0  # decode rows (`DecodeRows`): the first rows of `output`, one each
     decoded: Optional[DecodedRows] = None  # their tokens, once collected
     pooled: Sequence[Optional[torch.Tensor]] = ()  # per chunk (or empty: no pooling chunk): its pooled contribution
@@ -90,6 +92,10 @@ class ModelRunner:
         # each page-table row's M-RoPE delta (its request's offset of positions after the prompt), on the host:
         # written by every step for its chunks (a request's first step on a row is a chunk), read by decode rows
         self.row_mrope_deltas = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64)
+        # the step's features (executor/step_features.py): each row's adapter, and the drafts around the forward
+        self.adapters: Adapters = NoAdapters() if lora is None else LoRAAdapters(lora, self.rows_per_sequence)
+        self.drafting: Drafting = (HostDrafting() if drafter is None
+                                   else MTPDrafting(drafter, attn_backend, device, tp))
 
     def make_generator(self, seed: int) -> torch.Generator:
         """A seeded request's own generator, on the device its noise is drawn on."""
@@ -109,77 +115,73 @@ class ModelRunner:
 
     @property
     def takes_decode_rows(self) -> bool:
-        """`launch` takes a step's plain decodes as columns (`DecodeRows`): not with LoRA nor MTP drafting,
-        which read every row as a chunk."""
-        return self.lora is None and self.drafter is None
+        """`launch` takes a step's plain decodes as columns (`DecodeRows`, each with its adapter): not with
+        MTP drafting, which catches up over every row as a chunk."""
+        return self.drafting.takes_decode_rows
 
     @torch.inference_mode()
     def launch(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows] = None) -> LaunchedStep:
         """Everything of a step but reading its tokens: on CUDA it returns once the work is queued
         (sampled ids stay on the device, in `last_tokens`, and start their copy to the host).
         Prepare the inputs, run the forward, sample, settle what acceptance decides on the device."""
-        fb, mtp = self.prepare(chunks, decodes)
+        fb, drafts = self.prepare(chunks, decodes)
         hidden = self.forward(fb)  # [num_tokens, hidden]
         num_decodes = 0 if decodes is None else len(decodes)
         prompt_logprobs = self.compute_prompt_logprobs(hidden[num_decodes:], chunks)  # (the chunks' rows)
-        step = LaunchedStep([c.sampling is not None for c in chunks], None, prompt_logprobs, mtp=mtp,
+        step = LaunchedStep([c.sampling is not None for c in chunks], None, prompt_logprobs, drafts=drafts,
                             num_decodes=num_decodes, pooled=self.pool(hidden[num_decodes:], chunks))
         self.sample(step, chunks, decodes, hidden, fb)
         if step.output is not None:
-            self.settle_on_device(chunks, step.output.token_ids, fb, mtp, step.num_decodes, step.verification)
+            self.settle_on_device(chunks, step.output.token_ids, fb, drafts, step.num_decodes, step.verification)
             step.output.start_transfer()
         return step
 
-    def prepare(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows]) -> tuple[ForwardBatch, Optional[MTPStep]]:
-        """The step's ForwardBatch with its image embeddings and adapter rows bound; MTP's drafts put in."""
-        if chunks:  # (one write for the step's chunks)
+    def prepare(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows]) -> tuple[ForwardBatch, StepDrafts]:
+        """The step's ForwardBatch with its image embeddings and adapter rows bound; drafts made on the device put in."""
+        if chunks:  # each chunk's row takes its request's M-RoPE delta (one write for the step's chunks)
             rows, deltas = int64_tensor([c.row for c in chunks]), int64_tensor([c.mrope_delta for c in chunks])
             self.row_mrope_deltas[rows] = deltas
         fb = build_forward_batch(chunks, decodes, self.upload, self.attn_backend, self.caches.gdn_pool is not None,
                                  row_mrope_deltas=self.row_mrope_deltas)
         fb.input_ids = self.fill_placeholders(fb.input_ids, chunks, decodes)
-        lora_slots = None if self.lora is None else self.lora.activate([c.lora for c in chunks])
-        self.embed_images(fb, chunks, lora_slots, first_row=0 if decodes is None else len(decodes))
-        if self.lora is not None:  # each row's adapter slot, read by the adapted layers of this forward
-            self.lora.bind(lora_slots, self.rows_per_chunk(fb, chunks))
-        mtp = None if self.drafter is None else MTPStep(self.drafter, chunks, self.attn_backend, self.device, self.tp)
-        if mtp is not None:
-            mtp.draft(fb)
-        return fb, mtp
+        adapters = self.adapters.activate(chunks, decodes)  # LoRA: the step's adapters in slots
+        self.embed_images(fb, chunks, adapters, first_row=0 if decodes is None else len(decodes))
+        adapters.bind(fb)  # each row's adapter slot, read by the adapted layers of this forward
+        drafts = self.drafting.start(chunks)
+        drafts.draft(fb)  # MTP: the speculating chunks' drafts, made on the device, into fb.input_ids
+        return fb, drafts
 
     def sample(self, step: LaunchedStep, chunks: list[ChunkInput], decodes: Optional[DecodeRows],
                hidden: torch.Tensor, fb: ForwardBatch) -> None:
         """Sample at the step's logits rows (a row per verified position of a speculating chunk); the
         output goes on `step` (None when nothing samples; MTP still catches up over the fed tokens)."""
-        mtp = step.mtp
+        drafts = step.drafts
         verification = None if not any(c.num_drafts for c in chunks) else Verification.of(
             [c.sampling for c in chunks], [c.draft_token_ids for c in chunks])
         step.verification = verification
         if verification is not None:  # a row per verified position
-            rows = verification.position_rows(self._draft_masks(chunks, mtp))
+            rows = verification.position_rows(self._draft_masks(chunks, drafts))
         else:
             rows = [c.sampling for c in chunks if c.sampling is not None]
         if decodes is not None:  # the step's first rows
             rows = decodes.sampling + rows
         if not rows:
-            if mtp is not None:
-                mtp.catch_up(hidden, fb, None)
+            drafts.catch_up(hidden, fb, None)
             return
         logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
         if verification is not None:
             verification.before_sampling(vocab, self.device)
         output = self.sampler.sample(logits, SamplingBatch.build(rows, vocab, device=self.device))
-        if self.feeds_placeholders or mtp is not None or verification is not None:
+        if self.feeds_placeholders or drafts.reads_samples or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
-        if mtp is not None:
-            mtp.catch_up(hidden, fb, output.token_ids)
+        drafts.catch_up(hidden, fb, output.token_ids)
         step.output = output
 
     def settle_on_device(self, chunks: list[ChunkInput], sampled: torch.Tensor, fb: ForwardBatch,
-                         mtp: Optional[MTPStep], num_decodes: int = 0,
+                         drafts: StepDrafts, num_decodes: int = 0,
                          verification: Optional[Verification] = None) -> None:
         """What acceptance decides on the device, queued with the step itself (`accepted_on_device`, no
         sync): each verified GDN slot takes the states after its accepted positions, each sampling row's
@@ -187,38 +189,34 @@ class ModelRunner:
         Under async scheduling the host reads a step's tokens after the next step is launched; writes made
         then would land after that step's cache writes (a slot zeroed or restored for a new owner).
         The step's `num_decodes` decode rows (`DecodeRows`, before the chunks) sample one row each, first."""
-        if verification is None and mtp is None and not self.feeds_placeholders:
-            return
         first_rows, row = [], num_decodes  # each chunk's first row in `sampled` [sampled positions]
-        for c in chunks:
-            first_rows.append(row)
-            row += 1 + c.num_drafts if c.sampling is not None else 0
-        if verification is None:
-            accepted = torch.zeros(len(chunks), dtype=torch.int64, device=self.device)  # [chunks]
-        else:
-            accepted = verification.accepted_on_device(sampled, first_rows, None if mtp is None else mtp.drafted,
-                                                       self.device)  # [chunks]
+        if verification is not None or self.feeds_placeholders:
+            for c in chunks:
+                first_rows.append(row)
+                row += 1 + c.num_drafts if c.sampling is not None else 0
+        accepted = None  # [chunks] the drafts each keeps, on the device (None: the step verifies none)
+        if verification is not None:
+            accepted = verification.accepted_on_device(sampled, first_rows, drafts.drafted, self.device)
             if self.attn_backend.linear is not None:  # GDN slots: the states after the accepted positions
                 self.attn_backend.linear.keep_accepted_states(fb.linear_attn_metadata, accepted)
-        if mtp is not None:
-            mtp.remember(accepted)
+        drafts.remember(accepted)  # MTP: each row's output at its last kept position
         if not self.feeds_placeholders:
             return
         sampling = [(c.row, i, first_rows[i]) for i, c in enumerate(chunks) if c.sampling is not None]
         if sampling:  # one upload: [3, sampling chunks] page-table row, chunk, first sampled row
             rows, chunk_index, first = self.upload(torch.tensor(sampling, dtype=torch.int64).T.contiguous())
-            self.last_tokens[rows] = sampled[first + accepted[chunk_index]]
+            self.last_tokens[rows] = sampled[first if accepted is None else first + accepted[chunk_index]]
         if num_decodes:  # the decode rows: the step's first rows of `sampled`, one each
             self.last_tokens[fb.req_pool_indices[:num_decodes]] = sampled[:num_decodes]
 
     @staticmethod
-    def _draft_masks(chunks: list[ChunkInput], mtp: Optional[MTPStep]) -> list[Optional[list]]:
+    def _draft_masks(chunks: list[ChunkInput], drafts: StepDrafts) -> list[Optional[list]]:
         """Per chunk: the grammar masks of its positions after the drafts (None without a grammar or drafts).
         MTP drafts are read from the device for them first (a sync, in steps with such a chunk only)."""
         if not any(c.draft_grammar is not None for c in chunks):
             return [None] * len(chunks)
-        drafts = mtp.drafts_on_host() if mtp is not None else [c.draft_token_ids for c in chunks]
-        return [None if c.draft_grammar is None else c.draft_grammar.after_drafts(d) for c, d in zip(chunks, drafts)]
+        on_host = drafts.drafts_on_host()
+        return [None if c.draft_grammar is None else c.draft_grammar.after_drafts(d) for c, d in zip(chunks, on_host)]
 
     def compute_prompt_logprobs(self, hidden: torch.Tensor, chunks: list[ChunkInput]) -> list[Optional[torch.Tensor]]:
         """Per chunk with `prompt_logprobs` targets: the logits of its first m fed tokens (each followed by
@@ -255,7 +253,7 @@ class ModelRunner:
                     if samples:
                         out.sampled = SampledToken(*next(sampled))
             else:
-                step_drafts = verification.drafts if step.mtp is None else step.mtp.drafts_on_host()
+                step_drafts = step.drafts.drafts_on_host()
                 for out, samples, drafts, seeded in zip(outputs, step.samples, step_drafts, verification.seeded):
                     if samples:
                         tokens = [SampledToken(*next(sampled)) for _ in range(1 + len(drafts))]
@@ -288,12 +286,12 @@ class ModelRunner:
         self.attn_backend.prepare(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
-    def rows_per_chunk(self, fb: ForwardBatch, chunks: list[ChunkInput]) -> list[int]:
-        """Each chunk's rows in the forward that runs `fb`: its tokens, or in a verify step run padded
+    def rows_per_sequence(self, fb: ForwardBatch) -> list[int]:
+        """Each sequence's rows in the forward that runs `fb`: its tokens, or in a verify step run padded
         `width` rows (its tokens, then the padding of its row, which runs its adapter and is dropped)."""
         if self.padded_decode is not None and fb.mode is not ForwardMode.DECODE and self.padded_decode.fits(fb):
-            return [self.padded_decode.width] * len(chunks)
-        return [c.num_tokens for c in chunks]
+            return [self.padded_decode.width] * fb.batch_size
+        return fb.extend_seq_lens_cpu
 
     def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput],
                           decodes: Optional[DecodeRows] = None) -> torch.Tensor:
@@ -312,7 +310,7 @@ class ModelRunner:
         """A host tensor on the runner's device, without blocking (`vlmrun.host_to_device.upload`)."""
         return upload(host, self.device)
 
-    def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput], lora_slots: Optional[list[int]] = None,
+    def embed_images(self, fb: ForwardBatch, chunks: list[ChunkInput], adapters: StepAdapters = NoAdapters(),
                      first_row: int = 0) -> None:
         """The vision stage: encode (or take from the encoder cache) the images the chunks feed and
         put their embeddings on `fb` for the model to splice in (the chunks' tokens start at `first_row`)."""
@@ -321,10 +319,9 @@ class ModelRunner:
         spans, row = [], first_row
         for i, c in enumerate(chunks):
             if c.mm_items:
-                slot = -1 if lora_slots is None else lora_slots[i]
-                tag = self.lora.cache_tag(slot) if slot >= 0 else ""  # LoRA: the tower's adapter, or none
-                spans.append(ChunkSpan(list(c.mm_items), c.start, c.end, row, slot if tag else -1, tag))
+                slot, tag = adapters.vision_adapter(i)  # LoRA: the tower's adapter, or none
+                spans.append(ChunkSpan(list(c.mm_items), c.start, c.end, row, slot, tag))
             row += c.num_tokens
         vision = self.vision.prepare(spans, fb.num_tokens) if spans else None
         if vision is not None:
-            fb.mm_mask, fb.mm_embeds, fb.deepstack_embeds = vision.mm_mask, vision.mm_embeds, vision.deepstack_embeds
+            fb.mm_mask, fb.mm_embeds, fb.mm_extras = vision.mm_mask, vision.mm_embeds, vision.mm_extras

@@ -7,13 +7,14 @@ every fed position, on the token that follows each; a chunk whose request never 
 `ChunkInput.feeds_drafter`), `remember` (after acceptance, on the device:
 each sampling chunk's MTP output at its last kept position) and `drafts_on_host` (the drafts as lists:
 their copy to the host starts, without blocking, as soon as they are made, and the list is kept, so
-the grammar masks at launch and `collect` read them with one wait between them).
+the grammar masks at launch and `collect` read them with one wait between them). It is the runner's
+`StepDrafts` for MTP (vlmrun/executor/step_features.py); `MTPDrafting` starts one per step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 
@@ -27,6 +28,7 @@ from vlmrun.executor.mtp_drafter import DraftingChunk, MTPDrafter
 
 @dataclass
 class MTPStep:
+    reads_samples: ClassVar[bool] = True  # catch-up reads the sampled ids (under TP: rank 0's, on every rank)
     drafter: MTPDrafter
     chunks: list[ChunkInput]
     backend: AttentionBackend
@@ -102,15 +104,19 @@ class MTPStep:
             self._drafts_in_transit = None
         return self._host_drafts
 
-    def remember(self, num_accepted: Union[list[int], torch.Tensor]) -> None:
+    def remember(self, num_accepted: Union[None, list[int], torch.Tensor]) -> None:
         """Each sampling chunk's row keeps the MTP output at its last kept position: its last known token
-        and `num_accepted[i]` accepted drafts in (per chunk; a device tensor is read without a sync)."""
+        and `num_accepted[i]` accepted drafts in (per chunk; a device tensor is read without a sync; None:
+        the step verified no draft)."""
         fed = self._feeding()
         starts = self._starts(fed)  # in `outputs`
         keep = [(i, self.chunks[i].row, starts[k] + self.chunks[i].num_tokens - 1 - self.chunks[i].num_drafts)
                 for k, i in enumerate(fed) if self.chunks[i].sampling is not None]
         if keep:
             chunks, rows, base = (upload(torch.tensor(column, dtype=torch.int64), self.device) for column in zip(*keep))
+            if num_accepted is None:
+                self.drafter.remember(rows, self.outputs[base])
+                return
             accepted = (num_accepted if isinstance(num_accepted, torch.Tensor)
                         else upload(torch.tensor(num_accepted, dtype=torch.int64), self.device))
             self.drafter.remember(rows, self.outputs[base + accepted[chunks]])
@@ -129,3 +135,18 @@ class MTPStep:
         for i in range(len(self.chunks)) if which is None else which:
             starts.append(starts[-1] + self.chunks[i].num_tokens)
         return starts
+
+
+@dataclass
+class MTPDrafting:
+    """The runner's `Drafting` for speculative method "mtp": one `MTPStep` a step. Its catch-up runs over
+    every fed position of the step, so plain decodes come as chunks (no `DecodeRows`)."""
+
+    drafter: MTPDrafter
+    backend: AttentionBackend
+    device: torch.device
+    tp: TensorParallel = SINGLE
+    takes_decode_rows: ClassVar[bool] = False
+
+    def start(self, chunks: list[ChunkInput]) -> MTPStep:
+        return MTPStep(self.drafter, chunks, self.backend, self.device, self.tp)

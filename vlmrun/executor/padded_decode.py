@@ -127,23 +127,13 @@ class DecodeInputs:
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
         self.out_cache_loc[n:bucket].fill_(PAD_KV_SLOT)
         self._fill_slots(fb, bucket)
-        pad = bucket - n
-        return ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=self.input_ids[:bucket],
-            positions=self.positions[:, :bucket],
+        return ForwardBatch.build(  # one token a row: a DECODE batch
+            input_ids=self.input_ids[:bucket], positions=self.positions[:, :bucket],
             req_pool_indices=self.req_pool_indices[:bucket],
-            seq_lens=self.seq_lens[:bucket],
-            extend_prefix_lens=self.prefix_lens[:bucket],
-            extend_seq_lens=self.ones[:bucket],
-            out_cache_loc=self.out_cache_loc[:bucket],
-            seq_lens_cpu=fb.seq_lens_cpu + [1] * pad,
-            extend_prefix_lens_cpu=fb.extend_prefix_lens_cpu + [0] * pad,
-            extend_seq_lens_cpu=[1] * bucket,
-            logits_indices=fb.logits_indices,
-            attn_backend=fb.attn_backend,
-            state_slots=None if self.state_slots is None else self.state_slots[:bucket],
-        )
+            extend_prefix_lens=fb.extend_prefix_lens_cpu + [0] * (bucket - n), extend_seq_lens=[1] * bucket,
+            out_cache_loc=self.out_cache_loc[:bucket], logits_indices=fb.logits_indices, to_device=self.upload,
+            attn_backend=fb.attn_backend, state_slots=None if self.state_slots is None else self.state_slots[:bucket],
+            device_lens=(self.seq_lens[:bucket], self.prefix_lens[:bucket], self.ones[:bucket]))
 
     def fill_verify(self, fb: ForwardBatch, bucket: int) -> tuple[ForwardBatch, torch.Tensor]:
         """Copy the verify step `fb` into the buffers as `bucket` rows of `width` positions each; return
@@ -167,26 +157,19 @@ class DecodeInputs:
         self.prefix_lens[n:bucket].zero_()
         torch.add(self.prefix_lens[:bucket], w, out=self.seq_lens[:bucket])
         self._fill_slots(fb, bucket)
-        pad = bucket - n
-        prefixes = fb.extend_prefix_lens_cpu + [0] * pad
-        padded = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            input_ids=self.input_ids[:tokens],
-            positions=self.positions[:, :tokens],
+        padded = ForwardBatch.build(  # w > 1 tokens a row: an EXTEND batch, its last w - 1 positions drafts
+            input_ids=self.input_ids[:tokens], positions=self.positions[:, :tokens],
             req_pool_indices=self.req_pool_indices[:bucket],
-            seq_lens=self.seq_lens[:bucket],
-            extend_prefix_lens=self.prefix_lens[:bucket],
-            extend_seq_lens=self.widths[:bucket],
-            out_cache_loc=self.out_cache_loc[:tokens],
-            seq_lens_cpu=[p + w for p in prefixes],
-            extend_prefix_lens_cpu=prefixes,
-            extend_seq_lens_cpu=[w] * bucket,
-            logits_indices=fb.logits_indices,
-            attn_backend=fb.attn_backend,
-            state_slots=None if self.state_slots is None else self.state_slots[:bucket],
-            num_drafts_cpu=[w - 1] * bucket,
-        )
+            extend_prefix_lens=fb.extend_prefix_lens_cpu + [0] * (bucket - n), extend_seq_lens=[w] * bucket,
+            out_cache_loc=self.out_cache_loc[:tokens], logits_indices=fb.logits_indices, to_device=self.upload,
+            attn_backend=fb.attn_backend, state_slots=None if self.state_slots is None else self.state_slots[:bucket],
+            num_drafts=[w - 1] * bucket,
+            device_lens=(self.seq_lens[:bucket], self.prefix_lens[:bucket], self.widths[:bucket]))
         return padded, real
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the buffers' device (`vlmrun.host_to_device.upload`)."""
+        return upload(host, self.device)
 
     def _fill_slots(self, fb: ForwardBatch, bucket: int) -> None:
         if self.state_slots is not None:
@@ -290,10 +273,9 @@ class PaddedDecodeRunner:
     def _all_padding(self, bucket: int, verify: bool) -> ForwardBatch:
         """A decode (or verify) batch of `bucket` padding rows: what a graph is captured on."""
         none = self.inputs.ones[:0]
-        empty = ForwardBatch(
-            mode=ForwardMode.EXTEND if verify else ForwardMode.DECODE, input_ids=none,
-            positions=self.inputs.positions[:, :0], req_pool_indices=none, seq_lens=none, extend_prefix_lens=none,
-            extend_seq_lens=none, out_cache_loc=none, seq_lens_cpu=[], extend_prefix_lens_cpu=[],
-            extend_seq_lens_cpu=[], logits_indices=none, attn_backend=self.backend,
-            state_slots=None if self.inputs.state_slots is None else none, num_drafts_cpu=[] if verify else None)
+        empty = ForwardBatch.build(  # no sequence: what `fill` / `fill_verify` pad to `bucket` rows
+            input_ids=none, positions=self.inputs.positions[:, :0], req_pool_indices=none, extend_prefix_lens=[],
+            extend_seq_lens=[], out_cache_loc=none, logits_indices=none, to_device=self.inputs.upload,
+            attn_backend=self.backend, state_slots=None if self.inputs.state_slots is None else none,
+            device_lens=(none, none, none))
         return self.inputs.fill_verify(empty, bucket)[0] if verify else self.inputs.fill(empty, bucket)

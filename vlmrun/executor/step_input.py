@@ -6,7 +6,7 @@ into a `ChunkInput`. The runner only reads these and the caches, so the types it
 below the engine.
 
 The plain decodes of a step (a request past its prompt feeding its last token, no drafts, nothing
-its sampling reads from its outputs, no grammar, no adapter) come as one `DecodeRows` instead: a
+its sampling reads from its outputs, no grammar) come as one `DecodeRows` instead: a
 column per field, so the step's host work for them does not make an object per request. They come
 first in the step's token order (the scheduler takes them before any chunk, so the order of the rows,
 and with it which noise an unseeded sampled row draws, is the order a step of chunks alone has).
@@ -95,6 +95,7 @@ class DecodeRows:
     token_ids: list[int]  # [n] the fed tokens; PLACEHOLDER_TOKEN: on the device, in the runner's last_tokens
     kv_slots: torch.Tensor  # [n] int64 KV slots the fed tokens write (CPU)
     sampling: list[SamplingRow]  # [n] each request's sampling row, made once when it was admitted
+    loras: Optional[list[Optional[LoRARequest]]] = None  # [n] each request's LoRA adapter; None: no row has one
 
     def __len__(self) -> int:
         return len(self.rows)

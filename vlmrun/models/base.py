@@ -9,7 +9,11 @@ A model is built from its HF config (`transformers.AutoConfig`) and gives the en
   (`vlmrun.models.weights.load_checkpoint`), by the model's `checkpoint_name` (and
   `transform_weight` where a layout needs rearranging).
 - `cache_shape() -> CacheShape`: what the KV pool and the GDN state pool hold for it.
-- `supports_images` and `encode_images(pixel_values, grid_thw) -> VisionEmbeddings` for VL models.
+- `supports_images` and `encode_images(pixel_values, grid_thw) -> VisionEmbeddings` for VL models;
+  `mm_extras` names the model-owned tensors beside the embeddings (`VisionEmbeddings.extras`, e.g.
+  Qwen3-VL's DeepStack features) that reach its forward as `fb.mm_extras`.
+- `prompt_positions(hf_config) -> PromptPositions` (a classmethod): how a prompt's tokens are placed
+  and the decode delta (`vlmrun.multimodal.prompt_positions`): 1-D by default, M-RoPE for the VL families.
 
 One hook for the families' text stacks: `make_mlp(text_config, layer) -> nn.Module`, the MLP of a
 decoder layer (the dense SwiGLU here; a family with sparse MoE layers overrides it).
@@ -36,17 +40,24 @@ from vlmrun.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
 from vlmrun.models.weights import load_checkpoint
+from vlmrun.multimodal.prompt_positions import LinearPositions, PromptPositions
 from vlmrun.parallel import SINGLE, TensorParallel
 
 
 class Model(nn.Module, ABC):
     supports_images: ClassVar[bool] = False
+    mm_extras: ClassVar[tuple[str, ...]] = ()  # names of the extras `encode_images` returns beside the embeddings
     lm_head: ParallelLMHead
 
     def __init__(self, config: Any, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config = config
         self.tp = tp
+
+    @classmethod
+    def prompt_positions(cls, hf_config: Any) -> PromptPositions:
+        """How this family places a prompt's tokens (and the decode delta): 1-D positions here."""
+        return LinearPositions()
 
     @abstractmethod
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

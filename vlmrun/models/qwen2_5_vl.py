@@ -16,7 +16,7 @@ varlen kernel replaces.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from vlmrun.models.blocks.vision_common import (
     plan_segments,
     vision_rope_positions,
 )
+from vlmrun.multimodal.prompt_positions import MRopePositions, PromptPositions
 from vlmrun.parallel import SINGLE, TensorParallel
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +187,11 @@ class Qwen2_5_VLForConditionalGeneration(Model):
 
     supports_images = True
 
+    @classmethod
+    def prompt_positions(cls, hf_config: Any) -> PromptPositions:
+        """M-RoPE; a video's temporal row steps by its seconds per group (`tokens_per_second`)."""
+        return MRopePositions(hf_config)
+
     def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__(config, tp)
         text, vision = config.text_config, config.vision_config
@@ -208,7 +214,7 @@ class Qwen2_5_VLForConditionalGeneration(Model):
         """pixel_values: [num_patches, C * tp * p * p]; grid_thw: [num_images, 3]. Rows image by image."""
         dtype = self.visual.patch_embed.proj.weight.dtype
         embeds = self.visual(pixel_values.to(dtype), grid_thw)  # [num_image_tokens, hidden]
-        return VisionEmbeddings(embeds=embeds, deepstack=None)
+        return VisionEmbeddings(embeds=embeds)
 
     def checkpoint_name(self, hf_name: str) -> Optional[str]:
         return vl_checkpoint_name(hf_name)

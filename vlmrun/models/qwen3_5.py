@@ -1,14 +1,14 @@
 """Qwen3.5 and Qwen3.5-MoE: the Qwen3-VL vision tower (without DeepStack) on the hybrid Gated DeltaNet / gated-attention text model.
 
 Vision tower: `blocks/qwen3_vl_vision.py`; Qwen3.5 has no DeepStack mergers, so `encode_images`
-returns no deepstack features. Text model: `HybridTextModel` (`blocks/hybrid_decoder.py`) per
+returns no extras. Text model: `HybridTextModel` (`blocks/hybrid_decoder.py`) per
 `text_config.layer_types`, with
 - GDN layers whose projections are separate: `in_proj_qkv` (q | k | v), `in_proj_z`, `in_proj_b`, `in_proj_a`;
 - gated full attention with interleaved M-RoPE on the first head_dim * partial_rotary_factor dims
   (`mrope_section` splits those rotary frequencies between t, h, w);
 - zero-centred RMSNorms and a dense SwiGLU MLP; Qwen3.5-MoE has a sparse MoE block in every layer
   (softmax top-k renormalised, plus a sigmoid-gated shared expert).
-M-RoPE positions for images are Qwen3-VL's (`vlmrun.multimodal.mrope`).
+M-RoPE positions for images and videos are Qwen3-VL's (`prompt_positions`, `vlmrun.multimodal.prompt_positions`).
 
 Internal parameter names: `visual.*`, `language_model.*`, `lm_head.*`; checkpoints load in the
 transformers-5 layout (`model.visual.*`, `model.language_model.*`, `lm_head.*`) or the hub layout
@@ -30,6 +30,7 @@ from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.hybrid_decoder import GatedDeltaNet, HybridTextModel, rotary_dim
 from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
+from vlmrun.multimodal.prompt_positions import MRopePositions, PromptPositions
 from vlmrun.parallel import SINGLE, TensorParallel
 
 
@@ -61,6 +62,11 @@ class _NoDeepStack:
 class Qwen3_5ForConditionalGeneration(Model):
     supports_images = True
 
+    @classmethod
+    def prompt_positions(cls, hf_config: Any) -> PromptPositions:
+        """M-RoPE; a video comes as one item per temporal group, its timestamps in the text."""
+        return MRopePositions(hf_config)
+
     def __init__(self, config: Any, tp: TensorParallel = SINGLE):
         super().__init__(config, tp)
         text = config.text_config
@@ -74,7 +80,7 @@ class Qwen3_5ForConditionalGeneration(Model):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, _ = self.visual(pixel_values, grid_thw)
-        return VisionEmbeddings(embeds, None)
+        return VisionEmbeddings(embeds)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.language_model(input_ids, positions, fb)

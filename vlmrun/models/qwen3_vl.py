@@ -21,13 +21,20 @@ from vlmrun.layers.moe import is_moe_layer, moe_block
 from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
 from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.qwen3_vl_vision import Qwen3VLVisionModel
-from vlmrun.models.blocks.text_decoder import DenseTextModel, text_head_dim
+from vlmrun.models.blocks.text_decoder import DEEPSTACK, DenseTextModel, text_head_dim
 from vlmrun.models.blocks.vision_common import GridTHW, VisionEmbeddings
+from vlmrun.multimodal.prompt_positions import MRopePositions, PromptPositions
 from vlmrun.parallel import SINGLE, TensorParallel
 
 
 class Qwen3VLForConditionalGeneration(Model):
     supports_images = True
+    mm_extras = (DEEPSTACK,)  # [k, num_image_tokens, hidden]: added to the image rows after text layer i < k
+
+    @classmethod
+    def prompt_positions(cls, hf_config: Any) -> PromptPositions:
+        """M-RoPE; a video comes as one item per temporal group, its timestamps in the text."""
+        return MRopePositions(hf_config)
 
     def __init__(self, config: Any, tp: TensorParallel = SINGLE):
         super().__init__(config, tp)
@@ -43,7 +50,7 @@ class Qwen3VLForConditionalGeneration(Model):
 
     def encode_images(self, pixel_values: torch.Tensor, grid_thw: GridTHW) -> VisionEmbeddings:
         embeds, deepstack = self.visual(pixel_values, grid_thw)
-        return VisionEmbeddings(embeds, torch.stack(deepstack) if deepstack else None)
+        return VisionEmbeddings(embeds, {DEEPSTACK: torch.stack(deepstack)} if deepstack else {})
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         return self.language_model(input_ids, positions, fb)

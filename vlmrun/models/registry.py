@@ -1,17 +1,20 @@
-"""Map HF `architectures` names to vlmrun model classes (imported lazily, on first use); build and load one.
+"""Map HF `architectures` names to vlmrun model classes (imported lazily, on first use); build and load one;
+ask a checkpoint's family for a prompt's positions (`prompt_positions`).
 
-Adding a model: its file under `vlmrun/models/` (a `Model` subclass) and one line in `_MODELS`.
+The table is `vlmrun.families.FAMILIES` (one line per family, on the bottom floor so the input processors
+read it too). Adding a model: docs/adding_a_model.md.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from typing import Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from vlmrun.config import ModelConfig
+from vlmrun.families import FAMILIES, family_of
 from vlmrun.loader import checkpoint_tensor_names, iter_lazy_weights
 from vlmrun.models.base import Model
 from vlmrun.models.weights import build_model, finish_loading, weight_bytes
@@ -20,32 +23,28 @@ from vlmrun.quantization.assign import assign_linear_methods, make_linear_method
 
 logger = logging.getLogger(__name__)
 
-# architecture name -> (module, class name)
-_MODELS: dict[str, tuple[str, str]] = {
-    "Qwen3ForCausalLM": ("vlmrun.models.qwen3", "Qwen3ForCausalLM"),
-    "Qwen3VLForConditionalGeneration": ("vlmrun.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
-    "Qwen2_5_VLForConditionalGeneration": ("vlmrun.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
-    "Qwen3VLMoeForConditionalGeneration": ("vlmrun.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
-    "Qwen3_5ForConditionalGeneration": ("vlmrun.models.qwen3_5", "Qwen3_5ForConditionalGeneration"),
-    "Qwen3_5MoeForConditionalGeneration": ("vlmrun.models.qwen3_5", "Qwen3_5MoeForConditionalGeneration"),
-    "Qwen3NextForCausalLM": ("vlmrun.models.qwen3_next", "Qwen3NextForCausalLM"),
-}
-
 
 def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+    return sorted(FAMILIES)
 
 
 def get_model_class(architectures: list[str]) -> type:
     """The class for the first supported name in `architectures`; ValueError if none is supported."""
-    for arch in architectures or []:
-        if arch in _MODELS:
-            module, cls = _MODELS[arch]
-            return getattr(importlib.import_module(module), cls)
+    found = family_of(architectures)
+    if found is not None:
+        return getattr(importlib.import_module(found[1].module), found[1].class_name)
     raise ValueError(
         f"unsupported model architecture {list(architectures or [])!r}; "
         f"supported: {', '.join(supported_architectures())}"
     )
+
+
+def prompt_positions(hf_config: Any, token_ids: Sequence[int], mm_items: Sequence[Any]) -> tuple[torch.Tensor, int]:
+    """A prompt's positions [3, L] int64 and its decode delta, as the checkpoint's family places them
+    (`Model.prompt_positions`: M-RoPE for the VL families, 1-D for text-only ones). `mm_items`: the
+    prompt's media items (`grid_thw`, `second_per_grid_t`), in prompt order. ValueError for items that do
+    not match the prompt's placeholder runs."""
+    return get_model_class(hf_config.architectures).prompt_positions(hf_config)(token_ids, mm_items)
 
 
 def build_for_checkpoint(model_config: ModelConfig, device: torch.device, checkpoint_names: Iterable[str],

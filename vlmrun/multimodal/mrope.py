@@ -11,7 +11,8 @@ split correctly).
 A Qwen2.5-VL video's t-row is scaled: frame group k sits at p + floor(k * tokens_per_second *
 second_per_grid_t), computed in float32 as transformers does (`time_intervals`). Qwen3-VL / Qwen3.5
 videos arrive as one item of grid (1, h, w) per temporal group (their timestamps are text), so
-they need no scaling.
+they need no scaling. Which families use this, and with which video timing, is the family's call
+(`vlmrun.multimodal.prompt_positions`, `Model.prompt_positions`); text-only families use 1-D positions.
 """
 
 from __future__ import annotations
@@ -30,10 +31,6 @@ def compute_mrope_positions(token_ids: Sequence[int], image_grid_thw: Sequence[S
     spatial merge). second_per_grid_ts: per item, a Qwen2.5-VL video's seconds per temporal group
     (None for the others); absent = no scaling.
     """
-    if getattr(hf_config, "vision_config", None) is None:  # text-only model: 1-D positions on all rows
-        if image_grid_thw:
-            raise ValueError("this model takes no images")
-        return torch.arange(len(token_ids), dtype=torch.int64).expand(3, -1).contiguous(), 0
     vision_ids = {hf_config.image_token_id, getattr(hf_config, "video_token_id", hf_config.image_token_id)}
     merge = hf_config.vision_config.spatial_merge_size
     tokens_per_second = getattr(hf_config.vision_config, "tokens_per_second", 1)

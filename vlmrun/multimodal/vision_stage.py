@@ -46,7 +46,7 @@ class ChunkSpan:
 class VisionInputs:
     mm_mask: torch.Tensor  # [num_tokens] bool
     mm_embeds: torch.Tensor  # [num_mm_tokens, hidden]
-    deepstack_embeds: Optional[torch.Tensor]  # [layers, num_mm_tokens, hidden]
+    mm_extras: dict[str, torch.Tensor]  # the model's extras (`VisionEmbeddings.extras`), each [..., num_mm_tokens, d]
 
 
 class VisionStage:
@@ -70,17 +70,18 @@ class VisionStage:
             if hi == item.offset + item.length:
                 self._release_pixels(item, item.hash + span.cache_tag, embeddings[item.hash + span.cache_tag])
         mask = torch.zeros(num_tokens, dtype=torch.bool)
-        embeds, deepstack = [], []
+        embeds: list[torch.Tensor] = []
+        extras: dict[str, list[torch.Tensor]] = {}
         for item, lo, hi, span in pieces:  # spans and items come in token order, so rows do too
             mask[span.row_offset + lo - span.start: span.row_offset + hi - span.start] = True
             entry = embeddings[item.hash + span.cache_tag]
             embeds.append(entry.embeds[lo - item.offset: hi - item.offset])
-            if entry.deepstack is not None:
-                deepstack.append(entry.deepstack[:, lo - item.offset: hi - item.offset])
+            for name, extra in entry.extras.items():  # [..., length, d]: rows on the second-to-last dim
+                extras.setdefault(name, []).append(extra[..., lo - item.offset: hi - item.offset, :])
         return VisionInputs(
             mm_mask=upload(mask, self.device),
             mm_embeds=torch.cat(embeds),
-            deepstack_embeds=torch.cat(deepstack, dim=1) if deepstack else None,
+            mm_extras={name: torch.cat(parts, dim=-2) for name, parts in extras.items()},
         )
 
     def _release_pixels(self, item: Any, key: str, entry: ImageEmbedding) -> None:
@@ -114,27 +115,27 @@ class VisionStage:
             self.lora.bind([slot], [1])
         outputs = self._encode_split(list(items.values())) if split else self._run_encoder(list(items.values()))
         result = {}
-        for key, (e, d) in zip(items, outputs):
-            entry = ImageEmbedding(e, d)
+        for key, (e, extras) in zip(items, outputs):
+            entry = ImageEmbedding(e, extras)
             self.cache.put(key, entry)
             result[key] = entry
         return result
 
-    def _run_encoder(self, items: list) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """One batched encoder call -> per item (embeds [length, hidden], deepstack [k, length, hidden] | None)."""
+    def _run_encoder(self, items: list) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """One batched encoder call -> per item (embeds [length, hidden], the model's extras [..., length, d])."""
         pixels = upload(torch.cat([it.pixel_values for it in items]), self.device).to(self.dtype)  # [patches, patch_dim]
         grid = [tuple(int(n) for n in it.grid_thw) for it in items]  # on the host, where the tower plans with it
         out = self.model.encode_images(pixels, grid)
         counts = [it.length for it in items]
         embeds = out.embeds.split(counts)
-        deepstack = out.deepstack.split(counts, dim=1) if out.deepstack is not None else [None] * len(items)
-        return list(zip(embeds, deepstack))
+        extras = {name: extra.split(counts, dim=-2) for name, extra in out.extras.items()}
+        return [(e, {name: parts[i] for name, parts in extras.items()}) for i, e in enumerate(embeds)]
 
-    def _encode_split(self, items: list) -> list[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    def _encode_split(self, items: list) -> list[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
         """Rank r encodes items r, r + size, ...; every rank gets every item's embeddings."""
         tp = self.split_over
         mine = self._run_encoder(items[tp.rank::tp.size]) if items[tp.rank::tp.size] else []
-        on_host = [(e.cpu(), None if d is None else d.cpu()) for e, d in mine]
+        on_host = [(e.cpu(), {name: x.cpu() for name, x in extras.items()}) for e, extras in mine]
         gathered = tp.all_gather_object(on_host)  # [rank][i-th item of that rank's share]
-        return [tuple(None if t is None else t.to(self.device) for t in gathered[i % tp.size][i // tp.size])
-                for i in range(len(items))]
+        shares = [gathered[i % tp.size][i // tp.size] for i in range(len(items))]
+        return [(e.to(self.device), {name: x.to(self.device) for name, x in extras.items()}) for e, extras in shares]

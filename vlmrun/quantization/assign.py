@@ -18,10 +18,10 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
+from vlmrun.configs.quantization import QuantizationConfig
 from vlmrun.layers.linear import LinearBase, fused_part_aliases
 from vlmrun.layers.linear_method import LinearMethod
 from vlmrun.layers.moe import PER_EXPERT_TENSOR, FusedExperts
-from vlmrun.quantization.config import QuantizationConfig
 
 # The tensor that marks a module quantized in a checkpoint, by method.
 _MARKERS = {"fp8": "weight_scale_inv", "awq": "qweight", "gptq": "qweight"}

@@ -36,11 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vlmrun.configs.quantization import QuantizationConfig
 from vlmrun.layers.linear import LinearBase
 from vlmrun.layers.linear_method import LinearMethod, ParamSpec, ceil_div
 from vlmrun.layers.moe import PROJECTIONS, FusedExperts, expert_param_name
 from vlmrun.loader import materialize
-from vlmrun.quantization.config import QuantizationConfig
 from vlmrun.quantization.finite import check_scales
 from vlmrun.quantization.fp8_blocks import (BLOCK, FP8, compact_rows, dequantize_blocks, expand_rows, fp8_to_float32,
                                             multiply_by_scales, quantize_activation, quantize_weight, row_group)

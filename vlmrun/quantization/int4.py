@@ -30,9 +30,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from vlmrun.configs.quantization import QuantizationConfig
 from vlmrun.layers.linear_method import LinearMethod, ParamSpec
 from vlmrun.loader import materialize
-from vlmrun.quantization.config import QuantizationConfig
 from vlmrun.quantization.finite import check_scales
 
 PACK = 8  # 4-bit values per int32

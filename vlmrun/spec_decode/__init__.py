@@ -1,6 +1,7 @@
 """Speculative decoding: drafts proposed beside the model, verified in one forward of 1 + k positions.
 
-`config.py` holds `SpeculativeConfig` (vLLM's names), `ngram.py` the prompt-lookup proposer,
+`SpeculativeConfig` (vLLM's names) lives in `vlmrun/configs/speculative.py`, on the floor of
+`vlmrun.config`, which holds it; here `ngram.py` is the prompt-lookup proposer,
 `verify.py` what the model runner needs to verify a request's drafts (the sampling row of each
 position, how many drafts the sampled tokens accept, a seeded generator wound to plain decode's
 draws), `grammar.py` the grammar mask of each verified position of a structured-output request,

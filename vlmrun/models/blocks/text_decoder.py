@@ -1,7 +1,7 @@
 """The dense Qwen text stack (every layer full attention) of Qwen3, Qwen2.5-VL and Qwen3-VL: `DenseTextModel`.
 
 embed -> (multimodal splice) -> decoder layers (with DeepStack adds after the first layers when
-the batch carries them) -> final norm. It knows nothing of batching: attention goes through
+the batch's multimodal extras carry them, `DEEPSTACK`) -> final norm. It knows nothing of batching: attention goes through
 `Attention(q, k, v, forward_batch)`. Qwen3 uses per-head q/k RMSNorm and no qkv bias; Qwen2-style
 text (Qwen2.5-VL) uses qkv bias and no q/k norm. Each layer's MLP is the model's (`make_mlp`): the
 dense SwiGLU, or a sparse MoE block in Qwen3-VL-MoE. (The hybrid stack is `hybrid_decoder.py`.)
@@ -25,6 +25,10 @@ from vlmrun.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabP
 from vlmrun.layers.norm import RMSNorm
 from vlmrun.layers.rotary import apply_rotary
 from vlmrun.parallel import SINGLE, TensorParallel
+
+# The name of Qwen3-VL's DeepStack features among a batch's multimodal extras (`ForwardBatch.mm_extras`,
+# `Model.mm_extras`): [k, num_mm_tokens, hidden], added to the image rows after each of the first k layers.
+DEEPSTACK = "deepstack"
 
 
 def text_head_dim(config: Any) -> int:
@@ -118,7 +122,7 @@ class DenseTextModel(nn.Module):
         if fb.mm_embeds is not None:
             h = h.masked_scatter(rows, fb.mm_embeds.to(h.dtype))
         cos, sin = self.rotary_emb(positions)  # [num_tokens, head_dim] each
-        deepstack = fb.deepstack_embeds  # [k, num_mm_tokens, hidden] | None
+        deepstack = fb.mm_extras.get(DEEPSTACK) if fb.mm_extras else None  # [k, num_mm_tokens, hidden] | None
         num_deepstack = 0 if deepstack is None else deepstack.shape[0]
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, fb)

@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass, field
+from typing import Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +34,10 @@ class VisionEmbeddings:
     """Image embeddings in the text model's hidden size, image by image (t*h*w // merge**2 rows each)."""
 
     embeds: torch.Tensor  # [num_image_tokens_total, hidden]
-    deepstack: Optional[torch.Tensor] = None  # [k, num_image_tokens_total, hidden] (Qwen3-VL only)
+    # The model's own extras beside the embeddings, by the names its class lists in `Model.mm_extras` (Qwen3-VL:
+    # DeepStack features). Each holds its image rows on the second-to-last dim, [..., num_image_tokens_total, d],
+    # so the vision stage slices, caches and batches them as it does the embeddings, without knowing what they are.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def grid_list(grid_thw: GridTHW) -> list[tuple[int, int, int]]:

@@ -3,13 +3,14 @@
 `EngineConfig.speculative_config` takes the dict a user gives (`LLM(speculative_config=...)`,
 `--speculative-config JSON`) or this dataclass; `SpeculativeConfig.of` checks it. Both methods take
 `num_speculative_tokens` (k, required). Method "ngram" (prompt lookup: drafts copied from the
-request's own prompt and output, `ngram.py`) also takes the n-gram sizes `prompt_lookup_min` /
-`prompt_lookup_max` (vLLM's defaults: both 5 when neither is given, the given one when one is).
-Method "mtp" drafts with the checkpoint's multi-token-prediction layer (`mtp.py`; Qwen3.5 and
-Qwen3-Next checkpoints that carry one); vLLM's per-family names for it, "qwen3_next_mtp" (what the Qwen
-model cards' vLLM commands pass, for Qwen3-Next and Qwen3.5 alike) and "qwen3_5_mtp", are read as
-"mtp", as vLLM reads them. Both take `disable_by_batch_size` (vLLM's key): a request added while more
-than that many requests are enqueued (running + waiting) never speculates.
+request's own prompt and output, `vlmrun/spec_decode/ngram.py`) also takes the n-gram sizes
+`prompt_lookup_min` / `prompt_lookup_max` (vLLM's defaults: both 5 when neither is given, the given one
+when one is). Method "mtp" drafts with the checkpoint's multi-token-prediction layer
+(`vlmrun/executor/mtp_drafter.py`; Qwen3.5 and Qwen3-Next checkpoints that carry one); vLLM's
+per-family names for it, "qwen3_next_mtp" (what the Qwen model cards' vLLM commands pass, for Qwen3-Next
+and Qwen3.5 alike) and "qwen3_5_mtp", are read as "mtp", as vLLM reads them. Both take
+`disable_by_batch_size` (vLLM's key): a request added while more than that many requests are enqueued
+(running + waiting) never speculates.
 
 `num_speculative_tokens` is at most `MAX_SPECULATIVE_TOKENS` (32): a verify step feeds 1 + k positions
 per request and the per-position acceptance counters (`/metrics`' `..._per_pos` series, one per draft
