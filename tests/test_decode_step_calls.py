@@ -52,11 +52,12 @@ def decode_step_calls(model_dir: Path, batch: int) -> Counter:
         if event == "call":
             calls[(Path(frame.f_code.co_filename).name, frame.f_code.co_name)] += 1
 
+    previous = sys.getprofile()
     sys.setprofile(count)
     try:
         updates = engine.step()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     engine.shutdown()
     assert len(updates) == batch and all(len(u.new_token_ids) == 1 for u in updates)
     return Counter({key: n for key, n in calls.items() if not key[0].startswith(SAMPLING_FILE_PREFIX)})
