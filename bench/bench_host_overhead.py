@@ -20,6 +20,9 @@ side, alternating, and the median is reported, with µs per request per step (ms
 
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 1 64 256 --max-tokens 48
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 256 --repeats 1 --sides vlmrun --profile 256
+
+`--clock cpu` times with this process's CPU time instead of the wall clock: on a machine other work
+loads, the figures move less (the quiet machine's wall clock stays the one to report).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -62,8 +66,9 @@ def make_engine(model_dir: Path, max_num_seqs: int) -> Engine:
                                kv_cache_memory_bytes=256 * 1024 * 1024))
 
 
-def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.Profile | None = None) -> float:
-    """ms per decode step: the steps after the one that prefills every prompt."""
+def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.Profile | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> float:
+    """ms per decode step: the steps after the one that prefills every prompt (timed by `clock`)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts(batch)):
         engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params)
@@ -71,11 +76,11 @@ def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.P
     steps = 0
     if profiler is not None:
         profiler.enable()
-    start = time.perf_counter()
+    start = clock()
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    elapsed = time.perf_counter() - start
+    elapsed = clock() - start
     if profiler is not None:
         profiler.disable()
     if steps != max_tokens - 1:
@@ -83,17 +88,17 @@ def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.P
     return elapsed / steps * 1e3
 
 
-def run_hf(model, batch: int, max_tokens: int) -> float:
+def run_hf(model, batch: int, max_tokens: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """ms per decode step of HF `generate`: (max_tokens new tokens - one new token) / (max_tokens - 1)."""
     input_ids = torch.tensor(prompts(batch), dtype=torch.int64)
     mask = torch.ones_like(input_ids)
 
     def timed(n: int) -> float:
-        start = time.perf_counter()
+        start = clock()
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0)
-        return time.perf_counter() - start
+        return clock() - start
 
     return (timed(max_tokens) - timed(1)) / (max_tokens - 1) * 1e3
 
@@ -106,7 +111,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sides", nargs="+", default=["vlmrun", "hf"], choices=["vlmrun", "hf"])
     parser.add_argument("--profile", type=int, default=None, help="cProfile vlmrun's decode steps at this batch")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or build into) this folder")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time (time.process_time), steadier on a machine others load")
     args = parser.parse_args(argv)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or Path(tmp) / "host-overhead-qwen3vl"
@@ -121,16 +129,16 @@ def main(argv: list[str] | None = None) -> None:
         run_vlmrun(engine, 4, 4)  # warm-up: first calls of every path
         if hf is not None:
             run_hf(hf, 4, 4)
-        print(f"ms per decode step (median of {args.repeats}), {args.max_tokens} greedy tokens, "
+        print(f"ms per decode step (median of {args.repeats}, {args.clock} clock), {args.max_tokens} greedy tokens, "
               f"prompts of {PROMPT_LEN} tokens, one thread")
         print(f"{'batch':>6} " + " ".join(f"{side:>10} {'us/req':>8}" for side in args.sides))
         for batch in args.batches:
             times: dict[str, list[float]] = {side: [] for side in args.sides}
             for _ in range(args.repeats):
                 if "vlmrun" in args.sides:
-                    times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens))
+                    times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens, clock=clock))
                 if hf is not None:
-                    times["hf"].append(run_hf(hf, batch, args.max_tokens))
+                    times["hf"].append(run_hf(hf, batch, args.max_tokens, clock=clock))
             cells = []
             for side in args.sides:
                 ms = statistics.median(times[side])

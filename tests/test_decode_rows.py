@@ -83,3 +83,30 @@ def test_a_decode_step_makes_no_chunk_per_request(qwen3_vl_dir, monkeypatch) -> 
     engine.shutdown()
     assert steps == 5 and tokens == 8 * 5  # the decode steps ran every request
     assert made == {"chunks": 0, "inputs": 0}
+
+
+def test_rows_read_each_rows_mrope_delta_as_chunks_do(qwen3_vl_dir) -> None:
+    """Image requests (an M-RoPE delta that is not 0) and text requests (delta 0) take turns on the
+    page-table rows (max_num_seqs=2 for 6 requests, so rows are reused with another delta): the decode
+    rows' positions, read from the runner's per-row deltas, give what chunks give."""
+    from PIL import Image
+
+    def run_all(decode_rows: bool) -> dict[str, list[int]]:
+        engine = Engine(EngineConfig(model=str(qwen3_vl_dir), device="cpu", dtype="float32", max_num_seqs=2,
+                                     max_num_batched_tokens=256, kv_cache_memory_bytes=16 * 1024 * 1024, seed=7))
+        engine.scheduler.decode_rows = decode_rows
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        for i in range(6):
+            prompt = ({"prompt": "Describe.", "images": [Image.new("RGB", (56 + 28 * i, 56), (40 * i, 90, 200))]}
+                      if i % 2 == 0 else {"prompt_token_ids": [5 + i, 9, 13, 17]})
+            engine.add_request(f"r{i}", engine.process(prompt), params)
+        deltas, tokens = {r.request_id: r.mrope_delta for r in engine.requests.values()}, {}
+        while engine.has_unfinished():
+            for update in engine.step():
+                if update.finished:
+                    tokens[update.request_id] = update.result.token_ids
+        engine.shutdown()
+        assert deltas["r0"] != 0 and deltas["r1"] == 0
+        return tokens
+
+    assert run_all(True) == run_all(False)

@@ -27,6 +27,7 @@ Three pieces, plus one object that strings them together:
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -242,11 +243,26 @@ class OutputTextStream:
         self._length_limit = min(limits) if limits else None
         self._min_tokens = params.min_tokens
         self._plain = params.detokenize and not self.matcher.stop  # every token: detokenize, stream the text
+        self._length_cap = self._length_limit if self._length_limit is not None else sys.maxsize
+        self._append_text = self.detokenizer.append  # (bound once: add_plain_token calls it per token)
 
     @property
     def text(self) -> str:
         """The output text: final (cut at a stop string) once finished, else what is known so far."""
         return self._final_text if self._final_text is not None else self.detokenizer.text
+
+    def add_plain_token(self, token_id: int) -> Optional[str]:
+        """`add_token` for the common token: one that cannot end the request, of a request without stop
+        strings (detokenized): its delta, the same text `add_token` gives. None, and nothing done, for any
+        other token: the caller gives it to `add_token` (the full rules) instead."""
+        outputs = self.output_token_ids
+        n = len(outputs) + 1
+        if not self._plain or (n > self._min_tokens and token_id in self._stop_ids) or n >= self._length_cap:
+            return None
+        outputs.append(token_id)
+        new_text = self._append_text(token_id)
+        self._num_streamed += len(new_text)
+        return new_text
 
     def add_token(self, token_id: int) -> TokenUpdate:
         if self.finished is not None:
@@ -291,6 +307,7 @@ class OutputTextStream:
             text = text[:match.truncate_to]
         self._final_text = text
         self.finished = decision
+        self._plain = False  # (a token after the end goes to add_token, which refuses it)
         delta = text[self._num_streamed:]
         self._num_streamed = len(text)
         self._held = ""

@@ -297,8 +297,7 @@ class Engine:
             raise
         launched = LaunchedChunks(chunks, handle, decodes=decodes)
         uncollected.append(launched)
-        for req, start in zip(decodes.requests, decodes.starts):
-            req.mark_launched(start + 1, True, 0)
+        decodes.mark_launched()
         for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
             c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
         return launched
@@ -341,22 +340,17 @@ class Engine:
         return [update]
 
     def _collect_decodes(self, decodes: ScheduledDecodes, decoded: DecodedRows, now: float) -> list[RequestUpdate]:
-        """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs)."""
-        updates = []
-        running, finished = RequestStatus.RUNNING, RequestStatus.FINISHED
-        for req, start, token_id, logprobs in zip(decodes.requests, decodes.starts, decoded.token_ids,
-                                                   decoded.logprobs):
-            req.mark_collected(True, 0)
-            if req.status is finished:  # finished or aborted while this step ran: its token goes
-                continue
-            if req.page_keys and req.status is running:
-                self.scheduler.commit(req, start + 1)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            update, finish_reason = self.outputs.append_one(req, token_id, logprobs)
-            if finish_reason is not None:
-                update.result = self._finish(req, finish_reason).result
-            updates.append(update)
+        """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs): one pass
+        over the rows for the bookkeeping, one through the output processor (`append_decodes`)."""
+        decodes.mark_collected(now)
+        if self.prefix_cache is not None:  # index each request's newly full prompt pages
+            running = RequestStatus.RUNNING
+            for req, start in zip(decodes.requests, decodes.starts):
+                if req.page_keys and req.status is running:
+                    self.scheduler.commit(req, start + 1)
+        updates, finishing = self.outputs.append_decodes(decodes.requests, decoded.token_ids, decoded.logprobs)
+        for at, req, reason in finishing:
+            updates[at].result = self._finish(req, reason).result
         return updates
 
     def _drop_interrupted(self, steps: list[LaunchedChunks]) -> None:

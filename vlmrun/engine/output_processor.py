@@ -8,17 +8,26 @@ token; the rest are dropped), and returns the step's `RequestUpdate` and the fin
 memory; this module only reads the request.
 
 A step's tokens of one request mostly are one token of a request without a grammar: that case takes
-a short path (`append_one`, which the engine calls for its plain decodes) with the same rules.
+a short path (`append_one`) with the same rules; a step's plain decodes (`ScheduledDecodes`) go through
+`append_decodes`, one loop over the rows whose common token costs a `tokenizers` stream step and an update.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.outputs import RequestResult, RequestUpdate
-from vlmrun.engine.request import Request
+from vlmrun.engine.request import Request, RequestStatus
+
+
+class Finishing(NamedTuple):
+    """A row of `OutputProcessor.append_decodes` whose token finished its request."""
+
+    update_index: int  # its update in the returned list
+    request: Request
+    reason: str  # the finish reason
 
 
 class OutputProcessor:
@@ -67,6 +76,34 @@ class OutputProcessor:
         token = self._streams[req.request_id].add_token(token_id)
         return (RequestUpdate(req.request_id, [token_id], [] if logprobs is None else [logprobs], token.delta),
                 token.finish_reason)
+
+    def append_decodes(self, requests: Sequence[Request], token_ids: Sequence[int],
+                       logprobs: Sequence[Optional[dict[int, float]]]) -> tuple[list[RequestUpdate], list[Finishing]]:
+        """A step's plain decodes in one pass (one token each, requests without a grammar): `append_one`'s
+        rules per row, without its calls per token. Returns the updates, in row order, of the rows whose
+        request had not finished (a request that finished or was aborted while the step ran gets nothing),
+        and for each row the token finished, (its index in the updates, its request, the finish reason)."""
+        streams = self._streams
+        updates: list[RequestUpdate] = []
+        finishing: list[Finishing] = []
+        finished = RequestStatus.FINISHED
+        for req, token_id, token_logprobs in zip(requests, token_ids, logprobs):
+            if req.status is finished:
+                continue
+            req.output_token_ids.append(token_id)
+            new_logprobs = []
+            if token_logprobs is not None:
+                req.output_logprobs.append(token_logprobs)
+                new_logprobs = [token_logprobs]
+            stream = streams[req.request_id]
+            delta = stream.add_plain_token(token_id)
+            if delta is None:  # a token that may end the request, or a request with stop strings
+                token = stream.add_token(token_id)
+                delta = token.delta
+                if token.finish_reason is not None:
+                    finishing.append(Finishing(len(updates), req, token.finish_reason))
+            updates.append(RequestUpdate(req.request_id, [token_id], new_logprobs, delta))
+        return updates, finishing
 
     def result(self, req: Request, reason: str) -> RequestResult:
         """The finished request's whole result (its stream is dropped)."""

@@ -6,7 +6,7 @@ object (the runner gets them as one `DecodeRows`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -85,7 +85,8 @@ class ScheduledChunk:
 @dataclass
 class ScheduledDecodes:
     """A step's plain decodes, a column per field: request i feeds its last known token, at position
-    starts[i], into KV slot slots[i] of page-table row rows[i], and samples after it."""
+    starts[i], into KV slot slots[i] of page-table row rows[i], and samples after it. The scheduler
+    appends the rows (`Scheduler._pick_decodes`, in one loop over its running requests)."""
 
     requests: list[Request] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -97,13 +98,10 @@ class ScheduledDecodes:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def add(self, req: Request, start: int, page_size: int) -> None:
-        """`req` decodes this step (`start` = its tokens in the cache = its last token's position)."""
-        self.requests.append(req)
-        self.rows.append(req.req_pool_idx)
-        self.starts.append(start)
-        self.token_ids.append(req.output_token_ids[-1] if not req.num_pending_tokens else PLACEHOLDER_TOKEN)
-        self.slots.append(req.pages[start // page_size] * page_size + start % page_size)
+    def column_appends(self) -> tuple[Callable[[Any], None], ...]:
+        """The `append` of each column (requests, rows, starts, token_ids, slots), for a loop that adds rows."""
+        return (self.requests.append, self.rows.append, self.starts.append, self.token_ids.append,
+                self.slots.append)
 
     def remove(self, req: Request) -> bool:
         """Drop `req`'s row (preempted after it was picked); False when it has none."""
@@ -114,9 +112,26 @@ class ScheduledDecodes:
                 return True
         return False
 
+    def mark_launched(self) -> None:
+        """Each row's request is launched one token on (`Request.mark_launched(start + 1, True, 0)`, inline:
+        once per row; a decoding request was scheduled before)."""
+        for req, start in zip(self.requests, self.starts):
+            req.num_computed_tokens = start + 1
+            req.num_launched_steps += 1
+            req.num_pending_tokens += 1
+
+    def mark_collected(self, now: float) -> None:
+        """The host read the step (`Request.mark_collected(True, 0)`, inline); a request without a first
+        token time gets `now`."""
+        for req in self.requests:
+            req.num_launched_steps -= 1
+            req.num_pending_tokens -= 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+
     def to_input(self) -> DecodeRows:
-        """What the model runner needs of them: the columns, each request's delta and sampling row."""
+        """What the model runner needs of them: the columns, each request's sampling row and adapter (the
+        runner keeps each row's M-RoPE delta from the request's chunks)."""
         requests = self.requests
         return DecodeRows(rows=self.rows, starts=self.starts, token_ids=self.token_ids, kv_slots=self.kv_slots,
-                          mrope_deltas=[r.mrope_delta for r in requests], sampling=[r.sampling_row for r in requests],
-                          loras=[r.lora for r in requests])
+                          sampling=[r.sampling_row for r in requests], loras=[r.lora for r in requests])

@@ -47,6 +47,7 @@ from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
 from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
+from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
 from vlmrun.host_to_device import int64_tensor
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.metrics import SpecDecodeStats
@@ -126,19 +127,10 @@ class Scheduler:
         too_long: list[Request] = []
         preempted_any = False
         self.policy.order_running(self.running)  # the last is the one preempted first
-        page_size = self.page_size
-
-        i = 0
+        i, budget = self._pick_decodes(decodes, budget)
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             if req.num_launched_steps and self.must_wait(req):
-                i += 1
-                continue
-            start = req.num_computed_tokens
-            if (req.plain_decode and not chunks and start >= req.num_prompt_tokens and start == req.num_tokens - 1
-                    and (start < len(req.pages) * page_size or self._grow_or_preempt(req, start + 1))):
-                decodes.add(req, start, page_size)
-                budget -= 1
                 i += 1
                 continue
             n = self._chunk_len(req, budget)
@@ -195,6 +187,29 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, admitted=True))
             budget -= n
         return chunks, too_long
+
+    def _pick_decodes(self, decodes: ScheduledDecodes, budget: int) -> tuple[int, int]:
+        """The leading run of running requests that decode plainly (`Request.plain_decode`, past its prompt,
+        feeding its last token), each a row of `decodes` with its KV slot. -> (where the run ends, budget left)"""
+        running, page_size, i = self.running, self.page_size, 0
+        add_request, add_row, add_start, add_token, add_slot = decodes.column_appends()
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if req.num_launched_steps and self.must_wait(req):
+                i += 1
+                continue
+            start, pending, outputs = req.num_computed_tokens, req.num_pending_tokens, req.output_token_ids
+            if not (req.plain_decode and start >= req.num_prompt_tokens  # (num_tokens - 1, inline)
+                    and start == req.num_prompt_tokens + len(outputs) + pending - 1
+                    and (start < len(req.pages) * page_size or self._grow_or_preempt(req, start + 1))):
+                break
+            add_request(req)  # (the columns appended here: once per row, no call)
+            add_row(req.req_pool_idx)
+            add_start(start)
+            add_token(outputs[-1] if not pending else PLACEHOLDER_TOKEN)
+            add_slot(req.pages[start // page_size] * page_size + start % page_size)
+            budget, i = budget - 1, i + 1
+        return i, budget
 
     def _lora_fits(self, req: Request) -> bool:
         """LoRA: the running requests' adapters and `req`'s fit the `max_loras` slots of a step."""

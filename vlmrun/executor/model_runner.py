@@ -47,7 +47,7 @@ from vlmrun.lora.manager import LoRAManager
 from vlmrun.lora.request import LoRARequest
 from vlmrun.models.weights import weight_bytes
 from vlmrun.multimodal.vision_stage import ChunkSpan, VisionStage
-from vlmrun.host_to_device import upload
+from vlmrun.host_to_device import int64_tensor, upload
 from vlmrun.parallel import SINGLE, TensorParallel
 from vlmrun.pooling.pooler import pool_chunks, pooled_to_host
 from vlmrun.executor.mtp_drafter import MTPDrafter
@@ -92,6 +92,9 @@ class ModelRunner:
         # the last token sampled for each page-table row (the dummy row included): a step's
         # PLACEHOLDER_TOKEN inputs are read from here, on the device
         self.last_tokens = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64, device=device)
+        # each page-table row's M-RoPE delta (its request's offset of positions after the prompt), on the host:
+        # written by every step for its chunks (a request's first step on a row is a chunk), read by decode rows
+        self.row_mrope_deltas = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64)
         # the step's features (executor/step_features.py): each row's adapter, and the drafts around the forward
         self.adapters: Adapters = NoAdapters() if lora is None else LoRAAdapters(lora, self.rows_per_sequence)
         self.drafting: Drafting = (HostDrafting() if drafter is None
@@ -138,7 +141,11 @@ class ModelRunner:
 
     def prepare(self, chunks: list[ChunkInput], decodes: Optional[DecodeRows]) -> tuple[ForwardBatch, StepDrafts]:
         """The step's ForwardBatch with its image embeddings and adapter rows bound; drafts made on the device put in."""
-        fb = build_forward_batch(chunks, decodes, self.upload, self.attn_backend, self.caches.gdn_pool is not None)
+        if chunks:  # each chunk's row takes its request's M-RoPE delta (one write for the step's chunks)
+            rows, deltas = int64_tensor([c.row for c in chunks]), int64_tensor([c.mrope_delta for c in chunks])
+            self.row_mrope_deltas[rows] = deltas
+        fb = build_forward_batch(chunks, decodes, self.upload, self.attn_backend, self.caches.gdn_pool is not None,
+                                 row_mrope_deltas=self.row_mrope_deltas)
         fb.input_ids = self.fill_placeholders(fb.input_ids, chunks, decodes)
         adapters = self.adapters.activate(chunks, decodes)  # LoRA: the step's adapters in slots
         self.embed_images(fb, chunks, adapters, first_row=0 if decodes is None else len(decodes))

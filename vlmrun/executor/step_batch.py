@@ -24,15 +24,18 @@ Upload = Callable[[torch.Tensor], torch.Tensor]
 
 
 def build_forward_batch(chunks: Sequence[ChunkInput], decodes: Optional[DecodeRows], upload: Upload,
-                        attn_backend: Optional[AttentionForward] = None, gdn: bool = False) -> ForwardBatch:
+                        attn_backend: Optional[AttentionForward] = None, gdn: bool = False,
+                        row_mrope_deltas: Optional[torch.Tensor] = None) -> ForwardBatch:
     """The step's ForwardBatch (`ForwardBatch.build`). Its input ids are the host's: placeholders still in,
     for the runner to fill on the device; `gdn`: the model has a GDN state pool, so each sequence gets its
-    slot. The decode rows come first (one token and one logits row each), then the chunks."""
+    slot. The decode rows come first (one token and one logits row each), then the chunks; their positions
+    read each page-table row's M-RoPE delta from `row_mrope_deltas` (host [rows], needed with decodes)."""
     n = 0 if decodes is None else len(decodes)
     if n and not chunks:  # plain decodes only: the columns as they are
         rows_t = int64_tensor(decodes.rows)  # [n]
+        positions = decodes.positions(rows_t, row_mrope_deltas).contiguous()  # [3, n]
         return ForwardBatch.build(
-            input_ids=int64_tensor(decodes.token_ids), positions=decodes.positions().contiguous(),
+            input_ids=int64_tensor(decodes.token_ids), positions=positions,
             req_pool_indices=rows_t, extend_prefix_lens=list(decodes.starts), extend_seq_lens=[1] * n,
             out_cache_loc=decodes.kv_slots, logits_indices=torch.arange(n, dtype=torch.int64), to_device=upload,
             attn_backend=attn_backend, state_slots=rows_t + gdn_slot_for_row(0) if gdn else None)
@@ -52,7 +55,8 @@ def build_forward_batch(chunks: Sequence[ChunkInput], decodes: Optional[DecodeRo
         extend_lens = [1] * n + extend_lens
         prefix_lens = decodes.starts + prefix_lens
         rows = decodes.rows + rows
-        positions = decodes.positions() if positions is None else torch.cat([decodes.positions(), positions], dim=1)
+        decode_positions = decodes.positions(int64_tensor(decodes.rows), row_mrope_deltas)  # [3, n]
+        positions = decode_positions if positions is None else torch.cat([decode_positions, positions], dim=1)
         slots.insert(0, decodes.kv_slots)
         logits = torch.cat([torch.arange(n, dtype=torch.int64), logits])
     rows_t = int64_tensor(rows)  # [batch]

@@ -94,16 +94,17 @@ class DecodeRows:
     starts: list[int]  # [n] tokens of each request already in the cache (its fed token's position before M-RoPE)
     token_ids: list[int]  # [n] the fed tokens; PLACEHOLDER_TOKEN: on the device, in the runner's last_tokens
     kv_slots: torch.Tensor  # [n] int64 KV slots the fed tokens write (CPU)
-    mrope_deltas: list[int]  # [n] each request's M-RoPE offset of positions after its prompt
     sampling: list[SamplingRow]  # [n] each request's sampling row, made once when it was admitted
     loras: Optional[list[Optional[LoRARequest]]] = None  # [n] each request's LoRA adapter; None: no row has one
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def positions(self) -> torch.Tensor:
-        """[3, n] int64 M-RoPE positions of the fed tokens (CPU): start + mrope_delta on all three rows."""
-        return (int64_tensor(self.starts) + int64_tensor(self.mrope_deltas)).expand(3, -1)  # [3, n]
+    def positions(self, rows: torch.Tensor, row_mrope_deltas: torch.Tensor) -> torch.Tensor:
+        """[3, n] int64 M-RoPE positions of the fed tokens (CPU): start + the request's M-RoPE delta on all
+        three rows. `rows` [n] is `self.rows` as a tensor; `row_mrope_deltas` [page-table rows] the delta of
+        each row's request, kept by the runner (`ModelRunner.row_mrope_deltas`): no list per request."""
+        return (int64_tensor(self.starts) + row_mrope_deltas[rows]).expand(3, -1)  # [3, n]
 
 
 def step_positions(chunks: Sequence[ChunkInput], num_tokens: list[int]) -> torch.Tensor:

@@ -89,6 +89,9 @@ class CpuAttnBackend(AttentionBackend):
 
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
+        if fb.num_drafts_cpu is None and fb.num_tokens == fb.batch_size:  # every sequence decodes one token
+            fb.attn_metadata = CpuAttnMetadata([self._decode_group(fb, None, 1, fb.seq_lens_cpu, None)], [])
+            return
         drafts = fb.num_drafts_cpu or [0] * fb.batch_size
         starts = [0]
         for n in extend_lens:
@@ -101,28 +104,35 @@ class CpuAttnBackend(AttentionBackend):
             else:
                 prefill_idx.append(i)
         whole_step = not prefill_idx and len(by_width) == 1
-        decodes = [self._decode_group(fb, idx, width, starts, whole_step) for width, idx in by_width.items()]
+        seq_lens = fb.seq_lens_cpu
+        decodes = [self._decode_group(fb, None if whole_step else idx, width, [seq_lens[i] for i in idx],
+                                      None if whole_step else starts) for width, idx in by_width.items()]
         rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
         fb.attn_metadata = CpuAttnMetadata(decodes, prefills)
 
-    def _decode_group(self, fb: ForwardBatch, idx: list[int], width: int, starts: list[int],
-                      whole_step: bool) -> DecodeGroup:
-        """Sequences `idx`, each feeding `width` tokens (`whole_step`: they are every sequence of the step)."""
-        max_seq = -(-max(fb.seq_lens_cpu[i] for i in idx) // self.page_size) * self.page_size
+    def _decode_group(self, fb: ForwardBatch, idx: Optional[list[int]], width: int, seq_lens: list[int],
+                      starts: Optional[list[int]]) -> DecodeGroup:
+        """Sequences `idx` (None: every sequence of the step), each feeding `width` tokens, of lengths
+        `seq_lens` (host ints); `starts`: each sequence's first token row in the step (None with `idx`)."""
+        max_seq = -(-max(seq_lens) // self.page_size) * self.page_size
         device = fb.seq_lens.device
-        sel = None if whole_step else torch.tensor(idx, device=device)
+        sel = None if idx is None else torch.tensor(idx, device=device)
         req_rows = fb.req_pool_indices if sel is None else fb.req_pool_indices[sel]
         lens = fb.seq_lens if sel is None else fb.seq_lens[sel]
         page_ids = own_pages(self.req_to_token[req_rows, :max_seq:self.page_size] // self.page_size, lens,
                              self.page_size).flatten()  # [seqs * max_pages]
-        tail = tail_rows([fb.seq_lens_cpu[i] for i in idx], max_seq, self.page_size, device)
-        first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
-        sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
-        visible = torch.arange(max_seq, device=device)[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
-        token_rows = None if whole_step else torch.tensor([starts[i] + j for i in idx for j in range(width)],
-                                                          device=device)
+        tail = tail_rows(seq_lens, max_seq, self.page_size, device)
+        key_positions = torch.arange(max_seq, device=device)  # [max_seq]
+        if width == 1:  # a plain decode sees its whole length (>= 1: it holds the token it feeds)
+            visible = key_positions[None, None, :] < lens[:, None, None]  # [seqs, 1, max_seq]
+        else:
+            first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
+            sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
+            visible = key_positions[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
+        token_rows = None if idx is None else torch.tensor([starts[i] + j for i in idx for j in range(width)],
+                                                           device=device)
         return DecodeGroup(width, token_rows, page_ids, visible, tail)
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
