@@ -204,7 +204,7 @@ def test_runner_penalty_rows_cost_nothing_per_token_of_history() -> None:
     for step_i in range(12):
         CountedTokens.read = 0
         decodes = DecodeRows(rows=[5], starts=[0], token_ids=[0], kv_slots=torch.zeros(1, dtype=torch.int64),
-                             mrope_deltas=[0], sampling=[rows[2]])  # a plain decode row first, then two chunks
+                             sampling=[rows[2]])  # a plain decode row first, then two chunks
         chunks = [ChunkInput(row=r, start=0, token_ids=[0], positions=None, kv_slots=torch.zeros(1, dtype=torch.int64),
                              mm_items=(), sampling=row) for r, row in zip([2, 7], rows[:2])]
         step = LaunchedStep([True, True], None, [None, None], drafts=HostDrafts(chunks))

@@ -44,7 +44,6 @@ from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledDecodes
 from vlmrun.engine.stats import EngineStats
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
-from vlmrun.engine.stats import EngineStats
 from vlmrun.engine.startup_heap import freeze_startup_heap
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
@@ -320,7 +319,7 @@ class Engine:
                 req.prompt_logprobs[chunk.start + 1:chunk.start + 1 + len(output.prompt_logprobs)] = output.prompt_logprobs
             end = self.scheduler.settle(chunk, len(output.after_drafts))  # rejected drafts are not computed
             if req.status is RequestStatus.RUNNING and req.page_keys:  # (not when preempted meanwhile: its pages are gone)
-                self.scheduler.commit(req, end)  # index new full pages (and snapshot GDN state) first
+                self.scheduler.prefix.commit(req, end)  # index new full pages (and snapshot GDN state) first
             if req.pooling is not None:  # prefill-only: pooled, finished after its last prompt chunk
                 updates += self._pooled(req, chunk, output.pooled)
                 continue
@@ -347,7 +346,7 @@ class Engine:
             running = RequestStatus.RUNNING
             for req, start in zip(decodes.requests, decodes.starts):
                 if req.page_keys and req.status is running:
-                    self.scheduler.commit(req, start + 1)
+                    self.scheduler.prefix.commit(req, start + 1)
         updates, finishing = self.outputs.append_decodes(decodes.requests, decoded.token_ids, decoded.logprobs)
         for at, req, reason in finishing:
             updates[at].result = self._finish(req, reason).result

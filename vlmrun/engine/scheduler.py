@@ -22,7 +22,8 @@ cached full prompt pages (always leaving at least one token to compute) and star
 chunk there; for a hybrid model the run ends at a page that has a GDN state snapshot, which is
 copied into the request's slot. After each step `commit` indexes the request's newly computed
 full prompt pages and, for hybrid models, snapshots the GDN state when a chunk ends at a
-snapshot point (the scheduler cuts prefill chunks so that they do).
+snapshot point (the scheduler cuts prefill chunks so that they do). These rules are
+`prefix_reuse.PrefixReuse` (`Scheduler.prefix`).
 
 Speculative decoding (docs/spec_decode.md): a decoding request may feed draft tokens after its last
 known token (`ScheduledChunk.draft_token_ids`, from the proposer, within the step's budget and the
@@ -43,7 +44,8 @@ import torch
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.kv_pool import pages_needed, token_slots
 from vlmrun.cache.plan import Caches
-from vlmrun.cache.prefix_cache import PrefixCache, PrefixMatch
+from vlmrun.cache.prefix_cache import PrefixCache
+from vlmrun.engine.prefix_reuse import PrefixReuse
 from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
@@ -71,9 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.policy = make_queue_policy(scheduling_policy)  # the queues' order and who preempts whom
         self.prefix_cache = prefix_cache
-        # hybrid models: snapshot points every this many tokens (a page multiple) and at the last full page
-        self.snapshot_interval = pages_needed(snapshot_interval, self.page_size) * self.page_size
-        self.cut_at_snapshots = prefix_cache is not None and prefix_cache.needs_snapshots
+        self.prefix = PrefixReuse(prefix_cache, self.page_size, snapshot_interval)  # (no cache: no-ops)
         self.proposer = proposer  # speculative decoding's drafts; None: every decode feeds one token
         # a request added while more than this many are enqueued never speculates (None: no limit)
         self.disable_by_batch_size = disable_by_batch_size
@@ -133,7 +133,7 @@ class Scheduler:
             if req.num_launched_steps and self.must_wait(req):
                 i += 1
                 continue
-            n = self._chunk_len(req, budget)
+            n = self.prefix.cut(req, min(req.num_tokens - req.num_computed_tokens, budget))
             drafts = self._drafts(req, n, budget) if self.proposer is not None else []
             if drafts and not self._grow(req, req.num_computed_tokens + n + len(drafts)):
                 drafts = []  # no free page for them: a plain decode (drafts never preempt)
@@ -167,8 +167,8 @@ class Scheduler:
             row = self.req_pool.alloc()
             if row is None:
                 break
-            match = self._reuse_prefix(req, row)
-            n = self._chunk_len(req, budget)
+            match = self.prefix.take(req, row)
+            n = self.prefix.cut(req, min(req.num_tokens - req.num_computed_tokens, budget))
             fits = self._grow(req, req.num_computed_tokens + n)
             while not fits and (victim := self.policy.admission_victim(self.running, req)) is not None:
                 budget += self._preempt_scheduled(victim, chunks, decodes)  # (priority: one ranked after `req`)
@@ -179,7 +179,7 @@ class Scheduler:
                 req.num_computed_tokens = req.num_indexed_pages = req.prefix_hit_tokens = 0
                 break
             if match is not None:
-                self._count_lookup(req, match.num_pages)
+                self.prefix.count_lookup(req, match.num_pages)
             del self.waiting[i]
             req.req_pool_idx = row
             req.status = RequestStatus.RUNNING
@@ -227,7 +227,7 @@ class Scheduler:
         a GDN snapshot point (the snapshot is taken at collect: the slot must not move on before)."""
         if not req.num_launched_steps:  # nothing of it is running (always so when synchronous)
             return False
-        if req.num_launched_drafts or (self.cut_at_snapshots and self.is_snapshot_point(req, req.num_computed_tokens)):
+        if req.num_launched_drafts or self.prefix.ends_at_snapshot_point(req):
             return True
         if req.pooling is not None:  # prefill-only: once its whole prompt is launched it waits only to finish
             return req.num_computed_tokens >= req.num_prompt_tokens
@@ -313,72 +313,6 @@ class Scheduler:
         fresh = [gdn_slot_for_row(c.request.req_pool_idx) for c in chunks if c.start == 0]
         if self.gdn_pool is not None and fresh:
             self.gdn_pool.zero(torch.tensor(fresh, dtype=torch.int64))
-
-    # ------------------------------------------------------------------ prefix cache
-
-    def _reuse_prefix(self, req: Request, row: int) -> Optional[PrefixMatch]:
-        """Take the cached prefix of a request being admitted (row `row`); the match or None without a cache."""
-        cache = self.prefix_cache
-        # a request with prompt logprobs computes its whole prompt (vLLM's rule: no prefix-cache hit for it)
-        if cache is None or req.num_computed_tokens or not req.page_keys or req.sampling_params.prompt_logprobs is not None:
-            return None
-        max_pages = min(len(req.page_keys), (req.num_tokens - 1) // self.page_size)  # leave >= 1 token
-        match = cache.match(req.page_keys, max_pages)
-        if not match.pages:
-            return match
-        n = match.num_pages * self.page_size
-        req.pages = list(match.pages)
-        req.num_computed_tokens = req.prefix_hit_tokens = n
-        req.num_indexed_pages = match.num_pages
-        if match.snapshot is not None:
-            cache.restore_snapshot(match.snapshot, gdn_slot_for_row(row))
-        return match
-
-    def _count_lookup(self, req: Request, hit_pages: int) -> None:
-        stats = self.prefix_cache.stats
-        hit = hit_pages * self.page_size
-        stats.queries += 1
-        stats.query_tokens += req.num_prompt_tokens
-        stats.hits += hit > 0
-        stats.hit_tokens += hit
-        stats.images_skipped += sum(it.offset + it.length <= hit for it in req.prompt.mm_items)
-
-    def _chunk_len(self, req: Request, budget: int) -> int:
-        """Tokens to feed: what is left within the budget, cut back to a snapshot point (hybrid models)."""
-        start = req.num_computed_tokens
-        n = min(req.num_tokens - start, budget)
-        if not self.cut_at_snapshots or start >= req.num_prompt_tokens:
-            return n
-        end = start + n
-        limit = min(end, req.num_prompt_tokens)
-        last_full = len(req.page_keys) * self.page_size
-        points = [p for p in (last_full, limit // self.snapshot_interval * self.snapshot_interval)
-                  if start < p <= limit]
-        if not points:
-            return n
-        point = max(points)
-        if point < end and not self.prefix_cache.has_snapshot(req.page_keys[point // self.page_size - 1]):
-            return point - start
-        return n
-
-    def is_snapshot_point(self, req: Request, boundary: int) -> bool:
-        if boundary <= 0 or boundary % self.page_size or boundary > len(req.page_keys) * self.page_size:
-            return False
-        return boundary == len(req.page_keys) * self.page_size or boundary % self.snapshot_interval == 0
-
-    def commit(self, req: Request, end: int) -> None:
-        """After a step computed `req` up to `end`: index its new full prompt pages, and snapshot its
-        GDN state when the step ended at a snapshot point (hybrid models). (Under async scheduling a
-        later step of `req` may already be launched; `must_wait` kept it from moving the GDN slot.)"""
-        cache = self.prefix_cache
-        if cache is None or not req.page_keys:
-            return
-        done = min(end // self.page_size, len(req.page_keys))
-        for j in range(req.num_indexed_pages, done):
-            cache.insert(req.page_keys[j], req.pages[j])
-        req.num_indexed_pages = max(req.num_indexed_pages, done)
-        if cache.snapshots is not None and self.is_snapshot_point(req, end):
-            cache.save_snapshot(req.pages[end // self.page_size - 1], gdn_slot_for_row(req.req_pool_idx))
 
     # ------------------------------------------------------------------ pages
 

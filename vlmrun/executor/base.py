@@ -9,7 +9,7 @@ engine launches a step and, under async scheduling, collects the one before it a
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from vlmrun.cache.plan import Caches
 from vlmrun.executor.step_output import ChunkOutput

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import socket
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch

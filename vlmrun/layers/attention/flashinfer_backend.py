@@ -37,7 +37,7 @@ import torch
 
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, pages_needed
 from vlmrun.cache.plan import FLASHINFER_FLOAT_WORKSPACE_BYTES, FLASHINFER_INT_WORKSPACE_BYTES
-from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import Attention, AttentionBackend
 from vlmrun.layers.attention.kernels import BackendUnavailable, import_flashinfer
