@@ -37,7 +37,7 @@ from vlmrun.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput
                                     pooling_request_output)
 from vlmrun.pooling.params import PoolingParams
 from vlmrun.pooling.runner_mode import runner_for
-from vlmrun.request_output import CompletionOutput, RequestMetrics, RequestOutput, request_output
+from vlmrun.request_output import CompletionOutput, RequestMetrics, RequestOutput, TokenIdTable, request_output
 from vlmrun.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "BeamSearchParams",
@@ -330,7 +330,7 @@ class LLM:
             pipeline = InputPipeline(self.engine, process, workers=self.preprocess_workers,
                                      prefetch=self.preprocess_prefetch)
             bar = FeedProgress(total, enabled=use_tqdm and total != 1 and total != 0)
-            decode, failed = TokenDecoder(self.tokenizer), []
+            decode, ids, failed = TokenDecoder(self.tokenizer), TokenIdTable(), []
             try:
                 small = total is not None and total <= self.preprocess_prefetch  # one batch, added at once
                 for finished in pipeline.stream(works, whole_batch=small):
@@ -340,7 +340,8 @@ class LLM:
                             self.stats.record(result)
                     if finished.error is not None:
                         failed.append((finished.index, finished.error))
-                    yield finished.index, request_output(finished, decode) if convert is None else convert(finished)
+                    out = request_output(finished, decode, ids) if convert is None else convert(finished)
+                    yield finished.index, out
             finally:
                 bar.close()
                 if call is not None:
