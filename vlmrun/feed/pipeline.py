@@ -22,6 +22,9 @@
 - A bad input (one `prepare` fails on, or a prompt `add_request` refuses) finishes at once with its
   error; the others go on. Only the caller's thread touches the engine (`add_request`, `step`, `abort`);
   the workers run `prepare`, which uses only the processor.
+- Between steps a `HeapTrimmer` (`vlmrun/executor/cpu_malloc.py`) hands the free memory glibc's heaps
+  piled up back to the kernel once the RSS has grown past the working set, so the peak RSS of a long
+  run does not grow with the number of inputs (fragmentation, not live data).
 - Leaving `stream` early (an exception, Ctrl-C, a consumer that stops iterating) aborts this run's
   requests and stops the threads, so the engine can be used again.
 """
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from vlmrun.engine.outputs import RequestResult
+from vlmrun.executor.cpu_malloc import HeapTrimmer
 from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, check_sizes, describe_error
 from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import ProcessedPrompt
@@ -123,10 +127,12 @@ class InputPipeline:
     prepare: source -> ProcessedPrompt (raises for a bad input), called in the worker threads;
     workers: preprocessing threads (`vlmrun.feed.workers.preprocess_workers()` sizes them from the
     usable CPUs); prefetch: processed prompts ahead of the engine; max_in_flight: requests in the
-    engine (None: its max_num_seqs)."""
+    engine (None: its max_num_seqs); heap: what runs between steps to bound the heaps' free memory
+    (None: a `HeapTrimmer` with its default slack)."""
 
     def __init__(self, engine: Any, prepare: Callable[[Any], ProcessedPrompt], *, workers: int,
-                 prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None):
+                 prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None,
+                 heap: Optional[HeapTrimmer] = None):
         check_sizes(workers, prefetch)
         self.engine = engine
         self.prepare = prepare
@@ -134,6 +140,7 @@ class InputPipeline:
         self.prefetch = prefetch
         self.max_in_flight = max_in_flight or engine.config.max_num_seqs
         self.preprocessed = 0  # inputs preprocessed by the current (or last) run
+        self.heap = heap if heap is not None else HeapTrimmer()
 
     def stream(self, works: Iterable[Work], on_tick: Optional[Callable[[], None]] = None,
                whole_batch: bool = False) -> Iterator[Finished]:
@@ -215,7 +222,9 @@ class InputPipeline:
 
     def _step(self, in_flight: dict[str, tuple[_Open, int]], window: _PrefillWindow) -> list[Finished]:
         done: list[Finished] = []
-        for update in self.engine.step():
+        updates = self.engine.step()
+        self.heap.after_step()
+        for update in updates:
             if update.request_id not in in_flight:
                 continue
             window.leave(in_flight[update.request_id][0])  # a token (or the end): its prefill is over
