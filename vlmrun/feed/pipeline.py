@@ -26,11 +26,15 @@
   piled up back to the kernel once the RSS has grown past the working set, so the peak RSS of a long
   run does not grow with the number of inputs (fragmentation, not live data).
 - Leaving `stream` early (an exception, Ctrl-C, a consumer that stops iterating) aborts this run's
-  requests and stops the threads, so the engine can be used again.
+  requests and stops the threads (and the worker processes), so the engine can be used again.
+- Worker processes (`pool="process"`, `process_workers.py`): each worker thread hands its inputs to a
+  process of its own, running `portable` (a picklable twin of `prepare`, `vlmrun/feed/prepare.py`);
+  the processes live for one `stream`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
@@ -38,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 from vlmrun.engine.outputs import RequestResult
 from vlmrun.executor.cpu_malloc import HeapTrimmer
 from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, check_sizes, describe_error
+from vlmrun.feed.process_workers import WorkerProcess
 from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
@@ -128,12 +133,19 @@ class InputPipeline:
     workers: preprocessing threads (`vlmrun.feed.workers.preprocess_workers()` sizes them from the
     usable CPUs); prefetch: processed prompts ahead of the engine; max_in_flight: requests in the
     engine (None: its max_num_seqs); heap: what runs between steps to bound the heaps' free memory
-    (None: a `HeapTrimmer` with its default slack)."""
+    (None: a `HeapTrimmer` with its default slack); pool: "thread", or "process" to run `portable` (what
+    `prepare` does, picklable) in one worker process per worker (`vlmrun.feed.workers.worker_pool`
+    chooses)."""
 
     def __init__(self, engine: Any, prepare: Callable[[Any], ProcessedPrompt], *, workers: int,
                  prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None,
-                 heap: Optional[HeapTrimmer] = None):
+                 heap: Optional[HeapTrimmer] = None, pool: str = "thread",
+                 portable: Optional[Callable[[Any], ProcessedPrompt]] = None):
         check_sizes(workers, prefetch)
+        if pool not in ("thread", "process") or (pool == "process" and portable is None):
+            raise ValueError(f"pool must be 'thread', or 'process' with a portable prepare; got {pool!r}")
+        self.pool = pool
+        self.portable = portable
         self.engine = engine
         self.prepare = prepare
         self.workers = workers
@@ -150,11 +162,14 @@ class InputPipeline:
         whole_batch: every input is preprocessed and submitted before the first step, in input order
         (for a call whose inputs fit the prefetch: the engine then schedules them exactly as one batch
         added at once, whatever the worker threads' timing)."""
-        prefetcher = Prefetcher(works, lambda work: self.prepare(work.source), self.workers, self.prefetch)
+        processes: list[WorkerProcess] = []
+        stop = threading.Event()
         in_flight: dict[str, tuple[_Open, int]] = {}  # request id -> its input, choice
         window = _PrefillWindow(self.prefetch, PREFILL_STEPS_AHEAD * self.engine.config.max_num_batched_tokens)
         fed = False
+        prefetcher: Optional[Prefetcher] = None
         try:
+            prefetcher = Prefetcher(works, self._prepares(processes, stop), self.workers, self.prefetch)
             if whole_batch:  # all of them first, in input order (the workers finish in any order)
                 for prep in sorted(self._take_all(prefetcher), key=lambda p: p.index):
                     failed = self._admit(prep, in_flight, window)
@@ -182,10 +197,25 @@ class InputPipeline:
         finally:
             for rid in in_flight:
                 self.engine.abort(rid)
-            prefetcher.close()
+            stop.set()
+            if prefetcher is not None:
+                prefetcher.close()
+            for process in processes:
+                process.close()
         self.preprocessed = prefetcher.preprocessed
         if prefetcher.feed_error is not None:
             raise prefetcher.feed_error
+
+    def _prepares(self, processes: list[WorkerProcess],
+                  stop: threading.Event) -> list[Callable[[Any], ProcessedPrompt]]:
+        """What each worker thread runs on a `Work`: `prepare` itself, or its own process's `portable`
+        (the processes started are appended to `processes`, for the caller to close)."""
+        if self.pool == "thread":
+            return [lambda work: self.prepare(work.source)] * self.workers
+        assert self.portable is not None
+        for i in range(self.workers):
+            processes.append(WorkerProcess(self.portable, name=f"vlmrun-prep-process-{i}"))
+        return [lambda work, p=p: p.run(work.source, stop.is_set) for p in processes]
 
     def _take_all(self, prefetcher: Prefetcher) -> list[Prepared]:
         """Every input, preprocessed (a whole batch: they fit the prefetch)."""
