@@ -62,6 +62,10 @@ def test_a_worker_process_makes_the_prompts_a_thread_makes(llm: LLM) -> None:
         for prompt in prompts:
             assert same_prompt(worker.run(prompt), llm.engine.process(prompt))
             assert same_prompt(sized.run(prompt), llm._processing(kwargs)(prompt))
+        if os.path.isdir("/proc/self/fd"):  # prompts held hold no shared-memory descriptor (copied out)
+            before = len(os.listdir("/proc/self/fd"))
+            held = [worker.run(prompts[0]) for _ in range(8)]
+            assert len(os.listdir("/proc/self/fd")) - before < 4 and len(held) == 8
     finally:
         worker.close()
         sized.close()

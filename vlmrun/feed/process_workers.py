@@ -11,7 +11,9 @@ decode, resize, chat template and tokenizer run in another interpreter.
 - `prepare` is pickled to each process when it starts (a `vlmrun.feed.prepare` object: its `Processor`
   travels as its checkpoint folder and options and is loaded again there, once); then only inputs go
   down the pipe. A prompt comes back through `torch.multiprocessing`'s pickler: its tensors' storage
-  moves into shared memory, no copy of the pixels through the pipe.
+  moves into shared memory, no copy of the pixels through the pipe. The caller copies the pixels out
+  of it at once (`owned`): a shared storage holds a file descriptor while it lives, and the prefetch
+  and the engine hold hundreds of prompts (1,024 descriptors is a common limit).
 - A bad input fails alone with its error, as with threads. A process that dies on an input (a crash
   in a decoder, the OOM killer) fails that input ("the preprocessing worker process died ...") and is
   started again for the next one.
@@ -53,6 +55,14 @@ def main_is_guarded() -> bool:
     except OSError:
         return False
     return any(f"__name__ == {q}__main__{q}" in source for q in ('"', "'"))
+
+
+def owned(prompt: ProcessedPrompt) -> ProcessedPrompt:
+    """`prompt` with its pixel tensors copied out of shared memory (a memcpy; the descriptor closes)."""
+    for item in prompt.mm_items:
+        if item.pixel_values is not None and item.pixel_values.is_shared():
+            item.pixel_values = item.pixel_values.clone()
+    return prompt
 
 
 def serve(conn: Any, prepare: Callable[[Any], ProcessedPrompt]) -> None:
@@ -111,7 +121,7 @@ class WorkerProcess:
             return self._lost(False)
         if status == "error":
             raise InputError(value)
-        return value
+        return owned(value)
 
     def _lost(self, stopped: bool) -> ProcessedPrompt:
         if stopped:
