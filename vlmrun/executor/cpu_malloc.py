@@ -50,7 +50,7 @@ TRIM_SLACK_BYTES = 32 << 20  # RSS growth over the working set that trims (HeapT
 
 def glibc() -> Optional[Any]:
     """glibc through ctypes; None elsewhere (musl, macOS, Windows) or under another preloaded allocator."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if platform.system() != "Linux" or not _libc_version().startswith("glibc"):
         return None
     if any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS):
         return None
@@ -58,6 +58,14 @@ def glibc() -> Optional[Any]:
         return ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+
+
+def _libc_version() -> str:
+    """"glibc 2.39" under glibc, "" elsewhere (confstr is instant; `platform.libc_ver` reads the executable)."""
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (AttributeError, ValueError, OSError):
+        return ""
 
 
 def rss_bytes() -> int:
