@@ -3,6 +3,9 @@
 - The outputs: each output's token id lists are plain lists whose int objects the call's outputs share
   (`vlmrun.request_output.TokenIdTable`), so an output costs the lists' 8-byte slots per token, not a
   new 28-byte int object per token as the tokenizer and the sampler hand them out.
+- The pixels: each prompt's pixel tensors reach the engine in an anonymous mapping of their own
+  (`vlmrun/feed/pixel_memory.py`), not in a worker thread's malloc arena where, freed later by the
+  engine's thread, they would leave holes.
 - The heaps: between steps the input pipeline's `HeapTrimmer` (`vlmrun/executor/cpu_malloc.py`) hands
   the free memory glibc keeps (the CPU engine asks it to keep everything, `keep_freed_memory`) back to
   the kernel once the RSS rose past the working set; checked in a fresh interpreter (the mallopt
@@ -11,14 +14,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import platform
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from vlmrun import LLM, SamplingParams
 from vlmrun.executor.cpu_malloc import HeapTrimmer
@@ -127,3 +134,40 @@ def test_freed_memory_kept_by_malloc_goes_back_once_it_passes_the_slack() -> Non
 def test_heap_trimmer_is_a_no_op_without_glibc() -> None:
     heap = HeapTrimmer(0, libc=None)
     assert [heap.after_step() for _ in range(3)] == [False, False, False] and heap.trims == 0
+
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out (heap blocks + its own mappings)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+@glibc_only
+def test_pixels_reach_the_engine_outside_the_malloc_heaps(llm: LLM) -> None:
+    held: list = []  # each prompt's pixel tensors as the engine got them (kept past the engine's drop)
+    add = llm.engine.add_request
+
+    def holding(rid: str, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        held.extend(item.pixel_values for item in prompt.mm_items)
+        return add(rid, prompt, *args, **kwargs)
+
+    llm.engine.add_request = holding  # type: ignore[method-assign]
+    try:
+        images = [Image.fromarray(np.full((224, 224, 3), i * 20, dtype=np.uint8)) for i in range(8)]
+        llm.generate([{"prompt": "Look.", "images": [im]} for im in images], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
+    finally:
+        del llm.engine.add_request
+    pixel_bytes = sum(t.numel() * t.element_size() for t in held)
+    assert len(held) == 8 and pixel_bytes > 8 << 20
+    before = malloc_in_use()
+    held.clear()
+    # their memory was never malloc's (today's code: the workers' malloc blocks, all of it freed here)
+    assert before - malloc_in_use() < pixel_bytes // 4

@@ -22,6 +22,8 @@
 - A bad input (one `prepare` fails on, or a prompt `add_request` refuses) finishes at once with its
   error; the others go on. Only the caller's thread touches the engine (`add_request`, `step`, `abort`);
   the workers run `prepare`, which uses only the processor.
+- Each prompt's pixels are moved to an anonymous mapping of their own as a worker finishes it
+  (`pixel_memory.py`), so pixels freed by the engine's thread leave no hole in a worker's heap.
 - Between steps a `HeapTrimmer` (`vlmrun/executor/cpu_malloc.py`) hands the free memory glibc's heaps
   piled up back to the kernel once the RSS has grown past the working set, so the peak RSS of a long
   run does not grow with the number of inputs (fragmentation, not live data).
@@ -41,6 +43,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from vlmrun.engine.outputs import RequestResult
 from vlmrun.executor.cpu_malloc import HeapTrimmer
+from vlmrun.feed.pixel_memory import map_pixels
 from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, check_sizes, describe_error
 from vlmrun.feed.process_workers import WorkerProcess
 from vlmrun.lora.request import LoRARequest
@@ -210,8 +213,8 @@ class InputPipeline:
                   stop: threading.Event) -> list[Callable[[Any], ProcessedPrompt]]:
         """What each worker thread runs on a `Work`: `prepare` itself, or its own process's `portable`
         (the processes started are appended to `processes`, for the caller to close)."""
-        if self.pool == "thread":
-            return [lambda work: self.prepare(work.source)] * self.workers
+        if self.pool == "thread":  # the pixels in mappings of their own (`pixel_memory.py`)
+            return [lambda work: map_pixels(self.prepare(work.source))] * self.workers
         assert self.portable is not None
         for i in range(self.workers):
             processes.append(WorkerProcess(self.portable, name=f"vlmrun-prep-process-{i}"))

@@ -12,8 +12,9 @@ decode, resize, chat template and tokenizer run in another interpreter.
   travels as its checkpoint folder and options and is loaded again there, once); then only inputs go
   down the pipe. A prompt comes back through `torch.multiprocessing`'s pickler: its tensors' storage
   moves into shared memory, no copy of the pixels through the pipe. The caller copies the pixels out
-  of it at once (`owned`): a shared storage holds a file descriptor while it lives, and the prefetch
-  and the engine hold hundreds of prompts (1,024 descriptors is a common limit).
+  of it at once (`owned`) into a mapping of their own (`pixel_memory.py`, as the threads' are): a
+  shared storage holds a file descriptor while it lives, and the prefetch and the engine hold hundreds
+  of prompts (1,024 descriptors is a common limit).
 - A bad input fails alone with its error, as with threads. A process that dies on an input (a crash
   in a decoder, the OOM killer) fails that input ("the preprocessing worker process died ...") and is
   started again for the next one.
@@ -35,6 +36,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.multiprocessing as torch_mp
 
+from vlmrun.feed.pixel_memory import map_pixels
 from vlmrun.processors import InputError, ProcessedPrompt
 
 POLL_S = 0.05  # how often a waiting thread looks whether its process is alive
@@ -59,10 +61,7 @@ def main_is_guarded() -> bool:
 
 def owned(prompt: ProcessedPrompt) -> ProcessedPrompt:
     """`prompt` with its pixel tensors copied out of shared memory (a memcpy; the descriptor closes)."""
-    for item in prompt.mm_items:
-        if item.pixel_values is not None and item.pixel_values.is_shared():
-            item.pixel_values = item.pixel_values.clone()
-    return prompt
+    return map_pixels(prompt)
 
 
 def serve(conn: Any, prepare: Callable[[Any], ProcessedPrompt]) -> None:
