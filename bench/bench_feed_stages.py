@@ -15,6 +15,11 @@ threads by at most 1 / share; processes scale without that bound but pickle each
 back. On a machine with other load the probe also loses time to other processes: read the shares
 beside each other, not as exact figures.
 
+Then the pipeline's own prefetch (`vlmrun.feed.prefetch.Prefetcher`, --prefetch ahead) over the same
+inputs as `LLM.generate` prompts, with worker threads and with worker processes
+(`vlmrun.feed.process_workers`: the processor loaded once per process, prompts back through shared
+memory): the preprocessing rate `preprocess_pool="thread"` / `"process"` gives a call.
+
     python -m bench.bench_feed_stages --images 48 --workers 1,2,4
 """
 
@@ -32,6 +37,9 @@ import torch
 from PIL import Image
 
 from bench.common import describe_run
+from vlmrun.feed.prefetch import FeedDone, Prefetcher
+from vlmrun.feed.prepare import GeneratePrepare
+from vlmrun.feed.process_workers import WorkerProcess
 from vlmrun.feed.workers import usable_cpus
 from vlmrun.processors import Processor, load_image
 
@@ -76,6 +84,29 @@ def process_rate(pngs: list[bytes], workers: int, repeats: int) -> float:
             start = time.perf_counter()
             list(pool.map(prepare_input, pngs))
             best = min(best, time.perf_counter() - start)
+    return len(pngs) / best
+
+
+def prefetch_rate(pngs: list[bytes], workers: int, pool: str, repeats: int, prefetch: int) -> float:
+    """Inputs/s of the pipeline's prefetch over `workers` threads or processes, best of `repeats` (after a
+    warm-up pass that also starts the processes)."""
+    prepare = GeneratePrepare(_processor())
+    prompts = [{"prompt": PROMPT, "images": [png]} for png in pngs]
+    processes = [WorkerProcess(prepare) for _ in range(workers)] if pool == "process" else []
+    prepares = [lambda prompt, p=p: p.run(prompt) for p in processes] if processes else prepare
+    best = float("inf")
+    try:
+        for r in range(repeats + 1):
+            start = time.perf_counter()
+            prefetcher = Prefetcher(prompts if r else prompts[:2 * workers], prepares, workers, prefetch)
+            while not isinstance(prefetcher.take(wait=True), FeedDone):
+                pass
+            prefetcher.close()
+            if r:
+                best = min(best, time.perf_counter() - start)
+    finally:
+        for process in processes:
+            process.close()
     return len(pngs) / best
 
 
@@ -157,16 +188,22 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=448, help="scene side in px")
     parser.add_argument("--workers", default="1,2,4")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefetch", type=int, default=64, help="the prefetch's processed prompts ahead")
+    parser.add_argument("--pipeline-only", action="store_true", help="only the prefetch's threads vs processes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     workers = [int(n) for n in args.workers.split(",")]
     pngs = scene_pngs(args.images, args.size)
     print(f"{describe_run(__spec__.name)}, {usable_cpus()} usable CPUs | {args.images} shape scenes {args.size} px")
-    for name, (fn, inputs) in stages(pngs).items():
-        per_input, share = seconds_per_input(fn, inputs, args.repeats), gil_share(fn, inputs)
-        rates = ", ".join(f"{n}: {thread_rate(fn, inputs, n, args.repeats):.0f}/s" for n in workers)
-        print(f"  {name:<6} {per_input * 1e3:6.2f} ms/input, GIL held {share:4.0%} | threads {rates}", flush=True)
-    print("  whole  processes " + ", ".join(f"{n}: {process_rate(pngs, n, args.repeats):.0f}/s" for n in workers))
+    if not args.pipeline_only:
+        for name, (fn, inputs) in stages(pngs).items():
+            per_input, share = seconds_per_input(fn, inputs, args.repeats), gil_share(fn, inputs)
+            rates = ", ".join(f"{n}: {thread_rate(fn, inputs, n, args.repeats):.0f}/s" for n in workers)
+            print(f"  {name:<6} {per_input * 1e3:6.2f} ms/input, GIL held {share:4.0%} | threads {rates}", flush=True)
+        print("  whole  processes " + ", ".join(f"{n}: {process_rate(pngs, n, args.repeats):.0f}/s" for n in workers))
+    for pool in ("thread", "process"):
+        rates = ", ".join(f"{n}: {prefetch_rate(pngs, n, pool, args.repeats, args.prefetch):.0f}/s" for n in workers)
+        print(f"  prefetch, {pool} workers: {rates}", flush=True)
 
 
 if __name__ == "__main__":

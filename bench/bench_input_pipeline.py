@@ -81,9 +81,27 @@ class PeakRSS:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
+def trim_with_slack(slack_mb: int) -> list:
+    """Make this process's input pipelines trim the heap with `slack_mb` (0: never, as before the trimmer);
+    the trimmers made, to read their `trims` after a run (an A/B switch for this bench only)."""
+    import vlmrun.feed.pipeline as feed_pipeline
+    from vlmrun.executor.cpu_malloc import HeapTrimmer
+
+    made: list = []
+
+    def trimmer() -> HeapTrimmer:
+        made.append(HeapTrimmer(slack_mb << 20) if slack_mb else HeapTrimmer(libc=None))
+        return made[-1]
+
+    feed_pipeline.HeapTrimmer = trimmer  # type: ignore[assignment, misc]
+    return made
+
+
 def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int,
-                   max_num_batched_tokens: int) -> dict:
+                   max_num_batched_tokens: int, trim_slack_mb: int) -> dict:
     from vlmrun import LLM, SamplingParams
+
+    trimmers = trim_with_slack(trim_slack_mb)
 
     paths = sorted(folder.glob("*.png"))
     llm = LLM(device="cpu", max_num_seqs=max_num_seqs, preprocess_prefetch=prefetch,
@@ -113,16 +131,18 @@ def child_generate(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: i
     assert len(outs) == len(paths) and all(o.error is None for o in outs)
     return {"images": len(paths), "peak_above_engine_mb": (rss.peak - base) / 2**20,
             "first_step_s": first_step[0] - start, "elapsed_s": elapsed, "images_per_s": len(paths) / elapsed,
-            "workers": llm.preprocess_workers, "prefetch": llm.preprocess_prefetch}
+            "workers": llm.preprocess_workers, "prefetch": llm.preprocess_prefetch,
+            "trims": trimmers[-1].trims}
 
 
 def child_caption(folder: Path, max_tokens: int, max_num_seqs: int, prefetch: int, encoder_cache_tokens: int,
-                  max_num_batched_tokens: int) -> dict:
+                  max_num_batched_tokens: int, trim_slack_mb: int) -> dict:
     from vlmrun.default_model import resolve_model
     from vlmrun.jobs.config import CaptionJobConfig
     from vlmrun.jobs.runner import run_caption_job
     from vlmrun.sampling_params import SamplingParams
 
+    trim_with_slack(trim_slack_mb)
     with tempfile.TemporaryDirectory() as tmp:
         config = CaptionJobConfig(inputs=[str(folder)], model=resolve_model(None), out=str(Path(tmp) / "out.jsonl"),
                                   prompt=PROMPT, progress=False, prefetch=prefetch,
@@ -146,6 +166,9 @@ def main() -> None:
                         help="the engine's encoder cache (it fills with N up to this bound; small: the pipeline alone)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
                         help="the engine's step budget (the pipeline keeps two steps' prefill in it)")
+    parser.add_argument("--trim-slack-mb", type=int, default=32,
+                        help="the pipeline's heap trimmer (vlmrun/executor/cpu_malloc.py HeapTrimmer): RSS growth "
+                             "that trims; 0: no trimming (before it)")
     parser.add_argument("--sides", default="generate,caption", help="which to run: generate, caption or both")
     parser.add_argument("--child", choices=("generate", "caption"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--folder", default=None, help=argparse.SUPPRESS)
@@ -155,12 +178,12 @@ def main() -> None:
     if args.child is not None:
         run = child_generate if args.child == "generate" else child_caption
         print(json.dumps(run(Path(args.folder), args.max_tokens, args.max_num_seqs, args.prefetch,
-                             args.encoder_cache_tokens, args.max_num_batched_tokens)))
+                             args.encoder_cache_tokens, args.max_num_batched_tokens, args.trim_slack_mb)))
         return
     print(describe_run(__spec__.name))
     common = ["--max-tokens", str(args.max_tokens), "--max-num-seqs", str(args.max_num_seqs), "--prefetch",
               str(args.prefetch), "--encoder-cache-tokens", str(args.encoder_cache_tokens),
-              "--max-num-batched-tokens", str(args.max_num_batched_tokens), *(["--threads", str(args.threads)] if args.threads else [])]
+              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--trim-slack-mb", str(args.trim_slack_mb), *(["--threads", str(args.threads)] if args.threads else [])]
     sides = args.sides.split(",")
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(x) for x in args.images.split(",")):
@@ -172,7 +195,7 @@ def main() -> None:
                 gen = run_child(__spec__.name, ["--child", "generate", "--folder", str(folder), *common])
                 line += (f" generate peak RSS +{gen['peak_above_engine_mb']:.0f} MB above the engine, first step after "
                          f"{gen['first_step_s']:.3f}s, {gen['images_per_s']:.1f} img/s ({gen['workers']} workers, "
-                         f"prefetch {gen['prefetch']})")
+                         f"prefetch {gen['prefetch']}, {gen['trims']} heap trims)")
             if "caption" in sides:
                 cap = run_child(__spec__.name, ["--child", "caption", "--folder", str(folder), *common])
                 line += f" | caption job {cap['images_per_s']:.1f} img/s"

@@ -61,6 +61,7 @@ class Processor:
         self.limits = limits or ProcessorLimits()
         self.device = torch.device(device)
         self.source = source
+        self.load_args: tuple[str, dict[str, Any]] | None = None  # set by from_pretrained: how to load it again
         self.vision_token_ids = find_vision_token_ids(tokenizer, required=image_processor is not None)
         self._forbidden_text = tuple(t for t in (IMAGE_PAD, VIDEO_PAD) if find_token_id(tokenizer, t) is not None)
 
@@ -84,7 +85,7 @@ class Processor:
         config = ImageProcessorConfig.from_pretrained(path)
         media = media_style(architectures(path))  # the family's styles, where the checkpoint's files name no class
         video_config = VideoProcessorConfig.from_pretrained(path, media.video) if config else None
-        return cls(
+        processor = cls(
             tokenizer,
             load_chat_template(chat_template) if chat_template is not None else read_chat_template(path, tokenizer),
             ImageProcessor(config, image_backend) if config is not None else None,
@@ -95,6 +96,18 @@ class Processor:
             video_prompt=video_prompt_style(path, media.prompt),
             mm_processor_kwargs=mm_processor_kwargs,
         )
+        processor.load_args = (path, {"limits": limits, "device": str(device), "image_backend": image_backend,
+                                      "chat_template": chat_template,
+                                      "mm_processor_kwargs": dict(mm_processor_kwargs or {})})
+        return processor
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickled as how it was loaded (a preprocessing worker process loads its own copy once): the
+        checkpoint folder and `from_pretrained`'s options; TypeError for one not made by `from_pretrained`."""
+        if self.load_args is None:
+            raise TypeError("only a Processor made by Processor.from_pretrained can be pickled (it is sent as "
+                            "its checkpoint folder and options)")
+        return _load_processor, self.load_args
 
     # ----------------------------------------------------------------------------------------
 
@@ -345,6 +358,11 @@ def check_continuation(add_generation_prompt: bool, continue_final_message: bool
 
 def _image_error(exc: InputError, ref: ImageRef, index: int) -> InputError:
     return InputError(f"image {index + 1} ({describe_source(ref.source)}): {exc}")
+
+
+def _load_processor(path: str, options: dict[str, Any]) -> Processor:
+    """`Processor.from_pretrained(path, **options)`: how a pickled Processor is loaded again."""
+    return Processor.from_pretrained(path, **options)
 
 
 def _stop_if_cancelled(cancel: threading.Event | None) -> None:

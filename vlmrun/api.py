@@ -27,6 +27,9 @@ from vlmrun.engine.engine import Engine
 from vlmrun.engine.prompt_forms import UserTurnPrompt, parse_prompt, with_processor_kwargs
 from vlmrun.feed.pipeline import DEFAULT_PREFETCH, Finished, InputPipeline, Work
 from vlmrun.feed.progress import FeedProgress
+from vlmrun.feed.prepare import ChatPrepare, GeneratePrepare
+from vlmrun.feed.process_workers import main_is_guarded
+from vlmrun.feed.workers import check_pool, worker_pool
 from vlmrun.feed.workers import preprocess_workers as default_preprocess_workers
 from vlmrun.llm_calls import in_input_order, per_input, prompt_inputs, warn_failed
 from vlmrun.llm_metrics import LLMStats, Metric
@@ -37,7 +40,7 @@ from vlmrun.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput
                                     pooling_request_output)
 from vlmrun.pooling.params import PoolingParams
 from vlmrun.pooling.runner_mode import runner_for
-from vlmrun.request_output import CompletionOutput, RequestMetrics, RequestOutput, request_output
+from vlmrun.request_output import CompletionOutput, RequestMetrics, RequestOutput, TokenIdTable, request_output
 from vlmrun.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics", "BeamSearchParams",
@@ -62,7 +65,10 @@ class LLM:
     with a quantized checkpoint, and "fp8" on a float checkpoint quantizes it at load (online FP8, half
     the weight memory of bf16). Anything unsupported is a ValueError naming it (docs/quantization.md).
     preprocess_workers: threads preprocessing the inputs of a call (None: the CPUs this process may use,
-    at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory).
+    at most 8); preprocess_prefetch: processed prompts kept ready ahead of the engine (bounds memory);
+    preprocess_pool: "thread", "process" (one spawned process per worker for `generate` / `chat`; a
+    script then needs `if __name__ == "__main__":`) or "auto" (processes past 4 workers on calls of 256
+    inputs or more, `vlmrun.feed.workers.worker_pool`).
     runner (vLLM's): "generate" (text) or "pooling" (embeddings: `embed` / `encode`); vLLM's older
     `task="embed"` means runner="pooling". `pooler_config` ({"pooling_type", "normalize"}) overrides the
     checkpoint's pooling (docs/guide/embeddings.md).
@@ -78,7 +84,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, limit_mm_per_prompt: Optional[dict[str, int]] = None,
                  generation_config: str = "auto", quantization: Optional[str] = None,
                  preprocess_workers: Optional[int] = None, preprocess_prefetch: int = DEFAULT_PREFETCH,
-                 runner: str = "generate", task: Optional[str] = None, **engine_kwargs: Any):
+                 preprocess_pool: str = "auto", runner: str = "generate", task: Optional[str] = None,
+                 **engine_kwargs: Any):
         if limit_mm_per_prompt is not None:
             engine_kwargs.update(mm_limit_fields(limit_mm_per_prompt))
         engine_kwargs = vllm_engine_kwargs(model, engine_kwargs.get("revision"), engine_kwargs,
@@ -93,6 +100,7 @@ class LLM:
         self._lock = threading.Lock()  # one call at a time drives the (single-threaded) engine
         self.preprocess_workers = preprocess_workers or default_preprocess_workers()
         self.preprocess_prefetch = preprocess_prefetch
+        self.preprocess_pool = check_pool(preprocess_pool)
         self.stats = LLMStats()
 
     def get_tokenizer(self) -> PreTrainedTokenizerBase:
@@ -202,8 +210,9 @@ class LLM:
                 raise ValueError(f"priority must be a list with one int per prompt, got {type(priority).__name__}")
             for value in priority:
                 self.engine.scheduler.policy.check(value)
+        portable = GeneratePrepare(self.engine.processor, mm_processor_kwargs)
         return self._stream(inputs, total, sampling_params, use_tqdm, self._processing(mm_processor_kwargs),
-                            lora_request, priority=priority)
+                            lora_request, priority=priority, portable=portable)
 
     def embed(self, prompts: Union[Any, Iterable[Any]], pooling_params: PoolingArg = None, use_tqdm: bool = True,
               lora_request: LoRAArg = None) -> list[EmbeddingRequestOutput]:
@@ -289,27 +298,27 @@ class LLM:
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             messages = [messages]
 
-        def process(conversation: Any) -> ProcessedPrompt:
-            return self.engine.processor.process_chat(
-                conversation, add_generation_prompt, tools=tools, chat_template_kwargs=chat_template_kwargs,
-                chat_template=chat_template, continue_final_message=continue_final_message,
-                mm_processor_kwargs=mm_processor_kwargs)
-
+        process = ChatPrepare(self.engine.processor, add_generation_prompt, {
+            "tools": tools, "chat_template_kwargs": chat_template_kwargs, "chat_template": chat_template,
+            "continue_final_message": continue_final_message, "mm_processor_kwargs": mm_processor_kwargs})
         total = len(messages) if isinstance(messages, Sequence) else None
         return self._stream((list(conv) for conv in messages), total, sampling_params, use_tqdm, process,
-                            lora_request, call="chat")
+                            lora_request, call="chat", portable=process)
 
     def _stream(self, inputs: Iterable[Any], total: Optional[int], params_arg: ParamsArg, use_tqdm: bool,
                 process: Callable[[Any], ProcessedPrompt], lora_request: LoRAArg,
                 priority: Optional[list[int]] = None, call: Optional[str] = "generate",
-                convert: Optional[Callable[[Finished], Any]] = None) -> Iterator[tuple[int, Any]]:
+                convert: Optional[Callable[[Finished], Any]] = None,
+                portable: Optional[Callable[[Any], ProcessedPrompt]] = None) -> Iterator[tuple[int, Any]]:
         """Check the per-input arguments (now, for a known length), then run (when iterated); each finished
         input becomes `convert(finished)` (default: a RequestOutput). `call` names the LLM method in the
-        warning about failed inputs (None: no warning)."""
+        warning about failed inputs (None: no warning). `portable`: `process` as a picklable object, for
+        worker processes (None: threads only)."""
         params = per_input(params_arg, total, "sampling params", self.get_default_sampling_params())
         loras = per_input(lora_request, total, "LoRA requests", None)
         priorities = per_input(priority, total, "priorities", 0)
-        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process, call, convert)
+        return self._run(self._works(inputs, params, loras, priorities), total, use_tqdm, process, call, convert,
+                         portable)
 
     def _works(self, inputs: Iterable[Any], params: Iterator[SamplingParams],
                loras: Iterator[Optional[LoRARequest]], priorities: Iterator[int]) -> Iterator[Work]:
@@ -325,12 +334,16 @@ class LLM:
 
     def _run(self, works: Iterator[Work], total: Optional[int], use_tqdm: bool,
              process: Callable[[Any], ProcessedPrompt], call: Optional[str],
-             convert: Optional[Callable[[Finished], Any]] = None) -> Iterator[tuple[int, Any]]:
+             convert: Optional[Callable[[Finished], Any]] = None,
+             portable: Optional[Callable[[Any], ProcessedPrompt]] = None) -> Iterator[tuple[int, Any]]:
         with self._lock:
+            portable = portable if self.engine.processor.device.type == "cpu" else None  # GPU preprocessing: here
+            pool = worker_pool(self.preprocess_pool, self.preprocess_workers, total, portable is not None,
+                               main_guarded=self.preprocess_pool != "auto" or main_is_guarded())
             pipeline = InputPipeline(self.engine, process, workers=self.preprocess_workers,
-                                     prefetch=self.preprocess_prefetch)
+                                     prefetch=self.preprocess_prefetch, pool=pool, portable=portable)
             bar = FeedProgress(total, enabled=use_tqdm and total != 1 and total != 0)
-            decode, failed = TokenDecoder(self.tokenizer), []
+            decode, ids, failed = TokenDecoder(self.tokenizer), TokenIdTable(), []
             try:
                 small = total is not None and total <= self.preprocess_prefetch  # one batch, added at once
                 for finished in pipeline.stream(works, whole_batch=small):
@@ -340,7 +353,8 @@ class LLM:
                             self.stats.record(result)
                     if finished.error is not None:
                         failed.append((finished.index, finished.error))
-                    yield finished.index, request_output(finished, decode) if convert is None else convert(finished)
+                    out = request_output(finished, decode, ids) if convert is None else convert(finished)
+                    yield finished.index, out
             finally:
                 bar.close()
                 if call is not None:

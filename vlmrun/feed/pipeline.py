@@ -22,18 +22,30 @@
 - A bad input (one `prepare` fails on, or a prompt `add_request` refuses) finishes at once with its
   error; the others go on. Only the caller's thread touches the engine (`add_request`, `step`, `abort`);
   the workers run `prepare`, which uses only the processor.
+- Each prompt's pixels are moved to an anonymous mapping of their own as a worker finishes it
+  (`pixel_memory.py`), so pixels freed by the engine's thread leave no hole in a worker's heap.
+- Between steps a `HeapTrimmer` (`vlmrun/executor/cpu_malloc.py`) hands the free memory glibc's heaps
+  piled up back to the kernel once the RSS has grown past the working set, so the peak RSS of a long
+  run does not grow with the number of inputs (fragmentation, not live data).
 - Leaving `stream` early (an exception, Ctrl-C, a consumer that stops iterating) aborts this run's
-  requests and stops the threads, so the engine can be used again.
+  requests and stops the threads (and the worker processes), so the engine can be used again.
+- Worker processes (`pool="process"`, `process_workers.py`): each worker thread hands its inputs to a
+  process of its own, running `portable` (a picklable twin of `prepare`, `vlmrun/feed/prepare.py`);
+  the processes live for one `stream`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 from vlmrun.engine.outputs import RequestResult
+from vlmrun.executor.cpu_malloc import HeapTrimmer
+from vlmrun.feed.pixel_memory import map_pixels
 from vlmrun.feed.prefetch import FeedDone, Prefetcher, Prepared, check_sizes, describe_error
+from vlmrun.feed.process_workers import WorkerProcess
 from vlmrun.lora.request import LoRARequest
 from vlmrun.processors import ProcessedPrompt
 from vlmrun.sampling_params import SamplingParams
@@ -123,17 +135,27 @@ class InputPipeline:
     prepare: source -> ProcessedPrompt (raises for a bad input), called in the worker threads;
     workers: preprocessing threads (`vlmrun.feed.workers.preprocess_workers()` sizes them from the
     usable CPUs); prefetch: processed prompts ahead of the engine; max_in_flight: requests in the
-    engine (None: its max_num_seqs)."""
+    engine (None: its max_num_seqs); heap: what runs between steps to bound the heaps' free memory
+    (None: a `HeapTrimmer` with its default slack); pool: "thread", or "process" to run `portable` (what
+    `prepare` does, picklable) in one worker process per worker (`vlmrun.feed.workers.worker_pool`
+    chooses)."""
 
     def __init__(self, engine: Any, prepare: Callable[[Any], ProcessedPrompt], *, workers: int,
-                 prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None):
+                 prefetch: int = DEFAULT_PREFETCH, max_in_flight: Optional[int] = None,
+                 heap: Optional[HeapTrimmer] = None, pool: str = "thread",
+                 portable: Optional[Callable[[Any], ProcessedPrompt]] = None):
         check_sizes(workers, prefetch)
+        if pool not in ("thread", "process") or (pool == "process" and portable is None):
+            raise ValueError(f"pool must be 'thread', or 'process' with a portable prepare; got {pool!r}")
+        self.pool = pool
+        self.portable = portable
         self.engine = engine
         self.prepare = prepare
         self.workers = workers
         self.prefetch = prefetch
         self.max_in_flight = max_in_flight or engine.config.max_num_seqs
         self.preprocessed = 0  # inputs preprocessed by the current (or last) run
+        self.heap = heap if heap is not None else HeapTrimmer()
 
     def stream(self, works: Iterable[Work], on_tick: Optional[Callable[[], None]] = None,
                whole_batch: bool = False) -> Iterator[Finished]:
@@ -143,11 +165,14 @@ class InputPipeline:
         whole_batch: every input is preprocessed and submitted before the first step, in input order
         (for a call whose inputs fit the prefetch: the engine then schedules them exactly as one batch
         added at once, whatever the worker threads' timing)."""
-        prefetcher = Prefetcher(works, lambda work: self.prepare(work.source), self.workers, self.prefetch)
+        processes: list[WorkerProcess] = []
+        stop = threading.Event()
         in_flight: dict[str, tuple[_Open, int]] = {}  # request id -> its input, choice
         window = _PrefillWindow(self.prefetch, PREFILL_STEPS_AHEAD * self.engine.config.max_num_batched_tokens)
         fed = False
+        prefetcher: Optional[Prefetcher] = None
         try:
+            prefetcher = Prefetcher(works, self._prepares(processes, stop), self.workers, self.prefetch)
             if whole_batch:  # all of them first, in input order (the workers finish in any order)
                 for prep in sorted(self._take_all(prefetcher), key=lambda p: p.index):
                     failed = self._admit(prep, in_flight, window)
@@ -175,10 +200,25 @@ class InputPipeline:
         finally:
             for rid in in_flight:
                 self.engine.abort(rid)
-            prefetcher.close()
+            stop.set()
+            if prefetcher is not None:
+                prefetcher.close()
+            for process in processes:
+                process.close()
         self.preprocessed = prefetcher.preprocessed
         if prefetcher.feed_error is not None:
             raise prefetcher.feed_error
+
+    def _prepares(self, processes: list[WorkerProcess],
+                  stop: threading.Event) -> list[Callable[[Any], ProcessedPrompt]]:
+        """What each worker thread runs on a `Work`: `prepare` itself, or its own process's `portable`
+        (the processes started are appended to `processes`, for the caller to close)."""
+        if self.pool == "thread":  # the pixels in mappings of their own (`pixel_memory.py`)
+            return [lambda work: map_pixels(self.prepare(work.source))] * self.workers
+        assert self.portable is not None
+        for i in range(self.workers):
+            processes.append(WorkerProcess(self.portable, name=f"vlmrun-prep-process-{i}"))
+        return [lambda work, p=p: p.run(work.source, stop.is_set) for p in processes]
 
     def _take_all(self, prefetcher: Prefetcher) -> list[Prepared]:
         """Every input, preprocessed (a whole batch: they fit the prefetch)."""
@@ -215,7 +255,9 @@ class InputPipeline:
 
     def _step(self, in_flight: dict[str, tuple[_Open, int]], window: _PrefillWindow) -> list[Finished]:
         done: list[Finished] = []
-        for update in self.engine.step():
+        updates = self.engine.step()
+        self.heap.after_step()
+        for update in updates:
             if update.request_id not in in_flight:
                 continue
             window.leave(in_flight[update.request_id][0])  # a token (or the end): its prefill is over

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -60,13 +60,17 @@ def check_sizes(workers: int, prefetch: int) -> None:
 
 class Prefetcher:
     """Preprocesses `works` with `prepare` on `workers` threads, at most `prefetch` ahead (module docstring).
+    `prepare` may be one callable per worker (thread i runs prepare[i]: its worker process, `process_workers.py`).
 
     Only one thread calls `take`; `close` stops the threads (results not taken are dropped)."""
 
-    def __init__(self, works: Iterable[Any], prepare: Callable[[Any], ProcessedPrompt], workers: int, prefetch: int,
-                 name: str = "vlmrun-prep"):
+    def __init__(self, works: Iterable[Any], prepare: Union[Callable[[Any], ProcessedPrompt],
+                                                           Sequence[Callable[[Any], ProcessedPrompt]]],
+                 workers: int, prefetch: int, name: str = "vlmrun-prep"):
         check_sizes(workers, prefetch)
-        self.prepare = prepare
+        self.prepares = list(prepare) if isinstance(prepare, Sequence) else [prepare] * workers
+        if len(self.prepares) != workers:
+            raise ValueError(f"{len(self.prepares)} prepare callables for {workers} workers")
         self.workers = workers
         self.preprocessed = 0  # inputs prepared so far (progress); written by the workers, read anywhere
         self.feed_error: Optional[BaseException] = None
@@ -77,7 +81,8 @@ class Prefetcher:
         self._count_lock = threading.Lock()
         self._workers_left = workers
         self._threads = [threading.Thread(target=self._feed, args=(works,), name=f"{name}-feeder", daemon=True)]
-        self._threads += [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        self._threads += [threading.Thread(target=self._work, args=(self.prepares[i],), name=f"{name}-{i}", daemon=True)
+                          for i in range(workers)]
         for t in self._threads:
             t.start()
 
@@ -123,7 +128,11 @@ class Prefetcher:
             if not self._put(self._tasks, _STOP):
                 return
 
-    def _work(self) -> None:
+    def stopped(self) -> bool:
+        """True once `close` was called."""
+        return self._stop.is_set()
+
+    def _work(self, prepare: Callable[[Any], ProcessedPrompt]) -> None:
         # Torch's OpenMP thread count is per calling thread: one each here, so preprocessing threads
         # never start OpenMP teams that spin on the cores the engine's step needs.
         torch.set_num_threads(1)
@@ -138,12 +147,12 @@ class Prefetcher:
             while not self._slots.acquire(timeout=POLL_S):
                 if self._stop.is_set():
                     return
-            self._ready.put(self._prepare(*task))
+            self._ready.put(self._prepare(prepare, *task))
 
-    def _prepare(self, index: int, work: Any) -> Prepared:
+    def _prepare(self, prepare: Callable[[Any], ProcessedPrompt], index: int, work: Any) -> Prepared:
         start = time.perf_counter()
         try:
-            prompt, error = self.prepare(work), None
+            prompt, error = prepare(work), None
         except Exception as exc:  # any failure of one input is that input's error, never the pipeline's end
             prompt, error = None, describe_error(exc)
         with self._count_lock:

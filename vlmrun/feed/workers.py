@@ -1,4 +1,4 @@
-"""How many preprocessing workers to start: the CPUs this process may really use.
+"""How many preprocessing workers to start (the CPUs this process may really use), and of which kind.
 
 `os.cpu_count()` counts the machine's cores; a process pinned to fewer (`taskset`, a Kubernetes CPU
 set) or limited by a cgroup CPU quota (`docker --cpus`, a pod's CPU limit) gets fewer in practice, and
@@ -6,6 +6,13 @@ more threads than that only contend. Workers are threads: image decoding (PIL) a
 normalise / patchify of the image processor (torchvision, torch) release the GIL, and threads scaled
 with the cores in `bench/bench_preprocess.py --workers` while sharing the processor with no copy
 (docs/input_pipeline.md has the figures).
+
+Threads stop scaling once the GIL is the bound: a whole input holds it about a quarter of its time
+(`bench/bench_feed_stages.py`), so about 1 / 0.25 = 4 threads keep it busy. `worker_pool` picks:
+"thread" / "process" as asked, "auto" processes (`process_workers.py`) only where more than
+`THREAD_SCALING_WORKERS` workers run and the call is long enough to pay for starting them (a few
+seconds: each imports torch and loads the processor), threads otherwise: on this 2-core machine auto
+is always threads, which measured as fast as processes there.
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from pathlib import Path
 from typing import Optional
 
 MAX_DEFAULT_WORKERS = 8  # past this, preprocessing outruns any one engine (and the GIL's share grows)
+WORKER_POOLS = ("thread", "process", "auto")
+THREAD_SCALING_WORKERS = 4  # threads past this wait on the GIL (a whole input holds it ~25 % of its time)
+PROCESS_MIN_INPUTS = 256  # inputs of a call that pay for starting worker processes (unknown: a generator, yes)
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 
@@ -46,6 +56,24 @@ def usable_cpus(root: Path = CGROUP_ROOT) -> int:
 def preprocess_workers(limit: int = MAX_DEFAULT_WORKERS) -> int:
     """The default number of preprocessing worker threads: the usable CPUs, at most `limit`."""
     return max(1, min(limit, usable_cpus()))
+
+
+def check_pool(pool: str) -> str:
+    """ValueError unless `pool` is one of WORKER_POOLS."""
+    if pool not in WORKER_POOLS:
+        raise ValueError(f"preprocess_pool must be one of {', '.join(WORKER_POOLS)}, got {pool!r}")
+    return pool
+
+
+def worker_pool(pool: str, workers: int, inputs: Optional[int], portable: bool, main_guarded: bool = True) -> str:
+    """"thread" or "process": what a call with `workers` workers and `inputs` inputs (None: unknown) runs
+    for `pool` ("auto": processes past THREAD_SCALING_WORKERS workers, for PROCESS_MIN_INPUTS inputs or
+    more, when the main script may be imported by a spawned process, `main_guarded`); threads whenever
+    the call's work cannot go to a process (`portable` False)."""
+    if check_pool(pool) == "auto":
+        long_call = inputs is None or inputs >= PROCESS_MIN_INPUTS
+        pool = "process" if workers > THREAD_SCALING_WORKERS and long_call and main_guarded else "thread"
+    return pool if portable else "thread"
 
 
 def _cgroup_folders(root: Path, proc_cgroup: Path) -> list[Path]:
