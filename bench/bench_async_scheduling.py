@@ -66,8 +66,8 @@ class Clock:
 
 
 def model_runner(llm: LLM):
-    runner = llm.engine.runner
-    return getattr(runner, "runner", runner)  # OverlappedRunner wraps the ModelRunner
+    runner = llm.engine.executor
+    return getattr(runner, "runner", runner)  # OverlappedExecutor wraps the ModelRunner
 
 
 def decode(llm: LLM, batch: int, max_tokens: int, penalized: bool = False) -> dict[str, float]:

@@ -53,7 +53,7 @@ def main() -> None:
                              linear_backend="auto" if args.freezing else "torch"),
                 "compiled": LLM(str(model_dir), dtype=args.dtype, device="cpu", linear_backend="torch")}
         Attention.forward = torch.compiler.disable(Attention.forward)
-        layers = [m for m in llms["compiled"].engine.runner.model.modules() if type(m).__name__.endswith("DecoderLayer")]
+        layers = [m for m in llms["compiled"].engine.executor.model.modules() if type(m).__name__.endswith("DecoderLayer")]
         for layer in layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
 

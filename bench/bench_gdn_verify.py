@@ -18,7 +18,7 @@ import time
 import torch
 
 from bench.common import describe_run
-from vlmrun.layers.attention.base import LinearAttention
+from vlmrun.layers.attention.base import GDNAttention
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend, VerifyGroup
 from vlmrun.layers.cpu_kernels import _cpu_model_name as cpu_model_name
 
@@ -45,7 +45,7 @@ def median_ms(run, calls: int) -> float:
 
 def measure(seqs: int, width: int, calls: int) -> None:
     gen = torch.Generator().manual_seed(seqs)
-    layer = LinearAttention(0, HK, HV, DK, DV, KERNEL)
+    layer = GDNAttention(0, HK, HV, DK, DV, KERNEL)
     x = torch.randn(seqs, width, CONV_DIM, generator=gen)
     g = -torch.rand(seqs, width, HV, generator=gen)
     beta = torch.rand(seqs, width, HV, generator=gen)

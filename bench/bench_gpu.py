@@ -125,7 +125,7 @@ class VlmrunSide:
         return sum(len(o.token_ids) for o in outs)
 
     def decode_bytes_per_step(self, context_tokens: int) -> int:
-        runner = self.llm.engine.runner
+        runner = self.llm.engine.executor
         total = 0
         for pname, p in runner.model.named_parameters():
             if "visual" in pname:

@@ -66,7 +66,7 @@ def main() -> None:
             name = str(dtype).removeprefix("torch.")
             backends = ["torch", "auto"] + (["onednn"] if features.cannot_pack(dtype) is None else [])
             llms = {b: LLM(model, dtype=name, device="cpu", linear_backend=b) for b in backends}
-            weights = [m.weight for m in llms["auto"].engine.runner.model.modules()
+            weights = [m.weight for m in llms["auto"].engine.executor.model.modules()
                        if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2]
             packed = sum(w.is_mkldnn for w in weights)
             print(f"{name}: auto packs {packed} of {len(weights)} 2-D weights"

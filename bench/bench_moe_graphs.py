@@ -5,10 +5,10 @@ A random-weight bf16 checkpoint in Qwen3-VL-30B-A3B's published shapes (tests/co
 vision block, with the tests' tiny tokenizer; then three engines over it, one after the other:
 
 - `vlmrun-fast`: FlashInfer attention, decode padded to buckets and replayed from CUDA graphs (the
-  experts routed with torch's grouped GEMM, no host read: `SparseMoeBlock.decode_capturable`); the
+  experts routed with torch's grouped GEMM, no host read: `SparseMoeBlock.step_capturable`); the
   script checks the graphs were captured;
 - `vlmrun-fast-eager`: FlashInfer attention, `enforce_eager=True` (every step launched op by op);
-- `vlmrun-torch`: the torch attention backend (no graphs: decode unpadded, `plan_decode`).
+- `vlmrun-torch`: the torch attention backend (no graphs: decode unpadded, `plan_bucketed_steps`).
 
 Decode tokens/s as bench/bench_gpu.py measures it: `batch` text prompts run to 1 and to 1 + --tokens
 tokens (EOS ignored), the median time of each (--repeats, after a warm-up); the difference over
@@ -145,7 +145,7 @@ def main() -> None:
             try:
                 llm = LLM(str(model_dir), dtype="bfloat16", device=args.device, max_num_seqs=max(args.batches),
                           **options)
-                padded = llm.engine.runner.padded_decode
+                padded = llm.engine.executor.bucketed_steps
                 row["graphs"] = sorted(padded.graphs) if padded is not None else []
                 row["padded"] = padded is not None
                 if side == "vlmrun-fast" and args.device.startswith("cuda"):

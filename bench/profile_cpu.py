@@ -65,7 +65,7 @@ def main() -> None:
         model_dir = build_checkpoint(Path(tmp))
         options = {k: v for option in args.option for k, v in engine_option(option).items()}
         llm = LLM(str(model_dir), dtype=args.dtype, device="cpu", enforce_eager=args.enforce_eager, **options)
-        runner = llm.engine.runner  # the in-process ModelRunner
+        runner = llm.engine.executor  # the in-process ModelRunner
 
         def run(seed: int) -> float:
             return generate_timed(llm, *make_requests(args.requests, args.workload, seed, args.max_tokens))[0]

@@ -11,7 +11,7 @@ import tests.triton_interpret  # noqa: F401  (first: TRITON_INTERPRET=1 and the 
 import torch
 
 from tests.test_gdn_pool import CONV_DIM, DK, DV, HK, HV, KERNEL, Stream, make_pool, run_steps
-from vlmrun.layers.attention.base import LinearAttention
+from vlmrun.layers.attention.base import GDNAttention
 from vlmrun.layers.attention.fla_backend import FLAGDNBackend
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 
@@ -27,7 +27,7 @@ def run(backend_cls) -> tuple[dict[int, list[torch.Tensor]], torch.Tensor, torch
     torch.manual_seed(0)
     pool = make_pool()
     streams = [Stream(80, 1), Stream(72, 2), Stream(7, 3)]
-    layer = LinearAttention(1, HK, HV, DK, DV, KERNEL)
+    layer = GDNAttention(1, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(0)) * 0.5
     plan = [[(streams[i], slot, start, n) for i, slot, start, n in step] for step in PLAN]
     outs = run_steps(backend_cls(pool), layer, weight, plan)

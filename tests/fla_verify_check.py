@@ -21,7 +21,7 @@ import tests.triton_interpret  # noqa: F401  (first: TRITON_INTERPRET=1 and the 
 import torch
 
 from tests.test_gdn_pool import CONV_DIM, DK, DV, HK, HV, KERNEL, Stream, gdn_batch, make_pool
-from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
+from vlmrun.layers.attention.base import GDNAttention, GDNBackend
 from vlmrun.layers.attention.fla_backend import FLAGDNBackend, FLAMetadata
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 
@@ -37,7 +37,7 @@ class Streams:
         self.streams = [Stream(28, seed) for seed in range(1, 5)]
         self.weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(0)) * 0.5
 
-    def step(self, backend: LinearAttentionBackend, layer: LinearAttention, feeds: list[tuple[int, int, int, int]]):
+    def step(self, backend: GDNBackend, layer: GDNAttention, feeds: list[tuple[int, int, int, int]]):
         """feeds: (sequence, first position, tokens, drafts among them) -> (outputs [T, Hv, Dv], the step's fb)."""
         fb = gdn_batch(backend, [n for _, _, n, _ in feeds], [p for _, p, _, _ in feeds], [s + 1 for s, _, _, _ in feeds])
         if any(d for _, _, _, d in feeds):
@@ -50,7 +50,7 @@ class Streams:
         return backend.forward(x, g, beta, self.weight, layer, fb), fb
 
 
-def slot_states(backend: LinearAttentionBackend, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+def slot_states(backend: GDNBackend, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     pool = backend.pool  # type: ignore[attr-defined]
     return pool.conv_state[LAYER, slot].clone(), pool.recurrent_state[LAYER, slot].clone()
 
@@ -64,7 +64,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> float:
 def check() -> str:
     """Asserts the scenario of the module docstring; returns the report line."""
     streams = Streams()
-    layer = LinearAttention(LAYER, HK, HV, DK, DV, KERNEL)
+    layer = GDNAttention(LAYER, HK, HV, DK, DV, KERNEL)
     prompts = [(s, 0, PROMPT, 0) for s in range(3)]
 
     # The reference: plain decode, one token per step; outputs and slot states after each token.
@@ -91,7 +91,7 @@ def check() -> str:
     gaps = []
 
     out, fb = streams.step(fla, layer, [(s, PROMPT, 1, 0) for s in range(3)])  # FLA's decode kernels
-    assert isinstance(fb.linear_attn_metadata, FLAMetadata) and fb.linear_attn_metadata.decode
+    assert isinstance(fb.gdn_metadata, FLAMetadata) and fb.gdn_metadata.decode
     gaps += [assert_close(out[s], want_out[s, PROMPT], f"decode, sequence {s}") for s in range(3)]
 
     t = PROMPT + 1  # a verify step: 3 drafts, 1 draft, a plain decode, a prefill chunk
@@ -101,14 +101,14 @@ def check() -> str:
     twin.pool.recurrent_state.copy_(fla.pool.recurrent_state)
     twin_out, twin_fb = streams.step(twin, layer, verify)
     out, fb = streams.step(fla, layer, verify)
-    assert not isinstance(fb.linear_attn_metadata, FLAMetadata), "a step with drafts runs on the reference"
+    assert not isinstance(fb.gdn_metadata, FLAMetadata), "a step with drafts runs on the reference"
     assert torch.equal(out, twin_out)
     rows = {(0, t + j): j for j in range(4)} | {(1, t): 4, (1, t + 1): 5, (2, t): 6}
     gaps += [assert_close(out[row], want_out[key], f"verify, sequence {key[0]} position {key[1]}")
              for key, row in rows.items()]
     gaps.append(assert_close(out[7:], want_chunk, "prefill chunk beside the verify"))
-    fla.keep_accepted_states(fb.linear_attn_metadata, torch.tensor([2, 1, 0, 0]))
-    twin.keep_accepted_states(twin_fb.linear_attn_metadata, [2, 1, 0, 0])
+    fla.keep_accepted_states(fb.gdn_metadata, torch.tensor([2, 1, 0, 0]))
+    twin.keep_accepted_states(twin_fb.gdn_metadata, [2, 1, 0, 0])
     assert torch.equal(fla.pool.conv_state, twin.pool.conv_state)
     assert torch.equal(fla.pool.recurrent_state, twin.pool.recurrent_state)
     kept = {0: t + 2, 1: t + 1, 2: t, 3: 13}  # the position each slot's state must follow
@@ -118,7 +118,7 @@ def check() -> str:
         gaps.append(assert_close(rec, want_state[s, pos][1], f"recurrent state of sequence {s} after {pos}"))
 
     out, fb = streams.step(fla, layer, [(s, pos + 1, 1, 0) for s, pos in kept.items()])  # FLA again
-    assert isinstance(fb.linear_attn_metadata, FLAMetadata)
+    assert isinstance(fb.gdn_metadata, FLAMetadata)
     for i, (s, pos) in enumerate(kept.items()):
         gaps.append(assert_close(out[i], want_out[s, pos + 1], f"decode after the verify, sequence {s}"))
         conv, rec = slot_states(fla, s + 1)

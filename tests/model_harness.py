@@ -10,7 +10,7 @@ import torch
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
-from vlmrun.layers.attention.base import Attention, LinearAttention
+from vlmrun.layers.attention.base import Attention, GDNAttention
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 from vlmrun.models.blocks.text_decoder import DEEPSTACK
 
@@ -57,13 +57,13 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
 
 
 def cache_shape_of_layers(model) -> CacheShape:
-    """The cache shape the built layers need, read off their `Attention` / `LinearAttention` modules."""
+    """The cache shape the built layers need, read off their `Attention` / `GDNAttention` modules."""
     full = [m for m in model.modules() if isinstance(m, Attention)]
-    linear = [m for m in model.modules() if isinstance(m, LinearAttention)]
+    gdn_layers = [m for m in model.modules() if isinstance(m, GDNAttention)]
     fields = dict(num_attention_layers=len(full), num_kv_heads=full[0].num_kv_heads, head_dim=full[0].head_dim,
-                  num_linear_layers=len(linear))
-    if linear:
-        fields.update(linear_conv_dim=linear[0].conv_dim, linear_conv_kernel=linear[0].conv_kernel_size,
-                      linear_num_v_heads=linear[0].num_v_heads, linear_head_v_dim=linear[0].head_v_dim,
-                      linear_head_k_dim=linear[0].head_k_dim)
+                  num_gdn_layers=len(gdn_layers))
+    if gdn_layers:
+        fields.update(gdn_conv_dim=gdn_layers[0].conv_dim, gdn_conv_kernel=gdn_layers[0].conv_kernel_size,
+                      gdn_num_v_heads=gdn_layers[0].num_v_heads, gdn_head_v_dim=gdn_layers[0].head_v_dim,
+                      gdn_head_k_dim=gdn_layers[0].head_k_dim)
     return CacheShape(**fields)

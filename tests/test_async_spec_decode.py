@@ -32,8 +32,8 @@ from vlmrun.engine.engine import Engine
 def stream_order(engine: Engine) -> None:
     """The overlapped runner without its worker thread: `launch` runs the step at once on the engine's
     thread and `collect` reads it later, after the next step's launch (as on CUDA, in program order)."""
-    engine.runner.shutdown()
-    engine.runner._worker = None
+    engine.executor.shutdown()
+    engine.executor._worker = None
 
 
 class RanAhead:

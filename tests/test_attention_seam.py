@@ -1,7 +1,7 @@
 """The seam between the attention layers and the step's backend (`vlmrun/layers/attention/base.py`).
 
-`Attention` goes to `fb.attn_backend.forward`, `LinearAttention` (a GDN layer) to the backend's
-linear-attention backend, `fb.attn_backend.linear`, which only a `HybridAttnBackend` has: a GDN
+`Attention` goes to `fb.attn_backend.forward`, `GDNAttention` (a GDN layer) to the backend's
+GDN backend, `fb.attn_backend.gdn`, which only a `HybridAttnBackend` has: a GDN
 layer on any other backend, or a layer on a batch without a backend, is a ValueError that says so
 (never an AttributeError), and `check_backend_serves` refuses the pairing before anything runs.
 """
@@ -14,18 +14,18 @@ from torch import nn
 
 from tests.test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, make_batch
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention.base import Attention, LinearAttention, LinearAttentionBackend, check_backend_serves
+from vlmrun.layers.attention.base import Attention, GDNAttention, GDNBackend, check_backend_serves
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
 HK, HV, DK, DV, KERNEL = 1, 2, 4, 4, 4
 
 
-class RecordingGDN(LinearAttentionBackend):
-    """A linear-attention backend that returns zeros of the core output's shape and records its calls."""
+class RecordingGDN(GDNBackend):
+    """A GDN backend that returns zeros of the core output's shape and records its calls."""
 
     def __init__(self):
-        self.calls: list[LinearAttention] = []
+        self.calls: list[GDNAttention] = []
 
     def prepare(self, fb: ForwardBatch) -> None:
         pass
@@ -35,7 +35,7 @@ class RecordingGDN(LinearAttentionBackend):
         return torch.zeros(mixed_qkv.shape[0], layer.num_v_heads, layer.head_v_dim)
 
 
-def gdn_inputs(num_tokens: int, layer: LinearAttention) -> tuple[torch.Tensor, ...]:
+def gdn_inputs(num_tokens: int, layer: GDNAttention) -> tuple[torch.Tensor, ...]:
     return (torch.randn(num_tokens, layer.conv_dim), -torch.rand(num_tokens, HV), torch.rand(num_tokens, HV),
             torch.randn(layer.conv_dim, KERNEL))
 
@@ -51,20 +51,20 @@ def test_a_hybrid_backend_takes_each_layer_to_its_part():
     fb.attn_backend = HybridAttnBackend(full, gdn)
     fb.attn_backend.prepare(fb)
     attn = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
-    linear = LinearAttention(0, HK, HV, DK, DV, KERNEL)
+    gdn_layer = GDNAttention(0, HK, HV, DK, DV, KERNEL)
     q, k, v = attention_inputs(fb.num_tokens)
     torch.testing.assert_close(attn(q, k, v, fb), full.forward(q, k, v, attn, fb))
-    assert linear(*gdn_inputs(fb.num_tokens, linear), fb).shape == (fb.num_tokens, HV, DV)
-    assert gdn.calls == [linear]
+    assert gdn_layer(*gdn_inputs(fb.num_tokens, gdn_layer), fb).shape == (fb.num_tokens, HV, DV)
+    assert gdn.calls == [gdn_layer]
 
 
-def test_a_gdn_layer_on_a_backend_without_a_linear_part_is_a_clear_error():
+def test_a_gdn_layer_on_a_backend_without_a_gdn_part_is_a_clear_error():
     pool, rows, fb = make_batch([0], [3])
     fb.attn_backend = TorchAttnBackend(pool, rows)
     fb.attn_backend.prepare(fb)
-    linear = LinearAttention(5, HK, HV, DK, DV, KERNEL)
-    with pytest.raises(ValueError, match="GDN layer 5 .*TorchAttnBackend.* has no linear-attention backend"):
-        linear(*gdn_inputs(fb.num_tokens, linear), fb)
+    gdn_layer = GDNAttention(5, HK, HV, DK, DV, KERNEL)
+    with pytest.raises(ValueError, match="GDN layer 5 .*TorchAttnBackend.* has no GDN backend"):
+        gdn_layer(*gdn_inputs(fb.num_tokens, gdn_layer), fb)
 
 
 def test_a_batch_without_a_backend_is_a_clear_error():
@@ -78,7 +78,7 @@ def test_check_backend_serves_refuses_gdn_layers_without_a_linear_backend():
     pool, rows, _ = make_batch([0], [3])
     full = TorchAttnBackend(pool, rows)
     dense = nn.ModuleList([Attention(HEADS, KV_HEADS, HEAD_DIM, 1.0, 0)])
-    hybrid = nn.ModuleList([Attention(HEADS, KV_HEADS, HEAD_DIM, 1.0, 0), LinearAttention(0, HK, HV, DK, DV, KERNEL)])
+    hybrid = nn.ModuleList([Attention(HEADS, KV_HEADS, HEAD_DIM, 1.0, 0), GDNAttention(0, HK, HV, DK, DV, KERNEL)])
     check_backend_serves(dense, full)
     check_backend_serves(hybrid, HybridAttnBackend(full, RecordingGDN()))
     with pytest.raises(ValueError, match="ModuleList has Gated DeltaNet layers .*TorchAttnBackend"):

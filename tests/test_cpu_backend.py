@@ -104,7 +104,7 @@ def test_engine_on_the_cpu_backend_equals_the_torch_backend_and_hf(request, arch
     for backend in ("cpu", "torch"):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", attention_backend=backend,
                   max_num_batched_tokens=48, max_num_seqs=4)
-        seen = record_step_kinds(llm.engine.runner.attn_backend) if backend == "cpu" else None
+        seen = record_step_kinds(llm.engine.executor.attn_backend) if backend == "cpu" else None
         first = llm.chat([cases[n] for n in names], params(), use_tqdm=False)
         again = llm.chat([cases[n] for n in names], params(), use_tqdm=False)
         assert llm.engine.scheduler.prefix_cache.stats.hits > 0

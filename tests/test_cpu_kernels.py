@@ -37,7 +37,7 @@ LINEAR_TYPES = (torch.nn.Linear, ColumnParallelLinear, RowParallelLinear, Parall
 
 def _tied(llm: LLM, layer: torch.nn.Module) -> bool:
     """Whether the layer's weight is shared with another module (stays unpacked: the embeddings read it)."""
-    uses = [p for _, p in llm.engine.runner.model.named_parameters(remove_duplicate=False) if p is layer.weight]
+    uses = [p for _, p in llm.engine.executor.model.named_parameters(remove_duplicate=False) if p is layer.weight]
     return len(uses) > 1
 
 
@@ -90,7 +90,7 @@ def test_the_engine_follows_the_choice(qwen3_vl_dir, dtype):
     """Each dense linear packed or not as `pack_threshold` says for this CPU (tiny weights: none on AVX2)."""
     llm = LLM(str(qwen3_vl_dir), dtype=dtype, device="cpu")
     threshold = pack_threshold("auto", CPU, getattr(torch, dtype))
-    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, LINEAR_TYPES)]
+    linears = [m for m in llm.engine.executor.model.modules() if isinstance(m, LINEAR_TYPES)]
     for layer in linears:
         if layer.weight.is_mkldnn:
             assert threshold is not None and layer.weight.numel() >= threshold

@@ -1,8 +1,8 @@
-"""How decode runs (`padded_decode.plan_decode`, `build.make_padded_decode`): on CUDA padded exactly when
+"""How decode runs (`bucketed_steps.plan_bucketed_steps`, `build.make_bucketed_steps`): on CUDA padded exactly when
 it is captured in CUDA graphs (the torch attention backend, LoRA, TP: unpadded, since padding rows
 without a graph are pure extra work); on the CPU padded only when asked. And MoE decode is
 capturable like dense decode: the experts take a sync-free way at every bucket (`SparseMoeBlock.
-decode_capturable`), padded MoE decode equals unpadded token for token, and the forward a graph would
+step_capturable`), padded MoE decode equals unpadded token for token, and the forward a graph would
 capture reads nothing on the host."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from tests.launch_sync_guard import LaunchSyncGuard
 from vlmrun import LLM, SamplingParams
-from vlmrun.executor.build import make_padded_decode
-from vlmrun.executor.padded_decode import graph_capturable, plan_decode
+from vlmrun.executor.build import make_bucketed_steps
+from vlmrun.executor.bucketed_steps import graph_capturable, plan_bucketed_steps
 from vlmrun.layers.grouped_matmul import GATHER_BUDGET, runs_sync_free
 from vlmrun.layers.moe import SparseMoeBlock
 
@@ -23,36 +23,36 @@ CUDA, CPU = "cuda", "cpu"
 
 
 def test_plan_on_cuda_pads_only_what_it_captures():
-    captured = plan_decode(CUDA, eager=False, backend_captures=True, model_captures=True)
+    captured = plan_bucketed_steps(CUDA, eager=False, backend_captures=True, model_captures=True)
     assert captured.padded and captured.graphs
     for refusal in (dict(backend_captures=False, model_captures=True),  # the torch attention backend
                     dict(backend_captures=True, model_captures=False),  # experts reading counts on the host
                     dict(backend_captures=True, model_captures=True, tensor_parallel_size=2),
                     dict(backend_captures=True, model_captures=True, lora=True)):
-        plan = plan_decode(CUDA, eager=False, **refusal)
+        plan = plan_bucketed_steps(CUDA, eager=False, **refusal)
         assert not plan.padded and not plan.graphs, refusal
         assert "no CUDA graphs" in plan.why
-    assert "attention_backend='flashinfer'" in plan_decode(CUDA, False, False, True).why
-    assert plan_decode(CUDA, eager=True, backend_captures=True, model_captures=True) == \
-        plan_decode(CPU, eager=True, backend_captures=True, model_captures=True)
-    assert not plan_decode(CUDA, eager=True, backend_captures=True, model_captures=True).padded
+    assert "attention_backend='flashinfer'" in plan_bucketed_steps(CUDA, False, False, True).why
+    assert plan_bucketed_steps(CUDA, eager=True, backend_captures=True, model_captures=True) == \
+        plan_bucketed_steps(CPU, eager=True, backend_captures=True, model_captures=True)
+    assert not plan_bucketed_steps(CUDA, eager=True, backend_captures=True, model_captures=True).padded
 
 
 def test_plan_on_the_cpu_pads_when_asked():
-    asked = plan_decode(CPU, eager=False, backend_captures=False, model_captures=True)
+    asked = plan_bucketed_steps(CPU, eager=False, backend_captures=False, model_captures=True)
     assert asked.padded and not asked.graphs
-    assert not plan_decode(CPU, eager=True, backend_captures=False, model_captures=True).padded
+    assert not plan_bucketed_steps(CPU, eager=True, backend_captures=False, model_captures=True).padded
 
 
 def test_torch_backend_on_cuda_builds_no_padding(qwen3_dir):
-    """`make_padded_decode` for a CUDA device with the torch attention backend: no padded runner (it used to
+    """`make_bucketed_steps` for a CUDA device with the torch attention backend: no padded runner (it used to
     build one that padded every decode step to its bucket and never captured it)."""
     llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", enforce_eager=False)
-    runner = llm.engine.runner
-    assert runner.padded_decode is not None  # the CPU pads when asked
+    runner = llm.engine.executor
+    assert runner.bucketed_steps is not None  # the CPU pads when asked
     assert not runner.attn_backend.supports_cuda_graph
     config = dataclasses.replace(llm.engine.config, enforce_eager=None)  # CUDA's default: not eager
-    assert make_padded_decode(runner.model, runner.attn_backend, runner.caches, config, torch.device("cuda")) is None
+    assert make_bucketed_steps(runner.model, runner.attn_backend, runner.caches, config, torch.device("cuda")) is None
 
 
 def test_experts_capturable_where_a_sync_free_way_fits():
@@ -63,7 +63,7 @@ def test_experts_capturable_where_a_sync_free_way_fits():
     assert runs_sync_free(64, 512, 384, cuda, torch.float32)  # 64 rows x 384 x 512 <= the budget (2 ** 25)
     assert not runs_sync_free(GATHER_BUDGET // (512 * 384) + 1, 512, 384, cuda, torch.float32)
     block = SparseMoeBlock(64, 24, 4, 2)
-    assert block.decode_capturable(256) and graph_capturable(block, 256)
+    assert block.step_capturable(256) and graph_capturable(block, 256)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl_moe", "qwen3_5_moe"])
@@ -78,7 +78,7 @@ def test_moe_padded_decode_equals_unpadded_and_reads_nothing(request, monkeypatc
     runs = {}
     for eager in (True, False):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", enforce_eager=eager, max_num_seqs=8)
-        padded = llm.engine.runner.padded_decode
+        padded = llm.engine.executor.bucketed_steps
         assert (padded is None) == eager
         if padded is not None:
             assert graph_capturable(padded.model, 8)

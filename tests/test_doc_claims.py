@@ -20,7 +20,7 @@ from vlmrun.config import CacheShape, EngineConfig
 from vlmrun.executor.base import Executor
 from vlmrun.executor.mtp_steps import MTPStep
 from vlmrun.executor.step_input import ChunkInput
-from vlmrun.layers.attention.factory import ATTENTION_BACKENDS, LINEAR_ATTENTION_BACKENDS, BackendSetup
+from vlmrun.layers.attention.factory import ATTENTION_BACKENDS, GDN_BACKENDS, BackendSetup
 from vlmrun.layers.moe import FusedExperts
 from vlmrun.models.blocks.vision_common import VisionEmbeddings
 from vlmrun.multimodal.vision_stage import VisionStage
@@ -127,8 +127,8 @@ def test_max_num_seqs_is_lowered_only_past_the_whole_budget() -> None:
     text = re.sub(r"\s+", " ", _doc("architecture.md"))
     assert "The GDN state pool has `max_num_seqs + 1` slots" in text
     assert "if `max_num_seqs` of them do not fit in the whole budget, `max_num_seqs` is lowered" in text
-    shape = CacheShape(num_attention_layers=1, num_kv_heads=1, head_dim=8, num_linear_layers=1, linear_conv_dim=32,
-                       linear_conv_kernel=4, linear_num_v_heads=2, linear_head_v_dim=8, linear_head_k_dim=8)
+    shape = CacheShape(num_attention_layers=1, num_kv_heads=1, head_dim=8, num_gdn_layers=1, gdn_conv_dim=32,
+                       gdn_conv_kernel=4, gdn_num_v_heads=2, gdn_head_v_dim=8, gdn_head_k_dim=8)
     per_request = plan.gdn_bytes_per_request(shape, torch.float32, torch.float32)
     per_token = plan.kv_bytes_per_token(shape, torch.float32)
 
@@ -165,7 +165,7 @@ def test_architecture_names_the_files_a_kernel_family_touches() -> None:
                       _doc("architecture.md"), re.S)
     assert match, "the paragraph on kernel families is missing"
     named = set(re.findall(r"`([\w/]+\.py)`", match.group(1)))
-    fast = (set(ATTENTION_BACKENDS) | set(LINEAR_ATTENTION_BACKENDS)) - {"torch", "cpu"}
+    fast = (set(ATTENTION_BACKENDS) | set(GDN_BACKENDS)) - {"torch", "cpu"}
     attention = REPO / "vlmrun" / "layers" / "attention"
     touching = {p.relative_to(REPO / "vlmrun").as_posix() for p in (REPO / "vlmrun").rglob("*.py")
                 if attention not in p.parents and _names_a_fast_backend(p, fast)}

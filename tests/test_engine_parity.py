@@ -127,8 +127,8 @@ def test_chunked_prefill_splits_image_spans(arch_setup):
     # Chunks of 7 tokens cut every image span (each image has >= 4 tokens) at several places.
     llm = LLM(str(model_dir), dtype="float32", device="cpu", max_num_batched_tokens=7, page_size=4)
     run_cases(llm, cases, expected)
-    if llm.engine.runner.vision is not None:
-        cache = llm.engine.runner.vision.cache
+    if llm.engine.executor.vision is not None:
+        cache = llm.engine.executor.vision.cache
         n_images = sum(len(llm.engine.process(c).mm_items) for c in cases.values())
         assert cache.misses == n_images, "each image must be encoded once even when split across chunks"
 
@@ -156,7 +156,7 @@ def test_prefill_chunks_around_gdn_chunk_boundaries(request, arch, budget):
     # alone, the long prompt is cut exactly at multiples of the budget (mixed batches cut it
     # elsewhere: test_mixed_batch, test_chunked_prefill_splits_image_spans)
     assert_matches(llm.chat(cases["long"], params(), use_tqdm=False)[0], expected["long"], f"long@{budget}")
-    if llm.engine.runner.vision is not None:  # the long prompt's image straddles a chunk boundary
+    if llm.engine.executor.vision is not None:  # the long prompt's image straddles a chunk boundary
         item = llm.engine.process(cases["long"]).mm_items[0]
         assert item.offset < GDN_CHUNK < item.offset + item.length
 

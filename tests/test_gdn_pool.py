@@ -15,7 +15,7 @@ from vlmrun.cache.gdn_pool import GDNPool, gdn_slot_for_row
 from vlmrun.config import CacheShape
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token, plan_cache_memory
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
-from vlmrun.layers.attention.base import LinearAttention
+from vlmrun.layers.attention.base import GDNAttention
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.gdn_ops import causal_conv1d, chunk_gated_delta_rule
 
@@ -59,8 +59,8 @@ PLANS = {
 def test_bytes_of_published_configs(name):
     build, full, linear, conv_dim, kv_bf16, gdn_bf16, kv_fp32, gdn_fp32 = PUBLISHED[name]
     shape = CacheShape.from_hf_config(build())
-    assert (shape.num_attention_layers, shape.num_linear_layers, shape.linear_conv_dim) == (full, linear, conv_dim)
-    assert shape.is_hybrid and shape.linear_conv_kernel == 4
+    assert (shape.num_attention_layers, shape.num_gdn_layers, shape.gdn_conv_dim) == (full, linear, conv_dim)
+    assert shape.is_hybrid and shape.gdn_conv_kernel == 4
     assert kv_bytes_per_token(shape, torch.bfloat16) == kv_bf16
     assert gdn_bytes_per_request(shape, torch.bfloat16, torch.float32) == gdn_bf16
     assert kv_bytes_per_token(shape, torch.float32) == kv_fp32
@@ -190,7 +190,7 @@ class Stream:
         return out[0]
 
 
-def run_steps(backend: TorchGDNBackend, layer: LinearAttention, weight: torch.Tensor,
+def run_steps(backend: TorchGDNBackend, layer: GDNAttention, weight: torch.Tensor,
               plan: list[list[tuple[Stream, int, int, int]]]) -> dict[int, list[torch.Tensor]]:
     """Each step: [(stream, slot, start, n)]; returns the outputs of each stream id, in order."""
     outs: dict[int, list[torch.Tensor]] = {}
@@ -210,7 +210,7 @@ def run_steps(backend: TorchGDNBackend, layer: LinearAttention, weight: torch.Te
 def test_mixed_batches_through_the_backend_match_whole_sequences():
     pool = make_pool()
     backend = TorchGDNBackend(pool)
-    layer = LinearAttention(1, HK, HV, DK, DV, KERNEL)
+    layer = GDNAttention(1, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(0)) * 0.5
     a, b, c, d = Stream(150, 1), Stream(72, 2), Stream(7, 3), Stream(31, 4)
     plan = [
@@ -231,7 +231,7 @@ def test_mixed_batches_through_the_backend_match_whole_sequences():
 def test_reused_slot_shows_no_state_of_the_previous_request():
     pool = make_pool()
     backend = TorchGDNBackend(pool)
-    layer = LinearAttention(0, HK, HV, DK, DV, KERNEL)
+    layer = GDNAttention(0, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(1)) * 0.5
     old, new = Stream(90, 10), Stream(40, 11)
     run_steps(backend, layer, weight, [[(old, 2, 0, 89)], [(old, 2, 89, 1)]])  # the old request ends in slot 2

@@ -84,7 +84,7 @@ def test_bfloat16_cuda_follows_hf(request, arch):
 
 def test_auto_device_and_dtype_pick_cuda_bfloat16(qwen3_vl_dir):
     llm = LLM(str(qwen3_vl_dir))  # default device, dtype and cache budget (gpu_memory_utilization)
-    runner, caches = llm.engine.runner, llm.engine.caches
+    runner, caches = llm.engine.executor, llm.engine.caches
     assert runner.device.type == "cuda" and llm.engine.model_config.dtype == torch.bfloat16
     assert caches.kv_pool.k_buffers[0].is_cuda
     out = llm.generate({"prompt": "Describe.", "images": [torch.randint(0, 255, (40, 60, 3), dtype=torch.uint8).numpy()]},

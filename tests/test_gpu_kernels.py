@@ -170,7 +170,7 @@ def test_cuda_graphs_equal_eager(real_shape_dir, name):
     convs = real_cases(model_dir, name)
     options = dict(FAST) if importlib.util.find_spec("fla") else {"attention_backend": "flashinfer"}
     graphs = cuda_llm(model_dir, "bfloat16", **options)
-    assert graphs.engine.runner.padded_decode.graphs, "decode graphs were captured"
+    assert graphs.engine.executor.bucketed_steps.graphs, "decode graphs were captured"
     eager = cuda_llm(model_dir, "bfloat16", enforce_eager=True, **options)
     one_g, one_e = graphs.chat(convs[0], params(), use_tqdm=False)[0], eager.chat(convs[0], params(), use_tqdm=False)[0]
     batched = zip(graphs.chat(convs, params(), use_tqdm=False), eager.chat(convs, params(), use_tqdm=False))
@@ -192,10 +192,10 @@ def test_verify_cuda_graphs_equal_padded_eager_verify(real_shape_dir):
                "red green blue red green blue red green blue red", "Describe the sea."]
     options = {"attention_backend": "flashinfer", "speculative_config": spec}
     graphs = cuda_llm(model_dir, "bfloat16", verify_cuda_graphs=True, **options)
-    runner = graphs.engine.runner.padded_decode
+    runner = graphs.engine.executor.bucketed_steps
     assert runner.verify_graphs and runner.graphs, "verify and decode graphs were captured"
     eager = cuda_llm(model_dir, "bfloat16", **options)
-    assert not eager.engine.runner.padded_decode.verify_graphs
+    assert not eager.engine.executor.bucketed_steps.verify_graphs
     sampling = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=TOPK)
     ours = graphs.generate(prompts, sampling, use_tqdm=False)
     for i, (g, e) in enumerate(zip(ours, eager.generate(prompts, sampling, use_tqdm=False))):

@@ -1,7 +1,7 @@
 """The engine path of hybrid (GDN + full attention) models, with a tiny hybrid model defined here.
 
 `TinyHybridLM` implements the model contract of docs/contracts.md ("Hybrid models"): GDN layers
-call `LinearAttention`, the full-attention layer calls `Attention`, and the runner sizes a KV pool
+call `GDNAttention`, the full-attention layer calls `Attention`, and the runner sizes a KV pool
 (full-attention layers only) and a GDN state pool from its attributes. Every case runs through
 `vlmrun.LLM` (scheduler, chunked prefill, preemption, GDN slots) and is compared with a direct
 unbatched computation of the same weights: HF's `causal_conv1d_fn` + `torch_chunk_gated_delta_rule`
@@ -27,7 +27,7 @@ from vlmrun.config import CacheShape
 from vlmrun.engine import engine as engine_module
 from vlmrun.cache.plan import gdn_bytes_per_request, kv_bytes_per_token
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention.base import Attention, LinearAttention
+from vlmrun.layers.attention.base import Attention, GDNAttention
 
 hf_logging.set_verbosity_error()
 
@@ -48,7 +48,7 @@ class TinyGDN(nn.Module):
         self.A_log = nn.Parameter(torch.log(torch.rand(HV) * 2 + 0.1))
         self.dt_bias = nn.Parameter(torch.randn(HV) * 0.5)
         self.out_proj = nn.Linear(HV * DV, HIDDEN, bias=False)
-        self.linear_attn = LinearAttention(layer_id, HK, HV, DK, DV, KERNEL)
+        self.linear_attn = GDNAttention(layer_id, HK, HV, DK, DV, KERNEL)
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a, b = self.in_proj_ab(x).chunk(2, dim=-1)
@@ -98,9 +98,9 @@ class TinyHybridLM(nn.Module):
     supports_images = False
 
     def cache_shape(self) -> CacheShape:
-        return CacheShape(num_attention_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_linear_layers=2,
-                          linear_conv_dim=CONV_DIM, linear_conv_kernel=KERNEL, linear_num_v_heads=HV,
-                          linear_head_v_dim=DV, linear_head_k_dim=DK)
+        return CacheShape(num_attention_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_gdn_layers=2,
+                          gdn_conv_dim=CONV_DIM, gdn_conv_kernel=KERNEL, gdn_num_v_heads=HV,
+                          gdn_head_v_dim=DV, gdn_head_k_dim=DK)
 
     def __init__(self, vocab_size: int, seed: int = 0):
         super().__init__()
@@ -181,7 +181,7 @@ def run_and_compare(llm: LLM, model: TinyHybridLM, prompts: list[ProcessedPrompt
 def test_runner_builds_a_gdn_pool_and_reports_bytes(make_llm, caplog):
     with caplog.at_level(logging.INFO, logger="vlmrun.engine.engine"):
         llm = make_llm(max_num_seqs=4)
-    runner, caches = llm.engine.runner, llm.engine.caches
+    runner, caches = llm.engine.executor, llm.engine.caches
     shape = runner.model.cache_shape()
     assert caches.kv_pool.num_layers == 1, "KV only for the full-attention layer"
     assert caches.gdn_pool.conv_state.shape == (2, 5, CONV_DIM, KERNEL - 1)
@@ -241,6 +241,6 @@ def test_slot_reuse(make_llm, hybrid_model):
 
 def test_non_hybrid_model_has_no_gdn_pool(qwen3_dir):
     llm = LLM(str(qwen3_dir), dtype="float32", device="cpu", max_num_seqs=2)
-    runner, caches = llm.engine.runner, llm.engine.caches
+    runner, caches = llm.engine.executor, llm.engine.caches
     assert caches.gdn_pool is None and caches.plan.gdn_bytes_per_request == 0
     assert type(runner.attn_backend).__name__ == "CpuAttnBackend"

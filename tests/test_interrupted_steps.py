@@ -49,7 +49,7 @@ class InterruptAt:
 
 
 def first_gdn_layer(llm: LLM) -> torch.nn.Module:
-    return next(m for m in llm.engine.runner.model.modules() if isinstance(m, HybridDecoderLayer) and m.is_linear)
+    return next(m for m in llm.engine.executor.model.modules() if isinstance(m, HybridDecoderLayer) and m.is_gdn)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -141,7 +141,7 @@ def test_a_ctrl_c_while_waiting_for_the_launched_step_is_raised(qwen3_5_dir):
     engine = llm.engine
     engine.add_request("victim", engine.process(PROMPT), greedy())
     InterruptAt(first_gdn_layer(llm), 2, RuntimeError("the model failed"))
-    real_collect, real_drop, dropping = engine.runner.collect, engine._drop_interrupted, []
+    real_collect, real_drop, dropping = engine.executor.collect, engine._drop_interrupted, []
 
     def drop(steps):  # the cleanup after the failure
         dropping.append(len(steps))
@@ -149,14 +149,14 @@ def test_a_ctrl_c_while_waiting_for_the_launched_step_is_raised(qwen3_5_dir):
 
     def collect(handle):  # a Ctrl-C arrives while the cleanup waits
         if dropping:
-            engine.runner.collect = real_collect
+            engine.executor.collect = real_collect
             raise KeyboardInterrupt
         return real_collect(handle)
 
-    engine._drop_interrupted, engine.runner.collect = drop, collect
+    engine._drop_interrupted, engine.executor.collect = drop, collect
     with pytest.raises(KeyboardInterrupt):
         while engine.has_unfinished():
             engine.step()
-    assert dropping and engine.runner.collect is real_collect
+    assert dropping and engine.executor.collect is real_collect
     assert "victim" not in engine.requests and not engine.has_unfinished()
     assert_idle(llm)

@@ -188,9 +188,9 @@ def test_moe_decode_captured_on_cuda(monkeypatch, tmp_path):
 
     model_dir = build_real_shape_checkpoint("qwen3_5_35b_a3b", tmp_path / "moe")
     llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", attention_backend="flashinfer")
-    assert llm.engine.runner.padded_decode.graphs, "MoE decode graphs were captured"
+    assert llm.engine.executor.bucketed_steps.graphs, "MoE decode graphs were captured"
     eager = LLM(str(model_dir), dtype="bfloat16", device="cuda", attention_backend="flashinfer", enforce_eager=True)
-    assert eager.engine.runner.padded_decode is None
+    assert eager.engine.executor.bucketed_steps is None
     prompts = [f"Tell me about the sea, number {i}." for i in range(5)]  # 5 sequences: bucket 8
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     launches = strict_launches(monkeypatch)

@@ -127,8 +127,8 @@ def test_all_slots_in_one_step(request, monkeypatch):
                     lora_request=[None if name == "base" else setup.request(name) for name, _ in jobs])
     for (name, case), out in zip(jobs, outs):
         assert_matches(out, setup.expected[(name, case)], f"{name}/{case}")
-    assert len(llm.engine.runner.lora.slot_of) == len(setup.adapters)
-    assert llm.engine.runner.padded_decode is not None and 8 in padded, padded
+    assert len(llm.engine.executor.lora.slot_of) == len(setup.adapters)
+    assert llm.engine.executor.bucketed_steps is not None and 8 in padded, padded
 
 
 def test_prefix_cache_keys_include_the_adapter(request):
@@ -154,7 +154,7 @@ def test_vision_adapter_keys_the_encoder_cache(request):
         lora = None if name == "base" else setup.request(name)
         assert_matches(llm.chat(msgs, params(), use_tqdm=False, lora_request=lora)[0],
                        setup.expected[(name, "image")], name)
-    cache = llm.engine.runner.vision.cache
+    cache = llm.engine.executor.vision.cache
     assert cache.misses == 2, "one encoding with the vision adapter, one base encoding shared by the text-only adapter"
 
 

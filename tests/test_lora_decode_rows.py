@@ -39,13 +39,13 @@ def make_engine(model_dir, decode_rows: bool, async_scheduling: bool, eager: boo
 def run(engine: Engine, adapters: list[LoRARequest]) -> tuple[dict[str, tuple], int]:
     """Six requests (base, adapter 1, adapter 2, twice over, greedy / seeded / unseeded): their results, and
     how many decode rows the runner was given."""
-    launch, rows = engine.runner.launch, [0]
+    launch, rows = engine.executor.launch, [0]
 
     def counting(chunks, decodes=None):
         rows[0] += 0 if decodes is None else len(decodes)
         return launch(chunks, decodes) if decodes is not None else launch(chunks)
 
-    engine.runner.launch = counting
+    engine.executor.launch = counting
     params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0.8, top_k=20, max_tokens=7, ignore_eos=True, seed=5),
               SamplingParams(temperature=1.1, max_tokens=6, ignore_eos=True)]  # unseeded: the engine's generator

@@ -84,7 +84,7 @@ def test_engine_with_the_triton_kernel_equals_the_torch_update_on_cuda(qwen3_vl_
     for kernel in ("torch", "triton"):
         llm = LLM(str(qwen3_vl_moe_dir), dtype="float32", device="cuda", enable_lora=True, max_loras=4,
                   max_lora_rank=8, lora_kernel=kernel)
-        assert llm.engine.runner.lora.kernel == kernel
+        assert llm.engine.executor.lora.kernel == kernel
         outs[kernel] = llm.chat(prompts, params, use_tqdm=False, lora_request=loras)
         del llm
         torch.cuda.empty_cache()

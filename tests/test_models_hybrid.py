@@ -22,7 +22,7 @@ from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.config import CacheShape
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
-from vlmrun.layers.attention import Attention, LinearAttention
+from vlmrun.layers.attention import Attention, GDNAttention
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
@@ -61,8 +61,8 @@ def prefill_logits(model, sequences: list[torch.Tensor], positions: list[torch.T
         start += n
     backend = TorchAttnBackend(kv_pool, req_pool)
     if model.cache_shape().is_hybrid:
-        gdn_pool = GDNPool(model.cache_shape().num_linear_layers, len(sequences) + 1, model.cache_shape().linear_conv_dim, model.cache_shape().linear_conv_kernel,
-                           model.cache_shape().linear_num_v_heads, model.cache_shape().linear_head_v_dim, model.cache_shape().linear_head_k_dim, torch.float32,
+        gdn_pool = GDNPool(model.cache_shape().num_gdn_layers, len(sequences) + 1, model.cache_shape().gdn_conv_dim, model.cache_shape().gdn_conv_kernel,
+                           model.cache_shape().gdn_num_v_heads, model.cache_shape().gdn_head_v_dim, model.cache_shape().gdn_head_k_dim, torch.float32,
                            torch.float32, cpu)
         backend = HybridAttnBackend(backend, TorchGDNBackend(gdn_pool))
     fb = ForwardBatch(
@@ -179,10 +179,10 @@ def test_attributes(loaded, arch):
     if arch in HYBRID:
         types = text.layer_types
         assert ours.cache_shape().num_attention_layers == types.count("full_attention") > 0
-        assert ours.cache_shape().num_linear_layers == types.count("linear_attention") > 0
-        assert ours.cache_shape().linear_conv_dim == 2 * text.linear_num_key_heads * text.linear_key_head_dim \
+        assert ours.cache_shape().num_gdn_layers == types.count("linear_attention") > 0
+        assert ours.cache_shape().gdn_conv_dim == 2 * text.linear_num_key_heads * text.linear_key_head_dim \
             + text.linear_num_value_heads * text.linear_value_head_dim
-        assert (ours.cache_shape().linear_conv_kernel, ours.cache_shape().linear_num_v_heads, ours.cache_shape().linear_head_v_dim, ours.cache_shape().linear_head_k_dim) == (
+        assert (ours.cache_shape().gdn_conv_kernel, ours.cache_shape().gdn_num_v_heads, ours.cache_shape().gdn_head_v_dim, ours.cache_shape().gdn_head_k_dim) == (
             text.linear_conv_kernel_dim, text.linear_num_value_heads, text.linear_value_head_dim,
             text.linear_key_head_dim)
     else:
@@ -193,9 +193,9 @@ def test_layer_ids_follow_layer_order(loaded, arch):
     """Full-attention layers index the KV pool 0..n-1, GDN layers the GDN pool 0..m-1, in layer order."""
     _, ours, _ = loaded(arch)
     full = [m.layer_id for m in ours.modules() if isinstance(m, Attention)]
-    linear = [m.layer_id for m in ours.modules() if isinstance(m, LinearAttention)]
+    gdn_layers = [m.layer_id for m in ours.modules() if isinstance(m, GDNAttention)]
     assert full == list(range(ours.cache_shape().num_attention_layers))
-    assert linear == list(range(ours.cache_shape().num_linear_layers))
+    assert gdn_layers == list(range(ours.cache_shape().num_gdn_layers))
 
 
 def test_tiny_checkpoints_have_clear_greedy_margins(loaded, arch):

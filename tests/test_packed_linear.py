@@ -69,7 +69,7 @@ def test_engine_packed_equals_unpacked(request, arch):
     outs = {}
     for backend in ("torch", "onednn"):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", linear_backend=backend)
-        packed = [m for m in llm.engine.runner.model.modules() if getattr(getattr(m, "weight", None), "is_mkldnn", False)]
+        packed = [m for m in llm.engine.executor.model.modules() if getattr(getattr(m, "weight", None), "is_mkldnn", False)]
         assert bool(packed) == (backend == "onednn")
         outs[backend] = llm.chat(list(cases.values()), params(), use_tqdm=False)
     for name, ours, ref in zip(cases, outs["onednn"], outs["torch"]):

@@ -1,11 +1,11 @@
-"""Padded decode's batches (executor/padded_decode.py `DecodeInputs`) come from the one `ForwardBatch.build`,
+"""Padded decode's batches (executor/bucketed_steps.py `BucketedStepInputs`) come from the one `ForwardBatch.build`,
 reading the static buffers a CUDA graph replays (`device_lens`), with host lengths equal to the device's."""
 
 from __future__ import annotations
 
 import torch
 
-from vlmrun.executor.padded_decode import PAD_GDN_SLOT, DecodeInputs
+from vlmrun.executor.bucketed_steps import PAD_GDN_SLOT, BucketedStepInputs
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.host_to_device import upload
 
@@ -51,7 +51,7 @@ def test_padded_batches_come_from_the_factory_over_the_static_buffers(monkeypatc
         built.append(kwargs.get("device_lens") is not None)
         return build(cls, **kwargs)
 
-    inputs = DecodeInputs(max_batch=8, dummy_row=9, hybrid=True, device=CPU, width=3)
+    inputs = BucketedStepInputs(max_batch=8, dummy_row=9, hybrid=True, device=CPU, width=3)
     decode, verify = step([4, 7, 2], [1, 1, 1]), step([5, 3], [3, 2])
     monkeypatch.setattr(ForwardBatch, "build", classmethod(spying))
 

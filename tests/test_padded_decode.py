@@ -1,4 +1,4 @@
-"""Decode padded to batch-size buckets (executor/padded_decode.py), run eagerly on the CPU.
+"""Decode padded to batch-size buckets (executor/bucketed_steps.py), run eagerly on the CPU.
 
 The path CUDA graphs replay on a GPU: on every commit here it must equal the unpadded eager path
 and HF token for token (full-attention, M-RoPE and hybrid GDN models, batches that need padding,
@@ -12,25 +12,25 @@ import torch
 
 from tests.test_engine_parity import MAX_NEW, assert_matches, params, setup_for
 from vlmrun import LLM, SamplingParams
-from vlmrun.executor import padded_decode
-from vlmrun.executor.padded_decode import bucket_for, decode_buckets
+from vlmrun.executor import bucketed_steps
+from vlmrun.executor.bucketed_steps import bucket_for, batch_buckets
 
 
 def test_default_is_eager_on_the_cpu_only(qwen3_dir):
     from vlmrun.config import EngineConfig
 
-    assert EngineConfig().eager_decode(torch.device("cpu")) and not EngineConfig().eager_decode(torch.device("cuda"))
-    assert not EngineConfig(enforce_eager=False).eager_decode(torch.device("cpu"))
-    assert LLM(str(qwen3_dir), dtype="float32", device="cpu").engine.runner.padded_decode is None
+    assert EngineConfig().enforces_eager(torch.device("cpu")) and not EngineConfig().enforces_eager(torch.device("cuda"))
+    assert not EngineConfig(enforce_eager=False).enforces_eager(torch.device("cpu"))
+    assert LLM(str(qwen3_dir), dtype="float32", device="cpu").engine.executor.bucketed_steps is None
 
 
 def test_buckets():
-    assert decode_buckets(1) == [1]
-    assert decode_buckets(3) == [1, 2, 3]
-    assert decode_buckets(8) == [1, 2, 4, 8]
-    assert decode_buckets(20) == [1, 2, 4, 8, 16, 20]
-    assert decode_buckets(256)[:7] == [1, 2, 4, 8, 16, 24, 32] and decode_buckets(256)[-1] == 256
-    assert [bucket_for(n, decode_buckets(20)) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_buckets(256)[:7] == [1, 2, 4, 8, 16, 24, 32] and batch_buckets(256)[-1] == 256
+    assert [bucket_for(n, batch_buckets(20)) for n in (1, 3, 5, 9, 17, 20, 21)] == [1, 4, 8, 16, 20, 20, None]
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_vl", "qwen3_5", "qwen3_next"])
@@ -43,7 +43,7 @@ def test_padded_decode_equals_eager_and_hf(request, arch):
     runs = {}
     for eager in (True, False):
         llm = LLM(str(model_dir), dtype="float32", device="cpu", enforce_eager=eager, max_num_seqs=8)
-        assert (llm.engine.runner.padded_decode is None) == eager
+        assert (llm.engine.executor.bucketed_steps is None) == eager
         for size in (3, 5):
             sampling = [SamplingParams(temperature=0.0, max_tokens=n, logprobs=5) for n in limits[:size]]
             runs[eager, size] = llm.chat([cases[n] for n in names[:size]], sampling, use_tqdm=False)
@@ -87,16 +87,16 @@ def live_state_differences(engine) -> list[str]:
     chunks, decodes, _ = engine.scheduler.schedule()
     assert not chunks and len(decodes), "a decode step (plain decodes: one row each)"
     rows = decodes.to_input()
-    runner = engine.runner
+    runner = engine.executor
     before = snapshot(engine)
     padded_tokens = runner.collect_step(runner.launch([], rows))[1].token_ids
     padded = snapshot(engine)
     restore(engine, before)
-    runner_padded, runner.padded_decode = runner.padded_decode, None
+    runner_padded, runner.bucketed_steps = runner.bucketed_steps, None
     try:
         eager_tokens = runner.collect_step(runner.launch([], rows))[1].token_ids
     finally:
-        runner.padded_decode = runner_padded
+        runner.bucketed_steps = runner_padded
     assert padded_tokens == eager_tokens
     return live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
 
@@ -138,9 +138,9 @@ def test_padding_rows_never_write_live_state(request, arch, monkeypatch):
 def assert_live_padding_caught(engine, differences, monkeypatch) -> None:
     """Point the padding at request "0"'s first KV page and GDN slot: `differences(engine)` must name them."""
     live = engine.requests["0"]
-    monkeypatch.setattr(padded_decode, "PAD_KV_SLOT", live.pages[0] * engine.caches.plan.page_size)
+    monkeypatch.setattr(bucketed_steps, "PAD_KV_SLOT", live.pages[0] * engine.caches.plan.page_size)
     if engine.caches.gdn_pool is not None:
-        monkeypatch.setattr(padded_decode, "PAD_GDN_SLOT", live.req_pool_idx + 1)
+        monkeypatch.setattr(bucketed_steps, "PAD_GDN_SLOT", live.req_pool_idx + 1)
     diffs = differences(engine)
     assert any(d.startswith("k") for d in diffs), diffs
     if engine.caches.gdn_pool is not None:

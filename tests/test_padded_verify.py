@@ -1,4 +1,4 @@
-"""Speculative decoding's verify steps padded to a bucket (executor/padded_decode.py), run eagerly on the CPU.
+"""Speculative decoding's verify steps padded to a bucket (executor/bucketed_steps.py), run eagerly on the CPU.
 
 With `enforce_eager=False` a verify step (every sequence feeds its last token and at most k drafts)
 runs as b rows of exactly 1 + k positions: the shape a CUDA graph is captured for. Here it must give
@@ -18,20 +18,20 @@ from tests.test_padded_decode import assert_live_padding_caught, live_difference
 from tests.test_spec_decode import SPEC, run, spec_scenario
 from tests.test_spec_decode_mtp import MTP, generate, mtp_dirs  # noqa: F401 (a fixture)
 from vlmrun import LLM, SamplingParams
-from vlmrun.executor.padded_decode import DecodeInputs
+from vlmrun.executor.bucketed_steps import BucketedStepInputs
 
 
 @pytest.fixture
 def padded_verify_steps(monkeypatch) -> list[tuple[int, int]]:
     """Records (real sequences, bucket) of every verify step that runs padded."""
     steps: list[tuple[int, int]] = []
-    fill = DecodeInputs.fill_verify
+    fill = BucketedStepInputs.fill_verify
 
     def recording(self, fb, bucket):
         steps.append((fb.batch_size, bucket))
         return fill(self, fb, bucket)
 
-    monkeypatch.setattr(DecodeInputs, "fill_verify", recording)
+    monkeypatch.setattr(BucketedStepInputs, "fill_verify", recording)
     return steps
 
 
@@ -97,16 +97,16 @@ def live_state_differences(engine) -> list[str]:
     chunks, _, _ = engine.scheduler.schedule()  # (speculating: no plain decode rows)
     inputs = [c.to_input() for c in chunks]
     assert [c.num_drafts for c in inputs] == NUM_DRAFTS
-    runner = engine.runner
+    runner = engine.executor
     before = snapshot(engine)
     padded_tokens = [[s.sampled.token_id] + [t.token_id for t in s.after_drafts] for s in runner.execute(inputs)]
     padded = snapshot(engine)
     restore(engine, before)
-    runner_padded, runner.padded_decode = runner.padded_decode, None
+    runner_padded, runner.bucketed_steps = runner.bucketed_steps, None
     try:
         eager_tokens = [[s.sampled.token_id] + [t.token_id for t in s.after_drafts] for s in runner.execute(inputs)]
     finally:
-        runner.padded_decode = runner_padded
+        runner.bucketed_steps = runner_padded
     assert padded_tokens == eager_tokens
     return live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
 

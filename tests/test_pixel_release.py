@@ -59,7 +59,7 @@ def test_a_decoding_request_holds_no_pixels(qwen2_5_vl_dir):
     while req.num_computed_tokens < req.num_prompt_tokens or not req.output_token_ids:
         engine.step()
     assert all(it.pixel_values is None for it in items), "a request in decode still holds its pixels"
-    cache = engine.runner.vision.cache
+    cache = engine.executor.vision.cache
     assert cache.num_pinned_tokens == sum(it.length for it in items)
     while engine.has_unfinished():
         engine.step()
@@ -83,8 +83,8 @@ def test_preemption_and_chunks_give_the_same_tokens(qwen2_5_vl_dir, encoder_cach
     assert got == expected
     assert tight.engine.scheduler.num_preemptions > 0, "the small KV pool should have forced preemption"
     gc.collect()
-    tight.engine.runner.vision.cache.settle()
-    assert tight.engine.runner.vision.cache.num_pinned_tokens == 0
+    tight.engine.executor.vision.cache.settle()
+    assert tight.engine.executor.vision.cache.num_pinned_tokens == 0
 
 
 def kv_bytes(llm: LLM, tokens: int) -> int:

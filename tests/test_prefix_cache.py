@@ -101,8 +101,8 @@ def test_snapshot_memory_is_counted_in_the_one_budget():
     from vlmrun.config import CacheShape
     from vlmrun.cache.plan import plan_cache_memory
 
-    shape = CacheShape(num_attention_layers=1, num_kv_heads=2, head_dim=8, num_linear_layers=2, linear_conv_dim=64,
-                       linear_conv_kernel=4, linear_num_v_heads=4, linear_head_v_dim=8, linear_head_k_dim=8)
+    shape = CacheShape(num_attention_layers=1, num_kv_heads=2, head_dim=8, num_gdn_layers=2, gdn_conv_dim=64,
+                       gdn_conv_kernel=4, gdn_num_v_heads=4, gdn_head_v_dim=8, gdn_head_k_dim=8)
     kw = dict(dtype=torch.float32, gdn_state_dtype=torch.float32, max_num_seqs=4, page_size=4,
               max_model_len_fixed=False)
     base = plan_cache_memory(shape, 1 << 20, max_model_len=4096, **kw)
@@ -164,7 +164,7 @@ def test_same_image_twice_skips_the_encoder(qwen3_vl_dir):
     exp = hf.generate(msgs, 10)
     e = llm(qwen3_vl_dir, page_size=4)
     assert_matches(chat_one(e, msgs), exp, "first")
-    vision = e.engine.runner.vision
+    vision = e.engine.executor.vision
     misses, hits = vision.cache.misses, vision.cache.hits
     out = chat_one(e, msgs)
     assert_matches(out, exp, "second")

@@ -117,9 +117,9 @@ def test_a_bad_flag_value_names_the_choices(capsys: pytest.CaptureFixture) -> No
 
 def test_stats_report_the_weight_bytes_of_the_model(float_llm: LLM, online_fp8_llm: LLM) -> None:
     full = float_llm.engine.stats().weight_bytes
-    assert full == (parameter_bytes(float_llm.engine.runner.model),)
+    assert full == (parameter_bytes(float_llm.engine.executor.model),)
     fp8 = online_fp8_llm.engine.stats().weight_bytes
-    model = online_fp8_llm.engine.runner.model
+    model = online_fp8_llm.engine.executor.model
     assert fp8 == (parameter_bytes(model),)
     assert any(p.dtype == torch.float8_e4m3fn for p in model.parameters())
     assert fp8[0] < full[0]

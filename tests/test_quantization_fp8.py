@@ -101,7 +101,7 @@ def chat(arch: str) -> list[dict]:
 
 
 def fp8_layers(llm: LLM) -> list[str]:
-    return [name for name, m in llm.engine.runner.model.named_modules() if getattr(m, "method", None) is not None
+    return [name for name, m in llm.engine.executor.model.named_modules() if getattr(m, "method", None) is not None
             and m.method.quantized]
 
 

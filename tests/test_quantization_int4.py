@@ -187,7 +187,7 @@ def cases_for(arch: str, method: str) -> dict[str, list[dict]]:
 
 
 def int4_layers(llm: LLM, method: str) -> set[str]:
-    model = llm.engine.runner.model
+    model = llm.engine.executor.model
     return {name for name, m in model.named_modules()
             if isinstance(m, (LinearBase, FusedExperts)) and m.method.name == method}
 

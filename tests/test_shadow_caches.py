@@ -19,8 +19,8 @@ from vlmrun.cache.shadow import (RestoreSnapshot, SaveSnapshot, WritePageTable, 
                                  replay_cache_ops)
 from vlmrun.config import CacheShape, EngineConfig
 
-SHAPE = CacheShape(num_attention_layers=2, num_kv_heads=2, head_dim=8, num_linear_layers=3, linear_conv_dim=24,
-                   linear_conv_kernel=4, linear_num_v_heads=2, linear_head_v_dim=4, linear_head_k_dim=4)
+SHAPE = CacheShape(num_attention_layers=2, num_kv_heads=2, head_dim=8, num_gdn_layers=3, gdn_conv_dim=24,
+                   gdn_conv_kernel=4, gdn_num_v_heads=2, gdn_head_v_dim=4, gdn_head_k_dim=4)
 PAGE = 4
 
 

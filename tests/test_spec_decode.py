@@ -42,8 +42,8 @@ from tests.test_gdn_pool import CONV_DIM, DK, DV, HK, HV, KERNEL, Stream, gdn_ba
 from vlmrun import LLM, SamplingParams
 from vlmrun.config import EngineConfig
 from vlmrun.configs.speculative import SpeculativeConfig
-from vlmrun.layers.attention import LinearAttention
-from vlmrun.layers.attention.factory import LINEAR_ATTENTION_BACKENDS
+from vlmrun.layers.attention import GDNAttention
+from vlmrun.layers.attention.factory import GDN_BACKENDS
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.ngram import NgramProposer
@@ -392,7 +392,7 @@ def test_refused_where_it_cannot_verify(qwen3_5_dir, monkeypatch):
     class NoVerify(TorchGDNBackend):
         verifies_drafts = False
 
-    monkeypatch.setitem(LINEAR_ATTENTION_BACKENDS, "fla", lambda setup: NoVerify(setup.caches.gdn_pool))
+    monkeypatch.setitem(GDN_BACKENDS, "fla", lambda setup: NoVerify(setup.caches.gdn_pool))
     with pytest.raises(ValueError, match="keeps the state after each draft position"):
         LLM(str(qwen3_5_dir), **engine_options(qwen3_5_dir, speculative_config=SPEC, gdn_backend="fla"))
 
@@ -401,7 +401,7 @@ def test_gdn_verify_pass_keeps_plain_decode_states():
     """Two sequences verify 1 + 3 positions beside a plain decode; the states kept after each position,
     the outputs, and the slots after `keep_accepted_states` (one draft accepted, all three, none) equal
     those of plain decode steps over the same tokens, bit for bit."""
-    layer = LinearAttention(1, HK, HV, DK, DV, KERNEL)
+    layer = GDNAttention(1, HK, HV, DK, DV, KERNEL)
     weight = torch.randn(CONV_DIM, KERNEL, generator=torch.Generator().manual_seed(0)) * 0.5
     streams = [Stream(24, 1), Stream(24, 2), Stream(24, 3)]
     slots = [1, 2, 3]
@@ -431,13 +431,13 @@ def test_gdn_verify_pass_keeps_plain_decode_states():
         for t in range(4):
             assert torch.equal(out[seq * 4 + t], plain_outs[t][seq])
     assert torch.equal(out[8], plain_outs[0][2])
-    (group,) = fb.linear_attn_metadata.verifies
+    (group,) = fb.gdn_metadata.verifies
     for t in range(4):
         assert torch.equal(group.conv_states[1][:, t], plain_states[t][0][[1, 2]])
         assert torch.equal(group.recurrent_states[1][:, t], plain_states[t][1][[1, 2]])
 
     for accepted in ([1, 3, 0], [0, 0, 0], [3, 2, 0]):
-        spec.keep_accepted_states(fb.linear_attn_metadata, accepted)
+        spec.keep_accepted_states(fb.gdn_metadata, accepted)
         for seq in (0, 1):
             conv, rec = plain_states[accepted[seq]]  # after the last known token and `accepted` drafts
             assert torch.equal(spec.pool.conv_state[1, slots[seq]], conv[slots[seq]])

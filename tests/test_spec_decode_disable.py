@@ -69,7 +69,7 @@ def test_mtp_layer_skips_requests_that_never_draft(prefix_caching, mtp_dirs):
     model_dir = mtp_dirs["qwen3_next"]
     llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config={**MTP, "disable_by_batch_size": 1},
                                             enable_prefix_caching=prefix_caching, max_num_batched_tokens=64))
-    scheduler, drafter = llm.engine.scheduler, llm.engine.runner.drafter
+    scheduler, drafter = llm.engine.scheduler, llm.engine.executor.drafter
     scheduled: list[dict[int, tuple[str, bool]]] = []  # per step: page-table row -> (request id, feeds its prompt)
     caught_up: list[tuple[int, list[int]]] = []  # (step, rows the MTP layer ran over)
     made: list[tuple[int, int, list[int]]] = []  # (step, first fed token, drafts) per speculating chunk

@@ -91,7 +91,7 @@ def test_mtp_drafts_equal_the_layer_run_by_transformers(arch, mtp_dirs):
     modules make after the same tokens (the MTP KV of rejected positions left no trace)."""
     model_dir = mtp_dirs[arch]
     llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP))
-    drafter = llm.engine.runner.drafter
+    drafter = llm.engine.executor.drafter
     made: list[tuple[int, int, list[int]]] = []  # (row, first fed token, drafts) per speculating chunk
     draft = drafter.draft
 
@@ -123,7 +123,7 @@ def test_mtp_layer_packed_by_the_models_rule(mtp_dirs):
     seen = {}
     for backend in ("torch", "onednn"):
         llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP, linear_backend=backend))
-        drafter = llm.engine.runner.drafter
+        drafter = llm.engine.executor.drafter
         assert drafter.mtp.fc.weight.is_mkldnn == (backend == "onednn")
         made: list[torch.Tensor] = []  # each verify step's drafts
         draft = drafter.draft

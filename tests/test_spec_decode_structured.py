@@ -100,7 +100,7 @@ def test_structured_requests_with_mtp_drafts(qwen3_5_mtp_dir):
     assert total(spec).num_draft_tokens > 0
 
     llm = LLM(str(model_dir), **mtp_options(model_dir, speculative_config=MTP))
-    engine, drafter = llm.engine, llm.engine.runner.drafter
+    engine, drafter = llm.engine, llm.engine.executor.drafter
     oracle = OracleDrafts(references_of(plain), 3, engine.model_config.text_config.vocab_size)
     draft = drafter.draft
 

@@ -59,8 +59,8 @@ def test_cache_shape_per_rank(qwen3_5_dir):
 
     shape = CacheShape.from_hf_config(AutoConfig.from_pretrained(str(qwen3_5_dir)))
     half = shape.for_tensor_parallel(2)
-    assert (half.num_kv_heads, half.linear_num_v_heads, half.linear_conv_dim) == (
-        shape.num_kv_heads // 2, shape.linear_num_v_heads // 2, shape.linear_conv_dim // 2)
+    assert (half.num_kv_heads, half.gdn_num_v_heads, half.gdn_conv_dim) == (
+        shape.num_kv_heads // 2, shape.gdn_num_v_heads // 2, shape.gdn_conv_dim // 2)
     assert shape.for_tensor_parallel(4).num_kv_heads == 1  # 2 KV heads, replicated over 4 ranks
     assert shape.for_tensor_parallel(1) is shape
 
@@ -224,7 +224,7 @@ def test_tp2_structured_outputs_match_tp1(qwen3_dir):
 def test_tp4_with_replicated_kv_heads_then_a_rank_dies(qwen3_dir):
     """4 ranks over 2 KV heads; then rank 2 is killed mid-run: a clear error within seconds, no process left."""
     llm = compare_tp(qwen3_dir, "qwen3", 4)
-    executor = llm.engine.runner
+    executor = llm.engine.executor
     pids = executor.pids
     os.kill(pids[2], signal.SIGKILL)
     started = time.monotonic()
@@ -250,7 +250,7 @@ def test_ray_executor_tp2_matches_tp1(qwen3_5_dir):
         options = dict(engine_options(qwen3_5_dir, 2), distributed_executor_backend="ray")
         llm = LLM(str(qwen3_5_dir), **options)
         try:
-            assert type(llm.engine.runner).__name__ == "RayExecutor"
+            assert type(llm.engine.executor).__name__ == "RayExecutor"
             out, _ = run_scenario(llm, True)
             assert_same_outputs(out, ref_out)
         finally:

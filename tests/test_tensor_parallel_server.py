@@ -39,5 +39,5 @@ def engine(qwen3_vl_dir) -> Iterator[AsyncEngine]:
     eng = build_engine(config)
     yield eng
     eng.shutdown()
-    assert not any(p.is_alive() for p in eng.engine.runner.processes)
+    assert not any(p.is_alive() for p in eng.engine.executor.processes)
 

@@ -137,7 +137,7 @@ def test_a_ray_cluster_too_small_for_the_ranks_is_an_error_not_a_wait() -> None:
 
 
 def test_every_executor_has_the_executor_interface() -> None:
-    """The engine drives `Engine.runner` through `vlmrun.executor.base.Executor` alone."""
+    """The engine drives `Engine.executor` through `vlmrun.executor.base.Executor` alone."""
     from vlmrun.executor.base import Executor
     from vlmrun.executor.distributed import TensorParallelExecutor
     from vlmrun.executor.model_runner import ModelRunner

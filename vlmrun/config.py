@@ -35,7 +35,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "auto"  # full-attention kernels: auto | torch | cpu | flashinfer (layers/attention/factory.py)
-    gdn_backend: str = "auto"  # hybrid models' linear-attention (Gated DeltaNet) kernels: auto | torch | fla
+    gdn_backend: str = "auto"  # hybrid models' Gated DeltaNet (GDN) kernels: auto | torch | fla
     # Dense linears' GEMMs: "onednn" packs the weights once for oneDNN (CPU; layers/packed_linear.py),
     # "torch" runs F.linear on the weights as loaded (the reference); "auto": onednn where this CPU runs
     # it and a measurement says it wins (layers/cpu_kernels.py), else torch.
@@ -55,11 +55,11 @@ class EngineConfig:
     # use (affinity, cgroup quota) and the model's size, unless VLMRUN_NUM_THREADS or OMP_NUM_THREADS
     # says (vlmrun/threads.py); N: exactly N.
     num_threads: Optional[int] = None
-    # False: decode steps run padded to a batch-size bucket (executor/padded_decode.py), replayed from
-    # a CUDA graph per bucket where CUDA can capture them (unpadded where it cannot: `plan_decode`; on
+    # False: decode steps run padded to a batch-size bucket (executor/bucketed_steps.py), replayed from
+    # a CUDA graph per bucket where CUDA can capture them (unpadded where it cannot: `plan_bucketed_steps`; on
     # the CPU padded, eagerly); True: every step runs
     # unpadded. None: False on CUDA, True on the CPU (no graph to replay there: padding rows can only
-    # add work; bench/bench_decode_padding.py). `eager_decode(device)` resolves it.
+    # add work; bench/bench_decode_padding.py). `enforces_eager(device)` resolves it.
     enforce_eager: Optional[bool] = None
     # Speculative decoding with CUDA graphs: also capture verify steps (rows of 1 + k tokens) per bucket.
     # Off by default until a GPU run checks it (docs/gpu_checks.md); verify steps run padded, eagerly.
@@ -220,7 +220,7 @@ class EngineConfig:
         """The KV pool's storage dtype: the model's ("auto") or a float8 one."""
         return KV_CACHE_DTYPES.get(self.kv_cache_dtype, model_dtype)
 
-    def eager_decode(self, device: torch.device) -> bool:
+    def enforces_eager(self, device: torch.device) -> bool:
         """`enforce_eager`, or what None means on `device`."""
         return self.enforce_eager if self.enforce_eager is not None else device.type != "cuda"
 
@@ -310,21 +310,21 @@ class CacheShape:
     """What the caches hold for a model: KV per token (full-attention layers), GDN state per request.
 
     Derived once, from the HF config (`from_hf_config`); a model gives its own through
-    `Model.cache_shape()`. A model is hybrid when `num_linear_layers > 0`.
+    `Model.cache_shape()`. A model is hybrid when `num_gdn_layers > 0`.
     """
     num_attention_layers: int  # full-attention layers: the only ones with KV
     num_kv_heads: int
     head_dim: int
-    num_linear_layers: int = 0  # GDN layers
-    linear_conv_dim: int = 0  # 2 * Hk * Dk + Hv * Dv
-    linear_conv_kernel: int = 0
-    linear_num_v_heads: int = 0
-    linear_head_v_dim: int = 0
-    linear_head_k_dim: int = 0
+    num_gdn_layers: int = 0  # GDN layers
+    gdn_conv_dim: int = 0  # 2 * Hk * Dk + Hv * Dv
+    gdn_conv_kernel: int = 0
+    gdn_num_v_heads: int = 0
+    gdn_head_v_dim: int = 0
+    gdn_head_k_dim: int = 0
 
     @property
     def is_hybrid(self) -> bool:
-        return self.num_linear_layers > 0
+        return self.num_gdn_layers > 0
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> "CacheShape":
@@ -332,16 +332,16 @@ class CacheShape:
         text = text_config(hf_config)
         layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
         layer_types = layer_types[: text.num_hidden_layers]
-        linear = sum(t == "linear_attention" for t in layer_types)
+        num_gdn = sum(t == "linear_attention" for t in layer_types)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        shape = dict(num_attention_layers=len(layer_types) - linear,
+        shape = dict(num_attention_layers=len(layer_types) - num_gdn,
                      num_kv_heads=text.num_key_value_heads or text.num_attention_heads, head_dim=head_dim,
-                     num_linear_layers=linear)
-        if linear:
+                     num_gdn_layers=num_gdn)
+        if num_gdn:
             hk, hv = text.linear_num_key_heads, text.linear_num_value_heads
             dk, dv = text.linear_key_head_dim, text.linear_value_head_dim
-            shape.update(linear_conv_dim=2 * hk * dk + hv * dv, linear_conv_kernel=text.linear_conv_kernel_dim,
-                         linear_num_v_heads=hv, linear_head_v_dim=dv, linear_head_k_dim=dk)
+            shape.update(gdn_conv_dim=2 * hk * dk + hv * dv, gdn_conv_kernel=text.linear_conv_kernel_dim,
+                         gdn_num_v_heads=hv, gdn_head_v_dim=dv, gdn_head_k_dim=dk)
         return cls(**shape)
 
     def for_tensor_parallel(self, size: int) -> "CacheShape":
@@ -350,8 +350,8 @@ class CacheShape:
         if size == 1:
             return self
         return dataclasses.replace(self, num_kv_heads=max(self.num_kv_heads // size, 1),
-                                   linear_conv_dim=self.linear_conv_dim // size,
-                                   linear_num_v_heads=self.linear_num_v_heads // size)
+                                   gdn_conv_dim=self.gdn_conv_dim // size,
+                                   gdn_num_v_heads=self.gdn_num_v_heads // size)
 
 
 def text_config(hf_config: Any) -> Any:

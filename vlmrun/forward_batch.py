@@ -6,10 +6,10 @@ A `ForwardBatch` describes one forward pass over a ragged batch: each sequence f
 `extend_seq_lens[i]` new tokens on top of `extend_prefix_lens[i]` tokens already in the KV cache.
 A decode is an extend of one token. Chunked-prefill chunks and decodes can share one batch.
 `ForwardBatch.build` makes one from host values (the step's, `vlmrun/executor/step_batch.py`, MTP's
-drafting steps and padded decode's, `vlmrun/executor/padded_decode.py`); `select` cuts one to some of its sequences (MTP's catch-up over the chunks that feed it).
+drafting steps and padded decode's, `vlmrun/executor/bucketed_steps.py`); `select` cuts one to some of its sequences (MTP's catch-up over the chunks that feed it).
 
 It carries the step's attention backend, typed by what the attention layers call on it
-(`AttentionForward`, `LinearAttentionForward`); `AttentionBackend` and `LinearAttentionBackend`
+(`AttentionForward`, `GDNForward`); `AttentionBackend` and `GDNBackend`
 in `vlmrun/layers/attention/base.py`, a floor above, are the full interfaces and implement these.
 """
 
@@ -36,10 +36,10 @@ class ForwardMode(Enum):
     DECODE = auto()  # every sequence feeds exactly one token
 
 
-class LinearAttentionForward(Protocol):
-    """The call a `LinearAttention` (GDN) layer makes on the linear-attention backend of the step.
+class GDNForward(Protocol):
+    """The call a `GDNAttention` (GDN) layer makes on the GDN backend of the step.
 
-    `layer` is the calling layer (`vlmrun.layers.attention.LinearAttention`, a floor above this one).
+    `layer` is the calling layer (`vlmrun.layers.attention.GDNAttention`, a floor above this one).
     """
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
@@ -48,11 +48,11 @@ class LinearAttentionForward(Protocol):
 
 class AttentionForward(Protocol):
     """What the attention layers reach through `ForwardBatch.attn_backend`: `forward`, called by a
-    full-attention layer (`vlmrun.layers.attention.Attention`, passed as `layer`), and `linear`, the
+    full-attention layer (`vlmrun.layers.attention.Attention`, passed as `layer`), and `gdn`, the
     backend of the GDN layers (None for a model without them)."""
 
     @property
-    def linear(self) -> Optional[LinearAttentionForward]: ...
+    def gdn(self) -> Optional[GDNForward]: ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
                 fb: ForwardBatch) -> torch.Tensor: ...
@@ -74,12 +74,12 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     # Rows of the token stream whose logits are wanted (the last fed token of sequences that sample).
     logits_indices: torch.Tensor  # [num_sampled] int64
-    # The attention backend of this step (a HybridAttnBackend for hybrid models, whose `linear` serves the
+    # The attention backend of this step (a HybridAttnBackend for hybrid models, whose `gdn` serves the
     # GDN layers) and the metadata its `prepare` built: full attention's, and the GDN layers' for hybrid
     # models. The metadata is opaque here: only the backend that built it reads it (as its own type).
     attn_backend: Optional[AttentionForward] = None
     attn_metadata: object = None
-    linear_attn_metadata: object = None
+    gdn_metadata: object = None
     # Multimodal splice: embeddings for the rows of input_ids where mm_mask is True, in row order.
     mm_mask: Optional[torch.Tensor] = None  # [num_tokens] bool
     mm_embeds: Optional[torch.Tensor] = None  # [num_mm_tokens, hidden]

@@ -1,7 +1,7 @@
 """Cache memory: one budget planned into the KV pool and the GDN state pool, and the pools built.
 
 `plan_cache_memory` splits one byte budget between the paged KV cache (full-attention layers) and
-the GDN state pool (hybrid models' linear-attention layers), with optional GDN snapshots for the
+the GDN state pool (hybrid models' GDN layers), with optional GDN snapshots for the
 prefix cache. `build_caches` sizes the budget (explicit, the CPU default, or a share of free GPU
 memory less what a step and the attention kernels' fixed buffers need: `flashinfer_reserve_bytes`)
 and builds every pool into one `Caches` bundle. The KV pool's bytes per token are those of its storage
@@ -68,8 +68,8 @@ def kv_bytes_per_token(shape: CacheShape, dtype: torch.dtype) -> int:
 def gdn_bytes_per_request(shape: CacheShape, conv_dtype: torch.dtype, state_dtype: torch.dtype) -> int:
     if not shape.is_hybrid:
         return 0
-    return GDNPool.bytes_per_slot(shape.num_linear_layers, shape.linear_conv_dim, shape.linear_conv_kernel,
-                                  shape.linear_num_v_heads, shape.linear_head_v_dim, shape.linear_head_k_dim,
+    return GDNPool.bytes_per_slot(shape.num_gdn_layers, shape.gdn_conv_dim, shape.gdn_conv_kernel,
+                                  shape.gdn_num_v_heads, shape.gdn_head_v_dim, shape.gdn_head_k_dim,
                                   conv_dtype, state_dtype)
 
 
@@ -189,9 +189,9 @@ def build_pools(shape: CacheShape, plan: CachePlan, config: EngineConfig, *, dty
     caches = Caches(plan=plan, kv_pool=kv_pool, req_to_token=ReqToTokenPool(plan.max_num_seqs, plan.max_model_len, device),
                     allocator=PageAllocator(plan.num_pages, plan.page_size))
     if shape.is_hybrid:
-        caches.gdn_pool = GDNPool(shape.num_linear_layers, plan.num_gdn_slots, shape.linear_conv_dim,
-                                  shape.linear_conv_kernel, shape.linear_num_v_heads, shape.linear_head_v_dim,
-                                  shape.linear_head_k_dim, dtype, config.gdn_state_torch_dtype, device)
+        caches.gdn_pool = GDNPool(shape.num_gdn_layers, plan.num_gdn_slots, shape.gdn_conv_dim,
+                                  shape.gdn_conv_kernel, shape.gdn_num_v_heads, shape.gdn_head_v_dim,
+                                  shape.gdn_head_k_dim, dtype, config.gdn_state_torch_dtype, device)
         if plan.num_gdn_snapshots:
             caches.gdn_snapshots = GDNSnapshotPool(caches.gdn_pool, plan.num_gdn_snapshots)
     return caches

@@ -143,7 +143,7 @@ def build_shadow_caches(shape: CacheShape, plan: CachePlan) -> tuple[Caches, Cac
     caches = Caches(plan=plan, kv_pool=None, req_to_token=ShadowReqToTokenPool(plan.max_num_seqs, log),
                     allocator=PageAllocator(plan.num_pages, plan.page_size))
     if shape.is_hybrid:
-        caches.gdn_pool = ShadowGDNPool(shape.num_linear_layers, plan.num_gdn_slots, log)
+        caches.gdn_pool = ShadowGDNPool(shape.num_gdn_layers, plan.num_gdn_slots, log)
         if plan.num_gdn_snapshots:
             caches.gdn_snapshots = ShadowSnapshotPool(plan.num_gdn_snapshots, log)
     return caches, log

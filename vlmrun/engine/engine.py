@@ -85,8 +85,8 @@ class Engine:
         self.tokenizer = self.processor.tokenizer
         self.pooling = PoolingMode.of(config.runner, path, self.model_config.hf_config,  # generate | pooling
                                       self.model_config.text_config.hidden_size, config.pooler_config)
-        self.runner: Executor = self._build_executor()
-        self.caches = self.runner.caches  # under tensor parallel, stand-ins that record the scheduler's writes
+        self.executor: Executor = self._build_executor()
+        self.caches = self.executor.caches  # under tensor parallel, stand-ins that record the scheduler's writes
         self.max_model_len = self.caches.plan.max_model_len
         self._log_memory_plan()
         self.prefix_cache = self._make_prefix_cache()
@@ -94,7 +94,7 @@ class Engine:
                                    snapshot_interval=config.prefix_snapshot_interval, proposer=build_proposer(config),
                                    max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size,
                                    scheduling_policy=config.scheduling_policy,
-                                   decode_rows=getattr(self.runner, "takes_decode_rows", False))
+                                   decode_rows=getattr(self.executor, "takes_decode_rows", False))
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size, self.model_config.eos_token_ids)
         self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
@@ -114,7 +114,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """End the tensor-parallel rank processes (nothing to do on one device)."""
-        self.runner.shutdown()
+        self.executor.shutdown()
 
     def _make_prefix_cache(self) -> Optional[PrefixCache]:
         if not self.config.enable_prefix_caching:
@@ -144,14 +144,14 @@ class Engine:
             kv_pages_total=allocator.num_usable_pages(), req_rows_used=rows_used, req_rows_total=rows.max_reqs,
             gdn_slots_used=gdn_used, gdn_slots_total=gdn_total, num_preemptions=self.scheduler.num_preemptions,
             prefix_query_tokens=prefix.query_tokens, prefix_hit_tokens=prefix.hit_tokens,
-            weight_bytes=tuple(self.runner.weight_bytes),
+            weight_bytes=tuple(self.executor.weight_bytes),
             spec_decode=None if self.scheduler.spec_decode is None else self.scheduler.spec_decode.copy())
 
     def _log_memory_plan(self) -> None:
         """The weights per device (and their format), then the caches the budget left to them holds."""
         quantization = self.model_config.quantization
         logger.info("weights: %s; bytes per device: %s", quantization.describe() if quantization else
-                    f"unquantized {self.model_config.dtype}", ", ".join(map(str, self.runner.weight_bytes)))
+                    f"unquantized {self.model_config.dtype}", ", ".join(map(str, self.executor.weight_bytes)))
         plan = self.caches.plan
         if plan.max_num_seqs < self.config.max_num_seqs:
             logger.warning("max_num_seqs lowered from %d to %d: the GDN state of %d bytes per request must fit "
@@ -205,7 +205,7 @@ class Engine:
             if not self.config.enable_lora:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine was started without "
                                  f"enable_lora=True")
-            self.runner.add_lora(lora_request)
+            self.executor.add_lora(lora_request)
         self.stop_limits.check(params)  # SamplingParamError (a ValueError) naming stop / stop_token_ids
         params = params.tokenize_bad_words(self.tokenizer)  # once per request: the sampler bans by token ids
         params.check_token_ids(self.model_config.text_config.vocab_size)  # SamplingParamError naming the field
@@ -220,7 +220,7 @@ class Engine:
         if n + 1 > self.scheduler.capacity_tokens:
             raise InputError(f"the prompt has {n} tokens but the KV cache holds only {self.scheduler.capacity_tokens}")
         positions, delta = prompt_positions(self.model_config.hf_config, prompt.token_ids, prompt.mm_items)
-        generator = None if params.seed is None else self.runner.make_generator(params.seed)
+        generator = None if params.seed is None else self.executor.make_generator(params.seed)
         req = Request(request_id=request_id, prompt=prompt, sampling_params=params, mrope_positions=positions,
                       mrope_delta=delta, eos_token_ids=self.model_config.eos_token_ids, generator=generator,
                       grammar=grammar, lora=lora_request, priority=priority, pooling=pooling)
@@ -290,7 +290,7 @@ class Engine:
             return None
         try:
             inputs = [c.to_input() for c in chunks]
-            handle = self.runner.launch(inputs, decodes.to_input()) if decodes else self.runner.launch(inputs)
+            handle = self.executor.launch(inputs, decodes.to_input()) if decodes else self.executor.launch(inputs)
         except BaseException:
             self._drop_interrupted([LaunchedChunks(chunks, None, collected=True, decodes=decodes)])
             raise
@@ -304,9 +304,9 @@ class Engine:
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
         decodes = step.decodes
         if decodes:
-            results, decoded = self.runner.collect_step(step.handle)
+            results, decoded = self.executor.collect_step(step.handle)
         else:
-            results, decoded = self.runner.collect(step.handle), None
+            results, decoded = self.executor.collect(step.handle), None
         step.collected = True
         now = time.monotonic()
         updates = [] if decoded is None else self._collect_decodes(decodes, decoded, now)
@@ -361,7 +361,7 @@ class Engine:
         for step in steps:
             if not step.collected:
                 try:
-                    self.runner.collect(step.handle)
+                    self.executor.collect(step.handle)
                 except Exception:  # noqa: BLE001 - its requests are dropped either way
                     pass
                 except BaseException as exc:  # a Ctrl-C during the wait: every request dropped, then it is raised

@@ -47,7 +47,8 @@ class Request:
     num_launched_steps: int = 0
     num_pending_tokens: int = 0
     num_launched_drafts: int = 0
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache, or is being computed by a launched step
+    num_computed_tokens: int = 0  # tokens scheduled so far: KV in the cache, or being computed by a launched
+    # step (async: an uncollected step's tokens; spec decode: its drafts, until rejected ones are taken back)
     req_pool_idx: Optional[int] = None  # row in ReqToTokenPool while running
     pages: list[int] = field(default_factory=list)  # KV pages held (owned or shared via the prefix cache), in token order
     # Prefix cache: chained keys of the prompt's full pages (empty when caching is off), how many of

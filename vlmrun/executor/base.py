@@ -1,9 +1,9 @@
 """The executor interface: what the engine drives, whatever runs the model.
 
-Four executors implement it: `ModelRunner` (the model on this process's device), `OverlappedRunner`
+Four executors implement it: `ModelRunner` (the model on this process's device), `OverlappedExecutor`
 (the same under async scheduling, `overlap.py`), `TensorParallelExecutor` (one process per rank,
 `distributed.py`) and `RayExecutor` (one Ray actor per rank, `ray_executor.py`). The engine holds
-one as `Engine.runner` and never asks which. `execute(chunks)` is `collect(launch(chunks))`; the
+one as `Engine.executor` and never asks which. `execute(chunks)` is `collect(launch(chunks))`; the
 engine launches a step and, under async scheduling, collects the one before it afterwards.
 """
 

@@ -5,10 +5,10 @@
 (`keep_freed_memory`), picks the attention backends (`EngineConfig.attention_backend` /
 `gdn_backend`, "auto" by device), switches the vision tower to the fused varlen kernel on the
 FlashInfer path, builds the vision stage, and sets up decode padding and CUDA graphs (`enforce_eager`,
-`plan_decode`).
+`plan_bucketed_steps`).
 The engine (one device) and each tensor-parallel rank build their runner with it, and only with it.
 `build_local_executor` is the rest of the engine's executor on one device around a loaded model: its
-MTP drafter (the speculative method "mtp"), the caches and the runner (behind `OverlappedRunner` for
+MTP drafter (the speculative method "mtp"), the caches and the runner (behind `OverlappedExecutor` for
 async scheduling).
 """
 
@@ -27,8 +27,8 @@ from vlmrun.cache.plan import Caches, build_caches
 from vlmrun.config import EngineConfig, ModelConfig
 from vlmrun.executor.cpu_malloc import keep_freed_memory
 from vlmrun.executor.model_runner import ModelRunner
-from vlmrun.executor.overlap import OverlappedRunner
-from vlmrun.executor.padded_decode import PaddedDecodeRunner, graph_capturable, plan_decode
+from vlmrun.executor.overlap import OverlappedExecutor
+from vlmrun.executor.bucketed_steps import BucketedStepRunner, graph_capturable, plan_bucketed_steps
 from vlmrun.layers.attention import Attention, AttentionBackend, create_attention_backend
 from vlmrun.layers.attention.base import check_backend_serves
 from vlmrun.layers.attention.factory import BackendSetup, backend_names
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 
 def build_local_executor(model: nn.Module, config: EngineConfig, model_config: ModelConfig,
-                         device: torch.device) -> Union[ModelRunner, OverlappedRunner]:
+                         device: torch.device) -> Union[ModelRunner, OverlappedExecutor]:
     """For the loaded `model` on `device`: its MTP drafter (weights loaded before the caches are
     planned), its caches (with the MTP layer's KV) and its runner."""
     drafter = build_mtp_drafter(model, config, model_config, config.max_num_seqs, device)
@@ -56,7 +56,7 @@ def build_local_executor(model: nn.Module, config: EngineConfig, model_config: M
                           device=device)
     load_kv_scales(caches, model, model_config.path)
     runner = build_model_runner(model, caches, config, device, model_config.dtype, drafter=drafter)
-    return OverlappedRunner(runner) if config.async_scheduling else runner
+    return OverlappedExecutor(runner) if config.async_scheduling else runner
 
 
 def load_kv_scales(caches: Caches, model: nn.Module, path) -> None:
@@ -93,22 +93,22 @@ def build_model_runner(model: nn.Module, caches: Caches, config: EngineConfig, d
     vision = (VisionStage(model, EncoderCache(config.encoder_cache_tokens), device, dtype, split_over, lora)
               if model.supports_images else None)
     return ModelRunner(model, caches, backend, vision, device, lora=lora,
-                       padded_decode=make_padded_decode(model, backend, caches, config, device), tp=tp or SINGLE,
-                       feeds_placeholders=config.async_scheduling,
+                       bucketed_steps=make_bucketed_steps(model, backend, caches, config, device), tp=tp or SINGLE,
+                       async_scheduling=config.async_scheduling,
                        seed=config.seed, drafter=drafter)
 
 
 def make_attention_backend(model: nn.Module, caches: Caches, config: EngineConfig,
                            device: torch.device) -> AttentionBackend:
     """The step's backend, planned with the query heads and scale of the model's own attention layers
-    (and, for a model with GDN layers, one with a linear-attention backend for them)."""
+    (and, for a model with GDN layers, one with a GDN backend for them)."""
     layer = next(m for m in model.modules() if isinstance(m, Attention))
     setup = BackendSetup(caches, num_q_heads=layer.num_heads, scaling=layer.scaling, device=device)
     backend = create_attention_backend(setup, config.attention_backend, config.gdn_backend)
     check_backend_serves(model, backend)
-    if config.speculative_config is not None and backend.linear is not None and not backend.linear.verifies_drafts:
+    if config.speculative_config is not None and backend.gdn is not None and not backend.gdn.verifies_drafts:
         raise ValueError(f"speculative decoding on a hybrid model needs a GDN backend that keeps the state after "
-                         f"each draft position; {type(backend.linear).__name__} does not (use gdn_backend='torch')")
+                         f"each draft position; {type(backend.gdn).__name__} does not (use gdn_backend='torch')")
     logger.info("attention backend: %s", backend_names(backend))
     return backend
 
@@ -128,18 +128,18 @@ def fuse_vision_attention(model: nn.Module, backend: AttentionBackend, caches: C
             logger.info("vision attention: fused varlen kernel in %d layers", layers)
 
 
-def make_padded_decode(model: nn.Module, backend: AttentionBackend, caches: Caches, config: EngineConfig,
-                       device: torch.device) -> Optional[PaddedDecodeRunner]:
-    """Decode padded to buckets where it is captured in CUDA graphs (`plan_decode`: on CUDA, padding without
+def make_bucketed_steps(model: nn.Module, backend: AttentionBackend, caches: Caches, config: EngineConfig,
+                        device: torch.device) -> Optional[BucketedStepRunner]:
+    """Decode padded to buckets where it is captured in CUDA graphs (`plan_bucketed_steps`: on CUDA, padding without
     a graph is pure extra work), or on the CPU when asked (`enforce_eager=False`, run eagerly)."""
     spec = config.speculative_config
     width = 1 if spec is None or not config.verify_cuda_graphs else 1 + spec.num_speculative_tokens
-    plan = plan_decode(device.type, config.eager_decode(device), backend.supports_cuda_graph,
-                       graph_capturable(model, caches.plan.max_num_seqs * width),
-                       config.tensor_parallel_size, config.enable_lora)
+    plan = plan_bucketed_steps(device.type, config.enforces_eager(device), backend.supports_cuda_graph,
+                               graph_capturable(model, caches.plan.max_num_seqs * width),
+                               config.tensor_parallel_size, config.enable_lora)
     logger.info("decode: %s", plan.why)
     if not plan.padded:
         return None
-    return PaddedDecodeRunner(model, backend, caches, device, use_cuda_graphs=plan.graphs,
+    return BucketedStepRunner(model, backend, caches, device, use_cuda_graphs=plan.graphs,
                               num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
                               verify_cuda_graphs=config.verify_cuda_graphs)

@@ -10,7 +10,7 @@ device→host sync); `execute` is both. A chunk of a request that asked for prom
 gets the logits of its prompt positions, and the logprob of each next prompt token with the top-k
 (`ChunkInput.prompt_logprobs`; read on the host in `collect`, a second transfer in those steps only). Sampled ids also stay on the device, per page-table row
 (`last_tokens`), where a later step reads a token the host does not have yet (`PLACEHOLDER_TOKEN`,
-async scheduling). On CUDA the step's inputs go up from pinned host memory with non-blocking copies. Decode steps go through `PaddedDecodeRunner` (padded to a batch-size bucket,
+async scheduling). On CUDA the step's inputs go up from pinned host memory with non-blocking copies. Decode steps go through `BucketedStepRunner` (padded to a batch-size bucket,
 from a CUDA graph where possible) unless the engine runs eagerly (`enforce_eager`).
 A chunk with draft tokens (speculative decoding, `ChunkInput.num_drafts`) samples at each of its last
 1 + num_drafts positions; `collect` keeps the tokens up to the first rejected draft
@@ -31,7 +31,7 @@ from torch import nn
 
 from vlmrun.cache.plan import Caches
 from vlmrun.executor.mtp_steps import MTPDrafting
-from vlmrun.executor.padded_decode import PaddedDecodeRunner
+from vlmrun.executor.bucketed_steps import BucketedStepRunner
 from vlmrun.executor.step_batch import build_forward_batch, placeholder_positions
 from vlmrun.executor.step_features import (Adapters, Drafting, HostDrafting, LoRAAdapters, NoAdapters, StepAdapters,
                                            StepDrafts)
@@ -71,8 +71,8 @@ class LaunchedStep:
 class ModelRunner:
     def __init__(self, model: nn.Module, caches: Caches, attn_backend: AttentionBackend,
                  vision: Optional[VisionStage], device: torch.device,
-                 padded_decode: Optional[PaddedDecodeRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0,
-                 feeds_placeholders: bool = False, drafter: Optional[MTPDrafter] = None,
+                 bucketed_steps: Optional[BucketedStepRunner] = None, tp: TensorParallel = SINGLE, seed: int = 0,
+                 async_scheduling: bool = False, drafter: Optional[MTPDrafter] = None,
                  lora: Optional[LoRAManager] = None):
         self.model = model
         self.drafter = drafter  # speculative method "mtp": drafts on the device (executor/mtp_steps.py)
@@ -82,13 +82,13 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.vision = vision
         self.device = device
-        self.padded_decode = padded_decode  # None: every step runs eagerly, unpadded
+        self.bucketed_steps = bucketed_steps  # None: every step runs eagerly, unpadded
         # unseeded sampled rows draw from one generator started at the engine's seed (EngineConfig.seed)
         self.sampler = Sampler(torch.Generator(device=device).manual_seed(seed))
         # each page-table row's sampling settings and penalty counts, kept from step to step
         self.sampling_state = SamplingState(caches.req_to_token.max_reqs + 1, device)
         self.tp = tp  # under tensor parallel every rank feeds rank 0's sampled tokens to the next step
-        self.feeds_placeholders = feeds_placeholders  # async scheduling: keep last_tokens (synchronous: unused)
+        self.async_scheduling = async_scheduling  # async scheduling: keep last_tokens (synchronous: unused)
         # the last token sampled for each page-table row (the dummy row included): a step's
         # PLACEHOLDER_TOKEN inputs are read from here, on the device
         self.last_tokens = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64, device=device)
@@ -179,7 +179,7 @@ class ModelRunner:
         sampling = StepSampling.of(self.sampling_state, rows, vocab, chunks, decodes, verification,
                                    drafts.reads_samples, self.device)
         output = self.sampler.sample(logits, sampling.batch)
-        if self.feeds_placeholders or drafts.reads_samples or verification is not None:
+        if self.async_scheduling or drafts.reads_samples or verification is not None:
             # (tensor parallel) async scheduling: the next step may read these ids before the host does;
             # speculation: every rank accepts what rank 0 sampled (its GDN slots, MTP layer, generators)
             self.tp.broadcast_from_first(output.token_ids)
@@ -197,17 +197,17 @@ class ModelRunner:
         then would land after that step's cache writes (a slot zeroed or restored for a new owner).
         The step's `num_decodes` decode rows (`DecodeRows`, before the chunks) sample one row each, first."""
         first_rows, row = [], num_decodes  # each chunk's first row in `sampled` [sampled positions]
-        if verification is not None or self.feeds_placeholders:
+        if verification is not None or self.async_scheduling:
             for c in chunks:
                 first_rows.append(row)
                 row += 1 + c.num_drafts if c.sampling is not None else 0
         accepted = None  # [chunks] the drafts each keeps, on the device (None: the step verifies none)
         if verification is not None:
             accepted = verification.accepted_on_device(sampled, first_rows, drafts.drafted, self.device)
-            if self.attn_backend.linear is not None:  # GDN slots: the states after the accepted positions
-                self.attn_backend.linear.keep_accepted_states(fb.linear_attn_metadata, accepted)
+            if self.attn_backend.gdn is not None:  # GDN slots: the states after the accepted positions
+                self.attn_backend.gdn.keep_accepted_states(fb.gdn_metadata, accepted)
         drafts.remember(accepted)  # MTP: each row's output at its last kept position
-        if not self.feeds_placeholders:
+        if not self.async_scheduling:
             return
         sampling = [(c.row, i, first_rows[i]) for i, c in enumerate(chunks) if c.sampling is not None]
         if sampling:  # one upload: [3, sampling chunks] page-table row, chunk, first sampled row
@@ -288,16 +288,16 @@ class ModelRunner:
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         """The model over the step's tokens -> hidden states [num_tokens, hidden]."""
-        if self.padded_decode is not None and self.padded_decode.fits(fb):
-            return self.padded_decode.run(fb)
+        if self.bucketed_steps is not None and self.bucketed_steps.fits(fb):
+            return self.bucketed_steps.run(fb)
         self.attn_backend.prepare(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
     def rows_per_sequence(self, fb: ForwardBatch) -> list[int]:
         """Each sequence's rows in the forward that runs `fb`: its tokens, or in a verify step run padded
         `width` rows (its tokens, then the padding of its row, which runs its adapter and is dropped)."""
-        if self.padded_decode is not None and fb.mode is not ForwardMode.DECODE and self.padded_decode.fits(fb):
-            return [self.padded_decode.width] * fb.batch_size
+        if self.bucketed_steps is not None and fb.mode is not ForwardMode.DECODE and self.bucketed_steps.fits(fb):
+            return [self.bucketed_steps.width] * fb.batch_size
         return fb.extend_seq_lens_cpu
 
     def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput],
@@ -305,7 +305,7 @@ class ModelRunner:
         """`input_ids` [num_tokens] (on the device) with each PLACEHOLDER_TOKEN replaced there by the last
         token sampled for its row (async scheduling: a request's last known token may not have reached the
         host; MTP drafts after it are placeholders too, filled by `MTPStep.draft`)."""
-        if not self.feeds_placeholders:  # synchronous: every token is on the host
+        if not self.async_scheduling:  # synchronous: every token is on the host
             return input_ids
         found = placeholder_positions(chunks, decodes)
         if found is not None:

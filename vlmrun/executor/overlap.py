@@ -33,7 +33,7 @@ from vlmrun.lora.request import LoRARequest
 Handle = Union[LaunchedStep, Future]
 
 
-class OverlappedRunner:
+class OverlappedExecutor:
     """A `ModelRunner` behind stand-in caches, whose steps run in order on their own thread or stream."""
 
     def __init__(self, runner: ModelRunner):

@@ -135,7 +135,7 @@ def _run(config: CaptionJobConfig, items: Iterator[JobItem], counters: JobCounte
     engine.compile_structured(config.sampling)  # a bad --json-schema / --regex ends the job before it starts
     lora = None if config.lora is None else LoRARequest(Path(config.lora).name, 1, config.lora)
     if lora is not None:
-        engine.runner.add_lora(lora)  # a bad adapter ends the job before it starts
+        engine.executor.add_lora(lora)  # a bad adapter ends the job before it starts
     options = PipelineOptions(prompt=config.prompt, sampling=config.sampling, model_name=config.model,
                               workers=config.workers, prefetch=config.prefetch, lora=lora)
     pipeline = (CaptionPipeline(engine, options) if config.pooling is None  # `vlmrun embed`: a vector per image

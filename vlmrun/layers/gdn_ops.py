@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from vlmrun.layers.attention.base import LinearAttention
+    from vlmrun.layers.attention.base import GDNAttention
 
 CHUNK_SIZE = 64
 L2_EPS = 1e-6
@@ -39,7 +39,7 @@ def l2_normalize(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-def split_gdn_heads(y: torch.Tensor, layer: LinearAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def split_gdn_heads(y: torch.Tensor, layer: GDNAttention) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv output [n, conv_dim] (q | k | v) -> q, k [n, Hk, Dk] and v [n, Hv, Dv]."""
     key_dim = layer.num_k_heads * layer.head_k_dim
     q, k, v = torch.split(y, [key_dim, key_dim, layer.num_v_heads * layer.head_v_dim], dim=-1)

@@ -319,7 +319,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = SwiGLUMLP(hidden, shared_intermediate, act, tp=tp, reduce=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1, bias=False)
 
-    def decode_capturable(self, num_tokens: int) -> bool:
+    def step_capturable(self, num_tokens: int) -> bool:
         """Whether a decode step of up to `num_tokens` tokens runs this block with no host read (CUDA graphs)."""
         return self.experts.sync_free(num_tokens * self.top_k)
 

@@ -2,7 +2,7 @@
 
 A model is built from its HF config (`transformers.AutoConfig`) and gives the engine:
 - `forward(input_ids [T], positions [3, T], fb) -> hidden [T, hidden]`: full-attention layers call
-  `Attention` and GDN layers `LinearAttention` (`vlmrun.layers.attention`); the backend behind
+  `Attention` and GDN layers `GDNAttention` (`vlmrun.layers.attention`); the backend behind
   `fb` does the rest. Image rows come spliced from `fb.mm_mask` / `fb.mm_embeds`.
 - `compute_logits(hidden [n, hidden]) -> [n, vocab]` float32, through `lm_head`.
 - `load_weights(weights) -> set[str]`: HF-named tensors into parameters through the one loader

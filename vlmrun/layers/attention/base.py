@@ -1,26 +1,26 @@
-"""The two attention-backend interfaces and the `Attention` / `LinearAttention` layers models call.
+"""The two attention-backend interfaces and the `Attention` / `GDNAttention` layers models call.
 
 Model code builds q, k, v and calls `self.attn(q, k, v, fb)` (full attention), or builds the
 Gated DeltaNet inputs and calls `self.linear_attn(...)` (linear attention, hybrid models). The
 layers hold no weights: they hand the call to the step's backend, `fb.attn_backend`, or for GDN
-layers to its linear-attention backend, `fb.attn_backend.linear`.
+layers to its GDN backend, `fb.attn_backend.gdn`.
 
 - `AttentionBackend`: full attention over the paged KV pool. `prepare(fb)` builds the step's
   metadata once, before the model runs, onto `fb.attn_metadata`; `forward` writes the layer's
   k/v at `fb.out_cache_loc` and attends over the cache.
-- `LinearAttentionBackend`: GDN layers over the GDN state pool. `prepare(fb)` builds its metadata
-  onto `fb.linear_attn_metadata`; `forward` runs the causal conv and the gated delta rule from
+- `GDNBackend`: GDN layers over the GDN state pool. `prepare(fb)` builds its metadata
+  onto `fb.gdn_metadata`; `forward` runs the causal conv and the gated delta rule from
   each sequence's slot (`fb.state_slots`) and writes the states back. Its decode metadata only
   refers to `fb.state_slots`, so a padded decode batch with static slots is graph-capturable.
   One that `verifies_drafts` (speculative decoding) also keeps, for a sequence with draft tokens
   (`fb.num_drafts_cpu`), the states after each of its positions, and `keep_accepted_states` puts the
   ones after the accepted positions into the slots once the step's tokens are known.
 - `HybridAttnBackend` (hybrid_backend.py) composes one of each for hybrid models: it is an
-  `AttentionBackend` whose `linear` is set (None on every other one). A model with GDN layers
+  `AttentionBackend` whose `gdn` is set (None on every other one). A model with GDN layers
   needs one (`check_backend_serves`, run when a runner is built).
 
 The two interfaces implement the protocols `ForwardBatch` is typed with (`AttentionForward`,
-`LinearAttentionForward` in vlmrun/forward_batch.py, the bottom floor): what the layers call.
+`GDNForward` in vlmrun/forward_batch.py, the bottom floor): what the layers call.
 
 Backends are made by `create_attention_backend` (factory.py), keyed by name. The torch backends
 are the reference every fast backend is tested against.
@@ -34,30 +34,30 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from vlmrun.forward_batch import AttentionForward, ForwardBatch, LinearAttentionForward
+from vlmrun.forward_batch import AttentionForward, ForwardBatch, GDNForward
 
 HYBRID_HINT = ("a model with GDN layers runs on a HybridAttnBackend (create_attention_backend over caches that "
                "hold a GDN pool)")
 
-class LinearAttentionBackend(LinearAttentionForward, ABC):
+class GDNBackend(GDNForward, ABC):
     """Gated DeltaNet layers over the GDN state pool; one implementation per kernel family."""
 
     verifies_drafts: bool = False  # keeps per-position states of draft-carrying sequences (speculative decoding)
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
-        """Build the step's metadata once, before the model runs, and store it on `fb.linear_attn_metadata`."""
+        """Build the step's metadata once, before the model runs, and store it on `fb.gdn_metadata`."""
 
     @abstractmethod
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                layer: "LinearAttention", fb: ForwardBatch) -> torch.Tensor:
+                layer: "GDNAttention", fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv].
 
         Reads and writes the conv and recurrent state of each sequence's slot (`fb.state_slots`).
         """
 
     def keep_accepted_states(self, metadata: Any, num_accepted: Any) -> None:
-        """After a step with drafts (`metadata`: that step's `fb.linear_attn_metadata`): each draft-carrying
+        """After a step with drafts (`metadata`: that step's `fb.gdn_metadata`): each draft-carrying
         sequence's slot gets the states after its last known token and its `num_accepted[i]` accepted drafts
         (`num_accepted`: per sequence of the batch, a list or a device tensor the step computed)."""
         raise NotImplementedError(f"{type(self).__name__} does not keep per-position states for drafts")
@@ -73,7 +73,7 @@ class AttentionBackend(AttentionForward, ABC):
     """
 
     supports_cuda_graph: bool = False
-    linear: Optional[LinearAttentionBackend] = None  # the GDN layers' backend (HybridAttnBackend only)
+    gdn: Optional[GDNBackend] = None  # the GDN layers' backend (HybridAttnBackend only)
 
     @abstractmethod
     def prepare(self, fb: ForwardBatch) -> None:
@@ -108,7 +108,7 @@ class Attention(nn.Module):
         return step_backend(fb).forward(q, k, v, self, fb)
 
 
-class LinearAttention(nn.Module):
+class GDNAttention(nn.Module):
     """Gated DeltaNet core over the GDN state pool. Holds no weights.
 
     The model's GDN layer computes its projections and calls this with
@@ -132,11 +132,11 @@ class LinearAttention(nn.Module):
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
                 fb: ForwardBatch) -> torch.Tensor:
-        linear = step_backend(fb).linear
-        if linear is None:
+        gdn = step_backend(fb).gdn
+        if gdn is None:
             raise ValueError(f"GDN layer {self.layer_id} runs on a step whose attention backend "
-                             f"({type(fb.attn_backend).__name__}) has no linear-attention backend; {HYBRID_HINT}")
-        return linear.forward(mixed_qkv, g, beta, conv_weight, self, fb)
+                             f"({type(fb.attn_backend).__name__}) has no GDN backend; {HYBRID_HINT}")
+        return gdn.forward(mixed_qkv, g, beta, conv_weight, self, fb)
 
 
 def step_backend(fb: ForwardBatch) -> AttentionForward:
@@ -147,7 +147,7 @@ def step_backend(fb: ForwardBatch) -> AttentionForward:
 
 
 def check_backend_serves(model: nn.Module, backend: AttentionBackend) -> None:
-    """A ValueError unless `backend` has a linear-attention backend for every GDN layer `model` has."""
-    if backend.linear is None and any(isinstance(m, LinearAttention) for m in model.modules()):
+    """A ValueError unless `backend` has a GDN backend for every GDN layer `model` has."""
+    if backend.gdn is None and any(isinstance(m, GDNAttention) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} has Gated DeltaNet layers and the attention backend "
-                         f"{type(backend).__name__} has no linear-attention backend for them; {HYBRID_HINT}")
+                         f"{type(backend).__name__} has no GDN backend for them; {HYBRID_HINT}")

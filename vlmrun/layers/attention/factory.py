@@ -1,8 +1,8 @@
 """Attention backends by name: the one place a backend is chosen.
 
-`create_attention_backend(setup, attention, linear_attention)` returns the full-attention backend
+`create_attention_backend(setup, attention, gdn)` returns the full-attention backend
 over the KV pool, or, when the caches hold a GDN state pool (a hybrid model), a
-`HybridAttnBackend` pairing it with a linear-attention backend. Names: "torch" (the reference, any
+`HybridAttnBackend` pairing it with a GDN backend. Names: "torch" (the reference, any
 device), "cpu" (full attention laid out for the CPU's kernels, the CPU's default), "flashinfer"
 (full attention, CUDA) and "fla" (GDN, CUDA); "auto" picks by device from `AUTO`. A fast backend
 joins `AUTO` for CUDA only once it has passed the GPU checks of docs/gpu_checks.md; until then
@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from vlmrun.cache.plan import Caches
-from vlmrun.layers.attention.base import AttentionBackend, LinearAttentionBackend
+from vlmrun.layers.attention.base import AttentionBackend, GDNBackend
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
@@ -41,7 +41,7 @@ def _flashinfer(setup: BackendSetup) -> AttentionBackend:
                                  setup.scaling, setup.device)
 
 
-def _fla(setup: BackendSetup) -> LinearAttentionBackend:
+def _fla(setup: BackendSetup) -> GDNBackend:
     from vlmrun.layers.attention.fla_backend import FLAGDNBackend
     from vlmrun.layers.attention.kernels import import_fla
 
@@ -54,7 +54,7 @@ ATTENTION_BACKENDS: dict[str, Callable[[BackendSetup], AttentionBackend]] = {
     "cpu": lambda setup: CpuAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token),
     "flashinfer": _flashinfer,
 }
-LINEAR_ATTENTION_BACKENDS: dict[str, Callable[[BackendSetup], LinearAttentionBackend]] = {
+GDN_BACKENDS: dict[str, Callable[[BackendSetup], GDNBackend]] = {
     "torch": lambda setup: TorchGDNBackend(setup.caches.gdn_pool),
     "fla": _fla,
 }
@@ -66,18 +66,18 @@ AUTO: dict[str, dict[str, str]] = {
 
 
 def create_attention_backend(setup: BackendSetup, attention: str = "auto",
-                             linear_attention: str = "auto") -> AttentionBackend:
+                             gdn: str = "auto") -> AttentionBackend:
     full = _lookup(ATTENTION_BACKENDS, attention, "attention_backend", setup.device)(setup)
     if setup.caches.gdn_pool is None:
         return full
-    linear = _lookup(LINEAR_ATTENTION_BACKENDS, linear_attention, "gdn_backend", setup.device)(setup)
-    return HybridAttnBackend(full, linear)
+    gdn_backend = _lookup(GDN_BACKENDS, gdn, "gdn_backend", setup.device)(setup)
+    return HybridAttnBackend(full, gdn_backend)
 
 
 def backend_names(backend: AttentionBackend) -> str:
     """The kernel families a built backend runs, for logs: e.g. "FlashInferAttnBackend + FLAGDNBackend"."""
     if isinstance(backend, HybridAttnBackend):
-        return f"{type(backend.full).__name__} + {type(backend.linear).__name__}"
+        return f"{type(backend.full).__name__} + {type(backend.gdn).__name__}"
     return type(backend).__name__
 
 

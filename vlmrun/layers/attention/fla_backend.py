@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
-from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
+from vlmrun.layers.attention.base import GDNAttention, GDNBackend
 from vlmrun.layers.attention.torch_gdn_backend import GDNMetadata, TorchGDNBackend
 from vlmrun.layers.gdn_ops import split_gdn_heads
 
@@ -54,7 +54,7 @@ class FLAMetadata:
     cu_seqlens_cpu: Optional[torch.Tensor]  # the same on the host (FLA plans its chunks from it)
 
 
-class FLAGDNBackend(LinearAttentionBackend):
+class FLAGDNBackend(GDNBackend):
     verifies_drafts = True  # steps with drafts run on `self.reference`
 
     def __init__(self, pool: GDNPool):
@@ -74,7 +74,7 @@ class FLAGDNBackend(LinearAttentionBackend):
         if fb.num_drafts_cpu is not None and any(fb.num_drafts_cpu):
             self.reference.prepare(fb)  # its GDNMetadata on fb: `forward` and `keep_accepted_states` follow it
         else:
-            fb.linear_attn_metadata = gdn_varlen_metadata(fb)
+            fb.gdn_metadata = gdn_varlen_metadata(fb)
 
     def keep_accepted_states(self, metadata: Any, num_accepted: Any) -> None:
         """A verify step's (the reference's metadata); a step without drafts kept nothing."""
@@ -82,11 +82,11 @@ class FLAGDNBackend(LinearAttentionBackend):
             self.reference.keep_accepted_states(metadata, num_accepted)
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
+                layer: GDNAttention, fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv]."""
-        if isinstance(fb.linear_attn_metadata, GDNMetadata):  # a step with drafts, prepared by the reference
+        if isinstance(fb.gdn_metadata, GDNMetadata):  # a step with drafts, prepared by the reference
             return self.reference.forward(mixed_qkv, g, beta, conv_weight, layer, fb)
-        md = cast(FLAMetadata, fb.linear_attn_metadata)
+        md = cast(FLAMetadata, fb.gdn_metadata)
         slots = fb.state_slots  # [batch]
         conv_state = self.pool.conv_state[layer.layer_id]  # [slots, conv_dim, K-1]
         rec_state = self.pool.recurrent_state[layer.layer_id]  # [slots, Hv, Dv, Dk]

@@ -1,9 +1,9 @@
 """The backend of hybrid models: full-attention layers to one backend, GDN layers to another.
 
 `Attention` layers call `forward` and go to the full-attention backend (paged KV pool);
-`LinearAttention` layers call `linear.forward`: the linear-attention backend (GDN state pool), the
-one `AttentionBackend` whose `linear` is set. `prepare` prepares both once per step: the full
-backend's metadata on `fb.attn_metadata`, the linear one's on `fb.linear_attn_metadata`.
+`GDNAttention` layers call `gdn.forward`: the GDN backend (GDN state pool), the
+one `AttentionBackend` whose `gdn` is set. `prepare` prepares both once per step: the full
+backend's metadata on `fb.attn_metadata`, the GDN one's on `fb.gdn_metadata`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention.base import Attention, AttentionBackend, LinearAttentionBackend
+from vlmrun.layers.attention.base import Attention, AttentionBackend, GDNBackend
 
 
 def full_attention(backend: AttentionBackend) -> AttentionBackend:
@@ -23,21 +23,21 @@ def full_attention(backend: AttentionBackend) -> AttentionBackend:
 
 
 class HybridAttnBackend(AttentionBackend):
-    def __init__(self, full: AttentionBackend, linear: LinearAttentionBackend):
+    def __init__(self, full: AttentionBackend, gdn: GDNBackend):
         self.full = full
-        self.linear: LinearAttentionBackend = linear
+        self.gdn: GDNBackend = gdn
         self.supports_cuda_graph = full.supports_cuda_graph
 
     def prepare(self, fb: ForwardBatch) -> None:
         self.full.prepare(fb)
-        self.linear.prepare(fb)
+        self.gdn.prepare(fb)
 
     def graph_metadata(self, batch_size: int) -> Any:
         return self.full.graph_metadata(batch_size)
 
     def prepare_graph(self, state: Any, fb: ForwardBatch) -> None:
         self.full.prepare_graph(state, fb)
-        self.linear.prepare(fb)
+        self.gdn.prepare(fb)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention,
                 fb: ForwardBatch) -> torch.Tensor:

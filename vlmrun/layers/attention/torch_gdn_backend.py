@@ -1,6 +1,6 @@
 """The reference Gated DeltaNet backend: torch ops over the GDN state pool, any device.
 
-`forward` serves the `LinearAttention` layers of a hybrid model. For each sequence of the
+`forward` serves the `GDNAttention` layers of a hybrid model. For each sequence of the
 ragged batch it reads the sequence's slot (`fb.state_slots`), runs the causal conv1d from the
 slot's conv state and the gated delta rule from the slot's recurrent state, and writes both
 states back:
@@ -18,10 +18,10 @@ states back:
     `keep_accepted_states` writes the ones after the accepted positions into the slots, so the slot
     holds what plain decode of the accepted tokens leaves. (Memory: per GDN layer and such sequence,
     1 + k conv and recurrent states, for the length of the step.) A verify step padded to a bucket
-    (executor/padded_decode.py: every sequence feeds the same number of tokens, in order) reads
+    (executor/bucketed_steps.py: every sequence feeds the same number of tokens, in order) reads
     `fb.state_slots` as they are, so the step can be captured in a CUDA graph.
 The per-step split is computed once in `prepare` from host lists (no device→host sync) and kept
-on `fb.linear_attn_metadata`, so a flash-linear-attention backend can take the same seam.
+on `fb.gdn_metadata`, so a flash-linear-attention backend can take the same seam.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from vlmrun.cache.gdn_pool import GDNPool
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
-from vlmrun.layers.attention.base import LinearAttention, LinearAttentionBackend
+from vlmrun.layers.attention.base import GDNAttention, GDNBackend
 from vlmrun.layers.gdn_ops import (
     causal_conv1d,
     causal_conv1d_step,
@@ -75,8 +75,8 @@ class GDNMetadata:
     verifies: list[VerifyGroup] = field(default_factory=list)  # sequences with draft tokens, grouped by length
 
 
-class TorchGDNBackend(LinearAttentionBackend):
-    """Linear-attention (GDN) layers in torch ops; full attention belongs to the backend beside it."""
+class TorchGDNBackend(GDNBackend):
+    """GDN layers in torch ops; full attention belongs to the backend beside it."""
 
     verifies_drafts = True
 
@@ -120,12 +120,12 @@ class TorchGDNBackend(LinearAttentionBackend):
         elif decode_batch:
             rows = upload(torch.tensor(decode_rows, dtype=torch.int64), device)
             slots = fb.state_slots[upload(torch.tensor(decode_batch, dtype=torch.int64), device)]
-        fb.linear_attn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole, verifies)
+        fb.gdn_metadata = GDNMetadata(extends, rows, slots, bool(decode_batch) and whole, verifies)
 
     def forward(self, mixed_qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                layer: LinearAttention, fb: ForwardBatch) -> torch.Tensor:
+                layer: GDNAttention, fb: ForwardBatch) -> torch.Tensor:
         """mixed_qkv [T, conv_dim], g [T, Hv] float32, beta [T, Hv], conv_weight [conv_dim, K] -> [T, Hv, Dv]."""
-        md = cast(GDNMetadata, fb.linear_attn_metadata)
+        md = cast(GDNMetadata, fb.gdn_metadata)
         conv_state = self.pool.conv_state[layer.layer_id]  # [slots, conv_dim, K-1]
         rec_state = self.pool.recurrent_state[layer.layer_id]  # [slots, Hv, Dv, Dk]
         if md.decode_is_whole_batch:
@@ -161,7 +161,7 @@ class TorchGDNBackend(LinearAttentionBackend):
         return out
 
     def _decode(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                slots: torch.Tensor, layer: LinearAttention, conv_state: torch.Tensor,
+                slots: torch.Tensor, layer: GDNAttention, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:
         """One token for each of n sequences: x [n, conv_dim], g/beta [n, Hv] -> [n, Hv, Dv]."""
         y, new_conv = causal_conv1d_step(x, conv_weight, conv_state.index_select(0, slots))
@@ -173,7 +173,7 @@ class TorchGDNBackend(LinearAttentionBackend):
         return o[:, 0]
 
     def _verify(self, x: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-                group: VerifyGroup, layer: LinearAttention, conv_state: torch.Tensor,
+                group: VerifyGroup, layer: GDNAttention, conv_state: torch.Tensor,
                 rec_state: torch.Tensor) -> torch.Tensor:
         """n sequences of `group.length` tokens, with the values `group.length` decode steps would give:
         x [n * L, conv_dim], g/beta [n * L, Hv] -> [n * L, Hv, Dv]; keeps the states after every

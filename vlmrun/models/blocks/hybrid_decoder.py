@@ -4,7 +4,7 @@
 - `GatedRMSNorm`: the GDN output norm, weight * rmsnorm(core) * silu(z), per value head.
 - `GatedAttention`: q_proj yields the query and an output gate per head; q/k zero-centred norms;
   rotary on the first `rotary_dim` dims of each head only (partial rope); output * sigmoid(gate).
-- `GatedDeltaNet`: projections -> `LinearAttention` (causal conv + gated delta rule in the backend)
+- `GatedDeltaNet`: projections -> `GDNAttention` (causal conv + gated delta rule in the backend)
   -> gated norm -> out_proj. The seam takes q|k|v before the conv, g = -exp(A_log) * softplus(a + dt_bias)
   and beta = sigmoid(b). Its projections are Qwen3-Next's fused ones; Qwen3.5 overrides them.
 - `HybridTextModel`: embeddings (+ multimodal splice), decoder layers per `config.layer_types`, final norm.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.layers.attention import Attention, LinearAttention
+from vlmrun.layers.attention import Attention, GDNAttention
 from vlmrun.layers.linear import (ColumnParallelLinear, RowParallelLinear, ShardedRows, VocabParallelEmbedding,
                                   check_shape, copy_rows)
 from vlmrun.layers.rotary import apply_rotary, rope_parameters
@@ -147,8 +147,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = RowParallelLinear(total_v_heads * self.head_v_dim, hidden, tp)
-        self.attn = LinearAttention(layer_id, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                                    kernel)
+        self.attn = GDNAttention(layer_id, self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim,
+                                 kernel)
 
     def _init_projections(self, hidden: int) -> None:
         qkvz = [self.k_shard, self.k_shard, self.v_shard, self.v_shard]
@@ -195,8 +195,8 @@ class HybridDecoderLayer(nn.Module):
     def __init__(self, config: Any, layer_type: str, kind_id: int, mlp: nn.Module,
                  gdn_cls: type[GatedDeltaNet], tp: TensorParallel = SINGLE):
         super().__init__()
-        self.is_linear = layer_type == LINEAR_ATTENTION
-        if self.is_linear:
+        self.is_gdn = layer_type == LINEAR_ATTENTION
+        if self.is_gdn:
             self.linear_attn = gdn_cls(config, kind_id, tp)
         else:
             self.self_attn = GatedAttention(config, kind_id, tp)
@@ -207,7 +207,7 @@ class HybridDecoderLayer(nn.Module):
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         # h: [num_tokens, hidden]
         x = self.input_layernorm(h)
-        h = h + (self.linear_attn(x, fb) if self.is_linear else self.self_attn(x, cos, sin, fb))
+        h = h + (self.linear_attn(x, fb) if self.is_gdn else self.self_attn(x, cos, sin, fb))
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

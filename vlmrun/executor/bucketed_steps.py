@@ -1,6 +1,7 @@
-"""Decode steps padded to a batch-size bucket, replayed from a CUDA graph per bucket where possible.
+"""Steps of a fixed width per row (decode: 1, verify: 1 + k) padded to a batch-size bucket, replayed
+from a CUDA graph per bucket where possible.
 
-A decode step of B sequences runs as the smallest bucket b >= B of `decode_buckets(max_num_seqs)`
+A decode step of B sequences runs as the smallest bucket b >= B of `batch_buckets(max_num_seqs)`
 (1, 2, 4, 8, then every 8). Its inputs are copied into static buffers sized for the largest
 bucket; the b - B padding rows are harmless by construction: token 0 at position 0, one cached
 token, page-table row `dummy_row` (all zeros: the dummy page), KV slot 0 (the dummy page) and GDN
@@ -20,7 +21,7 @@ host syncs), each bucket's forward is captured once at start-up and replayed (ve
 with `verify_cuda_graphs=True`, up to `VERIFY_GRAPH_MAX_TOKENS` tokens: unverified on a GPU so far).
 Where CUDA cannot capture (the torch attention backend, LoRA, tensor parallelism, experts that read
 counts on the host) decode is not padded at all: padding rows without a graph are pure extra work
-(`plan_decode`). On the CPU, `enforce_eager=False` runs the same padded batches eagerly, so the
+(`plan_bucketed_steps`). On the CPU, `enforce_eager=False` runs the same padded batches eagerly, so the
 padding logic is exercised on every commit.
 """
 
@@ -44,7 +45,7 @@ PAD_KV_SLOT = 0  # slot 0 of the dummy page
 PAD_GDN_SLOT = 0  # the GDN pool's dummy slot
 
 
-def decode_buckets(max_num_seqs: int) -> list[int]:
+def batch_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes decode steps are padded to: 1, 2, 4, 8, 16, 24, ... and max_num_seqs itself."""
     buckets = [b for b in (1, 2, 4) if b < max_num_seqs]
     buckets += list(range(8, max_num_seqs, 8))
@@ -58,30 +59,30 @@ def bucket_for(batch_size: int, buckets: list[int]) -> Optional[int]:
 
 def graph_capturable(model: nn.Module, max_tokens: int) -> bool:
     """False when a module of the model would read a device value on the host in a decode step of up to
-    `max_tokens` tokens (a module says so with `decode_capturable(num_tokens)`: MoE experts the per-expert
+    `max_tokens` tokens (a module says so with `step_capturable(num_tokens)`: MoE experts the per-expert
     loop reads counts for, `SparseMoeBlock`)."""
-    return all(m.decode_capturable(max_tokens) for m in model.modules() if hasattr(m, "decode_capturable"))
+    return all(m.step_capturable(max_tokens) for m in model.modules() if hasattr(m, "step_capturable"))
 
 
 @dataclass(frozen=True)
-class DecodePlan:
-    """How decode steps run on a device: padded to buckets or not, replayed from CUDA graphs or not, and why."""
+class BucketedStepPlan:
+    """How decode and verify steps run on a device: padded to buckets or not, replayed from CUDA graphs or not, and why."""
 
     padded: bool
     graphs: bool
     why: str
 
 
-def plan_decode(device_type: str, eager: bool, backend_captures: bool, model_captures: bool,
-                tensor_parallel_size: int = 1, lora: bool = False) -> DecodePlan:
-    """`eager`: `EngineConfig.eager_decode` (enforce_eager, by default True on the CPU only). Padding buys
+def plan_bucketed_steps(device_type: str, eager: bool, backend_captures: bool, model_captures: bool,
+                        tensor_parallel_size: int = 1, lora: bool = False) -> BucketedStepPlan:
+    """`eager`: `EngineConfig.enforces_eager` (enforce_eager, by default True on the CPU only). Padding buys
     nothing without a graph to replay (the padding rows are pure extra work), so on CUDA decode is padded
     exactly when it is captured. The CPU pads only when asked (`enforce_eager=False`): no graph there
     either, but the path the graphs replay is then checked on every commit (tests, benchmarks)."""
     if eager:
-        return DecodePlan(False, False, "unpadded, eager (enforce_eager)")
+        return BucketedStepPlan(False, False, "unpadded, eager (enforce_eager)")
     if device_type != "cuda":
-        return DecodePlan(True, False, f"padded to buckets, run eagerly: no CUDA graphs on {device_type}")
+        return BucketedStepPlan(True, False, f"padded to buckets, run eagerly: no CUDA graphs on {device_type}")
     refusals = [why for fits, why in (
         (backend_captures, "the attention backend has none (attention_backend='flashinfer' does)"),
         (model_captures, "a module would read a device value on the host (quantized MoE experts, or experts too "
@@ -89,12 +90,12 @@ def plan_decode(device_type: str, eager: bool, backend_captures: bool, model_cap
         (tensor_parallel_size == 1, "tensor parallelism (collectives inside a capture: not attempted yet)"),
         (not lora, "LoRA (a graph would keep the adapter groups of its capture)")) if not fits]
     if refusals:
-        return DecodePlan(False, False, "unpadded, eager: no CUDA graphs (" + "; ".join(refusals) + ")")
-    return DecodePlan(True, True, "padded to buckets, replayed from CUDA graphs")
+        return BucketedStepPlan(False, False, "unpadded, eager: no CUDA graphs (" + "; ".join(refusals) + ")")
+    return BucketedStepPlan(True, True, "padded to buckets, replayed from CUDA graphs")
 
 
-class DecodeInputs:
-    """The static input buffers of padded decode steps, sized for the largest bucket."""
+class BucketedStepInputs:
+    """The static input buffers of bucketed steps (decode and verify), sized for the largest bucket."""
 
     def __init__(self, max_batch: int, dummy_row: int, hybrid: bool, device: torch.device, width: int = 1):
         self.dummy_row = dummy_row
@@ -178,27 +179,27 @@ class DecodeInputs:
 
 
 @dataclass
-class CapturedDecode:
+class CapturedStep:
     graph: Any  # torch.cuda.CUDAGraph
     hidden: torch.Tensor  # [bucket * width, hidden]: the graph's output buffer
     attn_state: Any  # the backend's static metadata for this bucket
-    linear_state: Any = None  # the GDN backend's metadata at capture (a verify graph's per-position states)
+    gdn_state: Any = None  # the GDN backend's metadata at capture (a verify graph's per-position states)
 
 
-class PaddedDecodeRunner:
+class BucketedStepRunner:
     """Runs decode steps (and verify steps) padded to buckets: from captured CUDA graphs, or eagerly."""
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, caches: Caches, device: torch.device,
                  use_cuda_graphs: bool, num_speculative_tokens: int = 0, verify_cuda_graphs: bool = False):
         self.model = model
         self.backend = backend
-        self.buckets = decode_buckets(caches.plan.max_num_seqs)
+        self.buckets = batch_buckets(caches.plan.max_num_seqs)
         self.width = 1 + num_speculative_tokens  # a verify step's positions per row
         self.max_context = caches.req_to_token.req_to_token.shape[1]  # positions a page-table row holds
-        self.inputs = DecodeInputs(self.buckets[-1], caches.req_to_token.dummy_row, caches.gdn_pool is not None,
-                                   device, self.width)
-        self.graphs: dict[int, CapturedDecode] = {}
-        self.verify_graphs: dict[int, CapturedDecode] = {}
+        self.inputs = BucketedStepInputs(self.buckets[-1], caches.req_to_token.dummy_row, caches.gdn_pool is not None,
+                                         device, self.width)
+        self.graphs: dict[int, CapturedStep] = {}
+        self.verify_graphs: dict[int, CapturedStep] = {}
         if use_cuda_graphs:
             self.capture(verify=verify_cuda_graphs and self.width > 1)
 
@@ -235,12 +236,12 @@ class PaddedDecodeRunner:
             hidden = self.model(padded.input_ids, padded.positions, padded)
         else:
             self.backend.prepare_graph(captured.attn_state, padded)
-            padded.linear_attn_metadata = captured.linear_state
+            padded.gdn_metadata = captured.gdn_state
             captured.graph.replay()
             hidden = captured.hidden
         if real is None:
             return hidden[: fb.batch_size]
-        fb.linear_attn_metadata = padded.linear_attn_metadata
+        fb.gdn_metadata = padded.gdn_metadata
         return hidden.index_select(0, real)
 
     # ------------------------------------------------------------------ CUDA graphs
@@ -264,7 +265,7 @@ class PaddedDecodeRunner:
             with torch.cuda.graph(graph, pool=pool):
                 hidden = self.model(padded.input_ids, padded.positions, padded)
             pool = graph.pool()
-            captured = CapturedDecode(graph, hidden, state, padded.linear_attn_metadata)
+            captured = CapturedStep(graph, hidden, state, padded.gdn_metadata)
             (self.verify_graphs if is_verify else self.graphs)[bucket] = captured
         torch.cuda.synchronize()
         logger.info("captured decode CUDA graphs for batch sizes %s%s", self.buckets,
