@@ -41,7 +41,7 @@ def mixed_requests() -> list[tuple[list[int], SamplingParams]]:
     params = [
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
         SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True),  # unseeded: the engine's generator
-        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, repetition_penalty=1.3),  # stays a chunk
+        SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, repetition_penalty=1.3),  # a row too (SamplingState)
         SamplingParams(temperature=0.8, top_k=20, max_tokens=11, ignore_eos=True, seed=5),
         SamplingParams(temperature=1.1, top_p=0.9, max_tokens=8, ignore_eos=True),
         SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True, logprobs=1),  # long prompt: prefill chunks

@@ -66,7 +66,7 @@ class Request:
     lora: Optional[LoRARequest] = None  # the LoRA adapter it runs with (None: the base model)
     priority: int = 0  # the priority scheduling policy serves lower values first (engine/queue_policy.py)
     pooling: Optional[PoolingState] = None  # a pooling (embedding) request: prefill-only, pooled (vlmrun/pooling/)
-    # its decodes go in a step's `DecodeRows` (no grammar nor sampling that reads its outputs;
+    # its decodes go in a step's `DecodeRows` (no grammar, drafts nor `min_tokens`;
     # set by the scheduler), sampled with `sampling_row`, made once
     plain_decode: bool = False
     sampling_row: Optional[SamplingRow] = None

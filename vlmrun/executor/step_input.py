@@ -5,8 +5,8 @@ slots, a fresh request's zeroed GDN slot) before the step; the engine turns each
 into a `ChunkInput`. The runner only reads these and the caches, so the types it needs live here,
 below the engine.
 
-The plain decodes of a step (a request past its prompt feeding its last token, no drafts, nothing
-its sampling reads from its outputs, no grammar) come as one `DecodeRows` instead: a
+The plain decodes of a step (a request past its prompt feeding its last token, no drafts, no grammar,
+no `min_tokens`, which counts outputs still on the device) come as one `DecodeRows` instead: a
 column per field, so the step's host work for them does not make an object per request. They come
 first in the step's token order (the scheduler takes them before any chunk, so the order of the rows,
 and with it which noise an unseeded sampled row draws, is the order a step of chunks alone has).
