@@ -43,7 +43,8 @@ class GuardedLaunches:
         launch = ModelRunner.launch
 
         def guarded(runner: ModelRunner, chunks: list, decodes: Any = None) -> Any:
-            guard = LaunchSyncGuard([chunks, decodes], raise_on_sync=False)
+            # the runner's per-row M-RoPE deltas live on the host (made without a device), like the chunks
+            guard = LaunchSyncGuard([chunks, decodes, runner.row_mrope_deltas], raise_on_sync=False)
             with guard:
                 step = launch(runner, chunks, decodes)
             self.syncs.update(guard.syncs)

@@ -71,3 +71,26 @@ def test_lora_decodes_run_as_rows_and_give_what_chunks_give(qwen3_dir, adapters,
     assert rows >= 6 * 4, rows  # (most of) every request's decodes went as rows
     assert as_rows == as_chunks
 
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_a_dropped_lora_engine_is_freed_by_reference_counts(qwen3_dir, adapters, eager):
+    """The LoRA binding holds no bound method of the runner (a cycle): a dropped LoRA engine frees its runner
+    and caches at once, even with the startup heap frozen (gc.freeze: cycles among frozen objects are
+    never collected while the process runs)."""
+    import gc
+    import weakref
+
+    engine = make_engine(qwen3_dir, True, False, eager)
+    for i, lora in enumerate([None, *adapters]):
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5, 6, 7 + i]}),
+                           SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), lora_request=lora)
+    while engine.has_unfinished():
+        engine.step()
+    runner = weakref.ref(engine.executor)
+    gc.disable()  # freed by reference counts alone, or not at all
+    try:
+        del engine
+        assert runner() is None, "the runner outlived its engine: a reference cycle holds it"
+    finally:
+        gc.enable()

@@ -24,6 +24,7 @@ the forward (`pool`, vlmrun/pooling/pooler.py) and reach the host in `collect` (
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Optional, Sequence
 
 import torch
@@ -96,7 +97,7 @@ class ModelRunner:
         # written by every step for its chunks (a request's first step on a row is a chunk), read by decode rows
         self.row_mrope_deltas = torch.zeros(caches.req_to_token.max_reqs + 1, dtype=torch.int64)
         # the step's features (executor/step_features.py): each row's adapter, and the drafts around the forward
-        self.adapters: Adapters = NoAdapters() if lora is None else LoRAAdapters(lora, self.rows_per_sequence)
+        self.adapters: Adapters = NoAdapters() if lora is None else LoRAAdapters(lora, partial(rows_per_sequence, self.bucketed_steps))
         self.drafting: Drafting = (HostDrafting() if drafter is None
                                    else MTPDrafting(drafter, attn_backend, device, tp))
 
@@ -293,13 +294,6 @@ class ModelRunner:
         self.attn_backend.prepare(fb)
         return self.model(fb.input_ids, fb.positions, fb)
 
-    def rows_per_sequence(self, fb: ForwardBatch) -> list[int]:
-        """Each sequence's rows in the forward that runs `fb`: its tokens, or in a verify step run padded
-        `width` rows (its tokens, then the padding of its row, which runs its adapter and is dropped)."""
-        if self.bucketed_steps is not None and fb.mode is not ForwardMode.DECODE and self.bucketed_steps.fits(fb):
-            return [self.bucketed_steps.width] * fb.batch_size
-        return fb.extend_seq_lens_cpu
-
     def fill_placeholders(self, input_ids: torch.Tensor, chunks: list[ChunkInput],
                           decodes: Optional[DecodeRows] = None) -> torch.Tensor:
         """`input_ids` [num_tokens] (on the device) with each PLACEHOLDER_TOKEN replaced there by the last
@@ -332,3 +326,13 @@ class ModelRunner:
         vision = self.vision.prepare(spans, fb.num_tokens) if spans else None
         if vision is not None:
             fb.mm_mask, fb.mm_embeds, fb.mm_extras = vision.mm_mask, vision.mm_embeds, vision.mm_extras
+
+
+def rows_per_sequence(bucketed_steps: Optional[BucketedStepRunner], fb: ForwardBatch) -> list[int]:
+    """Each sequence's rows in the forward that runs `fb`: its tokens, or in a verify step run padded
+    `width` rows (its tokens, then the padding of its row, which runs its adapter and is dropped).
+    (A function, not a runner method: the LoRA binding holds it, and a bound method would make a
+    reference cycle that keeps a dropped runner and its caches alive in the frozen startup heap.)"""
+    if bucketed_steps is not None and fb.mode is not ForwardMode.DECODE and bucketed_steps.fits(fb):
+        return [bucketed_steps.width] * fb.batch_size
+    return fb.extend_seq_lens_cpu
