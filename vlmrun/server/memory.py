@@ -34,6 +34,8 @@ import time
 from concurrent.futures import Executor
 from typing import Any, Callable, Optional
 
+from vlmrun.executor.cpu_malloc import rss_bytes
+
 logger = logging.getLogger(__name__)
 
 TRIM_BODY_BYTES = 8 << 20
@@ -64,15 +66,6 @@ def share_one_arena() -> bool:
     if any(name in os.environ.get("LD_PRELOAD", "") for name in OTHER_ALLOCATORS):
         return False
     return bool(libc.mallopt(M_ARENA_MAX, 1))
-
-
-def rss_bytes() -> int:
-    """This process's resident set size (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as fh:
-            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class MemoryTrimmer:
