@@ -323,11 +323,12 @@ def _flags(text: str) -> list[str]:
     return [f.split("=")[0] for f in _FLAG.findall(text)]
 
 
-def _call_arguments(rest: str) -> list[tuple[str, bool]]:
-    """(name, is keyword) of the arguments of the call at the start of `rest` that name a parameter:
-    `name`, `name=value`, `name: type`, `name [shape]`; values, `...` and `*args` are skipped."""
+
+def split_top_level(text: str) -> list[str]:
+    """`text` split at the commas outside brackets, up to its first unmatched closing bracket
+    ("a [n, m], b) c" -> ["a [n, m]", " b"])."""
     depth, current, parts = 0, "", []
-    for char in rest[1:]:
+    for char in text:
         if char in "([{":
             depth += 1
         elif char in ")]}":
@@ -339,9 +340,13 @@ def _call_arguments(rest: str) -> list[tuple[str, bool]]:
             current = ""
         else:
             current += char
-    parts.append(current)
+    return parts + [current]
+
+def _call_arguments(rest: str) -> list[tuple[str, bool]]:
+    """(name, is keyword) of the arguments of the call at the start of `rest` that name a parameter:
+    `name`, `name=value`, `name: type`, `name [shape]`; values, `...` and `*args` are skipped."""
     named = []
-    for part in (p.strip() for p in parts):
+    for part in (p.strip() for p in split_top_level(rest[1:])):
         match = _ARG_NAME.match(part)
         if match:
             named.append((match.group(1), match.group(2) == "="))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.doc_symbols import split_top_level
 from vlmrun.cache import plan
 from vlmrun.cache.kv_pool import ReqToTokenPool
 from vlmrun.config import CacheShape, EngineConfig
@@ -35,28 +36,12 @@ def _doc(name: str) -> str:
     return (DOCS / name).read_text(encoding="utf-8")
 
 
-def _top_level_split(text: str) -> list[str]:
-    """`text` split at the commas outside brackets ("a [n, m], b" -> ["a [n, m]", "b"])."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        if char in "[(":
-            depth += 1
-        elif char in "])":
-            depth -= 1
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return parts + [current]
-
-
 def _written_call(text: str, name: str) -> list[str]:
     """The argument names of the first `name(a, b: T, c [shape], ...)` written in `text` (across line
     breaks): each argument's leading name, without its type or shape."""
     match = re.search(r"(?<![\w.])" + re.escape(name) + r"\(([^)]*)\)", text)
     assert match, f"{name}(...) is not written out"
-    args = _top_level_split(match.group(1).replace("\n", " "))
+    args = split_top_level(match.group(1).replace("\n", " "))
     return [re.search(r"[A-Za-z_]\w*", arg).group(0) for arg in args]  # past a diagram's "│" at a line start
 
 
