@@ -85,6 +85,43 @@ def test_extend_gives_the_text_of_append_per_token(tokenizer) -> None:
     assert at_once[2, True] > 120 and at_once[0, False] > 120  # both ways taken
 
 
+class RaisingStream:
+    """A `DecodeStream` whose per-token step raises from its `after`-th call on (as one whose decoder's window
+    text does not extend its prefix would)."""
+
+    def __init__(self, stream: Any, after: int):
+        self.stream, self.calls, self.after = stream, 0, after
+
+    def step(self, backend: Any, token_id: int) -> Any:
+        self.calls += 1
+        if self.calls >= self.after:
+            raise ValueError("the window's text does not extend its prefix")
+        return self.stream.step(backend, token_id)
+
+
+def test_extend_falls_back_where_the_stream_raises(tokenizer) -> None:
+    """Token by token (random ids: the one-call way refuses them), the stream raising at some token: extend
+    drops it there, as append does, and the window decode gives the rest: the same text either way."""
+    taken = Counter()
+    rng = random.Random(2)
+    for case in range(40):
+        context, ids = ([rng.randrange(len(tokenizer)) for _ in range(n)] for n in (4, 30))
+        after = rng.randrange(1, 45)
+        per_token, together = (IncrementalDetokenizer(tokenizer, context, True) for _ in range(2))
+        per_token._stream = RaisingStream(per_token._stream, after)
+        together._stream = RaisingStream(together._stream, after)
+        for token_id in ids:
+            per_token.append(token_id)
+        together.extend(ids)
+        taken[together._stream is None] += 1
+        assert (together._stream is None) == (per_token._stream is None) == (after <= len(ids))
+        assert together.text == per_token.text and together.num_pending_tokens == per_token.num_pending_tokens
+        together.flush()
+        per_token.flush()
+        assert together.text == per_token.text, (context, ids, after)
+    assert taken[True] > 10 and taken[False] > 3
+
+
 def random_params(rng: random.Random, eos: int, text: str) -> SamplingParams:
     """`text`: a piece of the row's output text, a stop string that may well end it."""
     max_tokens = rng.choice([None, 1, 3, 9, 30])

@@ -128,9 +128,35 @@ class IncrementalDetokenizer:
         """`append` each of `token_ids`, in order: the same text, in one `tokenizers` call where that is
         provably the same (`_extend_at_once`), else token by token (a stream that raises falls back as
         in `append`). The deltas are not returned: read `text`."""
-        if not self._extend_at_once(token_ids):
-            for token_id in token_ids:
-                self.append(token_id)
+        token_ids = list(map(int, token_ids))
+        if self._extend_at_once(token_ids):
+            return
+        done = self._extend_by_stream(token_ids) if self._stream is not None else 0
+        for token_id in token_ids[done:]:  # (the stream raised, or there is none: the window decode)
+            self.append(token_id)
+
+    def _extend_by_stream(self, token_ids: Sequence[int]) -> int:
+        """`append`'s stream path over `token_ids`, one `DecodeStream.step` each in a tight loop; returns how
+        many it took: all, or up to the one the stream raised on (the stream is then dropped, as `append`
+        drops it, and the caller appends that one and the rest by the window decode)."""
+        step, backend, tokens, pieces = self._stream.step, self._backend, self._tokens, self._pieces
+        prefix, read = self._prefix_offset, self._read_offset
+        done = 0
+        for token_id in token_ids:
+            tokens.append(token_id)
+            try:
+                piece = step(backend, token_id)
+            except Exception:  # noqa: BLE001 - as in append: the window decode from here on
+                tokens.pop()
+                self._stream = None
+                break
+            done += 1
+            if piece is not None:
+                prefix, read = read, len(tokens)
+                pieces.append(piece)
+        if (prefix, read) != (self._prefix_offset, self._read_offset):
+            self._prefix_offset, self._read_offset, self._prefix_text = prefix, read, None
+        return done
 
     def _extend_at_once(self, token_ids: Sequence[int]) -> bool:
         """One `DecodeStream.step(tokenizer, ids)` over the whole list, kept only when it gives what the
@@ -146,14 +172,13 @@ class IncrementalDetokenizer:
         if REPLACEMENT_CHAR in self._backend.decode(window, skip_special_tokens=self.skip_special_tokens):
             return False
         stream = DecodeStream(ids=window, skip_special_tokens=self.skip_special_tokens)
-        ids = [int(t) for t in token_ids]
         try:
-            piece = stream.step(self._backend, ids)
+            piece = stream.step(self._backend, token_ids)
         except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
             return False
         if piece is None or REPLACEMENT_CHAR in piece:
             return False
-        self._tokens.extend(ids)
+        self._tokens.extend(token_ids)
         self._stream = stream
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._tokens)
