@@ -37,7 +37,8 @@ class Finishing(NamedTuple):
 
 
 class OutputProcessor:
-    """Text streams of the live requests, and the updates and results made from their tokens."""
+    """Text streams (or final-only outputs) of the live requests, and the updates and results made from
+    their tokens."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: list[int], max_model_len: int):
         self.tokenizer = tokenizer
@@ -123,10 +124,8 @@ class OutputProcessor:
                 continue
             outputs = req.output_token_ids
             outputs.append(token_id)
-            new_logprobs = []
             if token_logprobs is not None:
                 req.output_logprobs.append(token_logprobs)
-                new_logprobs = [token_logprobs]
             stream = streams[req.request_id]
             if type(stream) is FinalOutput:  # no text, no update: the quick finish test, inline
                 n = len(outputs)
@@ -145,7 +144,8 @@ class OutputProcessor:
                 delta = token.delta
                 if token.finish_reason is not None:
                     finishing.append(Finishing(len(updates), req, token.finish_reason))
-            updates.append(RequestUpdate(req.request_id, [token_id], new_logprobs, delta))
+            updates.append(RequestUpdate(req.request_id, [token_id], [] if token_logprobs is None else [token_logprobs],
+                                         delta))
         return updates, finishing
 
     def result(self, req: Request, reason: str) -> RequestResult:
