@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profile", type=int, default=None, help="cProfile vlmrun's decode steps at this batch")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or build into) this folder")
     parser.add_argument("--stream", action="store_true",
-                        help="add vlmrun's requests as streamed ones (each step's update and text delta), not final-only")
+                        help="add vlmrun's requests as streamed ones (each step's update and text delta), "
+                             "not final-only")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time (time.process_time), steadier on a machine others load")
     args = parser.parse_args(argv)

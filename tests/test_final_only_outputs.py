@@ -293,8 +293,8 @@ def test_llm_generate_gives_the_streamed_engine_outputs(qwen3_dir) -> None:
     options = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
                    kv_cache_memory_bytes=8 << 20)
     llm = LLM(str(qwen3_dir), **options)
-    asks = engine_batch(llm.engine, run(llm.engine, {"ref": SamplingParams(temperature=0, max_tokens=6,
-                                                                           ignore_eos=True)}, stream=True)[0]["ref"].token_ids)
+    reference, _ = run(llm.engine, {"ref": SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)}, stream=True)
+    asks = engine_batch(llm.engine, reference["ref"].token_ids)
     streamed, _ = run(llm.engine, asks, stream=True)
     outs = llm.generate([{"prompt_token_ids": [5, 9, 13, 17, 21]}] * len(asks), list(asks.values()), use_tqdm=False)
     for rid, out in zip(asks, outs):
