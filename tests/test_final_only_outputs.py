@@ -201,7 +201,6 @@ def test_final_only_rows_give_the_streamed_result(tokenizer) -> None:
             assert updates_seen[1, rid] <= 2  # its first token and its last, nothing between
             params = rows[rid][0][0].sampling_params
             reasons[want.finish_reason, type(want.stop_reason).__name__, params.detokenize] += 1
-    print(sorted(reasons.items()))
     for case in [("stop", "int", True), ("stop", "str", True), ("stop", "NoneType", True), ("length", "NoneType", True),
                  ("length", "NoneType", False)]:  # stop id, stop string, EOS, length; detokenize=False
         assert reasons[case] >= 3, (case, reasons)
