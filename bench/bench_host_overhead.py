@@ -7,8 +7,13 @@ decodes `--max-tokens` greedy tokens (EOS ignored) for a batch of identical-leng
 one thread (`torch.set_num_threads(1)`; run it under OMP_NUM_THREADS=1 too):
 
 - **vlmrun**: an `Engine` (CPU, float32, no prefix caching so that the prompts are computed, eager
-  decode); the requests are added, the first step prefills them all and samples their first token,
-  then the remaining steps (decode only) are timed: ms/step = their time / their number.
+  decode); the requests are added as `LLM.generate` adds them (`stream=False`: the consumer reads only
+  each request's result, so a step makes no per-request update or text), the first step prefills them
+  all and samples their first token, then the remaining steps (decode only) are timed: ms/step = their
+  time / their number. Every finished request's text is read inside the timed steps (its final
+  detokenization runs in the step that finishes it, as in use). `--stream` adds them as the server's
+  streamed requests instead (`stream=True`: each step's update and text delta per request) and reads
+  each step's deltas.
 - **HF transformers** `generate` on the same checkpoint and prompts (greedy, `min_new_tokens` =
   `max_new_tokens`, the default dynamic cache): ms/step = (time of `max_tokens` new tokens - time of
   one) / (`max_tokens` - 1), which leaves the prefill out the same way.
@@ -20,6 +25,7 @@ side, alternating, and the median is reported, with µs per request per step (ms
 
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 1 64 256 --max-tokens 48
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 256 --repeats 1 --sides vlmrun --profile 256
+    OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 256 --sides vlmrun --stream  # streamed requests
 
 `--clock cpu` times with this process's CPU time instead of the wall clock: on a machine other work
 loads, the figures move less (the quiet machine's wall clock stays the one to report).
@@ -67,24 +73,29 @@ def make_engine(model_dir: Path, max_num_seqs: int) -> Engine:
 
 
 def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.Profile | None = None,
-               clock: Callable[[], float] = time.perf_counter) -> float:
-    """ms per decode step: the steps after the one that prefills every prompt (timed by `clock`)."""
+               clock: Callable[[], float] = time.perf_counter, stream: bool = False) -> float:
+    """ms per decode step: the steps after the one that prefills every prompt (timed by `clock`). Each
+    finished request's text is read in the timed loop (`stream`: each step's text deltas too)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, ids in enumerate(prompts(batch)):
-        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params)
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params, stream=stream)
     engine.step()  # every prompt in one step (batch * PROMPT_LEN <= max_num_batched_tokens), first tokens
-    steps = 0
+    steps = chars = finished = 0
     if profiler is not None:
         profiler.enable()
     start = clock()
     while engine.has_unfinished():
-        engine.step()
+        for update in engine.step():
+            chars += len(update.text_delta)  # (empty without `stream`)
+            if update.result is not None:
+                finished += 1
+                chars += len(update.result.text)
         steps += 1
     elapsed = clock() - start
     if profiler is not None:
         profiler.disable()
-    if steps != max_tokens - 1:
-        raise RuntimeError(f"expected {max_tokens - 1} decode steps, ran {steps}")
+    if steps != max_tokens - 1 or finished != batch:
+        raise RuntimeError(f"expected {max_tokens - 1} decode steps and {batch} results, ran {steps}, got {finished}")
     return elapsed / steps * 1e3
 
 
@@ -111,6 +122,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sides", nargs="+", default=["vlmrun", "hf"], choices=["vlmrun", "hf"])
     parser.add_argument("--profile", type=int, default=None, help="cProfile vlmrun's decode steps at this batch")
     parser.add_argument("--model-dir", type=Path, default=None, help="reuse (or build into) this folder")
+    parser.add_argument("--stream", action="store_true",
+                        help="add vlmrun's requests as streamed ones (each step's update and text delta), "
+                             "not final-only")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time (time.process_time), steadier on a machine others load")
     args = parser.parse_args(argv)
@@ -126,17 +140,18 @@ def main(argv: list[str] | None = None) -> None:
             from transformers import AutoModelForImageTextToText
 
             hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        run_vlmrun(engine, 4, 4)  # warm-up: first calls of every path
+        run_vlmrun(engine, 4, 4, stream=args.stream)  # warm-up: first calls of every path
         if hf is not None:
             run_hf(hf, 4, 4)
         print(f"ms per decode step (median of {args.repeats}, {args.clock} clock), {args.max_tokens} greedy tokens, "
-              f"prompts of {PROMPT_LEN} tokens, one thread")
+              f"prompts of {PROMPT_LEN} tokens, one thread; vlmrun's requests "
+              f"{'streamed' if args.stream else 'final-only, as LLM.generate'}")
         print(f"{'batch':>6} " + " ".join(f"{side:>10} {'us/req':>8}" for side in args.sides))
         for batch in args.batches:
             times: dict[str, list[float]] = {side: [] for side in args.sides}
             for _ in range(args.repeats):
                 if "vlmrun" in args.sides:
-                    times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens, clock=clock))
+                    times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens, clock=clock, stream=args.stream))
                 if hf is not None:
                     times["hf"].append(run_hf(hf, batch, args.max_tokens, clock=clock))
             cells = []
@@ -146,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{batch:>6} " + " ".join(cells), flush=True)
         if args.profile is not None:
             profiler = cProfile.Profile()
-            ms = run_vlmrun(engine, args.profile, args.max_tokens, profiler)
+            ms = run_vlmrun(engine, args.profile, args.max_tokens, profiler, stream=args.stream)
             print(f"\ncProfile of vlmrun at batch {args.profile}: {ms:.2f} ms/step (under the profiler)")
             out = io.StringIO()
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(35)

@@ -1,8 +1,10 @@
 """A plain decode step's host work does not grow per request in Python calls (issue 46).
 
 The step's engine side (scheduling the rows, marking them launched and collected, the tokens' text and
-updates) makes a fixed number of Python function calls per decoding request: the row's text (its
-`tokenizers` stream step through `OutputTextStream.add_plain_token`) and its `RequestUpdate`. Counted
+updates) makes a fixed number of Python function calls per decoding request: for a streamed request the
+row's text (its `tokenizers` stream step through `OutputTextStream.add_plain_token`) and its
+`RequestUpdate`; for a request added with `stream=False` (the feed pipeline's: `LLM`, the jobs) none (its
+token is appended and its finish rule tested inline; its text is decoded when it finishes). Counted
 with a profile hook over one decode step at two batch sizes; the sampling side (its own per-row state,
 another piece of work) is left out of the count. And the one-pass paths give what the per-token ones give,
 and the CPU attention's tail rows (stale_keys.tail_rows) are the same worked out either way.
@@ -29,7 +31,8 @@ from vlmrun.layers.attention.stale_keys import LOOP_BELOW, tail_rows
 from vlmrun.sampling_params import SamplingParams
 
 SAMPLING_FILE_PREFIX = "sampl"  # sampler.py, sampling_batch.py, sampling_params.py and any per-row sampling-state file
-MAX_CALLS_PER_REQUEST = 3  # add_plain_token, IncrementalDetokenizer.append, RequestUpdate.__init__
+MAX_CALLS_PER_REQUEST = {True: 3, False: 0}  # streamed: add_plain_token, IncrementalDetokenizer.append,
+# RequestUpdate.__init__; stream=False: none
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +40,13 @@ def tokenizer(tiny_tokenizer_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))
 
 
-def decode_step_calls(model_dir: Path, batch: int) -> Counter:
+def decode_step_calls(model_dir: Path, batch: int, stream: bool) -> Counter:
     """Python calls (file, function) of one plain decode step of `batch` greedy requests."""
     engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=16,
                                  max_num_batched_tokens=256, kv_cache_memory_bytes=16 * 1024 * 1024))
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13, 17]}), params)
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13, 17]}), params, stream=stream)
     engine.step()  # the prefills
     engine.step()  # a first decode step (first calls of every path)
     calls: Counter = Counter()
@@ -59,14 +62,15 @@ def decode_step_calls(model_dir: Path, batch: int) -> Counter:
     finally:
         sys.setprofile(previous)
     engine.shutdown()
-    assert len(updates) == batch and all(len(u.new_token_ids) == 1 for u in updates)
+    assert len(updates) == (batch if stream else 0) and all(len(u.new_token_ids) == 1 for u in updates)
     return Counter({key: n for key, n in calls.items() if not key[0].startswith(SAMPLING_FILE_PREFIX)})
 
 
-def test_a_plain_decode_step_makes_a_few_calls_per_request(qwen3_vl_dir) -> None:
-    small, large = decode_step_calls(qwen3_vl_dir, 4), decode_step_calls(qwen3_vl_dir, 12)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_plain_decode_step_makes_a_few_calls_per_request(qwen3_vl_dir, stream: bool) -> None:
+    small, large = decode_step_calls(qwen3_vl_dir, 4, stream), decode_step_calls(qwen3_vl_dir, 12, stream)
     growth = {key: (large[key] - small[key]) / 8 for key in large | small if large[key] != small[key]}
-    assert sum(growth.values()) <= MAX_CALLS_PER_REQUEST, growth
+    assert sum(growth.values()) <= MAX_CALLS_PER_REQUEST[stream], growth
 
 
 def random_params(rng: random.Random, eos: int) -> SamplingParams:

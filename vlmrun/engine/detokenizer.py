@@ -8,6 +8,8 @@ Three pieces, plus one object that strings them together:
   across tokens) it emits nothing and waits for the rest of the bytes; `flush()` gives up and
   emits what is held (used when the request ends). The deltas concatenate to
   `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
+  `extend(token_ids)` appends many tokens with the same text as `append` one at a time: in one
+  `DecodeStream.step` call (a list of ids) where that provably gives the same text, else token by token.
 - `StopStringMatcher` (`stop_strings.py`, re-exported here): fed the text piece by piece, finds the earliest stop-string occurrence that
   ends in the newest piece (the ones entirely in older text were checked before), returns where to
   cut the text (before the stop string, or after it with `include_stop_str_in_output`), and tells
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from vlmrun.engine.stop_strings import StopMatch, StopStringMatcher, find_stop_string, safe_length
 from vlmrun.sampling_params import SamplingParams
@@ -81,6 +83,8 @@ class IncrementalDetokenizer:
         self._backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
         self._stream = (None if self._backend is None
                         else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
+        # a byte-level decoder's text is the UTF-8 (lossy) of its tokens' bytes, joined: `extend` relies on it
+        self._byte_level = self._backend is not None and isinstance(self._backend.decoder, ByteLevel)
 
     @property
     def text(self) -> str:
@@ -119,6 +123,68 @@ class IncrementalDetokenizer:
         if full.endswith(REPLACEMENT_CHAR):
             return ""
         return self._emit(full)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """`append` each of `token_ids`, in order: the same text, in one `tokenizers` call where that is
+        provably the same (`_extend_at_once`), else token by token (a stream that raises falls back as
+        in `append`). The deltas are not returned: read `text`."""
+        token_ids = list(map(int, token_ids))
+        if self._extend_at_once(token_ids):
+            return
+        done = self._extend_by_stream(token_ids) if self._stream is not None else 0
+        for token_id in token_ids[done:]:  # (the stream raised, or there is none: the window decode)
+            self.append(token_id)
+
+    def _extend_by_stream(self, token_ids: Sequence[int]) -> int:
+        """`append`'s stream path over `token_ids`, one `DecodeStream.step` each in a tight loop; returns how
+        many it took: all, or up to the one the stream raised on (the stream is then dropped, as `append`
+        drops it, and the caller appends that one and the rest by the window decode)."""
+        step, backend, tokens, pieces = self._stream.step, self._backend, self._tokens, self._pieces
+        prefix, read = self._prefix_offset, self._read_offset
+        done = 0
+        for token_id in token_ids:
+            tokens.append(token_id)
+            try:
+                piece = step(backend, token_id)
+            except Exception:  # noqa: BLE001 - as in append: the window decode from here on
+                tokens.pop()
+                self._stream = None
+                break
+            done += 1
+            if piece is not None:
+                prefix, read = read, len(tokens)
+                pieces.append(piece)
+        if (prefix, read) != (self._prefix_offset, self._read_offset):
+            self._prefix_offset, self._read_offset, self._prefix_text = prefix, read, None
+        return done
+
+    def _extend_at_once(self, token_ids: Sequence[int]) -> bool:
+        """One `DecodeStream.step(tokenizer, ids)` over the whole list, kept only when it gives what the
+        per-token steps give: with a byte-level decoder the text of a run of tokens is the lossy UTF-8 of
+        their bytes, joined. When the emitted window's text (the context) and the new text have no U+FFFD,
+        those bytes are valid UTF-8 from the window's start, every point where a per-token step emits is a
+        character boundary, and the per-token deltas are the substrings between them: they join to the
+        one step's text. Otherwise (U+FFFD, a held-back tail, no new text, an error) nothing is changed and
+        the caller steps token by token. Tried on a stream of its own, so a refusal leaves this one as it was."""
+        if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
+            return False
+        window = self._tokens[self._prefix_offset:self._read_offset]
+        if REPLACEMENT_CHAR in self._backend.decode(window, skip_special_tokens=self.skip_special_tokens):
+            return False
+        stream = DecodeStream(ids=window, skip_special_tokens=self.skip_special_tokens)
+        try:
+            piece = stream.step(self._backend, token_ids)
+        except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
+            return False
+        if piece is None or REPLACEMENT_CHAR in piece:
+            return False
+        self._tokens.extend(token_ids)
+        self._stream = stream
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self._prefix_text = None
+        self._pieces.append(piece)
+        return True
 
     def flush(self) -> str:
         """Emit whatever is held back (possibly ending in U+FFFD); call when the request ends."""

@@ -2,7 +2,8 @@
 
 `add_request` validates and queues a processed prompt; `step` runs one scheduler step and returns
 what each touched request produced (`engine/outputs.py`: new tokens and text, and for a request that
-finished its whole result; the engine forgets a finished request in the step that finished it);
+finished its whole result; the engine forgets a finished request in the step that finished it;
+`stream=False`: only an empty update with its first token, and its last, the text decoded then);
 `abort` drops a request and frees its memory. The engine is
 synchronous and single-threaded; the async wrapper for the server drives it from one loop, `LLM`
 under a lock. A step is all or nothing: one that raises aborts its requests (`_drop_interrupted`).
@@ -196,7 +197,9 @@ class Engine:
         return self.processor.process_chat(parsed)
 
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams,
-                    lora_request: Optional[LoRARequest] = None, *, priority: int = 0) -> None:
+                    lora_request: Optional[LoRARequest] = None, *, priority: int = 0, stream: bool = True) -> None:
+        """Validate and queue a request. `stream=False`: its consumer reads only the result (`LLM`, the jobs):
+        no per-step update or text but an empty update with its first token (`engine/final_output.py`)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.scheduler.policy.check(priority)  # SamplingParamError naming "priority" (e.g. non-zero under fcfs)
@@ -229,7 +232,7 @@ class Engine:
         if self.prefix_cache is not None and (pooling is None or not pooling.pooling.reads_prefix):
             req.page_keys = prompt_page_keys(prompt, self.caches.plan.page_size, cache_salt(lora_request))
         self.requests[request_id] = req
-        self.outputs.add(req)
+        self.outputs.add(req, stream=stream)
         self.scheduler.add(req)
 
     def compile_structured(self, params: SamplingParams) -> None:
@@ -326,7 +329,9 @@ class Engine:
             if sampled is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
-                updates.append(self._append_tokens(req, [sampled, *output.after_drafts]))
+                update = self._append_tokens(req, [sampled, *output.after_drafts])
+                if update is not None:
+                    updates.append(update)
         return updates
 
     def _pooled(self, req: Request, chunk: ScheduledChunk, pooled: Optional[torch.Tensor]) -> list[RequestUpdate]:
@@ -372,8 +377,9 @@ class Engine:
         if interrupt is not None:
             raise interrupt
 
-    def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> RequestUpdate:
-        """A step's tokens for `req` (engine/output_processor.py); a finishing one's update carries its result."""
+    def _append_tokens(self, req: Request, tokens: list[SampledToken]) -> Optional[RequestUpdate]:
+        """A step's tokens for `req` (engine/output_processor.py); a finishing one's update carries its result
+        (None: a request that does not stream, between its first token and its last)."""
         update, finish_reason = self.outputs.append(req, tokens)
         if finish_reason is not None:
             update.result = self._finish(req, finish_reason).result

@@ -4,6 +4,11 @@ This is the engine's one output shape. `LLM` (`vlmrun/api.py`), the async engine
 (`vlmrun/engine/async_engine.py`) and the caption pipeline (`vlmrun/jobs/pipeline.py`) all read
 it, and none of them reads the engine's requests: a finished request's update carries its whole
 result (`RequestResult`) and the engine forgets the request in the same step.
+
+A request added with `Engine.add_request(..., stream=False)` (the consumer reads only its result: `LLM`
+and the jobs, through the feed pipeline) gets two updates: an empty one in the step that collects its
+first token (its prefill is over), and its last, with the result (the same result a streamed request
+gets). Its text is decoded once, when it finishes (`final_output.py`).
 """
 
 from __future__ import annotations
@@ -47,7 +52,8 @@ class RequestResult:
 @dataclass
 class RequestUpdate:
     """What one step produced for one request: its new tokens and text (streaming), and on its last
-    update (`finished`) the request's `result`."""
+    update (`finished`) the request's `result`. A request that does not stream gets empty tokens and text
+    (module docstring)."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)

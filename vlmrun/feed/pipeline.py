@@ -19,6 +19,9 @@
   While the engine has work the loop never waits for preprocessing; it waits only when the engine is
   idle.
 - One input may run several requests (`Work.params`: `n` choices); it finishes when all have.
+- The requests are added with `stream=False`: the loop reads only each request's result and its first
+  update (the step that collects its first token, which ends its prefill: `_PrefillWindow.leave`), so
+  the engine makes no per-step update or text for them and decodes each text once, when it finishes.
 - A bad input (one `prepare` fails on, or a prompt `add_request` refuses) finishes at once with its
   error; the others go on. Only the caller's thread touches the engine (`add_request`, `step`, `abort`);
   the workers run `prepare`, which uses only the processor.
@@ -241,7 +244,8 @@ class InputPipeline:
             try:
                 for i, params in enumerate(work.params):
                     rid = f"{work.request_id}-{i}"
-                    self.engine.add_request(rid, prompt, params, lora_request=work.lora, priority=work.priority)
+                    self.engine.add_request(rid, prompt, params, lora_request=work.lora, priority=work.priority,
+                                            stream=False)  # only the result is read: no per-step text
                     added.append(rid)
                     in_flight[rid] = (entry, i)
                 window.enter(entry)
