@@ -56,15 +56,22 @@ class DecodeGroup:
     rows: Optional[torch.Tensor]
     page_ids: torch.Tensor  # [seqs * max_pages] KV page of each page-sized run of key positions (past the
     # sequence's last page: its first page, stale_keys.py)
-    visible: torch.Tensor  # [seqs, width, max_seq] bool, True for the keys position j sees (< prefix + j + 1)
+    # [seqs, width, max_seq] in the compute dtype: 0 for the keys position j sees (< prefix + j + 1), -inf for
+    # the others. SDPA turns a bool mask into this very one in every call; made once, each layer skips that.
+    bias: torch.Tensor
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # query heads per KV head -> SDPA mask
 
+    @property
+    def visible(self) -> torch.Tensor:
+        """[seqs, width, max_seq] bool, True for the keys position j sees."""
+        return self.bias == 0
+
     def mask(self, group: int) -> torch.Tensor:
-        """[seqs, 1, width * group, max_seq]: the mask of query rows laid out position-major, heads minor."""
+        """[seqs, 1, width * group, max_seq]: the additive mask of query rows laid out position-major, heads minor."""
         if self.width == 1:
-            return self.visible[:, None]  # [seqs, 1, 1, max_seq]: broadcast over the group's heads
+            return self.bias[:, None]  # [seqs, 1, 1, max_seq]: broadcast over the group's heads
         if group not in self.masks:
-            self.masks[group] = self.visible.repeat_interleave(group, dim=1)[:, None]
+            self.masks[group] = self.bias.repeat_interleave(group, dim=1)[:, None]
         return self.masks[group]
 
 
@@ -139,10 +146,12 @@ class CpuAttnBackend(AttentionBackend):
             sees = lens.astype(np.int32)[:, None]  # [seqs, 1]
         else:  # position j sees the keys before prefix + j + 1 (the first fed position: at least 1)
             sees = np.maximum(lens - (width - 1), 1).astype(np.int32)[:, None] + np.arange(width, dtype=np.int32)
-        visible = upload(torch.from_numpy(key_positions < sees[:, :, None]), device)  # [seqs, width, max_seq]
+        bias = np.zeros((len(lens), sees.shape[1], max_seq), dtype=np.float32)  # [seqs, width, max_seq]
+        np.copyto(bias, np.float32(-np.inf), where=key_positions >= sees[:, :, None])
+        bias = upload(torch.from_numpy(bias), device).to(self.kv_pool.compute_dtype)
         token_rows = None if idx is None else upload(torch.tensor([starts[i] + j for i in idx for j in range(width)]),
                                                      device)
-        return DecodeGroup(width, token_rows, page_ids, visible)
+        return DecodeGroup(width, token_rows, page_ids, bias)
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
