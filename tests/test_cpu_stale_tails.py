@@ -1,13 +1,15 @@
-"""The cpu backend keeps another request's NaN out of a sequence's attention over many steps (stale_keys.py).
+"""The cpu and torch backends keep another request's NaN out of a sequence's attention over many steps
+(stale_keys.py).
 
 A pool whose every slot holds NaN (what a request whose activations overflowed leaves behind) and
 page-table rows whose stale entries name such pages: sequences are prefilled on fresh pages, then
 decode across page boundaries, a late one prefills beside the decodes, and one verifies drafts. The cpu
 backend gathers whole pages and clears no copy: the step that writes a page's first position zeroes
 the rest of it in the pool (`fresh_tail_slots`, `KVPool.clear`). Every step's output must be finite and
-equal the torch backend's over a clean pool (zeros), float32 and a float8 pool. (A sequence shorter than
-a page, in a batch with a longer one, reads its first page again past its end: the tail zeroed in the pool
-is zero there too, which zeroing the last page's tail in a gathered copy alone would miss.)
+equal the torch backend's over a clean pool (zeros), float32 and a float8 pool. The torch backend, which
+zeroes tails in its gathered copies, runs the same poisoned steps. (A sequence shorter than a page, in a
+batch with a longer one, reads its first page again past its end: zeroing the last page's tail in a copy
+alone missed those, and a prefill there reached the NaN in the torch backend, a decode in the cpu one.)
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ STEPS = [{0: 5, 1: 2}, {0: 1, 1: 1}, {0: 1, 1: 1}, {0: 1, 1: 1, 2: 7}, {0: 1, 1:
 DRAFTS = {5: {1: 3}}  # step 5: row 1 verifies 3 drafts
 
 
+@pytest.mark.parametrize("backend", [CpuAttnBackend, TorchAttnBackend])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
-def test_no_nan_from_a_poisoned_pool_over_steps(dtype):
-    ours, ref = Sequences(dtype, CpuAttnBackend, poisoned=True), Sequences(dtype, TorchAttnBackend, poisoned=False)
+def test_no_nan_from_a_poisoned_pool_over_steps(dtype, backend):
+    ours, ref = Sequences(dtype, backend, poisoned=True), Sequences(dtype, TorchAttnBackend, poisoned=False)
     layer = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
     gen = torch.Generator().manual_seed(3)
     for i, fed in enumerate(STEPS):
