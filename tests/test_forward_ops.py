@@ -1,8 +1,7 @@
 """The decode forward's shortcuts give the same floats as the plain formulas, bit for bit.
 
-- `RMSNorm` runs `torch.rms_norm` for a contiguous float32 input on the CPU: equal to HF's Qwen RMSNorm
-  (normalize in float32, cast back, times the weight) over random inputs, shapes and scales; other
-  dtypes and strided inputs keep the formula.
+- `RMSNorm` (now `rms_norm`, a function the dense attention calls with a weight per head) equals HF's
+  Qwen RMSNorm (normalize in float32, cast back, times the weight) over random inputs, shapes and scales.
 - `DenseAttention` norms and rotates q and k together (one `rms_norm` with a weight per head, one
   `apply_rotary` over the query and KV heads): the q, k, v it hands to attention equal those of
   norming and rotating each on its own, float32 and bfloat16, with and without q/k norm.
@@ -39,7 +38,7 @@ def test_rms_norm_equals_hf(shape, dtype):
     for scale in (1e-3, 1.0, 1e3):
         x = (torch.randn(shape, generator=gen) * scale).to(dtype)
         assert torch.equal(norm(x), hf_rms_norm(x, norm.weight, norm.eps))
-        strided = torch.cat([x, x], dim=-1)[..., :shape[-1]]  # (the formula's path)
+        strided = torch.cat([x, x], dim=-1)[..., :shape[-1]]  # (as q and k are: views of the qkv output)
         assert torch.equal(norm(strided), hf_rms_norm(strided, norm.weight, norm.eps))
 
 
