@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, make_batch
+from tests.test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, PAGE, make_batch
 from vlmrun.layers.attention.base import Attention
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
 from vlmrun.layers.attention.factory import resolve_backend_name
@@ -49,8 +49,7 @@ def test_cpu_backend_equals_the_torch_backend(prefix_lens, extend_lens, padding,
     expected, ref_pool, _ = run_backend(TorchAttnBackend, prefix_lens, extend_lens, padding, dtype, num_heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:real].float(), expected[:real].float(), atol=tol, rtol=tol)
-    assert torch.equal(got_pool.k_buffers[0], ref_pool.k_buffers[0])
-    assert torch.equal(got_pool.v_buffers[0], ref_pool.v_buffers[0])
+    assert_same_writes(got_pool, ref_pool, prefix_lens, extend_lens, padding)
 
 
 @pytest.mark.parametrize("prefix_lens,extend_lens,num_drafts", [
@@ -68,8 +67,24 @@ def test_verify_steps_equal_the_torch_backend(prefix_lens, extend_lens, num_draf
     expected, ref_pool, _ = run_backend(TorchAttnBackend, prefix_lens, extend_lens, 0, dtype, num_heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
-    assert torch.equal(got_pool.k_buffers[0], ref_pool.k_buffers[0])
-    assert torch.equal(got_pool.v_buffers[0], ref_pool.v_buffers[0])
+    assert_same_writes(got_pool, ref_pool, prefix_lens, extend_lens, 0)
+
+
+def assert_same_writes(got_pool, ref_pool, prefix_lens, extend_lens, padding) -> None:
+    """The pools hold the same K/V, but for the cpu backend's zeros past each sequence's length in a page
+    whose first position the step writes (stale_keys.py), worked out here position by position."""
+    _, rows, fb = make_batch(prefix_lens, extend_lens, padding)  # (the same page table)
+    zeroed = []
+    for row, length, fed in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu, fb.extend_seq_lens_cpu):
+        page_start = (length - 1) // PAGE * PAGE  # the sequence's last page
+        if page_start >= length - fed:  # the step writes its first position
+            first_slot = int(rows.req_to_token[row, page_start])
+            zeroed += [first_slot + p - page_start for p in range(length, page_start + PAGE)]
+    assert zeroed, "no sequence starts a page here: nothing to check"
+    for got, ref in ((got_pool.k_buffers[0], ref_pool.k_buffers[0]), (got_pool.v_buffers[0], ref_pool.v_buffers[0])):
+        expected = ref.clone()
+        expected[zeroed] = 0
+        assert torch.equal(got, expected)
 
 
 def test_a_verify_chunk_gathers_its_pages_once():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum, auto
+from operator import add
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
@@ -104,7 +105,7 @@ class ForwardBatch:
         follows the extend lengths, `num_drafts` is kept only when a sequence has drafts. `device_lens`:
         (seq_lens, extend_prefix_lens, extend_seq_lens) [batch] already on the device with the host lists'
         values (a padded decode's static buffers, which its CUDA graph reads), taken as they are."""
-        seq_lens = [p + n for p, n in zip(extend_prefix_lens, extend_seq_lens)]
+        seq_lens = list(map(add, extend_prefix_lens, extend_seq_lens))  # (no Python loop: a decode step's hundreds)
 
         def on_device(t: torch.Tensor) -> torch.Tensor:
             return to_device(t) if t.device.type == "cpu" else t

@@ -114,10 +114,20 @@ class KVPool:
 
     def write(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # loc: [num_tokens]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # index_copy_: quicker than `buffer[loc] = k` (advanced-index assignment); float8 ones copied as bytes
         if self.quantized:
             k, v = self._quantize(k, self.k_scales[layer_id]), self._quantize(v, self.v_scales[layer_id])
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        self._as_stored(self.k_buffers[layer_id]).index_copy_(0, loc, self._as_stored(k.to(self.dtype)))
+        self._as_stored(self.v_buffers[layer_id]).index_copy_(0, loc, self._as_stored(v.to(self.dtype)))
+
+    def clear(self, layer_id: int, slots: torch.Tensor) -> None:
+        """Zero a layer's k and v at `slots` [m] (int64, on the pool's device)."""
+        for buffer in (self.k_buffers[layer_id], self.v_buffers[layer_id]):
+            self._as_stored(buffer).index_fill_(0, slots, 0)  # (float8: zero bytes are 0.0)
+
+    def _as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x itself, or a float8 tensor as its bytes (index_copy_ / index_fill_ take no float8 on the CPU)."""
+        return x.view(torch.uint8) if self.quantized else x
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         """x / scale in float32, saturated to the float8 format's range (a cast alone may give NaN)."""

@@ -172,7 +172,9 @@ class ModelRunner:
         if not rows:
             drafts.catch_up(hidden, fb, None)
             return
-        logits = self.model.compute_logits(hidden[fb.logits_indices])  # [num_sampled positions, vocab] float32
+        # a step of decode rows alone samples at its first rows, in order: a view, not a gather
+        sampled_rows = hidden[:len(decodes)] if decodes is not None and not chunks else hidden[fb.logits_indices]
+        logits = self.model.compute_logits(sampled_rows)  # [num_sampled positions, vocab] float32
         vocab = logits.shape[-1]
         if verification is not None:
             verification.before_sampling(vocab, self.device)

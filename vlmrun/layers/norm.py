@@ -1,13 +1,23 @@
 """Normalization layers.
 
 `RMSNorm` follows the Qwen/Llama convention: normalize in float32, cast back to the input dtype,
-then scale by the learned weight (the multiply happens in the weight's dtype).
+then scale by the learned weight (the multiply happens in the weight's dtype). `rms_norm` is the same
+as a function, with a weight that may differ per row (the dense attention's q and k heads, normed together).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] normalized over its last dim in float32, cast back to x's dtype, times `weight` (broadcast
+    over x's trailing dims: [d], or [..., d] for a weight per row, e.g. per attention head)."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +28,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden_size]
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        # (torch.rms_norm gives the same floats in float32 on the CPU, in one call, but was no quicker inside a
+        # decode step at batch 256, hidden 64: 37-43 vs 36-40 us, p10 over the steps)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -48,7 +48,7 @@ Tensor = torch.Tensor
 
 TEMPERATURE, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE = range(6)  # the float block's columns
 # a row's flags (one uint8 column: a step ORs its rows' to know what it needs)
-GREEDY, SAMPLED, SEEDED, USES_SEEN, USES_COUNTS, USES_MASKS, LOGPROBS = (1 << i for i in range(7))
+GREEDY, SAMPLED, SEEDED, USES_SEEN, USES_COUNTS, USES_MASKS, LOGPROBS, GENERATOR = (1 << i for i in range(8))
 _PARAMS, _PROMPT, _OUTPUTS, _GENERATOR, _EOS, _GRAMMAR = (itemgetter(i) for i in range(6))  # SamplingRow fields
 _LOGPROBS = attrgetter("logprobs")
 
@@ -81,7 +81,7 @@ class SamplingState:
         self._generators: list[Optional[torch.Generator]] = [None] * rows
         self._floats = np.zeros((rows, 6), dtype=np.float32)  # host mirror of `floats`
         self._top_k = np.zeros(rows, dtype=np.int64)  # host mirror of `top_k`
-        self._flags = np.full(rows, GREEDY, dtype=np.uint8)  # GREEDY | SAMPLED | SEEDED | USES_... | LOGPROBS
+        self._flags = np.full(rows, GREEDY, dtype=np.uint8)  # GREEDY | SAMPLED | SEEDED | USES_... | LOGPROBS | GENERATOR
         self._logprobs = np.full(rows, -1, dtype=np.int64)  # -1: none asked
         self._outputs: list[Optional[Sequence[int]]] = [None] * rows  # the output list the counts were built from
         self._recorded = np.full(rows, -1, dtype=np.int64)  # outputs in the counts (-1: none built)
@@ -107,9 +107,11 @@ class SamplingState:
         flags = self._flags[idx]  # [n]
         union = int(np.bitwise_or.reduce(flags))  # what some row of the step needs
         max_logprobs = int(self._logprobs[idx].max()) if union & LOGPROBS else -1
+        # a step where no row has a generator (asks for logprobs) needs no pass for them: all None
         step = GatheredStep(verified=appended is not None, batch=SamplingBatch(
             batch_size=n, vocab_size=vocab_size, all_greedy=not union & SAMPLED,
-            generators=list(map(_GENERATOR, rows)), num_logprobs=list(map(_LOGPROBS, params)),
+            generators=list(map(_GENERATOR, rows)) if union & GENERATOR else [None] * n,
+            num_logprobs=list(map(_LOGPROBS, params)) if union & LOGPROBS else [None] * n,
             max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
         batch = step.batch
         if union & (SAMPLED | USES_SEEN | USES_COUNTS):
@@ -182,7 +184,8 @@ class SamplingState:
                             | (USES_SEEN if params.repetition_penalty != 1.0 else 0)
                             | (USES_COUNTS if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0 else 0)
                             | (USES_MASKS if reads_masks_or_bias(params) else 0)
-                            | (LOGPROBS if params.logprobs is not None else 0))
+                            | (LOGPROBS if params.logprobs is not None else 0)
+                            | (GENERATOR if generator is not None else 0))
         self._outputs[row], self._recorded[row], self._verified[row] = None, -1, False
 
     def _fill_sampling_settings(self, batch: SamplingBatch, idx: np.ndarray, idx_dev: Tensor, flags: np.ndarray,

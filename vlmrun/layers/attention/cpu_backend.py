@@ -20,8 +20,10 @@ row. This backend splits the batch by what each sequence does this step:
   `is_causal`); a chunk over a cached prefix gathers its pages and uses a bottom-right causal mask.
 
 Decode and verify rows gather pages up to the group's longest sequence: a sequence's pages past its last
-are its first one again and its last page's tail is zeroed (stale_keys.py), so the mask hides only values
-of its own or zeros (a prefill chunk reads its own positions only).
+are its first one again and its last page's tail holds zeros or its own values (the step that writes a
+page's first position zeroes the rest of it in the pool: stale_keys.py), so the mask hides only values of
+its own or zeros (a prefill chunk reads its own positions only). The metadata is made once per step, on
+the host from the host lengths (numpy) where it can be: the masks, the page-table columns to read.
 
 It reads and writes the same KV pool as the reference and is tested against it (tests/test_cpu_backend.py).
 A float8 pool (`kv_cache_dtype="fp8"`) is read through `dequantize` (stored values times the layer's scale)
@@ -33,13 +35,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, cast
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
-from vlmrun.layers.attention.stale_keys import own_pages, tail_rows, zero_rows
+from vlmrun.layers.attention.stale_keys import fresh_tail_slots
+from vlmrun.host_to_device import upload
 
 
 @dataclass
@@ -50,17 +54,24 @@ class DecodeGroup:
     width: int
     # [seqs * width] token row of each fed position, sequence by sequence; None when the group is the whole step
     rows: Optional[torch.Tensor]
-    page_ids: torch.Tensor  # [seqs * max_pages] KV page of each page-sized run of key positions
-    visible: torch.Tensor  # [seqs, width, max_seq] bool, True for the keys position j sees (< prefix + j + 1)
-    tail: Optional[torch.Tensor]  # [n] gathered rows past a sequence's length in its last page (zeroed); None: none
+    page_ids: torch.Tensor  # [seqs * max_pages] KV page of each page-sized run of key positions (past the
+    # sequence's last page: its first page, stale_keys.py)
+    # [seqs, width, max_seq] in the compute dtype: 0 for the keys position j sees (< prefix + j + 1), -inf for
+    # the others. SDPA turns a bool mask into this very one in every call; made once, each layer skips that.
+    bias: torch.Tensor
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # query heads per KV head -> SDPA mask
 
+    @property
+    def visible(self) -> torch.Tensor:
+        """[seqs, width, max_seq] bool, True for the keys position j sees."""
+        return self.bias == 0
+
     def mask(self, group: int) -> torch.Tensor:
-        """[seqs, 1, width * group, max_seq]: the mask of query rows laid out position-major, heads minor."""
+        """[seqs, 1, width * group, max_seq]: the additive mask of query rows laid out position-major, heads minor."""
         if self.width == 1:
-            return self.visible[:, None]  # [seqs, 1, 1, max_seq]: broadcast over the group's heads
+            return self.bias[:, None]  # [seqs, 1, 1, max_seq]: broadcast over the group's heads
         if group not in self.masks:
-            self.masks[group] = self.visible.repeat_interleave(group, dim=1)[:, None]
+            self.masks[group] = self.bias.repeat_interleave(group, dim=1)[:, None]
         return self.masks[group]
 
 
@@ -79,6 +90,9 @@ class PrefillChunk:
 class CpuAttnMetadata:
     decodes: list[DecodeGroup]  # one per width
     prefills: list[PrefillChunk]
+    # [m] KV slots past a sequence's length in a page this step writes first: zeroed in the pool after each
+    # layer's write (stale_keys.fresh_tail_slots); None: none this step
+    fresh_tails: Optional[torch.Tensor] = None
 
 
 class CpuAttnBackend(AttentionBackend):
@@ -89,9 +103,13 @@ class CpuAttnBackend(AttentionBackend):
 
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
+        all_lens = np.fromiter(fb.seq_lens_cpu, dtype=np.int64, count=fb.batch_size)  # [batch]
         if fb.num_drafts_cpu is None and fb.num_tokens == fb.batch_size:  # every sequence decodes one token
-            fb.attn_metadata = CpuAttnMetadata([self._decode_group(fb, None, 1, fb.seq_lens_cpu, None)], [])
+            fresh = fresh_tail_slots(all_lens, None, self.page_size, fb.out_cache_loc)
+            fb.attn_metadata = CpuAttnMetadata([self._decode_group(fb, None, 1, all_lens, None)], [], fresh)
             return
+        fresh = fresh_tail_slots(all_lens, np.fromiter(extend_lens, dtype=np.int64, count=fb.batch_size),
+                                 self.page_size, fb.out_cache_loc)
         drafts = fb.num_drafts_cpu or [0] * fb.batch_size
         starts = [0]
         for n in extend_lens:
@@ -104,36 +122,36 @@ class CpuAttnBackend(AttentionBackend):
             else:
                 prefill_idx.append(i)
         whole_step = not prefill_idx and len(by_width) == 1
-        seq_lens = fb.seq_lens_cpu
-        decodes = [self._decode_group(fb, None if whole_step else idx, width, [seq_lens[i] for i in idx],
+        decodes = [self._decode_group(fb, None if whole_step else idx, width, all_lens[idx],
                                       None if whole_step else starts) for width, idx in by_width.items()]
         rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
-        fb.attn_metadata = CpuAttnMetadata(decodes, prefills)
+        fb.attn_metadata = CpuAttnMetadata(decodes, prefills, fresh)
 
-    def _decode_group(self, fb: ForwardBatch, idx: Optional[list[int]], width: int, seq_lens: list[int],
+    def _decode_group(self, fb: ForwardBatch, idx: Optional[list[int]], width: int, lens: np.ndarray,
                       starts: Optional[list[int]]) -> DecodeGroup:
         """Sequences `idx` (None: every sequence of the step), each feeding `width` tokens, of lengths
-        `seq_lens` (host ints); `starts`: each sequence's first token row in the step (None with `idx`)."""
-        max_seq = -(-max(seq_lens) // self.page_size) * self.page_size
-        device = fb.seq_lens.device
-        sel = None if idx is None else torch.tensor(idx, device=device)
-        req_rows = fb.req_pool_indices if sel is None else fb.req_pool_indices[sel]
-        lens = fb.seq_lens if sel is None else fb.seq_lens[sel]
-        page_ids = own_pages(self.req_to_token[req_rows, :max_seq:self.page_size] // self.page_size, lens,
-                             self.page_size).flatten()  # [seqs * max_pages]
-        tail = tail_rows(seq_lens, max_seq, self.page_size, device)
-        key_positions = torch.arange(max_seq, device=device)  # [max_seq]
+        `lens` [seqs] (host); `starts`: each sequence's first token row in the step (None with `idx`)."""
+        page_size, device = self.page_size, fb.seq_lens.device
+        max_seq = -(-int(lens.max()) // page_size) * page_size
+        req_rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[upload(torch.tensor(idx), device)]
+        page_starts = np.arange(0, max_seq, page_size)  # [max_pages] first position of each page
+        # the page-table column each page is read from: its own, or past the sequence's last page its first
+        columns = np.where(page_starts < lens[:, None], page_starts, 0)  # [seqs, max_pages]
+        slots = self.req_to_token[req_rows[:, None], upload(torch.from_numpy(columns), device)]  # [seqs, max_pages]
+        page_ids = slots.div_(page_size, rounding_mode="floor").view(-1)  # [seqs * max_pages] (a fresh copy)
+        key_positions = np.arange(max_seq, dtype=np.int32)  # [max_seq] (int32: numpy compares it quicker)
         if width == 1:  # a plain decode sees its whole length (>= 1: it holds the token it feeds)
-            visible = key_positions[None, None, :] < lens[:, None, None]  # [seqs, 1, max_seq]
-        else:
-            first = (lens - (width - 1)).clamp(min=1)  # [seqs] keys the first fed position sees
-            sees = first[:, None] + torch.arange(width, device=device)[None, :]  # [seqs, width]
-            visible = key_positions[None, None, :] < sees[:, :, None]  # [seqs, width, max_seq]
-        token_rows = None if idx is None else torch.tensor([starts[i] + j for i in idx for j in range(width)],
-                                                           device=device)
-        return DecodeGroup(width, token_rows, page_ids, visible, tail)
+            sees = lens.astype(np.int32)[:, None]  # [seqs, 1]
+        else:  # position j sees the keys before prefix + j + 1 (the first fed position: at least 1)
+            sees = np.maximum(lens - (width - 1), 1).astype(np.int32)[:, None] + np.arange(width, dtype=np.int32)
+        bias = np.zeros((len(lens), sees.shape[1], max_seq), dtype=np.float32)  # [seqs, width, max_seq]
+        np.copyto(bias, np.float32(-np.inf), where=key_positions >= sees[:, :, None])
+        bias = upload(torch.from_numpy(bias), device).to(self.kv_pool.compute_dtype)
+        token_rows = None if idx is None else upload(torch.tensor([starts[i] + j for i in idx for j in range(width)]),
+                                                     device)
+        return DecodeGroup(width, token_rows, page_ids, bias)
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
@@ -151,6 +169,8 @@ class CpuAttnBackend(AttentionBackend):
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         self.kv_pool.write(layer.layer_id, fb.out_cache_loc, k, v)
+        if md.fresh_tails is not None:  # the rest of each page a sequence starts this step (stale_keys.py)
+            self.kv_pool.clear(layer.layer_id, md.fresh_tails)
         pool, i = self.kv_pool, layer.layer_id
         k_pool, v_pool = (pool.k_buffers[i], pool.k_scales[i]), (pool.v_buffers[i], pool.v_scales[i])  # (buffer, scale)
         if len(md.decodes) == 1 and md.decodes[0].rows is None:  # every sequence feeds as many tokens
@@ -166,8 +186,8 @@ class CpuAttnBackend(AttentionBackend):
                 layer: Attention, group: DecodeGroup) -> torch.Tensor:
         # q: [seqs * width, num_heads, head_dim] -> [seqs * width, num_heads, head_dim]
         n, width, group_size = q.shape[0] // group.width, group.width, layer.num_heads // layer.num_kv_heads
-        k_all = self._gather(k_pool, group.page_ids, n, q.dtype, group.tail)  # [seqs, kv_heads, max_seq, head_dim]
-        v_all = self._gather(v_pool, group.page_ids, n, q.dtype, group.tail)
+        k_all = self._gather(k_pool, group.page_ids, n, q.dtype)  # [seqs, kv_heads, max_seq, head_dim]
+        v_all = self._gather(v_pool, group.page_ids, n, q.dtype)
         q_rows = q.view(n, width, layer.num_kv_heads, group_size, layer.head_dim).transpose(1, 2)
         q_rows = q_rows.reshape(n, layer.num_kv_heads, width * group_size, layer.head_dim)  # position-major rows
         out = F.scaled_dot_product_attention(q_rows, k_all, v_all, attn_mask=group.mask(group_size),
@@ -189,13 +209,11 @@ class CpuAttnBackend(AttentionBackend):
                                              enable_gqa=layer.num_heads != layer.num_kv_heads)
         return out[0].transpose(0, 1)  # [length, heads, head_dim]
 
-    def _gather(self, pool: tuple[torch.Tensor, float], page_ids: torch.Tensor, batch: int, dtype: torch.dtype,
-                tail: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def _gather(self, pool: tuple[torch.Tensor, float], page_ids: torch.Tensor, batch: int,
+                dtype: torch.dtype) -> torch.Tensor:
         """Whole pages by id of `pool` (a layer's buffer and scale) -> [batch, kv_heads, pages_per_row *
-        page_size, head_dim] in `dtype` (a strided view); the rows `tail` (key positions, row-major over
-        [batch, pages_per_row * page_size]) zeroed."""
+        page_size, head_dim] in `dtype` (a strided view)."""
         buffer, scale = pool
         pages = buffer.view(-1, self.page_size * buffer.shape[1] * buffer.shape[2])  # one row per page
         rows = dequantize(torch.index_select(pages, 0, page_ids), scale, dtype)  # [batch * pages_per_row, page * kv_heads * head_dim]
-        zero_rows(rows, tail, page_ids.shape[0] * self.page_size)
         return rows.view(batch, -1, *buffer.shape[1:]).transpose(1, 2)

@@ -22,7 +22,7 @@ from torch import nn
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention
 from vlmrun.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from vlmrun.layers.norm import RMSNorm
+from vlmrun.layers.norm import RMSNorm, rms_norm
 from vlmrun.layers.rotary import apply_rotary
 from vlmrun.parallel import SINGLE, TensorParallel
 
@@ -68,15 +68,22 @@ class DenseAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_id)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim] (this rank's heads)
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        n, heads = x.shape[0], self.num_heads
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        # q and k side by side, normed and rotated together (per head: the same floats as one at a time, in
+        # half the ops): [num_tokens, num_heads + num_kv_heads, head_dim] (this rank's heads)
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.attn(q.reshape(n, self.q_size), k.reshape(n, self.kv_size), v, fb)  # [num_tokens, q_size]
+            qk = rms_norm(qk, self.qk_norm_weight(), self.q_norm.eps)
+        qk = apply_rotary(qk, cos, sin)
+        q = qk[:, :heads].reshape(n, self.q_size).contiguous()  # [num_tokens, q_size]
+        k = qk[:, heads:].reshape(n, self.kv_size)  # [num_tokens, kv_size] (a view)
+        out = self.attn(q, k, qkv[:, self.q_size + self.kv_size:], fb)  # [num_tokens, q_size]
         return self.o_proj(out)
+
+    def qk_norm_weight(self) -> torch.Tensor:
+        """[num_heads + num_kv_heads, head_dim]: q_norm's weight on each query head, k_norm's on each KV head."""
+        return torch.cat((self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1)))
 
 
 MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE): `Model.make_mlp`

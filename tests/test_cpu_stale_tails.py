@@ -1,0 +1,115 @@
+"""The cpu and torch backends keep another request's NaN out of a sequence's attention over many steps
+(stale_keys.py).
+
+A pool whose every slot holds NaN (what a request whose activations overflowed leaves behind) and
+page-table rows whose stale entries name such pages: sequences are prefilled on fresh pages, then
+decode across page boundaries, a late one prefills beside the decodes, and one verifies drafts. The cpu
+backend gathers whole pages and clears no copy: the step that writes a page's first position zeroes
+the rest of it in the pool (`fresh_tail_slots`, `KVPool.clear`). Every step's output must be finite and
+equal the torch backend's over a clean pool (zeros), float32 and a float8 pool. The torch backend, which
+zeroes tails in its gathered copies, runs the same poisoned steps. (A sequence shorter than a page, in a
+batch with a longer one, reads its first page again past its end: zeroing the last page's tail in a copy
+alone missed those, and a prefill there reached the NaN in the torch backend, a decode in the cpu one.)
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, token_slots
+from vlmrun.forward_batch import ForwardBatch, ForwardMode
+from vlmrun.layers.attention.base import Attention
+from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
+from vlmrun.layers.attention.stale_keys import fresh_tail_slots
+from vlmrun.layers.attention.torch_backend import TorchAttnBackend
+
+PAGE, HEADS, KV_HEADS, HEAD_DIM, NUM_PAGES = 4, 4, 2, 8, 40
+
+
+class Sequences:
+    """Requests on one poisoned pool and page table: each step's ForwardBatch, pages taken as positions need them."""
+
+    def __init__(self, dtype: torch.dtype, backend_cls, poisoned: bool, seed: int = 0):
+        self.pool = KVPool(1, NUM_PAGES * PAGE, KV_HEADS, HEAD_DIM, dtype, torch.device("cpu"), PAGE,
+                           compute_dtype=torch.float32)
+        for buffer in self.pool.k_buffers + self.pool.v_buffers:
+            buffer.copy_(torch.full(buffer.shape, float("nan") if poisoned else 0.0).to(dtype))
+        self.rows = ReqToTokenPool(4, 64, torch.device("cpu"))
+        self.free = list(range(1, NUM_PAGES))
+        random.Random(seed).shuffle(self.free)
+        # stale entries: every row first maps its positions to slots of pages a NaN request held
+        self.rows.req_to_token[:4] = torch.tensor(token_slots(self.free[-16:], 0, 64, PAGE))
+        self.pages: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+        self.backend = backend_cls(self.pool, self.rows)
+
+    def step(self, fed: dict[int, int], drafts: dict[int, int] | None = None) -> ForwardBatch:
+        """A step where row r feeds fed[r] tokens (its last drafts[r] of them drafts)."""
+        out_loc, prefix_lens = [], []
+        for row, n in fed.items():
+            start = self.lens.get(row, 0)
+            pages = self.pages.setdefault(row, [])
+            while len(pages) * PAGE < start + n:
+                pages.append(self.free.pop(0))
+            slots = token_slots(pages, start, start + n, PAGE)
+            self.rows.req_to_token[row, start:start + n] = torch.tensor(slots)
+            out_loc += slots
+            prefix_lens.append(start)
+            self.lens[row] = start + n
+        extend_lens = list(fed.values())
+        num_tokens = sum(extend_lens)
+        long = dict(dtype=torch.int64)
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+        fb = ForwardBatch(
+            mode=ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND,
+            input_ids=torch.zeros(num_tokens, **long), positions=torch.zeros(3, num_tokens, **long),
+            req_pool_indices=torch.tensor(list(fed), **long), seq_lens=torch.tensor(seq_lens, **long),
+            extend_prefix_lens=torch.tensor(prefix_lens, **long), extend_seq_lens=torch.tensor(extend_lens, **long),
+            out_cache_loc=torch.tensor(out_loc, **long), seq_lens_cpu=seq_lens, extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=extend_lens, logits_indices=torch.zeros(0, **long),
+            num_drafts_cpu=[(drafts or {}).get(r, 0) for r in fed] if drafts else None)
+        fb.attn_backend = self.backend
+        return fb
+
+
+# (row -> tokens fed) per step; the rows' lengths cross page boundaries (PAGE = 4) on different steps; step 1
+# decodes row 1 (3 tokens, one page) beside row 0 (6): row 1 reads its first page again past its end
+STEPS = [{0: 5, 1: 2}, {0: 1, 1: 1}, {0: 1, 1: 1}, {0: 1, 1: 1, 2: 7}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 4, 2: 1},
+         {0: 1, 1: 1, 2: 1}, {0: 1, 2: 1}]
+DRAFTS = {5: {1: 3}}  # step 5: row 1 verifies 3 drafts
+
+
+@pytest.mark.parametrize("backend", [CpuAttnBackend, TorchAttnBackend])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
+def test_no_nan_from_a_poisoned_pool_over_steps(dtype, backend):
+    ours, ref = Sequences(dtype, backend, poisoned=True), Sequences(dtype, TorchAttnBackend, poisoned=False)
+    layer = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
+    gen = torch.Generator().manual_seed(3)
+    for i, fed in enumerate(STEPS):
+        fb_ours, fb_ref = ours.step(fed, DRAFTS.get(i)), ref.step(fed)  # (the reference runs a verify chunk as an extend)
+        n = fb_ours.num_tokens
+        q = torch.randn(n, HEADS * HEAD_DIM, generator=gen)
+        k = torch.randn(n, KV_HEADS * HEAD_DIM, generator=gen)
+        v = torch.randn(n, KV_HEADS * HEAD_DIM, generator=gen)
+        ours.backend.prepare(fb_ours)
+        ref.backend.prepare(fb_ref)
+        got = ours.backend.forward(q, k, v, layer, fb_ours)
+        expected = ref.backend.forward(q, k, v, layer, fb_ref)
+        assert got.isfinite().all(), f"step {i}: NaN reached a sequence"
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_fresh_tail_slots_are_the_rest_of_each_page_a_step_starts():
+    """Worked out from host lengths: decodes (one token each) and a mixed step's chunks."""
+    loc = torch.arange(100, 112)  # [tokens] the fed tokens' slots
+    lens = np.array([5, 8, 9, 3])  # decodes: 5 and 9 start a page (5 -> positions 5..7), 8 fills one, 3 does not start
+    assert fresh_tail_slots(lens, None, 4, loc).tolist() == [101, 102, 103, 103, 104, 105]
+    assert fresh_tail_slots(np.array([6, 7]), None, 4, loc) is None
+    # a chunk of 6 ending at 6 (positions 0..5: its last page starts at 4, written): 6..7; a chunk of 2 ending at
+    # 10 (positions 8, 9) likewise: 10..11; a decode ending at 7 did not start its page
+    slots = fresh_tail_slots(np.array([6, 10, 7]), np.array([6, 2, 1]), 4, loc)
+    assert slots.tolist() == [106, 107, 108, 109]
