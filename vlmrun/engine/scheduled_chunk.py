@@ -1,15 +1,18 @@
 """`ScheduledChunk`: one request's part of a step, as the scheduler picked it, and what the model runner
 gets of it (`to_input`: a `ChunkInput`). `ScheduledDecodes`: the step's plain decodes (a request past its
-prompt feeding its last known token, `Request.plain_decode`) as columns, one append per request and no
+prompt feeding its last known token, `Request.plain_decode`) as columns built with numpy, no
 object (the runner gets them as one `DecodeRows`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from operator import attrgetter
+from typing import Optional
 
+import numpy as np
 import torch
 
+from vlmrun.engine.decode_columns import DecodeTable
 from vlmrun.engine.request import Request
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN, ChunkInput, DecodeRows, PromptLogprobTargets
 from vlmrun.layers.sampling_batch import SamplingRow
@@ -82,11 +85,16 @@ class ScheduledChunk:
         return PromptLogprobTargets(k, req.prompt_token_ids[self.start + 1:last + 1])
 
 
+_FIRST_TOKEN_TIME = attrgetter("first_token_time")
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
 @dataclass
 class ScheduledDecodes:
     """A step's plain decodes, a column per field: request i feeds its last known token, at position
     starts[i], into KV slot slots[i] of page-table row rows[i], and samples after it. The scheduler
-    appends the rows (`Scheduler._pick_decodes`, in one loop over its running requests)."""
+    sets the rows (`Scheduler._pick_decodes`, `take`) from its `DecodeTable`, which they update when
+    launched and collected: numpy columns, no Python per row but the requests' own counters."""
 
     requests: list[Request] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -94,14 +102,47 @@ class ScheduledDecodes:
     token_ids: list[int] = field(default_factory=list)  # PLACEHOLDER_TOKEN: still on the device
     slots: list[int] = field(default_factory=list)
     kv_slots: Optional[torch.Tensor] = None  # [n] int64 `slots` as a tensor, set by the scheduler's one copy
+    table: Optional[DecodeTable] = None  # the scheduler's per-row state the rows came from
+    # [n] int64 `rows`, `starts`, `slots` as numpy arrays (the same values)
+    row_array: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    start_array: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    slot_array: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    launch: int = 0  # the table's number of their launch
+    all_known: bool = False  # every row was `DecodeTable.fast`: collected as a decode row before (a first token time)
+    overlapped: bool = True  # launched with async scheduling: the requests' launched counters count it
 
     def __len__(self) -> int:
         return len(self.requests)
 
-    def column_appends(self) -> tuple[Callable[[Any], None], ...]:
-        """The `append` of each column (requests, rows, starts, token_ids, slots), for a loop that adds rows."""
-        return (self.requests.append, self.rows.append, self.starts.append, self.token_ids.append,
-                self.slots.append)
+    def take(self, running: list[Request], picked: list[tuple[int, int, Optional[int]]], rows: np.ndarray,
+             table: DecodeTable) -> None:
+        """The rows of the requests `running[a:b]` for each run (a, b, start) of `picked`, in order: a run of
+        `table.fast` rows (start None: each at its table start + 1), or one request at `start`. Their
+        page-table rows are `rows` [len(running)]. The requests are taken as slices, the columns with numpy."""
+        self.table = table
+        if not picked:
+            return
+        if len(picked) == 1 and picked[0][2] is None:  # (the common case: one run of fast rows)
+            a, b, _ = picked[0]
+            self.requests, self.row_array = running[a:b], rows[a:b]
+            starts = table.start[self.row_array] + 1
+            self.all_known = True
+        else:
+            self.requests = [running[k] for a, b, _ in picked for k in range(a, b)]
+            self.row_array = np.concatenate([rows[a:b] for a, b, _ in picked])
+            starts = np.concatenate([table.start[rows[a:b]] + 1 if start is None else np.array([start])
+                                     for a, b, start in picked])
+        self.start_array = starts
+        self.slot_array = table.slots(self.row_array, starts)
+        self.rows, self.starts, self.slots = self.row_array.tolist(), starts.tolist(), self.slot_array.tolist()
+        # the fed token: on the device while the step that sampled it runs (async), else the last output
+        pending = table.in_flight[self.row_array] if self.all_known else np.array(
+            [bool(r.num_pending_tokens) for r in self.requests])
+        if pending.all():
+            self.token_ids = [PLACEHOLDER_TOKEN] * len(self.requests)
+        else:
+            self.token_ids = [PLACEHOLDER_TOKEN if p else r.output_token_ids[-1]
+                              for r, p in zip(self.requests, pending.tolist())]
 
     def remove(self, req: Request) -> bool:
         """Drop `req`'s row (preempted after it was picked); False when it has none."""
@@ -109,29 +150,45 @@ class ScheduledDecodes:
             if picked is req:
                 for column in (self.requests, self.rows, self.starts, self.token_ids, self.slots):
                     del column[i]
+                self.row_array, self.start_array, self.slot_array = (
+                    np.delete(a, i) for a in (self.row_array, self.start_array, self.slot_array))
                 return True
         return False
 
-    def mark_launched(self) -> None:
+    def mark_launched(self, overlapped: bool = True) -> None:
         """Each row's request is launched one token on (`Request.mark_launched(start + 1, True, 0)`, inline:
-        once per row; a decoding request was scheduled before)."""
-        for req, start in zip(self.requests, self.starts):
-            req.num_computed_tokens = start + 1
-            req.num_launched_steps += 1
-            req.num_pending_tokens += 1
+        a decoding request was scheduled before), and the table knows it. Synchronous (`overlapped` False):
+        the step is collected before anything reads the requests again, so their launched and pending
+        counters, which would go +1 and back within the step, are left as they are."""
+        for req, computed in zip(self.requests, (self.start_array + 1).tolist()):
+            req.num_computed_tokens = computed
+        if overlapped:
+            for req in self.requests:
+                req.num_launched_steps += 1
+                req.num_pending_tokens += 1
+        self.overlapped = overlapped
+        if self.table is not None:
+            self.launch = self.table.launched(self.row_array, self.start_array)
 
     def mark_collected(self, now: float) -> None:
         """The host read the step (`Request.mark_collected(True, 0)`, inline); a request without a first
         token time gets `now`."""
-        for req in self.requests:
-            req.num_launched_steps -= 1
-            req.num_pending_tokens -= 1
-            if req.first_token_time is None:
-                req.first_token_time = now
+        requests = self.requests
+        if self.overlapped:
+            for req in requests:
+                req.num_launched_steps -= 1
+                req.num_pending_tokens -= 1
+        if not self.all_known and None in map(_FIRST_TOKEN_TIME, requests):
+            for req in requests:
+                if req.first_token_time is None:
+                    req.first_token_time = now
+        if self.table is not None:
+            self.table.collected(self.row_array, self.launch)
 
     def to_input(self) -> DecodeRows:
-        """What the model runner needs of them: the columns, each request's sampling row and adapter (the
-        runner keeps each row's M-RoPE delta from the request's chunks)."""
-        requests = self.requests
+        """What the model runner needs of them: the columns, each row's sampling row and adapter (kept per
+        page-table row by the table; the runner keeps each row's M-RoPE delta from the request's chunks)."""
+        table = self.table
         return DecodeRows(rows=self.rows, starts=self.starts, token_ids=self.token_ids, kv_slots=self.kv_slots,
-                          sampling=[r.sampling_row for r in requests], loras=[r.lora for r in requests])
+                          sampling=list(map(table.sampling.__getitem__, self.rows)),
+                          loras=list(map(table.lora.__getitem__, self.rows)))
