@@ -86,6 +86,7 @@ class ScheduledChunk:
 
 
 _FIRST_TOKEN_TIME = attrgetter("first_token_time")
+_OUTPUT_IDS = attrgetter("output_token_ids")
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
@@ -140,6 +141,8 @@ class ScheduledDecodes:
             [bool(r.num_pending_tokens) for r in self.requests])
         if pending.all():
             self.token_ids = [PLACEHOLDER_TOKEN] * len(self.requests)
+        elif not pending.any():
+            self.token_ids = [out[-1] for out in map(_OUTPUT_IDS, self.requests)]
         else:
             self.token_ids = [PLACEHOLDER_TOKEN if p else r.output_token_ids[-1]
                               for r, p in zip(self.requests, pending.tolist())]
