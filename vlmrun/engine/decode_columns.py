@@ -93,10 +93,10 @@ class DecodeTable:
         is fed with p + 1 tokens, and `Scheduler.must_wait` holds from `wait_at` tokens on."""
         self.limit[rows] = np.minimum(self.room[rows], self.wait_at[rows] - 1)
 
-    def forget(self, row: int) -> None:
-        """The row's request moves on by other rules than a plain decode row's (a chunk)."""
-        self.known[row] = False
-        self.limit[row] = 0
+    def forget(self, rows: list[int]) -> None:
+        """The rows' requests move on by other rules than a plain decode row's (chunks were launched)."""
+        self.known[rows] = False
+        self.limit[rows] = 0
 
     # ------------------------------------------------------------------ a step's decode rows
 
@@ -127,6 +127,8 @@ class DecodeTable:
         allocation, in order, when there are free pages for all without evicting cached ones, as one at a
         time would give them (otherwise the scheduler's rules take them one at a time): `fast` [n] is set
         for them."""
+        if fast.all():
+            return
         opens = self.opens_page(rows)  # [n]
         if not opens.any():
             return
@@ -146,13 +148,16 @@ class DecodeTable:
         page_size = self.page_size
         return self.pages[rows, positions // page_size].astype(np.int64) * page_size + positions % page_size
 
-    def launched(self, rows: np.ndarray, starts: np.ndarray) -> int:
-        """Plain decode rows launched at `starts` (their requests' state as `known` says); the launch's number."""
+    def launched(self, rows: np.ndarray, starts: np.ndarray, all_known: bool) -> int:
+        """Plain decode rows launched at `starts` (their requests' state as `known` says); the launch's number.
+        (`all_known`: every row was known already, its `limit` as it is.)"""
         self.num_launches += 1
-        self.known[rows] = self.in_flight[rows] = True
+        self.in_flight[rows] = True
         self.start[rows] = starts
-        self._limit(rows)
         self.launch[rows] = self.num_launches
+        if not all_known:
+            self.known[rows] = True
+            self._limit(rows)
         return self.num_launches
 
     def collected(self, rows: np.ndarray, launch: int) -> None:

@@ -297,10 +297,10 @@ class Engine:
         launched = LaunchedChunks(chunks, handle, decodes=decodes)
         uncollected.append(launched)
         decodes.mark_launched(overlapped=self.config.async_scheduling)
-        forget = self.scheduler.decode_table.forget  # (a chunk's request moves on by other rules than a decode row's)
         for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
             c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
-            forget(c.request.req_pool_idx)
+        if inputs and self.scheduler.decode_rows:  # their requests move on by other rules than decode rows'
+            self.scheduler.decode_table.forget([given.row for given in inputs])
         return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:

@@ -5,7 +5,9 @@ object (the runner gets them as one `DecodeRows`)."""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import attrgetter
 from typing import Optional
 
@@ -163,15 +165,14 @@ class ScheduledDecodes:
         a decoding request was scheduled before), and the table knows it. Synchronous (`overlapped` False):
         the step is collected before anything reads the requests again, so their launched and pending
         counters, which would go +1 and back within the step, are left as they are."""
-        for req, computed in zip(self.requests, (self.start_array + 1).tolist()):
-            req.num_computed_tokens = computed
+        deque(map(setattr, self.requests, repeat("num_computed_tokens"), (self.start_array + 1).tolist()), maxlen=0)
         if overlapped:
             for req in self.requests:
                 req.num_launched_steps += 1
                 req.num_pending_tokens += 1
         self.overlapped = overlapped
         if self.table is not None:
-            self.launch = self.table.launched(self.row_array, self.start_array)
+            self.launch = self.table.launched(self.row_array, self.start_array, self.all_known)
 
     def mark_collected(self, now: float) -> None:
         """The host read the step (`Request.mark_collected(True, 0)`, inline); a request without a first

@@ -205,7 +205,7 @@ class Scheduler:
         rows = table.rows_of(running)  # [n]
         fast = table.fast(rows)
         table.open_pages(running, rows, fast, budget, self.allocator)  # (1 in `page_size` steps)
-        slow = np.flatnonzero(~fast).tolist()
+        slow = [] if fast.all() else np.flatnonzero(~fast).tolist()
         picked: list[tuple[int, int, Optional[int]]] = []  # runs running[a:b] of fast rows, or one at `start`
         i = k = 0
         while i < len(running) and budget > 0:
