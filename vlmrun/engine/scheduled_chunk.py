@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import attrgetter
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -89,7 +89,6 @@ class ScheduledChunk:
 
 _FIRST_TOKEN_TIME = attrgetter("first_token_time")
 _OUTPUT_IDS = attrgetter("output_token_ids")
-_NO_ROWS = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -106,10 +105,10 @@ class ScheduledDecodes:
     slots: list[int] = field(default_factory=list)
     kv_slots: Optional[torch.Tensor] = None  # [n] int64 `slots` as a tensor, set by the scheduler's one copy
     table: Optional[DecodeTable] = None  # the scheduler's per-row state the rows came from
-    # [n] int64 `rows`, `starts`, `slots` as numpy arrays (the same values)
-    row_array: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    start_array: np.ndarray = field(default_factory=lambda: _NO_ROWS)
-    slot_array: np.ndarray = field(default_factory=lambda: _NO_ROWS)
+    # [n] int64 `rows`, `starts`, `slots` as numpy arrays (the same values); None: made as host ints (a few rows)
+    row_array: Optional[np.ndarray] = None
+    start_array: Optional[np.ndarray] = None
+    slot_array: Optional[np.ndarray] = None
     launch: int = 0  # the table's number of their launch
     all_known: bool = False  # every row was `DecodeTable.fast`: collected as a decode row before (a first token time)
     overlapped: bool = True  # launched with async scheduling: the requests' launched counters count it
@@ -117,37 +116,47 @@ class ScheduledDecodes:
     def __len__(self) -> int:
         return len(self.requests)
 
-    def take(self, running: list[Request], picked: list[tuple[int, int, Optional[int]]], rows: np.ndarray,
-             table: DecodeTable) -> None:
-        """The rows of the requests `running[a:b]` for each run (a, b, start) of `picked`, in order: a run of
-        `table.fast` rows (start None: each at its table start + 1), or one request at `start`. Their
-        page-table rows are `rows` [len(running)]. The requests are taken as slices, the columns with numpy."""
-        self.table = table
-        if not picked:
-            return
-        if len(picked) == 1 and picked[0][2] is None:  # (the common case: one run of fast rows)
-            a, b, _ = picked[0]
-            self.requests, self.row_array = running[a:b], rows[a:b]
-            starts = table.start[self.row_array] + 1
-            self.all_known = True
-        else:
-            self.requests = [running[k] for a, b, _ in picked for k in range(a, b)]
-            self.row_array = np.concatenate([rows[a:b] for a, b, _ in picked])
-            starts = np.concatenate([table.start[rows[a:b]] + 1 if start is None else np.array([start])
-                                     for a, b, start in picked])
-        self.start_array = starts
-        self.slot_array = table.slots(self.row_array, starts)
-        self.rows, self.starts, self.slots = self.row_array.tolist(), starts.tolist(), self.slot_array.tolist()
-        # the fed token: on the device while the step that sampled it runs (async), else the last output
-        pending = table.in_flight[self.row_array] if self.all_known else np.array(
-            [bool(r.num_pending_tokens) for r in self.requests])
+    def column_appends(self) -> tuple[Callable[[Any], None], ...]:
+        """The `append` of each column (requests, rows, starts, token_ids, slots), for a loop that adds rows
+        one at a time (`Scheduler._pick_by_rules`)."""
+        return (self.requests.append, self.rows.append, self.starts.append, self.token_ids.append,
+                self.slots.append)
+
+    def add_run(self, running: list[Request], a: int, b: int, rows: np.ndarray, table: DecodeTable) -> None:
+        """The rows of `running[a:b]`, each `table.fast` (its page-table row in `rows` [len(running)]): at its
+        table start + 1, fed its last output or, while the step that sampled it runs, a placeholder. The
+        columns with numpy; the first rows of the step keep them as arrays (the common case: one run)."""
+        row_array = rows[a:b]
+        starts = table.start[row_array] + 1
+        slots = table.slots(row_array, starts)
+        requests = running[a:b]
+        pending = table.in_flight[row_array]
         if pending.all():
-            self.token_ids = [PLACEHOLDER_TOKEN] * len(self.requests)
-        elif not pending.any():
-            self.token_ids = [out[-1] for out in map(_OUTPUT_IDS, self.requests)]
+            token_ids = [PLACEHOLDER_TOKEN] * len(requests)
+        elif not pending.any():  # (synchronous: every last token is on the host)
+            token_ids = [out[-1] for out in map(_OUTPUT_IDS, requests)]
         else:
-            self.token_ids = [PLACEHOLDER_TOKEN if p else r.output_token_ids[-1]
-                              for r, p in zip(self.requests, pending.tolist())]
+            token_ids = [PLACEHOLDER_TOKEN if p else r.output_token_ids[-1] for r, p in zip(requests, pending.tolist())]
+        if not self.requests:
+            self.requests, self.token_ids = requests, token_ids
+            self.rows, self.starts, self.slots = row_array.tolist(), starts.tolist(), slots.tolist()
+            self.row_array, self.start_array, self.slot_array = row_array, starts, slots
+            self.all_known = True
+            return
+        self.requests += requests
+        self.token_ids += token_ids
+        self.rows += row_array.tolist()
+        self.starts += starts.tolist()
+        self.slots += slots.tolist()
+        self.row_array = None
+        self.all_known = False
+
+    def close_columns(self) -> None:
+        """The step's rows are all picked (through the table): the columns as numpy arrays too."""
+        if self.requests and (self.row_array is None or len(self.row_array) != len(self.rows)):
+            self.row_array, self.start_array, self.slot_array = (
+                np.array(column, dtype=np.int64) for column in (self.rows, self.starts, self.slots))
+            self.all_known = False
 
     def remove(self, req: Request) -> bool:
         """Drop `req`'s row (preempted after it was picked); False when it has none."""
@@ -155,23 +164,33 @@ class ScheduledDecodes:
             if picked is req:
                 for column in (self.requests, self.rows, self.starts, self.token_ids, self.slots):
                     del column[i]
-                self.row_array, self.start_array, self.slot_array = (
-                    np.delete(a, i) for a in (self.row_array, self.start_array, self.slot_array))
+                if self.row_array is not None:
+                    self.row_array, self.start_array, self.slot_array = (
+                        np.delete(a, i) for a in (self.row_array, self.start_array, self.slot_array))
                 return True
         return False
+
+    def host_columns(self) -> tuple[Any, Any, Any]:
+        """rows, starts, slots: the numpy arrays, or the lists when the rows were made as host ints."""
+        if self.row_array is None:
+            return self.rows, self.starts, self.slots
+        return self.row_array, self.start_array, self.slot_array
 
     def mark_launched(self, overlapped: bool = True) -> None:
         """Each row's request is launched one token on (`Request.mark_launched(start + 1, True, 0)`, inline:
         a decoding request was scheduled before), and the table knows it. Synchronous (`overlapped` False):
         the step is collected before anything reads the requests again, so their launched and pending
         counters, which would go +1 and back within the step, are left as they are."""
-        deque(map(setattr, self.requests, repeat("num_computed_tokens"), (self.start_array + 1).tolist()), maxlen=0)
+        ends = [start + 1 for start in self.starts] if self.start_array is None else (self.start_array + 1).tolist()
+        deque(map(setattr, self.requests, repeat("num_computed_tokens"), ends), maxlen=0)
         if overlapped:
             for req in self.requests:
                 req.num_launched_steps += 1
                 req.num_pending_tokens += 1
         self.overlapped = overlapped
-        if self.table is not None:
+        if self.table is not None and self.row_array is None:  # (a few rows, picked by the rules: not kept)
+            self.table.stale = True
+        elif self.table is not None:
             self.launch = self.table.launched(self.row_array, self.start_array, self.all_known)
 
     def mark_collected(self, now: float) -> None:
@@ -186,7 +205,7 @@ class ScheduledDecodes:
             for req in requests:
                 if req.first_token_time is None:
                     req.first_token_time = now
-        if self.table is not None:
+        if self.table is not None and self.row_array is not None:
             self.table.collected(self.row_array, self.launch)
 
     def to_input(self) -> DecodeRows:
