@@ -51,12 +51,12 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
         assert table.pages[row, :len(req.pages)].tolist() == req.pages
         assert table.room[row] == len(req.pages) * page_size
         assert table.sampling[row] is req.sampling_row and table.lora[row] is req.lora
-        if table.known[row]:
+        if table.known[row] and not table.stale:  # (stale: forgotten before the table is read again)
             known += 1
             start = int(table.start[row])
             assert req.num_computed_tokens == start + 1 and req.num_tokens == start + 2, req.request_id
             assert bool(table.in_flight[row]) == bool(req.num_pending_tokens) == bool(req.num_launched_steps)
-        if is_fast:
+        if is_fast and not table.stale:
             fast += 1
             assert table.known[row] and req.plain_decode
             assert not (req.num_launched_steps and scheduler.must_wait(req)), req.request_id
@@ -64,12 +64,12 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
     return known, fast
 
 
-def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed: int,
-               check: bool) -> tuple[dict[str, list[int]], Counter]:
+def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed: int, check: bool,
+               fast_from: int = 1) -> tuple[dict[str, list[int]], Counter]:
     """Requests arrive over the steps (greedy, seeded, penalties, min_tokens, a stop token), some are
     aborted; a small KV pool preempts. -> each finished request's tokens, and what the run saw."""
     rng = random.Random(seed)
-    engine = make_engine(model_dir, decode_rows, async_scheduling)
+    engine = make_engine(model_dir, decode_rows, async_scheduling, fast_from=fast_from)
     seen: Counter = Counter()
     results: dict[str, list[int]] = {}
     arrivals = sorted(rng.randrange(0, 16) for _ in range(16))
@@ -105,11 +105,11 @@ def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_table_agrees_with_the_requests_and_rows_give_what_chunks_give(qwen3_vl_dir, async_scheduling):
-    for seed in (0, 1):
-        as_rows, seen = random_run(qwen3_vl_dir, True, async_scheduling, seed, check=True)
+    for seed, fast_from in ((0, 1), (1, 1), (2, 3)):  # (3: the running set crosses it, rules and table take turns)
+        as_rows, seen = random_run(qwen3_vl_dir, True, async_scheduling, seed, check=True, fast_from=fast_from)
         as_chunks, _ = random_run(qwen3_vl_dir, False, async_scheduling, seed, check=False)
         assert as_rows == as_chunks, seed
-        assert seen["preemptions"] > 0 and seen["aborted"] and seen["fast"] > 50, seen
+        assert seen["preemptions"] > 0 and seen["aborted"] and seen["fast"] > 40, (seed, seen)
 
 
 def test_page_opening_rows_take_their_pages_in_one_go(qwen3_vl_dir):

@@ -1,7 +1,7 @@
 """`ScheduledChunk`: one request's part of a step, as the scheduler picked it, and what the model runner
 gets of it (`to_input`: a `ChunkInput`). `ScheduledDecodes`: the step's plain decodes (a request past its
-prompt feeding its last known token, `Request.plain_decode`) as columns built with numpy, no
-object (the runner gets them as one `DecodeRows`)."""
+prompt feeding its last known token, `Request.plain_decode`) as columns, no object per request (the
+runner gets them as one `DecodeRows`)."""
 
 from __future__ import annotations
 
@@ -95,8 +95,9 @@ _OUTPUT_IDS = attrgetter("output_token_ids")
 class ScheduledDecodes:
     """A step's plain decodes, a column per field: request i feeds its last known token, at position
     starts[i], into KV slot slots[i] of page-table row rows[i], and samples after it. The scheduler
-    sets the rows (`Scheduler._pick_decodes`, `take`) from its `DecodeTable`, which they update when
-    launched and collected: numpy columns, no Python per row but the requests' own counters."""
+    adds the rows (`Scheduler._pick_decodes`): runs of them from its `DecodeTable` (`add_run`, numpy
+    columns), which they update when launched and collected, and rows picked by the rules one at a time
+    (`column_appends`, host ints)."""
 
     requests: list[Request] = field(default_factory=list)
     rows: list[int] = field(default_factory=list)
@@ -188,9 +189,11 @@ class ScheduledDecodes:
                 req.num_launched_steps += 1
                 req.num_pending_tokens += 1
         self.overlapped = overlapped
-        if self.table is not None and self.row_array is None:  # (a few rows, picked by the rules: not kept)
+        if self.table is None or not self.requests:
+            return
+        if self.row_array is None:  # (a few rows, picked by the rules: the table keeps nothing of them)
             self.table.stale = True
-        elif self.table is not None:
+        else:
             self.launch = self.table.launched(self.row_array, self.start_array, self.all_known)
 
     def mark_collected(self, now: float) -> None:
