@@ -11,7 +11,7 @@ Per row, for the request holding it:
   the state that launch left: `num_computed_tokens` = start + 1, and `num_tokens` = start + 2 (its token
   appended once collected, or pending on the device before), so its next step is a decode at start + 1
   unless it must wait or opens a page: `fast` works that out for every running row at once, from
-  `limit` (the positions below it decode with no rule to apply; 0 while not known).
+  `limit` (a start below it decodes next at start + 1 with no rule to apply; 0 while not known).
 - `sampling`, `lora`: its `Request.sampling_row` and adapter (the runner's `DecodeRows` columns).
 - `launch`: the number of that launch (each decode launch has the next), so that a step collected after a
   later one launched the row (async scheduling: step N is collected after step N + 1 is launched), or after
@@ -97,9 +97,9 @@ class DecodeTable:
         self._limit(rows)
 
     def _limit(self, rows: np.ndarray | int) -> None:
-        """`limit` of known rows: room in their pages, and (async scheduling) `wait_at` - 1: a position p
-        is fed with p + 1 tokens, and `Scheduler.must_wait` holds from `wait_at` tokens on."""
-        self.limit[rows] = np.minimum(self.room[rows], self.wait_at[rows] - 1)
+        """`limit` of known rows: start + 1 within the room in their pages and, async scheduling, below
+        `wait_at` - 1 (position p is fed with p + 1 tokens; `Scheduler.must_wait` holds from `wait_at` on)."""
+        self.limit[rows] = np.minimum(self.room[rows], self.wait_at[rows] - 1) - 1
 
     def forget(self, rows: list[int]) -> None:
         """The rows' requests move on by other rules than a plain decode row's (chunks were launched)."""
@@ -127,7 +127,7 @@ class DecodeTable:
         known, room in its pages, and no reason to wait for its launched step (`Scheduler.must_wait`: its
         token count below `wait_at`; and not its first decode, whose position may be a GDN snapshot point:
         a known row's start + 1 is past its prompt, as a decode row's start is not before it)."""
-        return self.start[rows] < self.limit[rows] - 1
+        return self.start[rows] < self.limit[rows]
 
     def opens_page(self, rows: np.ndarray) -> np.ndarray:
         """[n] bool: known rows that would be `fast` but for their next position, which opens a page."""
@@ -141,8 +141,6 @@ class DecodeTable:
         allocation, in order, when there are free pages for all without evicting cached ones, as one at a
         time would give them (otherwise the scheduler's rules take them one at a time): `fast` [n] is set
         for them."""
-        if fast.all():
-            return
         opens = self.opens_page(rows)  # [n]
         if not opens.any():
             return

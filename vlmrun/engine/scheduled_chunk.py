@@ -132,9 +132,10 @@ class ScheduledDecodes:
         slots = table.slots(row_array, starts)
         requests = running[a:b]
         pending = table.in_flight[row_array]
-        if pending.all():
+        num_pending = np.count_nonzero(pending)
+        if num_pending == len(requests):
             token_ids = [PLACEHOLDER_TOKEN] * len(requests)
-        elif not pending.any():  # (synchronous: every last token is on the host)
+        elif not num_pending:  # (synchronous: every last token is on the host)
             token_ids = [out[-1] for out in map(_OUTPUT_IDS, requests)]
         else:
             token_ids = [PLACEHOLDER_TOKEN if p else r.output_token_ids[-1] for r, p in zip(requests, pending.tolist())]

@@ -211,8 +211,10 @@ class Scheduler:
         table.forget_all_if_stale()
         rows = table.rows_of(running)  # [n]
         fast = table.fast(rows)
-        table.open_pages(running, rows, fast, budget, self.allocator)  # (1 in `page_size` steps)
-        slow = [] if fast.all() else np.flatnonzero(~fast).tolist()
+        slow: list[int] = []
+        if not fast.all():
+            table.open_pages(running, rows, fast, budget, self.allocator)  # (1 in `page_size` steps)
+            slow = np.flatnonzero(~fast).tolist()
         i = k = 0
         while i < len(running) and budget > 0:
             end = min(slow[k] if k < len(slow) else len(running), len(running), i + budget)
