@@ -65,11 +65,12 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
 
 
 def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed: int, check: bool,
-               fast_from: int = 1) -> tuple[dict[str, list[int]], Counter]:
+               fast_from: int = 1, policy: str = "fcfs") -> tuple[dict[str, list[int]], Counter]:
     """Requests arrive over the steps (greedy, seeded, penalties, min_tokens, a stop token), some are
-    aborted; a small KV pool preempts. -> each finished request's tokens, and what the run saw."""
+    aborted; a small KV pool preempts. With priorities a newcomer's prefill may go ahead of decoding
+    requests, which then decode as chunks. -> each finished request's tokens, and what the run saw."""
     rng = random.Random(seed)
-    engine = make_engine(model_dir, decode_rows, async_scheduling, fast_from=fast_from)
+    engine = make_engine(model_dir, decode_rows, async_scheduling, fast_from=fast_from, scheduling_policy=policy)
     seen: Counter = Counter()
     results: dict[str, list[int]] = {}
     arrivals = sorted(rng.randrange(0, 16) for _ in range(16))
@@ -85,7 +86,8 @@ def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed:
                 max_tokens=rng.randrange(2, 30), ignore_eos=True, repetition_penalty=1.3 if kind == "penalty" else 1.0,
                 min_tokens=2 if kind == "min_tokens" else 0, stop_token_ids=[rng.randrange(0, 300)] if kind == "stop" else None)
             ids = [rng.randrange(5, 400) for _ in range(rng.randrange(2, 19))]
-            engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params)
+            engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params,
+                               priority=rng.randrange(-3, 3) if policy == "priority" else 0)
         if step in (9, 21) and engine.requests:  # an abort, between steps (async: while its step runs)
             engine.abort(sorted(engine.requests)[rng.randrange(len(engine.requests))])
             seen["aborted"] += 1
@@ -105,9 +107,10 @@ def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_table_agrees_with_the_requests_and_rows_give_what_chunks_give(qwen3_vl_dir, async_scheduling):
-    for seed, fast_from in ((0, 1), (1, 1), (2, 3)):  # (3: the running set crosses it, rules and table take turns)
-        as_rows, seen = random_run(qwen3_vl_dir, True, async_scheduling, seed, check=True, fast_from=fast_from)
-        as_chunks, _ = random_run(qwen3_vl_dir, False, async_scheduling, seed, check=False)
+    # (fast_from 3: the running set crosses it, rules and table take turns)
+    for seed, fast_from, policy in ((0, 1, "fcfs"), (1, 1, "priority"), (2, 3, "fcfs"), (3, 1, "priority")):
+        as_rows, seen = random_run(qwen3_vl_dir, True, async_scheduling, seed, True, fast_from, policy)
+        as_chunks, _ = random_run(qwen3_vl_dir, False, async_scheduling, seed, False, fast_from, policy)
         assert as_rows == as_chunks, seed
         assert seen["preemptions"] > 0 and seen["aborted"] and seen["fast"] > 40, (seed, seen)
 
