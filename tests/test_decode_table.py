@@ -56,6 +56,8 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
             start = int(table.start[row])
             assert req.num_computed_tokens == start + 1 and req.num_tokens == start + 2, req.request_id
             assert bool(table.in_flight[row]) == bool(req.num_pending_tokens) == bool(req.num_launched_steps)
+            if not table.in_flight[row]:
+                assert table.last_token[row] == req.output_token_ids[-1], req.request_id
         if is_fast and not table.stale:
             fast += 1
             assert table.known[row] and req.plain_decode

@@ -6,8 +6,9 @@ Per row, for the request holding it:
 
 - `pages` [rows, max pages] int32: a mirror of `Request.pages`; `room`: len(pages) * page_size.
 - `wait_at`: its `Request.decode_wait_tokens` (`decode_wait_tokens`; 0: never a plain decode).
-- `known`, `start`, `in_flight`: its last event was its launch as a plain decode row at position `start`
-  (`ScheduledDecodes.mark_launched`), that step not yet collected while `in_flight`. A known request is in
+- `known`, `start`, `in_flight`, `last_token`: its last event was its launch as a plain decode row at
+  position `start` (`ScheduledDecodes.mark_launched`), that step not yet collected while `in_flight`, and
+  `last_token` the token it sampled once collected (its last output: the output processor appends it). A known request is in
   the state that launch left: `num_computed_tokens` = start + 1, and `num_tokens` = start + 2 (its token
   appended once collected, or pending on the device before), so its next step is a decode at start + 1
   unless it must wait or opens a page: `fast` works that out for every running row at once, from
@@ -55,6 +56,7 @@ class DecodeTable:
         self.start = np.zeros(num_rows, dtype=np.int64)
         self.limit = np.zeros(num_rows, dtype=np.int64)
         self.in_flight = np.zeros(num_rows, dtype=bool)
+        self.last_token = np.zeros(num_rows, dtype=np.int64)
         self.launch = np.zeros(num_rows, dtype=np.int64)
         self.num_launches = 0
         self.sampling: list[Optional[SamplingRow]] = [None] * num_rows
@@ -172,9 +174,16 @@ class DecodeTable:
             self._limit(rows)
         return self.num_launches
 
-    def collected(self, rows: np.ndarray, launch: int) -> None:
-        """Launch number `launch` of `rows` was read (a row launched again since, or handed over, is left alone)."""
-        self.in_flight[rows[self.launch[rows] == launch]] = False
+    def collected(self, rows: np.ndarray, launch: int, token_ids: list[int]) -> None:
+        """Launch number `launch` of `rows` was read: it sampled `token_ids` [n] (a row launched again since,
+        or handed over, is left alone)."""
+        current = self.launch[rows] == launch  # [n]
+        if current.all():
+            self.in_flight[rows] = False
+            self.last_token[rows] = token_ids
+        else:
+            self.in_flight[rows[current]] = False
+            self.last_token[rows[current]] = np.asarray(token_ids, dtype=np.int64)[current]
 
 
 def decode_wait_tokens(req: Request, max_model_len: int) -> int:

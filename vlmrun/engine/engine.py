@@ -343,7 +343,7 @@ class Engine:
     def _collect_decodes(self, decodes: ScheduledDecodes, decoded: DecodedRows, now: float) -> list[RequestUpdate]:
         """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs): one pass
         over the rows for the bookkeeping, one through the output processor (`append_decodes`)."""
-        decodes.mark_collected(now)
+        decodes.mark_collected(now, decoded.token_ids)
         if self.prefix_cache is not None:  # index each request's newly full prompt pages
             running = RequestStatus.RUNNING
             for req, start in zip(decodes.requests, decodes.starts):

@@ -88,7 +88,6 @@ class ScheduledChunk:
 
 
 _FIRST_TOKEN_TIME = attrgetter("first_token_time")
-_OUTPUT_IDS = attrgetter("output_token_ids")
 
 
 @dataclass
@@ -135,10 +134,10 @@ class ScheduledDecodes:
         num_pending = np.count_nonzero(pending)
         if num_pending == len(requests):
             token_ids = [PLACEHOLDER_TOKEN] * len(requests)
-        elif not num_pending:  # (synchronous: every last token is on the host)
-            token_ids = [out[-1] for out in map(_OUTPUT_IDS, requests)]
+        elif not num_pending:  # (synchronous: every last token is on the host, the one its last step sampled)
+            token_ids = table.last_token[row_array].tolist()
         else:
-            token_ids = [PLACEHOLDER_TOKEN if p else r.output_token_ids[-1] for r, p in zip(requests, pending.tolist())]
+            token_ids = np.where(pending, PLACEHOLDER_TOKEN, table.last_token[row_array]).tolist()
         if not self.requests:
             self.requests, self.token_ids = requests, token_ids
             self.rows, self.starts, self.slots = row_array.tolist(), starts.tolist(), slots.tolist()
@@ -182,14 +181,14 @@ class ScheduledDecodes:
         """Each row's request is launched one token on (`Request.mark_launched(start + 1, True, 0)`, inline:
         a decoding request was scheduled before), and the table knows it. Synchronous (`overlapped` False):
         the step is collected before anything reads the requests again, so their launched and pending
-        counters, which would go +1 and back within the step, are left as they are."""
-        ends = [start + 1 for start in self.starts] if self.start_array is None else (self.start_array + 1).tolist()
-        deque(map(setattr, self.requests, repeat("num_computed_tokens"), ends), maxlen=0)
+        counters, which would go +1 and back within the step, are left as they are, and their computed
+        count is written at collect (`mark_collected`), next to the output processor's append."""
+        self.overlapped = overlapped
         if overlapped:
+            self._set_computed()
             for req in self.requests:
                 req.num_launched_steps += 1
                 req.num_pending_tokens += 1
-        self.overlapped = overlapped
         if self.table is None or not self.requests:
             return
         if self.row_array is None:  # (a few rows, picked by the rules: the table keeps nothing of them)
@@ -197,20 +196,27 @@ class ScheduledDecodes:
         else:
             self.launch = self.table.launched(self.row_array, self.start_array, self.all_known)
 
-    def mark_collected(self, now: float) -> None:
-        """The host read the step (`Request.mark_collected(True, 0)`, inline); a request without a first
-        token time gets `now`."""
+    def mark_collected(self, now: float, token_ids: list[int]) -> None:
+        """The host read the step, which sampled `token_ids` [n] (`Request.mark_collected(True, 0)`, inline;
+        the output processor appends the tokens next); a request without a first token time gets `now`."""
         requests = self.requests
         if self.overlapped:
             for req in requests:
                 req.num_launched_steps -= 1
                 req.num_pending_tokens -= 1
+        else:
+            self._set_computed()
         if not self.all_known and None in map(_FIRST_TOKEN_TIME, requests):
             for req in requests:
                 if req.first_token_time is None:
                     req.first_token_time = now
         if self.table is not None and self.row_array is not None:
-            self.table.collected(self.row_array, self.launch)
+            self.table.collected(self.row_array, self.launch, token_ids)
+
+    def _set_computed(self) -> None:
+        """Each row's `Request.num_computed_tokens` = its start + 1 (one `map`, no Python frame per row)."""
+        ends = [start + 1 for start in self.starts] if self.start_array is None else (self.start_array + 1).tolist()
+        deque(map(setattr, self.requests, repeat("num_computed_tokens"), ends), maxlen=0)
 
     def to_input(self) -> DecodeRows:
         """What the model runner needs of them: the columns, each row's sampling row and adapter (kept per
