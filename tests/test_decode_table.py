@@ -22,8 +22,8 @@ from vlmrun.engine.decode_columns import FAST_FROM, DecodeTable
 from vlmrun.engine.engine import Engine
 from vlmrun.sampling_params import SamplingParams
 
-SCHEDULER_SIDE = {"scheduler.py", "scheduled_chunk.py", "decode_columns.py", "token_map.py", "request.py", "prefix_reuse.py",
-                  "queue_policy.py"}
+SCHEDULER_SIDE = {"scheduler.py", "scheduled_chunk.py", "decode_columns.py", "token_map.py", "request.py",
+                  "prefix_reuse.py", "queue_policy.py"}
 MAX_LINES_PER_REQUEST = 1  # none today (23 before the table); one of slack
 
 
@@ -86,7 +86,8 @@ def random_run(model_dir: Path, decode_rows: bool, async_scheduling: bool, seed:
             params = SamplingParams(
                 temperature=0.0 if kind in ("greedy", "penalty", "stop") else 0.9, seed=7 + i,
                 max_tokens=rng.randrange(2, 30), ignore_eos=True, repetition_penalty=1.3 if kind == "penalty" else 1.0,
-                min_tokens=2 if kind == "min_tokens" else 0, stop_token_ids=[rng.randrange(0, 300)] if kind == "stop" else None)
+                min_tokens=2 if kind == "min_tokens" else 0,
+                stop_token_ids=[rng.randrange(0, 300)] if kind == "stop" else None)
             ids = [rng.randrange(5, 400) for _ in range(rng.randrange(2, 19))]
             engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), params,
                                priority=rng.randrange(-3, 3) if policy == "priority" else 0)
