@@ -6,13 +6,14 @@ Per row, for the request holding it:
 
 - `pages` [rows, max pages] int32: a mirror of `Request.pages`; `room`: len(pages) * page_size.
 - `wait_at`: its `Request.decode_wait_tokens` (`decode_wait_tokens`; 0: never a plain decode).
-- `known`, `start`, `in_flight`, `last_token`: its last event was its launch as a plain decode row at
-  position `start` (`ScheduledDecodes.mark_launched`), that step not yet collected while `in_flight`, and
-  `last_token` the token it sampled once collected (its last output: the output processor appends it). When
-  the scheduler reads it, a known request is in the state that launch left: `num_computed_tokens` = start + 1, and `num_tokens` =
-  start + 2 (its token appended once collected, or pending on the device before), so its next step is a
-  decode at start + 1 unless it must wait or opens a page: `fast` works that out for every running row at
-  once, from `limit` (a start below it decodes next at start + 1 with no rule to apply; 0 while not known).
+- `known`, `start`, `in_flight`, `last_token`: its last event was its launch as a plain decode row at position
+  `start` (`ScheduledDecodes.mark_launched`), that step not yet collected while `in_flight`, and `last_token`
+  the token it sampled once collected (its last output: the output processor appends it). When the scheduler
+  reads it, a known request is in the state that launch left: `num_computed_tokens` = start + 1, and
+  `num_tokens` = start + 2 (its token appended once collected, or pending on the device before), so its next
+  step is a decode at start + 1 unless it must wait or opens a page: `fast` works that out for every running
+  row at once, from `limit` (a start below it decodes next at start + 1 with no rule to apply; 0 while not
+  known).
 - `sampling`, `lora`: its `Request.sampling_row` and adapter (the runner's `DecodeRows` columns).
 - `launch`: the number of that launch (each decode launch has the next), so that a step collected after a
   later one launched the row (async scheduling: step N is collected after step N + 1 is launched), or after
