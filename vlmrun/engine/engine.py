@@ -299,9 +299,11 @@ class Engine:
             raise
         launched = LaunchedChunks(chunks, handle, decodes=decodes)
         uncollected.append(launched)
-        decodes.mark_launched()
+        decodes.mark_launched(overlapped=self.config.async_scheduling)
         for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
             c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
+        if inputs and self.scheduler.decode_rows:  # their requests move on by other rules than decode rows'
+            self.scheduler.decode_table.forget([given.row for given in inputs])
         return launched
 
     def _collect(self, step: LaunchedChunks) -> list[RequestUpdate]:
@@ -346,7 +348,7 @@ class Engine:
     def _collect_decodes(self, decodes: ScheduledDecodes, decoded: DecodedRows, now: float) -> list[RequestUpdate]:
         """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs): one pass
         over the rows for the bookkeeping, one through the output processor (`append_decodes`)."""
-        decodes.mark_collected(now)
+        decodes.mark_collected(now, decoded.token_ids)
         if self.prefix_cache is not None:  # index each request's newly full prompt pages
             running = RequestStatus.RUNNING
             for req, start in zip(decodes.requests, decodes.starts):

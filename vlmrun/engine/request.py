@@ -27,7 +27,7 @@ class RequestStatus(Enum):
     FINISHED = auto()
 
 
-@dataclass
+@dataclass(eq=False)  # (a request is itself: `in` and `remove` on the queues compare identities)
 class Request:
     request_id: str
     prompt: ProcessedPrompt
@@ -70,6 +70,10 @@ class Request:
     # set by the scheduler), sampled with `sampling_row`, made once
     plain_decode: bool = False
     sampling_row: Optional[SamplingRow] = None
+    # async scheduling: a plain decode with a launched step runs on (a placeholder for its pending token)
+    # while its num_tokens is below this; at it the request waits (`Scheduler.must_wait`: its sampling reads
+    # the ids, or max_tokens / max_model_len end it there). Set with `plain_decode`; 0: it always waits.
+    decode_wait_tokens: int = 0
     num_prompt_tokens: int = field(init=False, default=0)  # len(prompt.token_ids), set once
 
     @property

@@ -39,18 +39,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional
 
+import numpy as np
 import torch
 
 from vlmrun.cache.gdn_pool import gdn_slot_for_row
-from vlmrun.cache.kv_pool import pages_needed, token_slots
+from vlmrun.cache.kv_pool import pages_needed
 from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache
+from vlmrun.engine.decode_columns import DecodeTable, decode_wait_tokens
 from vlmrun.engine.prefix_reuse import PrefixReuse
 from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
 from vlmrun.engine.scheduled_chunk import ScheduledChunk, ScheduledDecodes
+from vlmrun.engine.token_map import map_tokens
 from vlmrun.executor.step_input import PLACEHOLDER_TOKEN
-from vlmrun.host_to_device import int64_tensor
 from vlmrun.layers.sampling_batch import SamplingRow
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 from vlmrun.spec_decode.proposer import Proposer
@@ -81,6 +83,9 @@ class Scheduler:
         # plain decodes go in the step's `ScheduledDecodes` columns (the runner takes `DecodeRows`; not
         # with speculative decoding, whose rows are verified as chunks)
         self.decode_rows = decode_rows and proposer is None
+        # what each page-table row's request carries from one plain decode step to the next (its pages...)
+        self.decode_table = DecodeTable(self.req_pool.max_reqs, pages_needed(self.max_model_len, self.page_size) + 1,
+                                        self.page_size)
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None
                             else SpecDecodeStats(num_accepted_tokens_per_pos=[0] * proposer.k))
@@ -102,6 +107,7 @@ class Scheduler:
             req.plain_decode = True
             req.sampling_row = SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                                            req.generator, req.eos_token_ids)
+            req.decode_wait_tokens = decode_wait_tokens(req, self.max_model_len)
         self.policy.enqueue(self.waiting, req)
 
     def has_work(self) -> bool:
@@ -114,7 +120,7 @@ class Scheduler:
         The page table rows and KV slots are written, and fresh GDN slots zeroed, on return."""
         decodes = ScheduledDecodes()
         chunks, too_long = self._pick_chunks(decodes)
-        self._map_tokens(chunks, decodes)
+        map_tokens(chunks, decodes, self.page_size, self.req_pool)
         self._zero_fresh_gdn_slots(chunks)
         return chunks, decodes, too_long
 
@@ -182,6 +188,7 @@ class Scheduler:
                 self.prefix.count_lookup(req, match.num_pages)
             del self.waiting[i]
             req.req_pool_idx = row
+            self.decode_table.admit(req, row)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, req.num_computed_tokens, n, admitted=True))
@@ -190,26 +197,60 @@ class Scheduler:
 
     def _pick_decodes(self, decodes: ScheduledDecodes, budget: int) -> tuple[int, int]:
         """The leading run of running requests that decode plainly (`Request.plain_decode`, past its prompt,
-        feeding its last token), each a row of `decodes` with its KV slot. -> (where the run ends, budget left)"""
-        running, page_size, i = self.running, self.page_size, 0
-        add_request, add_row, add_start, add_token, add_slot = decodes.column_appends()
+        feeding its last token), each a row of `decodes` with its KV slot. From `DecodeTable.fast_from`
+        running requests the runs the table says decode with no rule to apply (`fast`) are taken whole, and
+        the rules applied one request at a time to the others only (one that must wait, or whose next token
+        opens a page, or a first decode); below it, to every request. -> (where the run ends, budget left)"""
+        running, table = self.running, self.decode_table
+        if not self.decode_rows or not running:
+            return 0, budget
+        decodes.table = table
+        if len(running) < table.fast_from:  # (the table's numpy costs more than a few requests' rules)
+            i, budget, _ = self._pick_by_rules(decodes, budget, 0, len(running))
+            return i, budget
+        table.forget_all_if_stale()
+        rows = table.rows_of(running)  # [n]
+        fast = table.fast(rows)
+        slow: list[int] = []
+        if not fast.all():
+            table.open_pages(running, rows, fast, budget, self.allocator)  # (1 in `page_size` steps)
+            slow = np.flatnonzero(~fast).tolist()
+        i = k = 0
         while i < len(running) and budget > 0:
+            end = min(slow[k] if k < len(slow) else len(running), len(running), i + budget)
+            if end > i:
+                decodes.add_run(running, i, end, rows, table)
+                budget, i = budget - (end - i), end
+                continue
+            k += 1  # (newer requests preempted for its page: past i, `rows` holds for the rest)
+            i, budget, ended = self._pick_by_rules(decodes, budget, i, i + 1)
+            if ended:
+                break
+        decodes.close_columns()
+        return i, budget
+
+    def _pick_by_rules(self, decodes: ScheduledDecodes, budget: int, i: int, stop: int) -> tuple[int, int, bool]:
+        """Rows of `running[i:stop]` by the rules, one request at a time, as host ints: a request that must
+        wait is skipped, the first that does not decode plainly ends the run. -> (i, budget, ended)"""
+        running, page_size = self.running, self.page_size
+        add_request, add_row, add_start, add_token, add_slot = decodes.column_appends()
+        while i < stop and i < len(running) and budget > 0:
             req = running[i]
             if req.num_launched_steps and self.must_wait(req):
                 i += 1
                 continue
             start, pending, outputs = req.num_computed_tokens, req.num_pending_tokens, req.output_token_ids
-            if not (req.plain_decode and start >= req.num_prompt_tokens  # (num_tokens - 1, inline)
+            if not (req.plain_decode and start >= req.num_prompt_tokens  # (num_tokens - 1, inline: no call)
                     and start == req.num_prompt_tokens + len(outputs) + pending - 1
                     and (start < len(req.pages) * page_size or self._grow_or_preempt(req, start + 1))):
-                break
+                return i, budget, True
             add_request(req)  # (the columns appended here: once per row, no call)
             add_row(req.req_pool_idx)
             add_start(start)
             add_token(outputs[-1] if not pending else PLACEHOLDER_TOKEN)
             add_slot(req.pages[start // page_size] * page_size + start % page_size)
             budget, i = budget - 1, i + 1
-        return i, budget
+        return i, budget, False
 
     def _lora_fits(self, req: Request) -> bool:
         """LoRA: the running requests' adapters and `req`'s fit the `max_loras` slots of a step."""
@@ -273,40 +314,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ cache bookkeeping
 
-    def _map_tokens(self, chunks: list[ScheduledChunk], decodes: ScheduledDecodes) -> None:
-        """Set each chunk's KV slots and write them into its page table row, in one copy for the step.
-
-        A request admitted this step also gets the rows of its cached prefix (a prefix-cache hit).
-        The step's slots are worked out as host ints and become one tensor; each chunk's are a view of it.
-        The decodes' slots (worked out as they were picked) come first."""
-        rows: list[int] = list(decodes.rows)
-        positions: list[int] = list(decodes.starts)
-        slots: list[int] = list(decodes.slots)
-        # the decodes' slots, then per chunk its slots in `slots` (a prefix-cache hit's rows, then the fed tokens')
-        sizes: list[int] = [len(decodes)]
-        page_size = self.page_size
-        for c in chunks:
-            req, start = c.request, c.start
-            end = start + c.num_tokens
-            first = 0 if c.admitted else start
-            sizes.append(end - first)
-            if end - first == 1:  # a decode: one token, one slot
-                rows.append(req.req_pool_idx)
-                positions.append(first)
-                slots.append(req.pages[first // page_size] * page_size + first % page_size)
-                continue
-            rows.extend([req.req_pool_idx] * (end - first))
-            positions.extend(range(first, end))
-            slots.extend(token_slots(req.pages, first, end, page_size))
-        if not slots:
-            return
-        step_slots = int64_tensor(slots)
-        pieces = step_slots.split(sizes)
-        decodes.kv_slots = pieces[0]
-        for c, size, piece in zip(chunks, sizes[1:], pieces[1:]):
-            c.kv_slots = piece if size == c.num_tokens else piece[size - c.num_tokens:]
-        self.req_pool.write(int64_tensor(rows), int64_tensor(positions), step_slots)
-
     def _zero_fresh_gdn_slots(self, chunks: list[ScheduledChunk]) -> None:
         """A request computing from its first token (new, or recomputing after a preemption) starts
         from zero GDN state; one resuming a prefix-cache hit had its snapshot restored at admission."""
@@ -323,6 +330,8 @@ class Scheduler:
         pages = self.allocator.alloc(need)
         if pages is None:
             return False
+        if req.req_pool_idx is not None:  # (admission writes the row's pages once it has one)
+            self.decode_table.grow(req.req_pool_idx, len(req.pages), pages)
         req.pages.extend(pages)
         return True
 
@@ -362,6 +371,7 @@ class Scheduler:
             req.pages = []
         if req.req_pool_idx is not None:
             self.req_pool.free(req.req_pool_idx)
+            self.decode_table.release(req.req_pool_idx)
             req.req_pool_idx = None
 
     def finish(self, req: Request) -> None:
