@@ -16,7 +16,8 @@ one thread (`torch.set_num_threads(1)`; run it under OMP_NUM_THREADS=1 too):
   each step's deltas.
 - **HF transformers** `generate` on the same checkpoint and prompts (greedy, `min_new_tokens` =
   `max_new_tokens`, the default dynamic cache): ms/step = (time of `max_tokens` new tokens - time of
-  one) / (`max_tokens` - 1), which leaves the prefill out the same way.
+  one) / (`max_tokens` - 1), which leaves the prefill out the same way; each call ends with the texts
+  (`tokenizer.batch_decode` of the new tokens), as HF's users get them.
 
 vLLM's CPU build is not a side here (bench/vllm_side.py says how it was installed for
 bench_cpu_vs_hf; it needs its own venv of about 3 GB). Each batch size runs `--repeats` times per
@@ -99,16 +100,18 @@ def run_vlmrun(engine: Engine, batch: int, max_tokens: int, profiler: cProfile.P
     return elapsed / steps * 1e3
 
 
-def run_hf(model, batch: int, max_tokens: int, clock: Callable[[], float] = time.perf_counter) -> float:
-    """ms per decode step of HF `generate`: (max_tokens new tokens - one new token) / (max_tokens - 1)."""
+def run_hf(model, tokenizer, batch: int, max_tokens: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """ms per decode step of HF `generate` and the texts (`batch_decode` of the new tokens, as HF's users get
+    text): (max_tokens new tokens - one new token) / (max_tokens - 1)."""
     input_ids = torch.tensor(prompts(batch), dtype=torch.int64)
     mask = torch.ones_like(input_ids)
 
     def timed(n: int) -> float:
         start = clock()
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
+            out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, pad_token_id=0)
+        tokenizer.batch_decode(out[:, input_ids.shape[1]:], skip_special_tokens=True)
         return clock() - start
 
     return (timed(max_tokens) - timed(1)) / (max_tokens - 1) * 1e3
@@ -137,12 +140,13 @@ def main(argv: list[str] | None = None) -> None:
         engine = make_engine(model_dir, max(args.batches))
         hf = None
         if "hf" in args.sides:
-            from transformers import AutoModelForImageTextToText
+            from transformers import AutoModelForImageTextToText, AutoTokenizer
 
             hf = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         run_vlmrun(engine, 4, 4, stream=args.stream)  # warm-up: first calls of every path
         if hf is not None:
-            run_hf(hf, 4, 4)
+            run_hf(hf, hf_tokenizer, 4, 4)
         print(f"ms per decode step (median of {args.repeats}, {args.clock} clock), {args.max_tokens} greedy tokens, "
               f"prompts of {PROMPT_LEN} tokens, one thread; vlmrun's requests "
               f"{'streamed' if args.stream else 'final-only, as LLM.generate'}")
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                 if "vlmrun" in args.sides:
                     times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens, clock=clock, stream=args.stream))
                 if hf is not None:
-                    times["hf"].append(run_hf(hf, batch, args.max_tokens, clock=clock))
+                    times["hf"].append(run_hf(hf, hf_tokenizer, batch, args.max_tokens, clock=clock))
             cells = []
             for side in args.sides:
                 ms = statistics.median(times[side])
