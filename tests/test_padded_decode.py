@@ -81,7 +81,8 @@ def restore(engine, state: dict[str, torch.Tensor]) -> None:
 
 def live_state_differences(engine) -> list[str]:
     """Run the next (decode) step padded and unpadded from the same state; name every KV slot and
-    GDN slot outside the dummy page / dummy slot where the two end states differ. (The real rows'
+    GDN slot outside the dummy page / dummy slot where the two end states differ, and the sampled tokens if
+    they differ. (The real rows'
     own writes differ by GEMM rounding, which depends on the row count: hence the tolerance; a
     padding row writing live state changes it by far more.)"""
     chunks, decodes, _ = engine.scheduler.schedule()
@@ -97,8 +98,10 @@ def live_state_differences(engine) -> list[str]:
         eager_tokens = runner.collect_step(runner.launch([], rows))[1].token_ids
     finally:
         runner.bucketed_steps = runner_padded
-    assert padded_tokens == eager_tokens
-    return live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
+    # (padding that writes a live page may change a live row's tokens in the same step: the KV page's
+    # fresh-tail clearing, stale_keys.fresh_tail_slots, then wipes the rest of that page)
+    tokens = [] if padded_tokens == eager_tokens else [f"tokens: padded {padded_tokens} != eager {eager_tokens}"]
+    return tokens + live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
 
 
 def live_differences(padded: dict[str, torch.Tensor], eager: dict[str, torch.Tensor], page: int) -> list[str]:

@@ -92,7 +92,7 @@ def verifying_engine(model_dir):
 
 def live_state_differences(engine) -> list[str]:
     """Run the next (verify) step padded and unpadded from the same state; name every KV slot outside
-    the dummy page and every GDN slot but the dummy where the two end states differ (GEMM rounding
+    the dummy page and every GDN slot but the dummy where the two end states differ, and the sampled tokens if they differ (GEMM rounding
     depends on the row count: hence the tolerance; padding writing live state changes far more)."""
     chunks, _, _ = engine.scheduler.schedule()  # (speculating: no plain decode rows)
     inputs = [c.to_input() for c in chunks]
@@ -107,8 +107,10 @@ def live_state_differences(engine) -> list[str]:
         eager_tokens = [[s.sampled.token_id] + [t.token_id for t in s.after_drafts] for s in runner.execute(inputs)]
     finally:
         runner.bucketed_steps = runner_padded
-    assert padded_tokens == eager_tokens
-    return live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
+    # (padding that writes a live page may change a live row's tokens in the same step: the KV page's
+    # fresh-tail clearing, stale_keys.fresh_tail_slots, then wipes the rest of that page)
+    tokens = [] if padded_tokens == eager_tokens else [f"tokens: padded {padded_tokens} != eager {eager_tokens}"]
+    return tokens + live_differences(padded, snapshot(engine), engine.caches.plan.page_size)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
