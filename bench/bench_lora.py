@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import (add_threads_option, apply_threads, build_checkpoint, describe_run, hide_flash_linear_attention,
-                          make_requests)
+                          make_requests, rotated)
 from testing.lora_adapters import build_peft_adapter
 
 TEXT_LINEARS_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -90,7 +90,7 @@ def main() -> None:
         for mode in MODES:  # warm-up: every adapter in its slot, first-call costs paid
             decode_rate(engines[mode], prompts, 2, loras_for(mode, args.batch, adapters))
         for r in range(args.repeats):
-            for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:  # each round starts elsewhere
+            for mode in rotated(MODES, r):
                 decode[mode].append(decode_rate(engines[mode], prompts, args.steps, loras_for(mode, args.batch, adapters)))
     base = statistics.median(decode["off"])
     print(f"{describe_run('bench.bench_lora')}")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import rotated
 from testing.lora_adapters import TEXT_LINEARS, build_peft_adapter
 from testing.tiny_models import build_tiny_checkpoint
 from vlmrun.config import EngineConfig
@@ -76,7 +77,7 @@ def main() -> None:
                     for i in (1, 2)]
         times: dict[str, list[float]] = {mode: [] for mode in MODES}
         for r in range(args.repeats):
-            for mode in MODES[r % len(MODES):] + MODES[:r % len(MODES)]:
+            for mode in rotated(MODES, r):
                 times[mode].append(ms_per_step(model_dir, mode, args.batch, args.steps, adapters))
     print(f"| batch {args.batch}, {args.steps} decode steps | ms/step (median of {args.repeats}) | µs/request/step |")
     print("| --- | --- | --- |")

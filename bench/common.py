@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -200,6 +200,13 @@ def run_child(module: str, args: list[str]) -> dict:
                          check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
+
+
+def rotated(sides: Sequence[str], round_index: int) -> list[str]:
+    """`sides` starting at round `round_index`'s place: an A/B run's rounds each start with another side, so
+    no side always runs first (on a warm or a cold machine)."""
+    k = round_index % len(sides)
+    return list(sides[k:]) + list(sides[:k])
 
 def describe_cpu() -> str:
     """'CPU (x86_64, 2 threads), torch 2.x': the processor, torch's threads and release."""

@@ -13,7 +13,6 @@ and the CPU attention's tail rows (stale_keys.tail_rows) are the same worked out
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tests.step_tracing import step_under_hook
 from vlmrun.config import EngineConfig
 from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.engine import Engine
@@ -55,12 +55,7 @@ def decode_step_calls(model_dir: Path, batch: int, stream: bool) -> Counter:
         if event == "call":
             calls[(Path(frame.f_code.co_filename).name, frame.f_code.co_name)] += 1
 
-    previous = sys.getprofile()
-    sys.setprofile(count)
-    try:
-        updates = engine.step()
-    finally:
-        sys.setprofile(previous)
+    updates = step_under_hook(engine, count, lines=False)
     engine.shutdown()
     assert len(updates) == (batch if stream else 0) and all(len(u.new_token_ids) == 1 for u in updates)
     return Counter({key: n for key, n in calls.items() if not key[0].startswith(SAMPLING_FILE_PREFIX)})

@@ -10,13 +10,13 @@ runs a few Python lines per request (a line count, not a clock), where a loop ov
 from __future__ import annotations
 
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.step_tracing import step_under_hook
 from vlmrun.config import EngineConfig
 from vlmrun.engine.decode_columns import FAST_FROM, DecodeTable
 from vlmrun.engine.engine import Engine
@@ -158,12 +158,7 @@ def scheduler_side_lines(model_dir: Path, batch: int) -> int:
             lines[frame.f_code.co_name] += 1
         return trace
 
-    previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        updates = engine.step()
-    finally:
-        sys.settrace(previous)
+    updates = step_under_hook(engine, trace, lines=True)
     engine.shutdown()
     assert len(updates) == batch
     return sum(lines.values())
