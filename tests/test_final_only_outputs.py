@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
@@ -25,6 +24,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from tests.step_tracing import step_under_hook
 from vlmrun import LLM
 from vlmrun.config import EngineConfig
 from vlmrun.engine.detokenizer import IncrementalDetokenizer
@@ -274,12 +274,7 @@ def test_a_final_only_request_costs_no_per_step_output_work(qwen3_dir) -> None:
 
     middle: list = []
     for _ in range(4):  # outputs 2..5 of 6: neither the first nor the last
-        previous = sys.getprofile()
-        sys.setprofile(count)
-        try:
-            middle += engine.step()
-        finally:
-            sys.setprofile(previous)
+        middle += step_under_hook(engine, count, lines=False)
     assert [u.request_id for u in middle] == ["r3"] * 4  # only the streamed request
     assert calls == Counter({"add_plain_token": 4, "append": 4, "DecodeStream.step": 4}), calls  # r3's alone
     last = engine.step()
