@@ -95,7 +95,8 @@ class Engine:
                                    snapshot_interval=config.prefix_snapshot_interval, proposer=build_proposer(config),
                                    max_loras=config.lora_slots, disable_by_batch_size=config.disable_by_batch_size,
                                    scheduling_policy=config.scheduling_policy,
-                                   decode_rows=getattr(self.executor, "takes_decode_rows", False))
+                                   decode_rows=getattr(self.executor, "takes_decode_rows", False),
+                                   overlaps_steps=config.async_scheduling)
         self.stop_limits = StopLimits.of(config)
         self.grammars = GrammarCompiler(self.tokenizer, self.model_config.text_config.vocab_size, self.model_config.eos_token_ids)
         self.reasoning_markers = ReasoningMarkers.from_tokenizer(self.tokenizer)
@@ -347,13 +348,10 @@ class Engine:
 
     def _collect_decodes(self, decodes: ScheduledDecodes, decoded: DecodedRows, now: float) -> list[RequestUpdate]:
         """The plain decodes' tokens, as `_collect` does for a chunk (no drafts, no prompt logprobs): one pass
-        over the rows for the bookkeeping, one through the output processor (`append_decodes`)."""
+        over the rows for the bookkeeping, one through the output processor (`append_decodes`). No prefix-cache
+        commit: a decode row is past its prompt, whose pages (the only ones indexed) and snapshot points were
+        committed when its last prompt chunk was collected (collects run in launch order)."""
         decodes.mark_collected(now, decoded.token_ids)
-        if self.prefix_cache is not None:  # index each request's newly full prompt pages
-            running = RequestStatus.RUNNING
-            for req, start in zip(decodes.requests, decodes.starts):
-                if req.page_keys and req.status is running:
-                    self.scheduler.prefix.commit(req, start + 1)
         updates, finishing = self.outputs.append_decodes(decodes.requests, decoded.token_ids, decoded.logprobs)
         for at, req, reason in finishing:
             updates[at].result = self._finish(req, reason).result
