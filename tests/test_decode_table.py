@@ -177,3 +177,25 @@ def test_slots_are_the_pages_positions():
     rows, positions = np.array([0, 0, 2, 2, 2]), np.array([3, 4, 0, 7, 11])
     assert table.slots(rows, positions).tolist() == [31, 8, 20, 7, 39]
     assert table.room.tolist() == [8, 0, 12]
+
+
+def test_penalty_rows_take_the_fast_path_when_steps_do_not_overlap(qwen3_vl_dir):
+    """A request that reads its output ids (a penalty) must wait for its launched step under async scheduling;
+    a synchronous engine never has one when it schedules, so after its first decode such a request is a fast
+    row like any other (not picked one at a time by the rules every step)."""
+    engine = make_engine(qwen3_vl_dir, True, False, max_num_seqs=4, max_num_batched_tokens=64,
+                         kv_cache_memory_bytes=1 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, repetition_penalty=1.1)
+    for i in range(3):
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13]}), params)
+    engine.step()  # prefill
+    engine.step()  # first decode: by the rules (no row known yet)
+    scheduler, picked_by_rules = engine.scheduler, []
+    by_rules = scheduler._pick_by_rules
+    scheduler._pick_by_rules = lambda decodes, budget, i, stop: picked_by_rules.append(stop - i) or by_rules(
+        decodes, budget, i, stop)
+    while engine.has_unfinished():
+        engine.step()
+    engine.shutdown()
+    # (a page opening needs no rule either while free pages cover it)
+    assert sum(picked_by_rules) == 0, picked_by_rules

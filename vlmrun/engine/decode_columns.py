@@ -44,6 +44,7 @@ from vlmrun.lora.request import LoRARequest
 # time with host ints cost less than the table's fixed numpy work (even at 56 here: ~46 us a synchronous
 # step's scheduling either way; 31 against 40 at 32 requests, 50 against 47 at 64)
 FAST_FROM = 56
+NEVER_WAITS = 1 << 62  # `decode_wait_tokens` of a request that never waits (a synchronous engine's)
 
 
 class DecodeTable:

@@ -46,7 +46,7 @@ from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.kv_pool import pages_needed
 from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache
-from vlmrun.engine.decode_columns import DecodeTable, decode_wait_tokens
+from vlmrun.engine.decode_columns import NEVER_WAITS, DecodeTable, decode_wait_tokens
 from vlmrun.engine.prefix_reuse import PrefixReuse
 from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
@@ -62,7 +62,7 @@ class Scheduler:
     def __init__(self, caches: Caches, max_num_batched_tokens: int, prefix_cache: Optional[PrefixCache] = None,
                  snapshot_interval: int = 512, proposer: Optional[Proposer] = None, max_loras: Optional[int] = None,
                  disable_by_batch_size: Optional[int] = None, scheduling_policy: str = "fcfs",
-                 decode_rows: bool = False):
+                 decode_rows: bool = False, overlaps_steps: bool = True):
         self.allocator = caches.allocator
         self.req_pool = caches.req_to_token
         self.gdn_pool = caches.gdn_pool
@@ -83,6 +83,7 @@ class Scheduler:
         # plain decodes go in the step's `ScheduledDecodes` columns (the runner takes `DecodeRows`; not
         # with speculative decoding, whose rows are verified as chunks)
         self.decode_rows = decode_rows and proposer is None
+        self.overlaps_steps = overlaps_steps  # async scheduling: a request may have a launched step (must_wait)
         # what each page-table row's request carries from one plain decode step to the next (its pages...)
         self.decode_table = DecodeTable(self.req_pool.max_reqs, pages_needed(self.max_model_len, self.page_size) + 1,
                                         self.page_size)
@@ -107,7 +108,9 @@ class Scheduler:
             req.plain_decode = True
             req.sampling_row = SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids,
                                            req.generator, req.eos_token_ids)
-            req.decode_wait_tokens = decode_wait_tokens(req, self.max_model_len)
+            # (synchronous: no launched step when the scheduler runs, so `must_wait` never holds: no token count)
+            req.decode_wait_tokens = (decode_wait_tokens(req, self.max_model_len) if self.overlaps_steps
+                                      else NEVER_WAITS)
         self.policy.enqueue(self.waiting, req)
 
     def has_work(self) -> bool:
