@@ -113,3 +113,25 @@ def test_fresh_tail_slots_are_the_rest_of_each_page_a_step_starts():
     # 10 (positions 8, 9) likewise: 10..11; a decode ending at 7 did not start its page
     slots = fresh_tail_slots(np.array([6, 10, 7]), np.array([6, 2, 1]), 4, loc)
     assert slots.tolist() == [106, 107, 108, 109]
+
+
+def test_a_padded_verify_step_clears_the_real_tails():
+    """A verify step padded to rows of `width` (executor/bucketed_steps.py) writes each row's padding positions
+    to the dummy page: the page tails to clear are those after each row's real tokens, the same slots as the
+    step unpadded (not the dummy page's)."""
+    pool = KVPool(1, NUM_PAGES * PAGE, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"), PAGE)
+    backend = CpuAttnBackend(pool, ReqToTokenPool(4, 64, torch.device("cpu")))
+    width, prefixes, fed = 3, [4, 9, 0], [1, 3, 0]  # a row without drafts, a full row, a padding row
+    # the real tokens' slots: row 0 starts page 26 at position 4; row 1 feeds positions 9-11 (page 10's slots 41-43)
+    real_slots = {0: [104], 1: [41, 42, 43]}
+    padded_loc = torch.tensor([104, 0, 0, 41, 42, 43, 0, 0, 0])  # [rows * width], padding on the dummy page
+    padded = ForwardBatch.build(
+        input_ids=torch.zeros(9, dtype=torch.int64), positions=torch.zeros(3, 9, dtype=torch.int64),
+        req_pool_indices=torch.tensor([0, 1, 4]), extend_prefix_lens=prefixes, extend_seq_lens=[width] * 3,
+        out_cache_loc=padded_loc, logits_indices=torch.arange(9), to_device=lambda t: t,
+        num_drafts=[width - 1] * 3, real_fed_lens=fed)
+    lens = np.asarray(padded.seq_lens_cpu, dtype=np.int64)
+    got = backend._fresh_tails(padded, lens)
+    unpadded = fresh_tail_slots(np.asarray([4 + 1, 9 + 3]), np.asarray([1, 3]), PAGE,
+                                torch.tensor(real_slots[0] + real_slots[1]))
+    assert got is not None and got.tolist() == unpadded.tolist() == [105, 106, 107]

@@ -92,6 +92,9 @@ class ForwardBatch:
     # Speculative decoding: per sequence, how many of its fed tokens (the last ones) are drafts; None
     # when no sequence has any. A GDN backend keeps the state after each position of such a sequence.
     num_drafts_cpu: Optional[list[int]] = None
+    # A verify step padded to a width per row (executor/bucketed_steps.py): per row, how many of its fed
+    # tokens are real (the first ones; the rest write the dummy page). None: every fed token is real.
+    real_fed_lens_cpu: Optional[list[int]] = None
 
     @classmethod
     def build(cls, *, input_ids: torch.Tensor, positions: torch.Tensor, req_pool_indices: torch.Tensor,
@@ -99,12 +102,14 @@ class ForwardBatch:
               logits_indices: torch.Tensor, to_device: ToDevice, attn_backend: Optional[AttentionForward] = None,
               state_slots: Optional[torch.Tensor] = None,
               num_drafts: Optional[list[int]] = None,
-              device_lens: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> ForwardBatch:
+              device_lens: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
+              real_fed_lens: Optional[list[int]] = None) -> ForwardBatch:
         """The one way a step's batch is made from host values: host tensors go to the device with
         `to_device` (one already on a device stays), the sequence lengths are prefix + extend, the mode
         follows the extend lengths, `num_drafts` is kept only when a sequence has drafts. `device_lens`:
         (seq_lens, extend_prefix_lens, extend_seq_lens) [batch] already on the device with the host lists'
-        values (a padded decode's static buffers, which its CUDA graph reads), taken as they are."""
+        values (a padded decode's static buffers, which its CUDA graph reads), taken as they are.
+        `real_fed_lens`: a padded verify step's real tokens per row (`real_fed_lens_cpu`)."""
         seq_lens = list(map(add, extend_prefix_lens, extend_seq_lens))  # (no Python loop: a decode step's hundreds)
 
         def on_device(t: torch.Tensor) -> torch.Tensor:
@@ -123,7 +128,8 @@ class ForwardBatch:
             extend_prefix_lens_cpu=extend_prefix_lens, extend_seq_lens_cpu=extend_seq_lens,
             logits_indices=on_device(logits_indices), attn_backend=attn_backend,
             state_slots=None if state_slots is None else on_device(state_slots),
-            num_drafts_cpu=num_drafts if num_drafts is not None and any(num_drafts) else None)
+            num_drafts_cpu=num_drafts if num_drafts is not None and any(num_drafts) else None,
+            real_fed_lens_cpu=real_fed_lens)
 
     def select(self, sequences: Sequence[int], token_rows: torch.Tensor, to_device: ToDevice) -> ForwardBatch:
         """This batch cut to some of its sequences (`sequences`, whose fed tokens are `token_rows` [n] of

@@ -164,7 +164,7 @@ class BucketedStepInputs:
             extend_prefix_lens=fb.extend_prefix_lens_cpu + [0] * (bucket - n), extend_seq_lens=[w] * bucket,
             out_cache_loc=self.out_cache_loc[:tokens], logits_indices=fb.logits_indices, to_device=self.upload,
             attn_backend=fb.attn_backend, state_slots=None if self.state_slots is None else self.state_slots[:bucket],
-            num_drafts=[w - 1] * bucket,
+            num_drafts=[w - 1] * bucket, real_fed_lens=fb.extend_seq_lens_cpu + [0] * (bucket - n),
             device_lens=(self.seq_lens[:bucket], self.prefix_lens[:bucket], self.widths[:bucket]))
         return padded, real
 

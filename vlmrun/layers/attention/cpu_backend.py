@@ -108,8 +108,7 @@ class CpuAttnBackend(AttentionBackend):
             fresh = fresh_tail_slots(all_lens, None, self.page_size, fb.out_cache_loc)
             fb.attn_metadata = CpuAttnMetadata([self._decode_group(fb, None, 1, all_lens, None)], [], fresh)
             return
-        fresh = fresh_tail_slots(all_lens, np.fromiter(extend_lens, dtype=np.int64, count=fb.batch_size),
-                                 self.page_size, fb.out_cache_loc)
+        fresh = self._fresh_tails(fb, all_lens)
         drafts = fb.num_drafts_cpu or [0] * fb.batch_size
         starts = [0]
         for n in extend_lens:
@@ -128,6 +127,16 @@ class CpuAttnBackend(AttentionBackend):
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
         fb.attn_metadata = CpuAttnMetadata(decodes, prefills, fresh)
+
+    def _fresh_tails(self, fb: ForwardBatch, lens: np.ndarray) -> Optional[torch.Tensor]:
+        """`fresh_tail_slots` of a step that feeds several tokens to some sequence; a padded verify step's by
+        its real tokens (its rows' padding writes the dummy page: the real tail is the one to clear)."""
+        extend = np.fromiter(fb.extend_seq_lens_cpu, dtype=np.int64, count=fb.batch_size)  # [batch]
+        if fb.real_fed_lens_cpu is None:
+            return fresh_tail_slots(lens, extend, self.page_size, fb.out_cache_loc)
+        real = np.asarray(fb.real_fed_lens_cpu, dtype=np.int64)  # [batch] (0: a padding row)
+        row_starts = np.cumsum(extend) - extend  # [batch] each row's first token row in the padded stream
+        return fresh_tail_slots(lens - extend + real, real, self.page_size, fb.out_cache_loc, row_starts)
 
     def _decode_group(self, fb: ForwardBatch, idx: Optional[list[int]], width: int, lens: np.ndarray,
                       starts: Optional[list[int]]) -> DecodeGroup:

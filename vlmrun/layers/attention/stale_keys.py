@@ -86,19 +86,24 @@ def zero_rows(gathered: torch.Tensor, rows: Optional[torch.Tensor], num_rows: in
 
 
 def fresh_tail_slots(seq_lens: np.ndarray, extend_lens: Optional[np.ndarray], page_size: int,
-                     out_cache_loc: torch.Tensor) -> Optional[torch.Tensor]:
+                     out_cache_loc: torch.Tensor, row_starts: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
     """[m] KV slots (on `out_cache_loc`'s device) past each sequence's length in its last page when this
     step writes the page's first position (the sequence's first write into it): the slots the pool must
     zero after the step's write. `seq_lens` [batch]: lengths after the step (host); `extend_lens` [batch]:
     tokens each feeds (None: one each); `out_cache_loc` [num_tokens]: the slot of each fed token, the
-    sequences' tokens in order. None when no sequence starts a page with room left after its length."""
+    sequences' tokens in order; `row_starts` [batch]: each sequence's first token row in it when the rows are
+    not packed (a padded verify step: row i at i * width; its real tokens first). None when no sequence
+    starts a page with room left after its length."""
     last_page_start = (seq_lens - 1) // page_size * page_size  # [batch] first position of the last page
     fed = 1 if extend_lens is None else extend_lens
     fresh = np.flatnonzero((last_page_start >= seq_lens - fed) & (seq_lens % page_size != 0))  # [f]
     if not fresh.size:
         return None
     counts = (-seq_lens[fresh]) % page_size  # [f] positions past the length in the page
-    last_rows = fresh if extend_lens is None else (np.cumsum(extend_lens) - 1)[fresh]  # [f] token row of the last fed
+    if row_starts is not None:
+        last_rows = (row_starts + fed - 1)[fresh]  # [f] token row of the last fed
+    else:
+        last_rows = fresh if extend_lens is None else (np.cumsum(extend_lens) - 1)[fresh]
     firsts = np.cumsum(counts) - counts  # [f]
     offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(firsts, counts) + 1  # [m] 1, 2, ... per sequence
     both = upload(torch.from_numpy(np.stack([np.repeat(last_rows, counts), offsets])), out_cache_loc.device)  # [2, m]
