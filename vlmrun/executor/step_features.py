@@ -9,7 +9,7 @@ A step runs prepare -> forward -> sample -> settle (`ModelRunner.launch`). Two f
   for the adapted layers. `NoAdapters` (the base model alone) does nothing; `LoRAAdapters` puts the
   step's adapters in slots (`vlmrun.lora.manager.LoRAManager.activate`) and binds their rows, the
   decode rows (`DecodeRows.loras`) first, then each chunk's rows as the forward runs them
-  (`ModelRunner.rows_per_sequence`: a verify step run padded has `width` rows a sequence).
+  (`model_runner.rows_per_sequence`: a verify step run padded has `width` rows a sequence).
 - **Drafts** (`Drafting.start(chunks) -> StepDrafts`): `draft(fb)` before the forward (the drafts
   made on the device go into the step's input ids), `catch_up(hidden, fb, sampled)` after sampling,
   `remember(accepted)` after acceptance (queued on the device), `drafts_on_host()` for the grammar
