@@ -261,13 +261,25 @@ def test_penalty_requests_decode_as_rows(qwen3_dir) -> None:
     plain decode rows (`DecodeRows`), not as a chunk each; min_tokens (counted with placeholders) stays a chunk."""
     engine = Engine(EngineConfig(model=str(qwen3_dir), device="cpu", dtype="float32", max_num_seqs=8,
                                  max_num_batched_tokens=64, kv_cache_memory_bytes=16 * 1024 * 1024))
-    params = [SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3),
-              SamplingParams(temperature=0.7, max_tokens=4, frequency_penalty=0.5, logit_bias={3: 1.0}),
-              SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[3, 4, 5]),
+    params = [SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3, ignore_eos=True),
+              SamplingParams(temperature=0.7, max_tokens=4, frequency_penalty=0.5, logit_bias={3: 1.0}, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[3, 4, 5], ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2)]
+    launch, row_ids = engine.executor.launch, []  # the request ids the runner is given as decode rows
+
+    def counting(chunks, decodes=None):
+        if decodes is not None:
+            row_ids.extend(r.request_id for r in engine.scheduler.running if r.req_pool_idx in decodes.rows)
+        return launch(chunks, decodes) if decodes is not None else launch(chunks)
+
+    engine.executor.launch = counting
     try:
         for i, p in enumerate(params):
             engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13, 17]}), p)
         assert [engine.scheduler.waiting[i].plain_decode for i in range(4)] == [True, True, True, False]
+        while engine.has_unfinished():
+            engine.step()
     finally:
         engine.shutdown()
+    # each of the first three decoded as rows (EOS ignored: 3 decode steps each); min_tokens never did
+    assert {"r0", "r1", "r2"} <= set(row_ids) and "r3" not in row_ids, row_ids
