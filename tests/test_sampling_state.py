@@ -262,7 +262,8 @@ def test_penalty_requests_decode_as_rows(qwen3_dir) -> None:
     engine = Engine(EngineConfig(model=str(qwen3_dir), device="cpu", dtype="float32", max_num_seqs=8,
                                  max_num_batched_tokens=64, kv_cache_memory_bytes=16 * 1024 * 1024))
     params = [SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.3, ignore_eos=True),
-              SamplingParams(temperature=0.7, max_tokens=4, frequency_penalty=0.5, logit_bias={3: 1.0}, ignore_eos=True),
+              SamplingParams(temperature=0.7, max_tokens=4, frequency_penalty=0.5, logit_bias={3: 1.0},
+                             ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=4, allowed_token_ids=[3, 4, 5], ignore_eos=True),
               SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2)]
     launch, row_ids = engine.executor.launch, []  # the request ids the runner is given as decode rows
