@@ -1,8 +1,8 @@
 """A request whose consumer reads only its result (`Engine.add_request(..., stream=False)`) gets the same
 result as a streamed one, without per-step output work.
 
-- `IncrementalDetokenizer.extend` (the final text in one go) gives what `append` per token gives, then
-  `flush`, on random ids over the tiny and the bundled tokenizer and on text (multi-byte characters split
+- `IncrementalDetokenizer.extend` and `extend_and_flush` (the final text in one go) give what `append` per
+  token gives, then `flush`, on random ids over the tiny and the bundled tokenizer and on text (multi-byte characters split
   across tokens, special tokens skipped or kept, `spaces_between_special_tokens`).
 - The output processor's final-only rows give the streamed rows' result, field by field, for every finish
   rule (stop ids, include_stop_str_in_output, min_tokens, length, EOS, ignore_eos, stop strings,
@@ -83,6 +83,33 @@ def test_extend_gives_the_text_of_append_per_token(tokenizer) -> None:
         per_token.flush()
         assert together.text == per_token.text, (context, ids, options)
     assert at_once[2, True] > 120 and at_once[0, False] > 120  # both ways taken
+
+
+def test_extend_and_flush_gives_the_text_of_append_per_token_then_flush(tokenizer) -> None:
+    """A finished request's text in one decode: what `append` per token and `flush` give, U+FFFD in the
+    text or not (random ids split characters everywhere), and the detokenizer carries on as after them."""
+    rng = random.Random(1)
+    at_once = Counter()
+    for case in range(900):
+        draw = token_source(tokenizer, rng, case % 3)
+        context = draw(rng.randrange(0, 7))
+        ids, more = draw(rng.randrange(0, 50)), draw(rng.randrange(0, 6))
+        options = (rng.random() < 0.5, rng.random() < 0.8)  # skip_special_tokens, spaces_between_special_tokens
+        per_token, together, probe = (IncrementalDetokenizer(tokenizer, context, *options) for _ in range(3))
+        for token_id in ids:
+            per_token.append(token_id)
+        per_token.flush()
+        taken = probe._flush_at_once(list(ids))
+        at_once[case % 3, taken, "\ufffd" in probe.text] += 1
+        together.extend_and_flush(ids)
+        assert together.text == per_token.text, (context, ids, options)
+        assert together.output_token_ids == per_token.output_token_ids and not together.num_pending_tokens
+        for token_id in more:  # appended after (a request does not, but the object stays whole)
+            per_token.append(token_id)
+            together.append(token_id)
+        assert together.text == per_token.text, (context, ids, more, options)
+    assert at_once[0, True, True] > 60  # the one decode with U+FFFD in the text
+    assert at_once[2, True, False] > 150 and at_once[0, False, False] > 20  # and refusals, token by token
 
 
 class RaisingStream:

@@ -9,7 +9,9 @@ Three pieces, plus one object that strings them together:
   emits what is held (used when the request ends). The deltas concatenate to
   `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
   `extend(token_ids)` appends many tokens with the same text as `append` one at a time: in one
-  `DecodeStream.step` call (a list of ids) where that provably gives the same text, else token by token.
+  `DecodeStream.step` call (a list of ids) where that provably gives the same text, else token by token;
+  `extend_and_flush(token_ids)` (a finished request's text) in one `decode` where that provably gives
+  what `extend` and then `flush` give.
 - `StopStringMatcher` (`stop_strings.py`, re-exported here): fed the text piece by piece, finds the earliest stop-string occurrence that
   ends in the newest piece (the ones entirely in older text were checked before), returns where to
   cut the text (before the stop string, or after it with `include_stop_str_in_output`), and tells
@@ -184,6 +186,44 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._tokens)
         self._prefix_text = None
         self._pieces.append(piece)
+        return True
+
+    def extend_and_flush(self, token_ids: Sequence[int]) -> None:
+        """`extend(token_ids)`, then `flush()`: the text of a request that ends with these tokens. With a
+        byte-level decoder whose emitted window ends on a whole character, one `decode` gives it, U+FFFD or
+        not (`_flush_at_once`); otherwise extend, then flush."""
+        token_ids = list(map(int, token_ids))
+        if not self._flush_at_once(token_ids):
+            self.extend(token_ids)
+            self.flush()
+
+    def _flush_at_once(self, token_ids: list[int]) -> bool:
+        """The text `append` per token and then `flush` give, from one decode of the window and `token_ids`.
+
+        Why it is the same: a byte-level decoder's text of a run of tokens is the lossy UTF-8 of their bytes,
+        joined, and lossy UTF-8 decoding can be cut after a whole character: decode(a + b) = decode(a) +
+        decode(b) when decode(a) ends in a character other than U+FFFD (every byte of `a` was taken into
+        it; the decoder starts `b` afresh). The emitted window ends so (checked here). A per-token step emits
+        only when its window's text does not end in U+FFFD, so each point where it emits is such a cut too,
+        its window text always extends its prefix (the stream never raises), and `flush` emits the text
+        from the last such point to the end. The deltas therefore join to decode(window + ids) minus
+        decode(window). Refused (False, nothing changed): no ids, not byte-level, no stream, held-back
+        tokens, a window ending in U+FFFD, a decode that raises."""
+        if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
+            return False
+        window, skip = self._tokens[self._prefix_offset:self._read_offset], self.skip_special_tokens
+        try:
+            prefix = self._backend.decode(window, skip_special_tokens=skip)
+            full = self._backend.decode(window + token_ids, skip_special_tokens=skip)
+        except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
+            return False
+        if prefix.endswith(REPLACEMENT_CHAR) or not full.startswith(prefix):
+            return False
+        self._tokens.extend(token_ids)
+        if len(full) > len(prefix):
+            self._pieces.append(full[len(prefix):])
+        self._slide()
+        self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=skip)  # as flush leaves it
         return True
 
     def flush(self) -> str:

@@ -4,7 +4,8 @@ The batch consumers (`LLM.generate` / `chat` / `embed`, the caption and embeddin
 through `vlmrun/feed/pipeline.py`) read a request's `RequestResult` and nothing of its steps. Such a
 request's tokens need per step only the token-level finish rules (`check_stop`: a stop token id or EOS
 after `min_tokens` outputs, the length limits); its text is decoded once, when it finishes, with
-`IncrementalDetokenizer.extend`, which gives the text the per-token stream would have given.
+`IncrementalDetokenizer.extend_and_flush` (`extend` after a finish the stream would not have flushed), which
+give the text the per-token stream would have given.
 
 `FinalOutput` keeps those rules in plain fields (`min_tokens`, `stop_ids`, `length_cap`) that the output
 processor's per-row loop tests inline; only a token that passes the quick test calls `finish_reason`.
@@ -79,7 +80,8 @@ class FinalOutput:
             ids = ids[:-1]
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.context, params.skip_special_tokens,
                                              params.spaces_between_special_tokens)
-        detokenizer.extend(ids)
         if decision is not None:
-            detokenizer.flush()
+            detokenizer.extend_and_flush(ids)
+        else:
+            detokenizer.extend(ids)
         return detokenizer.text, None if decision is None else decision.stop_reason
