@@ -101,7 +101,11 @@ def test_extend_and_flush_gives_the_text_of_append_per_token_then_flush(tokenize
         per_token.flush()
         taken = probe._flush_at_once(list(ids))
         at_once[case % 3, taken, "\ufffd" in probe.text] += 1
+        appended = Counter()
+        together.append = lambda token_id, append=together.append: appended.update([1]) or append(token_id)
         together.extend_and_flush(ids)
+        if not taken and probe._stream is not None and len(ids) > 20:  # a window ending inside a character:
+            at_once["some appended", 0 < appended[1] < len(ids) // 2] += 1  # token by token until it emits
         assert together.text == per_token.text, (context, ids, options)
         assert together.output_token_ids == per_token.output_token_ids and not together.num_pending_tokens
         for token_id in more:  # appended after (a request does not, but the object stays whole)
@@ -110,6 +114,7 @@ def test_extend_and_flush_gives_the_text_of_append_per_token_then_flush(tokenize
         assert together.text == per_token.text, (context, ids, more, options)
     assert at_once[0, True, True] > 60  # the one decode with U+FFFD in the text
     assert at_once[2, True, False] > 150 and at_once[0, False, False] > 20  # and refusals, token by token
+    assert at_once["some appended", True] > 5 * at_once["some appended", False]  # then one decode of the rest
 
 
 class RaisingStream:

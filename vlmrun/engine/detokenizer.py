@@ -191,11 +191,26 @@ class IncrementalDetokenizer:
     def extend_and_flush(self, token_ids: Sequence[int]) -> None:
         """`extend(token_ids)`, then `flush()`: the text of a request that ends with these tokens. With a
         byte-level decoder whose emitted window ends on a whole character, one `decode` gives it, U+FFFD or
-        not (`_flush_at_once`); otherwise extend, then flush."""
+        not (`_flush_at_once`). A window that ends inside a character (a prompt's last tokens may) takes
+        tokens one at a time until the stream emits, after which the window ends on a whole character and
+        one decode gives the rest; otherwise extend, then flush."""
         token_ids = list(map(int, token_ids))
-        if not self._flush_at_once(token_ids):
-            self.extend(token_ids)
-            self.flush()
+        if self._flush_at_once(token_ids):
+            return
+        done = self._append_until_emitted(token_ids)
+        if done < len(token_ids) and self._flush_at_once(token_ids[done:]):
+            return
+        self.extend(token_ids[done:])
+        self.flush()
+
+    def _append_until_emitted(self, token_ids: Sequence[int]) -> int:
+        """`append` tokens until one emits text (or the list ends); returns how many it took."""
+        read_offset = self._read_offset
+        for done, token_id in enumerate(token_ids, 1):
+            self.append(token_id)
+            if self._read_offset != read_offset:
+                return done
+        return len(token_ids)
 
     def _flush_at_once(self, token_ids: list[int]) -> bool:
         """The text `append` per token and then `flush` give, from one decode of the window and `token_ids`.
