@@ -35,7 +35,8 @@ which then applies allowed_token_ids, bad words, min_tokens and logit_bias, then
    min-p (relative to the most likely token), top-k, and top-p (on the distribution renormalised
    after top-k / min-p) turn the removed tokens to `-inf`; the survivors are drawn with the
    exponential race: `argmax(probs / E)`, `E ~ Exponential(1)` i.i.d. per vocab entry, which picks
-   token i with probability `probs[i]`.
+   token i with probability `probs[i]`. Both argmaxes are `last_dim_argmax` (torch.argmax's indices, in
+   three vectorized passes on the CPU: `vlmrun/layers/argmax.py`).
 
 Randomness: a row whose request carries a `torch.Generator` (the engine makes one per seeded
 request from its seed, on the logits' device, and passes the same object every step) draws its
@@ -64,6 +65,7 @@ from typing import Optional
 
 import torch
 
+from vlmrun.layers.argmax import last_dim_argmax
 from vlmrun.layers.logit_transforms import (apply_allowed_token_ids, apply_blocked_tokens, apply_logit_bias,
                                             apply_penalties, apply_token_bitmask, apply_truncation)
 from vlmrun.layers.sampler_output import SamplerOutput, gather_logprobs
@@ -90,7 +92,7 @@ class Sampler:
         logits = apply_logit_bias(logits, batch)
         logits = apply_penalties(logits, batch)
         if batch.all_greedy:
-            token_ids = logits.argmax(dim=-1)  # [batch]
+            token_ids = last_dim_argmax(logits)  # [batch]
         else:
             token_ids = self._sample_rows(logits, batch)
         return gather_logprobs(token_ids, raw_logprobs, batch)
@@ -102,7 +104,7 @@ class Sampler:
         probs = torch.softmax(scaled, dim=-1)  # [batch, vocab]
         token_ids = self._draw(probs, batch)  # [batch]
         if batch.greedy_mask is not None:
-            token_ids = torch.where(batch.greedy_mask, logits.argmax(dim=-1), token_ids)
+            token_ids = torch.where(batch.greedy_mask, last_dim_argmax(logits), token_ids)
         return token_ids
 
     def _draw(self, probs: Tensor, batch: SamplingBatch) -> Tensor:
@@ -113,4 +115,4 @@ class Sampler:
         for row in batch.seeded_rows:
             noise[row].exponential_(generator=batch.generators[row])
         noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # an exact 0 would make 0/0
-        return (probs / noise).argmax(dim=-1)
+        return last_dim_argmax(probs / noise)
