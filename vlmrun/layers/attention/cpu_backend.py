@@ -100,6 +100,7 @@ class CpuAttnBackend(AttentionBackend):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.page_size = kv_pool.page_size
+        self._bias_windows: dict[int, np.ndarray] = {}  # max_seq -> `_bias_rows`
 
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
@@ -148,19 +149,27 @@ class CpuAttnBackend(AttentionBackend):
         page_starts = np.arange(0, max_seq, page_size)  # [max_pages] first position of each page
         # the page-table column each page is read from: its own, or past the sequence's last page its first
         columns = np.where(page_starts < lens[:, None], page_starts, 0)  # [seqs, max_pages]
-        slots = self.req_to_token[req_rows[:, None], upload(torch.from_numpy(columns), device)]  # [seqs, max_pages]
-        page_ids = slots.div_(page_size, rounding_mode="floor").view(-1)  # [seqs * max_pages] (a fresh copy)
-        key_positions = np.arange(max_seq, dtype=np.int32)  # [max_seq] (int32: numpy compares it quicker)
+        table = self.req_to_token  # [rows, max_context_len]: read flat, one index_select (not a 2-D advanced index)
+        flat = req_rows[:, None] * table.shape[1] + upload(torch.from_numpy(columns), device)  # [seqs, max_pages]
+        slots = table.view(-1).index_select(0, flat.view(-1))  # [seqs * max_pages] (a fresh copy)
+        page_ids = slots.div_(page_size, rounding_mode="floor")  # [seqs * max_pages]
         if width == 1:  # a plain decode sees its whole length (>= 1: it holds the token it feeds)
-            sees = lens.astype(np.int32)[:, None]  # [seqs, 1]
+            sees = lens[:, None]  # [seqs, 1]
         else:  # position j sees the keys before prefix + j + 1 (the first fed position: at least 1)
-            sees = np.maximum(lens - (width - 1), 1).astype(np.int32)[:, None] + np.arange(width, dtype=np.int32)
-        bias = np.zeros((len(lens), sees.shape[1], max_seq), dtype=np.float32)  # [seqs, width, max_seq]
-        np.copyto(bias, np.float32(-np.inf), where=key_positions >= sees[:, :, None])
+            sees = np.maximum(lens - (width - 1), 1)[:, None] + np.arange(width)
+        bias = self._bias_rows(max_seq)[max_seq - sees]  # [seqs, width, max_seq] (fancy indexing: a copy)
         bias = upload(torch.from_numpy(bias), device).to(self.kv_pool.compute_dtype)
         token_rows = None if idx is None else upload(torch.tensor([starts[i] + j for i in idx for j in range(width)]),
                                                      device)
         return DecodeGroup(width, token_rows, page_ids, bias)
+
+    def _bias_rows(self, max_seq: int) -> np.ndarray:
+        """[max_seq + 1, max_seq] float32 view: row max_seq - n is 0 for the first n keys, -inf for the rest
+        (the windows of one [2 * max_seq] array of zeros then -inf; made once per max_seq)."""
+        if max_seq not in self._bias_windows:
+            line = np.concatenate([np.zeros(max_seq, np.float32), np.full(max_seq, -np.inf, np.float32)])
+            self._bias_windows[max_seq] = np.lib.stride_tricks.sliding_window_view(line, max_seq)
+        return self._bias_windows[max_seq]
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)
