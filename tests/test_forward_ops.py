@@ -78,3 +78,11 @@ def test_dense_attention_norms_and_rotates_q_and_k_as_one_at_a_time(heads, kv_he
             q, k, v = separate_qkv(attn, x, cos, sin)
         assert torch.equal(seen["q"], q) and torch.equal(seen["k"], k) and torch.equal(seen["v"], v)
         assert seen["q"].is_contiguous()  # (what a fused kernel may expect of its queries)
+    if qk_norm:  # the norm weights written in place after a forward (a load): the next one norms with them
+        with torch.no_grad():
+            attn.q_norm.weight.mul_(2)
+            attn.k_norm.weight.add_(1)
+        with torch.inference_mode():
+            attn(x, cos, sin, None)
+            q, k, _ = separate_qkv(attn, x, cos, sin)
+        assert torch.equal(seen["q"], q) and torch.equal(seen["k"], k)
