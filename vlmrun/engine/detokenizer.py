@@ -41,7 +41,7 @@ from tokenizers.decoders import ByteLevel, DecodeStream
 from vlmrun.engine.stop_strings import StopMatch, StopStringMatcher, find_stop_string, safe_length
 from vlmrun.sampling_params import SamplingParams
 
-__all__ = ["IncrementalDetokenizer", "OutputTextStream", "StopDecision", "StopMatch", "StopStringMatcher",
+__all__ = ["FinishRules", "IncrementalDetokenizer", "OutputTextStream", "StopDecision", "StopMatch", "StopStringMatcher",
            "TokenUpdate", "check_stop", "find_stop_string", "safe_length"]
 
 REPLACEMENT_CHAR = "\ufffd"
@@ -291,6 +291,25 @@ def _stream_backend(tokenizer: Any) -> Optional[Tokenizer]:
 # --------------------------------------------------------------------------------------------
 
 
+class FinishRules(NamedTuple):
+    """What lets a request's latest token end it, in plain fields a per-token loop tests inline: only a
+    token after `min_tokens` outputs that is one of `stop_ids` (its stop token ids, and EOS unless
+    `ignore_eos`), or the `length_cap`-th output (max_tokens or the context's room; sys.maxsize: none),
+    can; `check_stop` then applies the full rules."""
+
+    min_tokens: int
+    stop_ids: frozenset
+    length_cap: int
+
+    @classmethod
+    def of(cls, params: SamplingParams, eos_token_ids: Sequence[int], num_prompt_tokens: int,
+           max_model_len: Optional[int]) -> "FinishRules":
+        stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
+        context_left = None if max_model_len is None else max_model_len - num_prompt_tokens
+        limits = [n for n in (params.max_tokens, context_left) if n is not None]
+        return cls(params.min_tokens, stop_ids, min(limits) if limits else sys.maxsize)
+
+
 @dataclass(frozen=True)
 class StopDecision:
     finish_reason: str  # "stop" | "length"
@@ -358,19 +377,21 @@ class OutputTextStream:
         self._held = ""  # text produced but held back: it may be the start of a stop string
         # a token can end the request (check_stop) only after min_tokens outputs, by one of these ids, or at
         # this many outputs: any other token skips check_stop
-        self._stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
-        context_left = None if max_model_len is None else max_model_len - self.num_prompt_tokens
-        limits = [n for n in (params.max_tokens, context_left) if n is not None]
-        self._length_limit = min(limits) if limits else None
-        self._min_tokens = params.min_tokens
+        rules = FinishRules.of(params, eos_token_ids, self.num_prompt_tokens, max_model_len)
+        self._stop_ids, self._min_tokens, self._length_cap = rules.stop_ids, rules.min_tokens, rules.length_cap
+        self._length_limit = None if rules.length_cap == sys.maxsize else rules.length_cap
         self._plain = params.detokenize and not self.matcher.stop  # every token: detokenize, stream the text
-        self._length_cap = self._length_limit if self._length_limit is not None else sys.maxsize
         self._append_text = self.detokenizer.append  # (bound once: add_plain_token calls it per token)
 
     @property
     def text(self) -> str:
         """The output text: final (cut at a stop string) once finished, else what is known so far."""
         return self._final_text if self._final_text is not None else self.detokenizer.text
+
+    def final_text(self, output_token_ids: Sequence[int]) -> tuple[str, Union[int, str, None]]:
+        """The finished request's text and stop reason (`FinalOutput.final_text`'s signature; the tokens came
+        through `add_token` already)."""
+        return self.text, None if self.finished is None else self.finished.stop_reason
 
     def add_plain_token(self, token_id: int) -> Optional[str]:
         """`add_token` for the common token: one that cannot end the request, of a request without stop

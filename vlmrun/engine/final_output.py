@@ -16,12 +16,12 @@ it just makes no per-step update.
 
 from __future__ import annotations
 
-import sys
 from typing import Any, Optional, Sequence, Union
 
 from vlmrun.engine.detokenizer import (
     CONTEXT_TOKENS,
     FINISH_STOP,
+    FinishRules,
     IncrementalDetokenizer,
     OutputTextStream,
     StopDecision,
@@ -48,13 +48,12 @@ class FinalOutput:
         # stop strings: the text of every token, through the streamed path's own object
         self.text_stream = (OutputTextStream(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
                             if any(params.stop_strings) else None)
-        # the quick test per token: only a token after min_tokens outputs that is one of stop_ids, or the
-        # length_cap-th output, can end the request (then `finish_reason` applies check_stop's full rules)
-        self.min_tokens = params.min_tokens
-        self.stop_ids = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else eos_token_ids)
-        context_left = None if max_model_len is None else max_model_len - self.num_prompt_tokens
-        limits = [n for n in (params.max_tokens, context_left) if n is not None]
-        self.length_cap = 0 if self.text_stream is not None else (min(limits) if limits else sys.maxsize)
+        # the quick test per token (`FinishRules`, as plain fields the output processor's loop reads): only a
+        # token after min_tokens outputs that is one of stop_ids, or the length_cap-th output, can end the
+        # request (then `finish_reason` applies check_stop's full rules); with stop strings, every token
+        self.min_tokens, self.stop_ids, length_cap = FinishRules.of(params, eos_token_ids, self.num_prompt_tokens,
+                                                                     max_model_len)
+        self.length_cap = 0 if self.text_stream is not None else length_cap
 
     def finish_reason(self, output_token_ids: list[int]) -> Optional[str]:
         """The reason the output's last token (one the quick test let through) ends the request, or None."""

@@ -151,11 +151,7 @@ class OutputProcessor:
     def result(self, req: Request, reason: str) -> RequestResult:
         """The finished request's whole result (its stream is dropped; a request that does not stream is
         detokenized here)."""
-        stream = self._streams.pop(req.request_id)
-        if type(stream) is FinalOutput:
-            text, stop_reason = stream.final_text(req.output_token_ids)
-        else:
-            text, stop_reason = stream.text, None if stream.finished is None else stream.finished.stop_reason
+        text, stop_reason = self._streams.pop(req.request_id).final_text(req.output_token_ids)
         asked_logprobs = req.sampling_params.logprobs is not None
         grammar = req.grammar
         return RequestResult(text=text, token_ids=list(req.output_token_ids),
