@@ -199,3 +199,25 @@ def test_penalty_rows_take_the_fast_path_when_steps_do_not_overlap(qwen3_vl_dir)
     engine.shutdown()
     # (a page opening needs no rule either while free pages cover it)
     assert sum(picked_by_rules) == 0, picked_by_rules
+
+
+def test_a_speculating_engine_keeps_no_decode_table(qwen3_vl_dir):
+    """With speculative decoding every request is verified as a chunk (no decode rows): admissions, page
+    growth and releases write no per-row state (its table keeps nothing), and the tokens are unchanged."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for speculative_config in (spec, None):
+        engine = Engine(EngineConfig(model=str(qwen3_vl_dir), device="cpu", dtype="float32", max_num_seqs=4,
+                                     page_size=4, kv_cache_memory_bytes=256 << 10, speculative_config=speculative_config))
+        for i in range(3):
+            engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 5 + i, 9]}), params)
+        engine.step()
+        pages = getattr(engine.scheduler.decode_table, "pages", None)  # [rows, max pages]: a mirror of each's pages
+        assert (pages is None or not pages.any()) == (speculative_config is not None)
+        results = {}
+        while engine.has_unfinished():
+            results.update((u.request_id, u.result.token_ids) for u in engine.step() if u.result is not None)
+        tokens.append(results)
+        engine.shutdown()
+    assert tokens[0] == tokens[1]

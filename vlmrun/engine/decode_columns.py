@@ -196,3 +196,19 @@ def decode_wait_tokens(req: Request, max_model_len: int) -> int:
         return 0
     return max_model_len if params.max_tokens is None else min(max_model_len, req.num_prompt_tokens + params.max_tokens)
 
+
+class UnusedDecodeTable:
+    """The table of a scheduler that takes no decode rows (speculative decoding verifies every request as a
+    chunk): the scheduler's and the engine's writes keep nothing."""
+
+    def admit(self, req: Request, row: int) -> None:
+        """Nothing kept."""
+
+    def release(self, row: int) -> None:
+        """Nothing kept."""
+
+    def grow(self, row: int, first: int, pages: list[int]) -> None:
+        """Nothing kept."""
+
+    def forget(self, rows: list[int]) -> None:
+        """Nothing kept."""

@@ -303,7 +303,7 @@ class Engine:
         decodes.mark_launched(overlapped=self.config.async_scheduling)
         for c, given in zip(chunks, inputs):  # (the input says what the chunk does: no recount per chunk)
             c.request.mark_launched(given.end, given.sampling is not None, given.num_drafts)
-        if inputs and self.scheduler.decode_rows:  # their requests move on by other rules than decode rows'
+        if inputs:  # their requests move on by other rules than decode rows'
             self.scheduler.decode_table.forget([given.row for given in inputs])
         return launched
 

@@ -37,7 +37,7 @@ added while more than `disable_by_batch_size` requests are enqueued never specul
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from vlmrun.cache.gdn_pool import gdn_slot_for_row
 from vlmrun.cache.kv_pool import pages_needed
 from vlmrun.cache.plan import Caches
 from vlmrun.cache.prefix_cache import PrefixCache
-from vlmrun.engine.decode_columns import NEVER_WAITS, DecodeTable, decode_wait_tokens
+from vlmrun.engine.decode_columns import NEVER_WAITS, DecodeTable, UnusedDecodeTable, decode_wait_tokens
 from vlmrun.engine.prefix_reuse import PrefixReuse
 from vlmrun.engine.queue_policy import make_queue_policy
 from vlmrun.engine.request import Request, RequestStatus
@@ -85,8 +85,10 @@ class Scheduler:
         self.decode_rows = decode_rows and proposer is None
         self.overlaps_steps = overlaps_steps  # async scheduling: a request may have a launched step (must_wait)
         # what each page-table row's request carries from one plain decode step to the next (its pages...)
-        self.decode_table = DecodeTable(self.req_pool.max_reqs, pages_needed(self.max_model_len, self.page_size) + 1,
-                                        self.page_size)
+        self.decode_table: Union[DecodeTable, UnusedDecodeTable] = UnusedDecodeTable()
+        if self.decode_rows:
+            self.decode_table = DecodeTable(self.req_pool.max_reqs, pages_needed(self.max_model_len, self.page_size) + 1,
+                                            self.page_size)
         # speculative decoding's counters over every request (None: the engine does not speculate)
         self.spec_decode = (None if proposer is None
                             else SpecDecodeStats(num_accepted_tokens_per_pos=[0] * proposer.k))
