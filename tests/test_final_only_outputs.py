@@ -296,7 +296,7 @@ def test_a_final_only_request_costs_no_per_step_output_work(qwen3_dir) -> None:
         engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13]}), params, stream=stream)
     engine.step()  # the prefills: every request's first token (and its one update)
     calls: Counter = Counter()
-    detokenizer_files = {"detokenizer.py", "final_output.py", "stop_strings.py"}
+    detokenizer_files = {"detokenizer.py", "incremental_detokenizer.py", "final_output.py", "stop_strings.py"}
 
     def count(frame, event, arg):
         if event == "call" and Path(frame.f_code.co_filename).name in detokenizer_files:

@@ -18,15 +18,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union
 
-from vlmrun.engine.detokenizer import (
-    CONTEXT_TOKENS,
-    FINISH_STOP,
-    FinishRules,
-    IncrementalDetokenizer,
-    OutputTextStream,
-    StopDecision,
-    check_stop,
-)
+from vlmrun.engine.detokenizer import FINISH_STOP, FinishRules, OutputTextStream, StopDecision, check_stop
+from vlmrun.engine.incremental_detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from vlmrun.sampling_params import SamplingParams
 
 

@@ -1,0 +1,255 @@
+"""Incremental detokenization of one request's output tokens: `IncrementalDetokenizer`.
+
+`append(token_id) -> str` is the text the new token adds. It decodes only a short window (a few context
+tokens plus the not-yet-emitted ones), so a step costs O(window), not O(output length); with a fast
+tokenizer `tokenizers.decoders.DecodeStream` does it in Rust. While the window's text ends in U+FFFD (a
+multi-byte character split across tokens) it emits nothing and waits for the rest of the bytes; `flush()`
+gives up and emits what is held (used when the request ends). The deltas concatenate to
+`tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
+`extend(token_ids)` appends many tokens with the same text as `append` one at a time: in one
+`DecodeStream.step` call (a list of ids) where that provably gives the same text, else token by token;
+`extend_and_flush(token_ids)` (a finished request's text) in one `decode` where that provably gives what
+`extend` and then `flush` give. `detokenizer.py` strings it together with the stop rules per request.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import ByteLevel, DecodeStream
+
+REPLACEMENT_CHAR = "\ufffd"
+CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, so the first word decodes right
+
+
+
+
+class IncrementalDetokenizer:
+    """Decode one token at a time; emit only complete characters.
+
+    `tokens` = last few prompt tokens + output tokens. Text of `tokens[prefix_offset:read_offset]`
+    was already emitted (it is kept as context); `tokens[read_offset:]` are pending.
+
+    With a `tokenizers`-backed tokenizer (transformers' fast tokenizers) each token goes through
+    `tokenizers.decoders.DecodeStream`, which runs the same window logic in Rust (no Python wrapping
+    per token); other tokenizers, `spaces_between_special_tokens=False` (an option only HF's slow
+    tokenizers read) and a tokenizer whose `decode` cleans up spaces take the window decode through
+    `tokenizer.decode` here. A stream that fails (a decoder whose window text does not extend its
+    prefix) falls back to the window decode from where it stood.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens  # HF's option (slow tokenizers read it)
+        context = list(prompt_token_ids[-CONTEXT_TOKENS:]) if prompt_token_ids else []
+        self._tokens: list[int] = context
+        self._prefix_offset = 0
+        self._read_offset = len(context)
+        self._prefix_text: Optional[str] = None  # decode of tokens[prefix_offset:read_offset], made when needed
+        self._num_context = len(context)
+        self._pieces: list[str] = []  # the deltas; joined on demand (appending to one str is quadratic)
+        self._backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
+        self._stream = (None if self._backend is None
+                        else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
+        # a byte-level decoder's text is the UTF-8 (lossy) of its tokens' bytes, joined: `extend` relies on it
+        self._byte_level = self._backend is not None and isinstance(self._backend.decoder, ByteLevel)
+
+    @property
+    def text(self) -> str:
+        """The full output text emitted so far."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._tokens[self._num_context:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens appended whose text is held back (an incomplete character)."""
+        return len(self._tokens) - self._read_offset
+
+    def append(self, token_id: int) -> str:
+        """Add one token; return the newly completed text ("" while a character is incomplete)."""
+        token_id = int(token_id)
+        self._tokens.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - the window decode below gives the text from here on
+                self._stream = None
+            else:
+                if piece is None:  # an incomplete character, or no new text (a skipped special token)
+                    return ""
+                self._prefix_offset = self._read_offset  # (`_slide`, inline: once per token)
+                self._read_offset = len(self._tokens)
+                self._prefix_text = None
+                self._pieces.append(piece)
+                return piece
+        full = self._decode(self._prefix_offset, len(self._tokens))
+        if full.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._emit(full)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """`append` each of `token_ids`, in order: the same text, in one `tokenizers` call where that is
+        provably the same (`_extend_at_once`), else token by token (a stream that raises falls back as
+        in `append`). The deltas are not returned: read `text`."""
+        token_ids = list(map(int, token_ids))
+        if self._extend_at_once(token_ids):
+            return
+        done = self._extend_by_stream(token_ids) if self._stream is not None else 0
+        for token_id in token_ids[done:]:  # (the stream raised, or there is none: the window decode)
+            self.append(token_id)
+
+    def _extend_by_stream(self, token_ids: Sequence[int]) -> int:
+        """`append`'s stream path over `token_ids`, one `DecodeStream.step` each in a tight loop; returns how
+        many it took: all, or up to the one the stream raised on (the stream is then dropped, as `append`
+        drops it, and the caller appends that one and the rest by the window decode)."""
+        step, backend, tokens, pieces = self._stream.step, self._backend, self._tokens, self._pieces
+        prefix, read = self._prefix_offset, self._read_offset
+        done = 0
+        for token_id in token_ids:
+            tokens.append(token_id)
+            try:
+                piece = step(backend, token_id)
+            except Exception:  # noqa: BLE001 - as in append: the window decode from here on
+                tokens.pop()
+                self._stream = None
+                break
+            done += 1
+            if piece is not None:
+                prefix, read = read, len(tokens)
+                pieces.append(piece)
+        if (prefix, read) != (self._prefix_offset, self._read_offset):
+            self._prefix_offset, self._read_offset, self._prefix_text = prefix, read, None
+        return done
+
+    def _extend_at_once(self, token_ids: Sequence[int]) -> bool:
+        """One `DecodeStream.step(tokenizer, ids)` over the whole list, kept only when it gives what the
+        per-token steps give: with a byte-level decoder the text of a run of tokens is the lossy UTF-8 of
+        their bytes, joined. When the emitted window's text (the context) and the new text have no U+FFFD,
+        those bytes are valid UTF-8 from the window's start, every point where a per-token step emits is a
+        character boundary, and the per-token deltas are the substrings between them: they join to the
+        one step's text. Otherwise (U+FFFD, a held-back tail, no new text, an error) nothing is changed and
+        the caller steps token by token. Tried on a stream of its own, so a refusal leaves this one as it was."""
+        if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
+            return False
+        window = self._tokens[self._prefix_offset:self._read_offset]
+        if REPLACEMENT_CHAR in self._backend.decode(window, skip_special_tokens=self.skip_special_tokens):
+            return False
+        stream = DecodeStream(ids=window, skip_special_tokens=self.skip_special_tokens)
+        try:
+            piece = stream.step(self._backend, token_ids)
+        except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
+            return False
+        if piece is None or REPLACEMENT_CHAR in piece:
+            return False
+        self._tokens.extend(token_ids)
+        self._stream = stream
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self._prefix_text = None
+        self._pieces.append(piece)
+        return True
+
+    def extend_and_flush(self, token_ids: Sequence[int]) -> None:
+        """`extend(token_ids)`, then `flush()`: the text of a request that ends with these tokens. With a
+        byte-level decoder whose emitted window ends on a whole character, one `decode` gives it, U+FFFD or
+        not (`_flush_at_once`). A window that ends inside a character (a prompt's last tokens may) takes
+        tokens one at a time until the stream emits, after which the window ends on a whole character and
+        one decode gives the rest; otherwise extend, then flush."""
+        token_ids = list(map(int, token_ids))
+        if self._flush_at_once(token_ids):
+            return
+        done = self._append_until_emitted(token_ids)
+        if done < len(token_ids) and self._flush_at_once(token_ids[done:]):
+            return
+        self.extend(token_ids[done:])
+        self.flush()
+
+    def _append_until_emitted(self, token_ids: Sequence[int]) -> int:
+        """`append` tokens until one emits text (or the list ends); returns how many it took."""
+        read_offset = self._read_offset
+        for done, token_id in enumerate(token_ids, 1):
+            self.append(token_id)
+            if self._read_offset != read_offset:
+                return done
+        return len(token_ids)
+
+    def _flush_at_once(self, token_ids: list[int]) -> bool:
+        """The text `append` per token and then `flush` give, from one decode of the window and `token_ids`.
+
+        Why it is the same: a byte-level decoder's text of a run of tokens is the lossy UTF-8 of their bytes,
+        joined, and lossy UTF-8 decoding can be cut after a whole character: decode(a + b) = decode(a) +
+        decode(b) when decode(a) ends in a character other than U+FFFD (every byte of `a` was taken into
+        it; the decoder starts `b` afresh). The emitted window ends so (checked here). A per-token step emits
+        only when its window's text does not end in U+FFFD, so each point where it emits is such a cut too,
+        its window text always extends its prefix (the stream never raises), and `flush` emits the text
+        from the last such point to the end. The deltas therefore join to decode(window + ids) minus
+        decode(window). Refused (False, nothing changed): no ids, not byte-level, no stream, held-back
+        tokens, a window ending in U+FFFD, a decode that raises."""
+        if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
+            return False
+        window, skip = self._tokens[self._prefix_offset:self._read_offset], self.skip_special_tokens
+        try:
+            prefix = self._backend.decode(window, skip_special_tokens=skip)
+            full = self._backend.decode(window + token_ids, skip_special_tokens=skip)
+        except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
+            return False
+        if prefix.endswith(REPLACEMENT_CHAR) or not full.startswith(prefix):
+            return False
+        self._tokens.extend(token_ids)
+        if len(full) > len(prefix):
+            self._pieces.append(full[len(prefix):])
+        self._slide()
+        self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=skip)  # as flush leaves it
+        return True
+
+    def flush(self) -> str:
+        """Emit whatever is held back (possibly ending in U+FFFD); call when the request ends."""
+        if self.num_pending_tokens == 0:
+            return ""
+        delta = self._emit(self._decode(self._prefix_offset, len(self._tokens)))
+        if self._stream is not None:  # the stream starts over after the emitted tokens
+            self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=self.skip_special_tokens)
+        return delta
+
+    def _emit(self, full: str) -> str:
+        """Text of the window beyond the emitted prefix becomes a delta (maybe ""); slide the window."""
+        delta = full[len(self._emitted_prefix()):]
+        self._slide()
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def _emitted_prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return self._prefix_text
+
+    def _slide(self) -> None:
+        """Everything appended is emitted: the window's context starts where the last emission ended."""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._tokens)
+        self._prefix_text = None
+
+    def _decode(self, start: int, end: int) -> str:
+        if end <= start:
+            return ""
+        options = {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        return self.tokenizer.decode(self._tokens[start:end], skip_special_tokens=self.skip_special_tokens,
+                                     **options)  # the option only when asked: HF's default is True
+
+
+def _stream_backend(tokenizer: Any) -> Optional[Tokenizer]:
+    """The `tokenizers.Tokenizer` whose decode is `tokenizer.decode`'s whole work (transformers' fast
+    tokenizers without space clean-up), or None."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return backend
