@@ -7,6 +7,7 @@ tensor, step after step (so the counts `record` keeps hold each decode row's tok
 first 1 + accepted). In the runner such a step reads none of a penalty row's prompt on the host once
 its row is built, samples the tokens `build` + `Sampler` give, and computes the drafts' acceptance on
 the device once (`Verification.accepted_on_device`, read by the penalty counts and `settle_on_device`).
+An engine whose verify steps carry decode rows with penalties gives the tokens it gives without speculation.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 
 import vlmrun.spec_decode.verify as verify_module
 from tests.test_sampling_state import VOCAB, CountedTokens, assert_same_batch, make_runner, random_params
-from vlmrun.executor.model_runner import LaunchedStep
+from vlmrun.config import EngineConfig
+from vlmrun.engine.engine import Engine
+from vlmrun.executor.model_runner import LaunchedStep, ModelRunner
 from vlmrun.executor.step_features import HostDrafts
 from vlmrun.executor.step_input import ChunkInput, DecodeRows
 from vlmrun.executor.step_sampling import StepSampling
@@ -30,6 +33,7 @@ from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.verify import Verification, count_accepted
 
 CPU = torch.device("cpu")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def decode_rows(page_rows: list[int], rows: list[SamplingRow]) -> DecodeRows:
@@ -141,3 +145,50 @@ def test_runner_verify_step_one_acceptance_and_no_prompt_reads(with_decode_rows:
             accepted = count_accepted(host[first:first + 1 + len(d)], d)
             row.output_token_ids.extend(host[first:first + 1 + accepted])
             first += 1 + len(d)
+
+
+def run_engine(model_dir, speculative_config, async_scheduling: bool,
+               launches: list) -> tuple[dict[str, list[int]], int]:
+    """Penalty requests, one with min_tokens (a chunk: the decode rows before it, the requests after it
+    verify drafts); `launches` gets (verifies, has decode rows) per step. -> (tokens, drafts accepted)"""
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_num_seqs=8,
+                                 max_num_batched_tokens=64, kv_cache_memory_bytes=16 * 1024 * 1024, seed=7,
+                                 speculative_config=speculative_config, async_scheduling=async_scheduling))
+    # the scheduler sends no decode rows with a proposer (its rows verify as chunks): on here, so that verify
+    # steps carry decode rows (rows without drafts) beside the speculating chunks
+    engine.scheduler.decode_rows = True
+    launch = engine.executor.launch
+
+    def recorded(chunks, decodes=None):
+        launches.append((any(c.num_drafts for c in chunks), decodes is not None))
+        return launch(chunks, decodes) if decodes is not None else launch(chunks)
+
+    engine.executor.launch = recorded
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3,
+                             frequency_penalty=0.4),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=0.5, min_tokens=2),
+              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=0.8),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, frequency_penalty=0.3)]
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6, 7], [9, 10, 9, 10, 9, 10], [11, 12, 13, 14, 11, 12, 13, 14], [3, 4, 3, 4, 3, 4]]
+    try:
+        for i, (p, ids) in enumerate(zip(params, prompts)):
+            engine.add_request(f"r{i}", engine.process({"prompt_token_ids": ids}), p)
+        results = {}
+        while engine.has_unfinished():
+            for update in engine.step():
+                if update.finished:
+                    results[update.request_id] = update.result.token_ids
+        stats = engine.scheduler.spec_decode
+        return results, 0 if stats is None else stats.num_accepted_tokens
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_verify_steps_with_penalty_decode_rows_equal_plain_decode(qwen3_dir, async_scheduling: bool) -> None:
+    """Verify steps with penalty decode rows and speculating penalty chunks give plain decode's tokens."""
+    launches = []
+    plain, _ = run_engine(qwen3_dir, None, async_scheduling, [])
+    spec, accepted = run_engine(qwen3_dir, NGRAM, async_scheduling, launches)
+    assert spec == plain
+    assert (True, True) in launches and accepted > 0  # verify steps with decode rows ran, drafts were accepted
