@@ -19,10 +19,11 @@ tokens under async scheduling, `Scheduler.must_wait`); anything else (a new requ
 preempted one back, rows made anew each step on tensor-parallel ranks) rebuilds the row from its
 lists. Objects are compared by identity and held, so an id is never reused while the state holds it.
 
-Speculative verification (n-gram drafts): a request's row is gathered at each of its 1 + d positions,
-with drafts[:j] added to position j's gathered copy (`appended`), and `record` takes only the emitted
-positions' tokens (`emitted_positions`: the first 1 + accepted, acceptance computed on the device;
-rejected positions write a scratch row). MTP steps are built with `SamplingBatch.build`.
+Speculative verification (n-gram drafts): the step's decode rows come first, one position each, then a
+speculating request's row is gathered at each of its 1 + d positions, with drafts[:j] added to position
+j's gathered copy (`appended`), and `record` takes only the emitted positions' tokens
+(`emitted_positions`: every decode row's, each chunk's first 1 + accepted, acceptance computed on the
+device; rejected positions write a scratch row). MTP steps are built with `SamplingBatch.build`.
 
 What cannot be a column (min_tokens' and bad words' blocked tokens, allowed ids, a logit bias, a
 grammar bitmask) is built as `SamplingBatch.build` builds it, over the step's rows that use it only
@@ -60,8 +61,10 @@ class GatheredStep:
     batch: SamplingBatch
     repetition_at: Optional[tuple[Tensor, Tensor]] = None  # (positions in the step [m], page-table rows [m])
     counts_at: Optional[tuple[Tensor, Tensor]] = None  # the same, for frequency / presence rows
-    penalty_rows: Optional[np.ndarray] = None  # page-table rows whose recorded outputs grow by one
-    verified: bool = False  # a speculative verify step: positions of a row beside its own (`appended`)
+    penalty_rows: Optional[np.ndarray] = None  # page-table rows whose recorded outputs grow by the step's tokens
+    # a speculative verify step (`appended`): per penalty row, it has verified positions beside its own, so its
+    # outputs grow by 1 + accepted (False: by one, a decode row or a chunk without drafts); None: no verify step
+    verified: Optional[np.ndarray] = None
 
 
 class SamplingState:
@@ -108,7 +111,7 @@ class SamplingState:
         union = int(np.bitwise_or.reduce(flags))  # what some row of the step needs
         max_logprobs = int(self._logprobs[idx].max()) if union & LOGPROBS else -1
         # a step where no row has a generator (asks for logprobs) needs no pass for them: all None
-        step = GatheredStep(verified=appended is not None, batch=SamplingBatch(
+        step = GatheredStep(batch=SamplingBatch(
             batch_size=n, vocab_size=vocab_size, all_greedy=not union & SAMPLED,
             generators=list(map(_GENERATOR, rows)) if union & GENERATOR else [None] * n,
             num_logprobs=list(map(_LOGPROBS, params)) if union & LOGPROBS else [None] * n,
@@ -143,10 +146,13 @@ class SamplingState:
             at, rows = step.counts_at
             ones = torch.ones_like(rows, dtype=torch.float32) if emitted is None else emitted[at].to(torch.float32)
             self.counts.index_put_((rows, token_ids[at]), ones, accumulate=True)
-        if step.penalty_rows is not None and step.verified:
-            self._verified[step.penalty_rows] = True  # (1 + accepted tokens: the host knows how many at collect)
-        elif step.penalty_rows is not None:
+        if step.penalty_rows is None:
+            return
+        if step.verified is None:
             self._recorded[step.penalty_rows] += 1
+        else:
+            self._recorded[step.penalty_rows[~step.verified]] += 1
+            self._verified[step.penalty_rows[step.verified]] = True  # (1 + accepted: the host knows how many at collect)
 
     # ----------------------------------------------------------------------------- settings columns
 
@@ -226,6 +232,9 @@ class SamplingState:
             self._rebuild_counts([page_rows[i] for i in stale], [rows[i] for i in stale])
         batch = step.batch
         step.penalty_rows = idx[own]
+        if appended is not None:  # a row's verified positions follow its own, with drafts appended
+            step.verified = np.array([i + 1 < len(rows) and len(appended[i + 1]) > 0 for i in own.tolist()],
+                                     dtype=bool)
         if repetition.any():
             batch.repetition_penalties = floats[:, REPETITION:REPETITION + 1]  # [n, 1]
             batch.seen_mask = self.seen[idx_dev]  # [n, vocab]
@@ -319,12 +328,16 @@ def _fill_sub_batch(batch: SamplingBatch, rows: Sequence[SamplingRow], positions
         batch.grammar_rows = [positions[i] for i in sub.grammar_rows]
 
 
-def emitted_positions(accepted: Tensor, spans: Sequence[int], device: torch.device) -> Tensor:
+def emitted_positions(accepted: Tensor, spans: Sequence[int], device: torch.device, num_decodes: int = 0) -> Tensor:
     """A verify step's positions whose token its request emits: [positions] bool on the device, from
     `accepted` [chunks] (drafts each chunk keeps, on the device) and `spans[c]` (chunk c's positions:
-    1 + drafts, 0 when it does not sample); chunk c emits its first 1 + accepted[c]."""
+    1 + drafts, 0 when it does not sample); chunk c emits its first 1 + accepted[c]. The step's first
+    `num_decodes` positions are decode rows (`DecodeRows`): always emitted."""
     lens = torch.tensor(spans, dtype=torch.int64)  # [chunks]
-    chunk_of = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [positions]
-    index_in_chunk = torch.arange(chunk_of.shape[0]) - (torch.cumsum(lens, 0) - lens)[chunk_of]  # [positions]
-    both = upload(torch.stack([chunk_of, index_in_chunk]), device)  # [2, positions]
+    chunk_of = torch.repeat_interleave(torch.arange(len(spans)), lens)  # [chunk positions]
+    index_in_chunk = torch.arange(chunk_of.shape[0]) - (torch.cumsum(lens, 0) - lens)[chunk_of]  # [chunk positions]
+    both = torch.stack([chunk_of, index_in_chunk])  # [2, chunk positions]
+    if num_decodes:  # a decode row reads as index 0 of chunk 0: 0 <= any count, always emitted
+        both = torch.cat([torch.zeros((2, num_decodes), dtype=torch.int64), both], dim=1)  # [2, positions]
+    both = upload(both, device)
     return both[1] <= accepted[both[0]]

@@ -24,7 +24,8 @@ back to just after the emitted positions, so a seeded request gives the tokens i
 speculation.
 
 `Verification` is the runner's one object for all of it in a step: the rows, the seeded draws, the
-acceptance on the device (queued with the step) and on the host (at collect).
+acceptance on the device (queued with the step, computed once and kept for the step's sampled ids: the
+penalty counts and the runner's settling read the same tensor) and on the host (at collect).
 """
 
 from __future__ import annotations
@@ -113,6 +114,9 @@ class Verification:
     rows: list[Optional[SamplingRow]]
     drafts: list[list[int]]
     seeded: list[Optional[SeededDraws]] = field(default_factory=list)
+    # the step's acceptance on the device, once computed: (sampled, first_rows, drafted) it came from, and it
+    _accepted: Optional[tuple[torch.Tensor, tuple[int, ...], Optional[torch.Tensor], torch.Tensor]] = field(
+        default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, rows: list[Optional[SamplingRow]], drafts: list[list[int]]) -> Optional["Verification"]:
@@ -134,7 +138,21 @@ class Verification:
                            drafted: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
         """[chunks] int64 on the device: the drafts each chunk keeps (0 for a chunk without), from the step's
         sampled ids and each chunk's first row in them; `drafted` [speculating chunks, width] the drafts on
-        the device when they were made there (MTP), else the host's go up."""
+        the device when they were made there (MTP), else the host's go up. Computed once a step: what reads
+        it in the step (the penalty counts' emitted tokens, the runner's GDN slots, MTP outputs and
+        `last_tokens`) asks for the same `sampled` tensor and gets the same result tensor."""
+        key = tuple(first_rows)
+        if self._accepted is not None:
+            was_sampled, was_first_rows, was_drafted, accepted = self._accepted
+            if was_sampled is sampled and was_first_rows == key and drafted is was_drafted:
+                return accepted
+        accepted = self._accept(sampled, first_rows, drafted, device)
+        self._accepted = (sampled, key, drafted, accepted)
+        return accepted
+
+    def _accept(self, sampled: torch.Tensor, first_rows: Sequence[int], drafted: Optional[torch.Tensor],
+                device: torch.device) -> torch.Tensor:
+        """`accepted_on_device`, computed: [chunks] int64 on the device."""
         speculating = [i for i, d in enumerate(self.drafts) if d]
         counts = [len(self.drafts[i]) for i in speculating]
         if drafted is None:
