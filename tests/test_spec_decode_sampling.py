@@ -20,7 +20,9 @@ import torch
 
 import vlmrun.spec_decode.verify as verify_module
 from tests.test_sampling_state import VOCAB, CountedTokens, assert_same_batch, make_runner, random_params
+from vlmrun.cache.kv_pool import pages_needed
 from vlmrun.config import EngineConfig
+from vlmrun.engine.decode_columns import DecodeTable
 from vlmrun.engine.engine import Engine
 from vlmrun.executor.model_runner import LaunchedStep, ModelRunner
 from vlmrun.executor.step_features import HostDrafts
@@ -156,7 +158,11 @@ def run_engine(model_dir, speculative_config, async_scheduling: bool,
                                  speculative_config=speculative_config, async_scheduling=async_scheduling))
     # the scheduler sends no decode rows with a proposer (its rows verify as chunks): on here, so that verify
     # steps carry decode rows (rows without drafts) beside the speculating chunks
-    engine.scheduler.decode_rows = True
+    scheduler = engine.scheduler
+    scheduler.decode_rows = True  # (and the per-row table such a scheduler keeps; a speculating one keeps none)
+    scheduler.decode_table = DecodeTable(scheduler.req_pool.max_reqs,
+                                         pages_needed(scheduler.max_model_len, scheduler.page_size) + 1,
+                                         scheduler.page_size)
     launch = engine.executor.launch
 
     def recorded(chunks, decodes=None):
