@@ -157,3 +157,42 @@ def test_a_padded_verify_step_clears_the_real_tails(backend):
     assert step_fresh_tails(padded, PAGE).tolist() == unpadded.tolist() == [105, 106, 107]
     backend(pool, ReqToTokenPool(5, 64, torch.device("cpu"))).prepare(padded)
     assert padded.attn_metadata.fresh_tails.tolist() == [105, 106, 107]
+
+
+@pytest.mark.parametrize("backend", [
+    pytest.param(CpuAttnBackend, marks=pytest.mark.xfail(strict=True, reason="the cpu backend's decode group reads "
+                                                         "the page-table entries up to the padded length")),
+    TorchAttnBackend])
+def test_a_padded_verify_row_reads_no_stale_page_past_its_real_tokens(backend):
+    """A padded verify row whose padding runs into a page its real tokens do not reach: that page-table entry is
+    stale (here a NaN page), and the real positions must not read it (past the real last page, the first one).
+    Row 0 (7 tokens) feeds position 7, its page's last, padded to width 3 (padding at 8, 9: page 2, never
+    taken); row 1 (2 tokens) verifies 2 drafts (positions 2-4). Equal to the step unpadded on a clean pool."""
+    layer = Attention(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM ** -0.5, layer_id=0)
+    gen = torch.Generator().manual_seed(5)
+    prefill, verify = [[torch.randn(n, h * HEAD_DIM, generator=gen) for h in (HEADS, KV_HEADS, KV_HEADS)]
+                       for n in (9, 4)]  # q, k, v of the prefill step and of the verify step's real tokens
+    real_rows = torch.tensor([0, 3, 4, 5])  # the padded verify step's real tokens
+
+    def verify_output(seqs: Sequences, padded: bool) -> torch.Tensor:
+        fb = seqs.step({0: 7, 1: 2})
+        seqs.backend.prepare(fb)
+        seqs.backend.forward(*prefill, layer, fb)
+        fb = seqs.step({0: 1, 1: 3}, {1: 2})
+        if not padded:
+            seqs.backend.prepare(fb)
+            return seqs.backend.forward(*verify, layer, fb)
+        loc = fb.out_cache_loc.tolist()
+        fb = ForwardBatch.build(
+            input_ids=torch.zeros(6, dtype=torch.int64), positions=torch.zeros(3, 6, dtype=torch.int64),
+            req_pool_indices=fb.req_pool_indices, extend_prefix_lens=[7, 2], extend_seq_lens=[3, 3],
+            out_cache_loc=torch.tensor(loc[:1] + [0, 0] + loc[1:]), logits_indices=torch.arange(6),
+            to_device=lambda t: t, num_drafts=[2, 2], real_fed_lens=[1, 3], attn_backend=seqs.backend)
+        seqs.backend.prepare(fb)
+        spread = [x.new_zeros(6, x.shape[1]).index_copy_(0, real_rows, x) for x in verify]  # padding: zeros
+        return seqs.backend.forward(*spread, layer, fb)[real_rows]
+
+    got = verify_output(Sequences(torch.float32, backend, poisoned=True), padded=True)
+    expected = verify_output(Sequences(torch.float32, TorchAttnBackend, poisoned=False), padded=False)
+    assert got.isfinite().all(), "a real position read the stale page past its real tokens"
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -10,7 +10,9 @@ probability (0 x NaN is NaN). Two kinds of hidden positions can hold another req
 - the tail of its last page, past its length, holds what the page's previous holder wrote there.
 
 So, once per step, the backends point every page past a sequence's last at its own first page (finite
-values of its own, hidden by the mask: `own_pages`, or the cpu backend's page-table columns), and both
+values of its own, hidden by the mask: `own_pages` over `own_lens`, or the cpu backend's page-table
+columns; in the torch backend a padded verify step's last page is that of its real tokens, not of its
+padding: the cpu backend's decode groups do not do that yet, tests/test_cpu_stale_tails.py), and both
 keep the tails clear in the pool itself, one way: a step that writes a sequence's first token in a page
 (its first write there: pages are filled in position order, and the prefix cache shares full pages only,
 so a write into a page a sequence did not fill from its start never happens) zeroes the rest of that page
@@ -30,13 +32,14 @@ stale entries that point at a running request's pages.
 
 from __future__ import annotations
 
+from operator import add
 from typing import Optional
 
 import numpy as np
 import torch
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.host_to_device import upload
+from vlmrun.host_to_device import int64_tensor, upload
 
 
 def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -44,6 +47,17 @@ def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) 
     >= seq_lens[i]) replaced by the sequence's first page."""
     starts = torch.arange(page_table.shape[1], device=page_table.device) * page_size  # [max_pages]
     return torch.where(starts[None, :] < seq_lens.view(-1, 1), page_table, page_table[:, :1])
+
+
+def own_lens(fb: ForwardBatch) -> torch.Tensor:
+    """[batch] the lengths `own_pages` takes: `fb.seq_lens`, but for a padded verify step (`fb.real_fed_lens_cpu`)
+    each row's real length (prefix + real tokens; a padding row's 0, its dummy row's first page then): the
+    positions past it that the row's padding holds write the dummy page, so the page-table entries there
+    are stale (another request's pages)."""
+    if fb.real_fed_lens_cpu is None:
+        return fb.seq_lens
+    real = list(map(add, fb.extend_prefix_lens_cpu, fb.real_fed_lens_cpu))  # [batch] host ints
+    return upload(int64_tensor(real), fb.seq_lens.device)
 
 
 def step_fresh_tails(fb: ForwardBatch, page_size: int, seq_lens: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:

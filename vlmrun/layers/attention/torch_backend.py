@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
-from vlmrun.layers.attention.stale_keys import own_pages, step_fresh_tails
+from vlmrun.layers.attention.stale_keys import own_lens, own_pages, step_fresh_tails
 
 
 @dataclass
@@ -65,7 +65,7 @@ class TorchAttnBackend(AttentionBackend):
         mask[:, :, 0] |= ~valid_queries  # padded queries see key 0 so softmax stays finite
         # Entries past a request's last page are stale: they become its first page (hidden by the mask)
         page_table = self.req_to_token[fb.req_pool_indices, :max_seq:page_size] // page_size  # [batch, max_pages]
-        page_table = own_pages(page_table, fb.seq_lens, page_size)
+        page_table = own_pages(page_table, own_lens(fb), page_size)
         fresh = step_fresh_tails(fb, page_size)
         fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1), fresh)
 
