@@ -88,10 +88,10 @@ class Sequences:
 
 # (row -> tokens fed) per step; the rows' lengths cross page boundaries (PAGE = 4) on different steps; step 1
 # decodes row 1 (3 tokens, one page) beside row 0 (6): row 1 reads its first page again past its end
-STEPS = [{0: 5, 1: 2}, {0: 1, 1: 1}, {0: 1, 1: 1}, {0: 1, 1: 1, 2: 7}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 4, 2: 1},
-         {0: 1, 1: 1, 2: 1}, {0: 1, 2: 1, 3: 3}, {0: 1, 2: 1, 3: 1}, {0: 1, 1: 1, 3: 1}]
-DRAFTS = {5: {1: 3}}  # step 5: row 1 verifies 3 drafts (the torch backend runs it as an extend chunk) ...
-REJECTED = {5: {1: 2}}  # ... and 2 of them are rejected
+STEPS = [{0: 5, 1: 2}, {0: 1, 1: 1}, {0: 1, 1: 1}, {0: 1, 1: 1, 2: 7}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 2, 2: 1},
+         {0: 1, 1: 4, 2: 1}, {0: 1, 2: 1, 3: 3}, {0: 1, 2: 1, 3: 1}, {0: 1, 1: 1, 3: 1}]
+DRAFTS = {6: {1: 3}}  # step 6: row 1 (8 tokens) verifies 3 drafts (the torch backend runs it as an extend chunk) ...
+REJECTED = {6: {1: 3}}  # ... all rejected: positions 10, 11 keep its drafts' k/v, hidden from its decode at step 9
 SHARED = {7: (3, 0, 1)}  # before step 7: row 3 takes row 0's first page (full) from the prefix cache
 
 
