@@ -88,25 +88,44 @@ def test_a_decode_step_makes_no_chunk_per_request(qwen3_vl_dir, monkeypatch) -> 
 def test_rows_read_each_rows_mrope_delta_as_chunks_do(qwen3_vl_dir) -> None:
     """Image requests (an M-RoPE delta that is not 0) and text requests (delta 0) take turns on the
     page-table rows (max_num_seqs=2 for 6 requests, so rows are reused with another delta): the decode
-    rows' positions, read from the runner's per-row deltas, give what chunks give."""
+    rows' positions, read from the runner's per-row deltas, give what chunks give. Every request, image
+    or text, must really decode as rows (counted at the runner's launch) in the one run and never in the other."""
     from PIL import Image
 
-    def run_all(decode_rows: bool) -> dict[str, list[int]]:
+    def run_all(decode_rows: bool) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Each request's tokens, and how many decode steps it was given to the runner as a decode row."""
         engine = Engine(EngineConfig(model=str(qwen3_vl_dir), device="cpu", dtype="float32", max_num_seqs=2,
                                      max_num_batched_tokens=256, kv_cache_memory_bytes=16 * 1024 * 1024, seed=7))
         engine.scheduler.decode_rows = decode_rows
+        launch, as_rows = engine.executor.launch, {f"r{i}": 0 for i in range(6)}
+
+        def counting(chunks, decodes=None):
+            if decodes is None:
+                return launch(chunks)
+            for r in engine.scheduler.running:
+                as_rows[r.request_id] += r.req_pool_idx in decodes.rows
+            return launch(chunks, decodes)
+
+        engine.executor.launch = counting
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         for i in range(6):
             prompt = ({"prompt": "Describe.", "images": [Image.new("RGB", (56 + 28 * i, 56), (40 * i, 90, 200))]}
                       if i % 2 == 0 else {"prompt_token_ids": [5 + i, 9, 13, 17]})
             engine.add_request(f"r{i}", engine.process(prompt), params)
         deltas, tokens = {r.request_id: r.mrope_delta for r in engine.requests.values()}, {}
-        while engine.has_unfinished():
-            for update in engine.step():
-                if update.finished:
-                    tokens[update.request_id] = update.result.token_ids
-        engine.shutdown()
+        try:
+            while engine.has_unfinished():
+                for update in engine.step():
+                    if update.finished:
+                        tokens[update.request_id] = update.result.token_ids
+        finally:
+            engine.shutdown()
         assert deltas["r0"] != 0 and deltas["r1"] == 0
-        return tokens
+        return tokens, as_rows
 
-    assert run_all(True) == run_all(False)
+    rows_tokens, rows_counts = run_all(True)
+    chunks_tokens, chunks_counts = run_all(False)
+    assert rows_tokens == chunks_tokens
+    # 6 tokens: the prefill samples the first, so 5 decode steps each (as rows: all of them; as chunks: none)
+    assert rows_counts == {f"r{i}": 5 for i in range(6)}, rows_counts
+    assert set(chunks_counts.values()) == {0}, chunks_counts

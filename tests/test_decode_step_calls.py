@@ -6,8 +6,7 @@ row's text (its `tokenizers` stream step through `OutputTextStream.add_plain_tok
 `RequestUpdate`; for a request added with `stream=False` (the feed pipeline's: `LLM`, the jobs) none (its
 token is appended and its finish rule tested inline; its text is decoded when it finishes). Counted
 with a profile hook over one decode step at two batch sizes; the sampling side (its own per-row state,
-another piece of work) is left out of the count. And the one-pass paths give what the per-token ones give,
-and the CPU attention's tail rows (stale_keys.tail_rows) are the same worked out either way.
+another piece of work) is left out of the count. And the one-pass paths give what the per-token ones give.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from tests.step_tracing import step_under_hook
@@ -27,7 +25,6 @@ from vlmrun.engine.detokenizer import OutputTextStream
 from vlmrun.engine.engine import Engine
 from vlmrun.engine.output_processor import OutputProcessor
 from vlmrun.engine.request import RequestStatus
-from vlmrun.layers.attention.stale_keys import LOOP_BELOW, tail_rows
 from vlmrun.sampling_params import SamplingParams
 
 SAMPLING_FILE_PREFIX = "sampl"  # sampler.py, sampling_batch.py, sampling_params.py and any per-row sampling-state file
@@ -148,16 +145,3 @@ def test_append_decodes_gives_what_append_one_gives(tokenizer) -> None:
     assert num_finishing >= 5
     assert [r.output_token_ids for r in reqs_rows] == [r.output_token_ids for r in reqs_one]
     assert [r.output_logprobs for r in reqs_rows] == [r.output_logprobs for r in reqs_one]
-
-
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_tail_rows_either_way_lists_each_sequences_tail(page_size: int) -> None:
-    rng = random.Random(page_size)
-    for batch in (1, 3, LOOP_BELOW - 1, LOOP_BELOW, 70):
-        lens = [rng.randint(1, 80) for _ in range(batch)]
-        max_seq = -(-max(lens) // page_size) * page_size
-        last_end = [-(-n // page_size) * page_size for n in lens]  # past it, own_pages reads the first page
-        expected = [i * max_seq + p for i, n in enumerate(lens) for p in range(n, max_seq)
-                    if (p if p < last_end[i] else p % page_size) >= n]  # reads a position past its length
-        rows = tail_rows(lens, max_seq, page_size, torch.device("cpu"))
-        assert (rows.tolist() if rows is not None else []) == expected

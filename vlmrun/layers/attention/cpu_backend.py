@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
-from vlmrun.layers.attention.stale_keys import fresh_tail_slots
+from vlmrun.layers.attention.stale_keys import step_fresh_tails
 from vlmrun.host_to_device import upload
 
 
@@ -91,7 +91,7 @@ class CpuAttnMetadata:
     decodes: list[DecodeGroup]  # one per width
     prefills: list[PrefillChunk]
     # [m] KV slots past a sequence's length in a page this step writes first: zeroed in the pool after each
-    # layer's write (stale_keys.fresh_tail_slots); None: none this step
+    # layer's write (stale_keys.step_fresh_tails); None: none this step
     fresh_tails: Optional[torch.Tensor] = None
 
 
@@ -105,11 +105,10 @@ class CpuAttnBackend(AttentionBackend):
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
         all_lens = np.fromiter(fb.seq_lens_cpu, dtype=np.int64, count=fb.batch_size)  # [batch]
+        fresh = step_fresh_tails(fb, self.page_size, all_lens)
         if fb.num_drafts_cpu is None and fb.num_tokens == fb.batch_size:  # every sequence decodes one token
-            fresh = fresh_tail_slots(all_lens, None, self.page_size, fb.out_cache_loc)
             fb.attn_metadata = CpuAttnMetadata([self._decode_group(fb, None, 1, all_lens, None)], [], fresh)
             return
-        fresh = self._fresh_tails(fb, all_lens)
         drafts = fb.num_drafts_cpu or [0] * fb.batch_size
         starts = [0]
         for n in extend_lens:
@@ -128,16 +127,6 @@ class CpuAttnBackend(AttentionBackend):
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
         fb.attn_metadata = CpuAttnMetadata(decodes, prefills, fresh)
-
-    def _fresh_tails(self, fb: ForwardBatch, lens: np.ndarray) -> Optional[torch.Tensor]:
-        """`fresh_tail_slots` of a step that feeds several tokens to some sequence; a padded verify step's by
-        its real tokens (its rows' padding writes the dummy page: the real tail is the one to clear)."""
-        extend = np.fromiter(fb.extend_seq_lens_cpu, dtype=np.int64, count=fb.batch_size)  # [batch]
-        if fb.real_fed_lens_cpu is None:
-            return fresh_tail_slots(lens, extend, self.page_size, fb.out_cache_loc)
-        real = np.asarray(fb.real_fed_lens_cpu, dtype=np.int64)  # [batch] (0: a padding row)
-        row_starts = np.cumsum(extend) - extend  # [batch] each row's first token row in the padded stream
-        return fresh_tail_slots(lens - extend + real, real, self.page_size, fb.out_cache_loc, row_starts)
 
     def _decode_group(self, fb: ForwardBatch, idx: Optional[list[int]], width: int, lens: np.ndarray,
                       starts: Optional[list[int]]) -> DecodeGroup:

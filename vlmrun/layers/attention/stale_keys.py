@@ -1,27 +1,30 @@
 """Keys past a sequence's length, for the backends that gather whole KV pages (torch, cpu).
 
-Those backends copy a sequence's pages whole, up to the longest sequence of the batch, and hide the
-positions past its length with the attention mask. A mask is not enough: a hidden key still meets
-the softmax (score + -inf is NaN when the score is NaN) and a hidden value still meets its zero
+Those backends copy a sequence's pages whole, up to the longest sequence of the batch (or of its group),
+and hide the positions past its length with the attention mask. A mask is not enough: a hidden key still
+meets the softmax (score + -inf is NaN when the score is NaN) and a hidden value still meets its zero
 probability (0 x NaN is NaN). Two kinds of hidden positions can hold another request's values:
 
 - the page-table entries past a sequence's last page are stale: they name pages that an earlier
   holder of the row had, now anyone's (a running request's too);
 - the tail of its last page, past its length, holds what the page's previous holder wrote there.
 
-So, once per step, `own_pages` points every page past a sequence's last at its own first page
-(finite values of its own, hidden by the mask). The tails are cleared one of two ways:
+So, once per step, the backends point every page past a sequence's last at its own first page (finite
+values of its own, hidden by the mask: `own_pages` over `own_lens`, or the cpu backend's page-table
+columns; in the torch backend a padded verify step's last page is that of its real tokens, not of its
+padding: the cpu backend's decode groups do not do that yet, tests/test_cpu_stale_tails.py), and both
+keep the tails clear in the pool itself, one way: a step that writes a sequence's first token in a page
+(its first write there: pages are filled in position order, and the prefix cache shares full pages only,
+so a write into a page a sequence did not fill from its start never happens) zeroes the rest of that page
+after the written tokens, each layer right after its write (`step_fresh_tails`, made once per step from the
+host lengths; `KVPool.clear`). From then on the tail holds zeros or the sequence's own values (rejected
+drafts), so no gathered copy needs clearing: the write is one per page a sequence takes, not one per layer
+and step. A sequence shorter than a page, beside a longer one, reads its first page again past its end:
+that page is its last, cleared the same way.
 
-- the torch backend lists the gathered positions that read a tail (`tail_rows`: the last page's, and
-  for a sequence shorter than a page, whose first page is its last, its copies past it) and each layer
-  zeroes them in its gathered copy (`zero_rows`): a few rows per sequence, not a pass over the keys;
-- the cpu backend keeps the tails clear in the pool itself: a step that writes a sequence's first
-  token in a page (its first write there: pages are filled in position order, and the prefix cache
-  shares full pages only, so a write into a page a sequence did not fill from its start never happens)
-  zeroes the rest of that page after the written tokens (`fresh_tail_slots`, `KVPool.clear`), each
-  layer right after its write. From then on the tail holds zeros or the sequence's own values
-  (rejected drafts), so the gathered copies need no clearing; the write is one per page a sequence
-  takes, not one per layer and step.
+The slots are worked out on the host and uploaded (no device->host sync), and read by an index_fill_ of the
+pool outside any CUDA graph: the torch backend is never captured (executor/bucketed_steps.py), and the
+cpu backend runs on the CPU.
 
 Clearing freed pages instead would cost a write of every page a request held, and would not cover the
 stale entries that point at a running request's pages.
@@ -29,14 +32,14 @@ stale entries that point at a running request's pages.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from operator import add
+from typing import Optional
 
 import numpy as np
 import torch
 
-from vlmrun.host_to_device import upload
-
-LOOP_BELOW = 8  # sequences: below this a loop over them is quicker than numpy ops (measured, one thread)
+from vlmrun.forward_batch import ForwardBatch
+from vlmrun.host_to_device import int64_tensor, upload
 
 
 def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -46,43 +49,31 @@ def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) 
     return torch.where(starts[None, :] < seq_lens.view(-1, 1), page_table, page_table[:, :1])
 
 
-def tail_rows(seq_lens: Sequence[int], max_seq: int, page_size: int,
-              device: torch.device) -> Optional[torch.Tensor]:
-    """[n] rows of a gathered [len(seq_lens) * max_seq, ...] copy (sequence i's position p at row
-    i * max_seq + p) that read a position past the sequence's length, ascending; None when there are none:
-    the tail of its last page, and for a sequence shorter than a page (its only page is its last one) that
-    tail again in every page-sized run past it (`own_pages` reads its first page there).
-    Worked out on the host (the lengths are host ints): a range per sequence for a few sequences, a few
-    numpy ops over the batch from LOOP_BELOW sequences on (the quicker way there: no loop, and numpy's
-    small ops cost a third of torch's)."""
-    if len(seq_lens) < LOOP_BELOW:
-        listed: list[int] = []
-        for i, n in enumerate(seq_lens):
-            listed.extend(range(i * max_seq + n, i * max_seq - (-n // page_size) * page_size))
-            if n < page_size:  # its first page again in each later run
-                for start in range(i * max_seq + page_size, (i + 1) * max_seq, page_size):
-                    listed.extend(range(start + n, start + page_size))
-        rows = torch.tensor(listed, dtype=torch.int64)
-    else:
-        lens = np.fromiter(seq_lens, dtype=np.int64, count=len(seq_lens))  # [batch]
-        first = lens + np.arange(len(seq_lens), dtype=np.int64) * max_seq  # [batch] each tail's first row
-        tail_len = (-lens) % page_size  # [batch] positions past the length in the last page (0: a full page)
-        offsets = np.arange(page_size - 1, dtype=np.int64)  # [page_size - 1]
-        tails = (first[:, None] + offsets)[offsets < tail_len[:, None]]  # [n] sequence by sequence
-        short = np.flatnonzero(lens < page_size)  # [s] sequences of one page
-        if short.size and max_seq > page_size:
-            runs = np.arange(page_size, max_seq, page_size, dtype=np.int64)  # [r] first position of each later run
-            copies = first[short][:, None, None] + runs[:, None] + offsets  # [s, r, page_size - 1]
-            keep = np.broadcast_to((offsets < tail_len[short][:, None])[:, None, :], copies.shape)
-            tails = np.sort(np.concatenate([tails, copies[keep]]))
-        rows = torch.from_numpy(tails)
-    return upload(rows, device) if rows.numel() else None
+def own_lens(fb: ForwardBatch) -> torch.Tensor:
+    """[batch] the lengths `own_pages` takes: `fb.seq_lens`, but for a padded verify step (`fb.real_fed_lens_cpu`)
+    each row's real length (prefix + real tokens; a padding row's 0, its dummy row's first page then): the
+    positions past it that the row's padding holds write the dummy page, so the page-table entries there
+    are stale (another request's pages)."""
+    if fb.real_fed_lens_cpu is None:
+        return fb.seq_lens
+    real = list(map(add, fb.extend_prefix_lens_cpu, fb.real_fed_lens_cpu))  # [batch] host ints
+    return upload(int64_tensor(real), fb.seq_lens.device)
 
 
-def zero_rows(gathered: torch.Tensor, rows: Optional[torch.Tensor], num_rows: int) -> None:
-    """Zero rows `rows` of `gathered` (a fresh copy of num_rows = batch * max_seq key positions) in place."""
-    if rows is not None:
-        gathered.view(num_rows, -1).index_fill_(0, rows, 0)
+def step_fresh_tails(fb: ForwardBatch, page_size: int, seq_lens: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
+    """[m] KV slots (on the step's device) the pool must zero after each layer's write this step: `fresh_tail_slots`
+    of any step (decodes, prefill chunks, verify chunks). `seq_lens` [batch]: `fb.seq_lens_cpu` as numpy, when the
+    caller has it. A padded verify step (`fb.real_fed_lens_cpu`) counts its real tokens only: its rows' padding
+    writes the dummy page, and the real tail is the one to clear."""
+    lens = np.fromiter(fb.seq_lens_cpu, dtype=np.int64, count=fb.batch_size) if seq_lens is None else seq_lens
+    if fb.num_tokens == fb.batch_size:  # one token each
+        return fresh_tail_slots(lens, None, page_size, fb.out_cache_loc)
+    extend = np.fromiter(fb.extend_seq_lens_cpu, dtype=np.int64, count=fb.batch_size)  # [batch]
+    if fb.real_fed_lens_cpu is None:
+        return fresh_tail_slots(lens, extend, page_size, fb.out_cache_loc)
+    real = np.asarray(fb.real_fed_lens_cpu, dtype=np.int64)  # [batch] (0: a padding row)
+    row_starts = np.cumsum(extend) - extend  # [batch] each row's first token row in the padded stream
+    return fresh_tail_slots(lens - extend + real, real, page_size, fb.out_cache_loc, row_starts)
 
 
 def fresh_tail_slots(seq_lens: np.ndarray, extend_lens: Optional[np.ndarray], page_size: int,

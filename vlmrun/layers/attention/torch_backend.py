@@ -4,8 +4,11 @@ Every sequence's new queries attend causally to its cached tokens plus the token
 step. The batch is padded to [batch, max_extend] queries and [batch, max_seq] keys gathered from
 the KV pool through the request-to-token map (whole pages at a time: a request's tokens fill its pages in order), and
 one masked SDPA call covers the whole batch. The gathered positions past a sequence's length are its own
-or zeros (stale_keys.py), so no other request's values meet the mask. A float8 pool (`kv_cache_dtype="fp8"`)
-is read through `dequantize`: the gathered values times the layer's scale, in the queries' dtype.
+or zeros, so no other request's values meet the mask: past its last page the page table reads its first
+page again (`own_pages`), and the step that writes a page's first position zeroes the rest of that page in
+the pool after each layer's write (`step_fresh_tails`, `KVPool.clear`: stale_keys.py, as the cpu backend
+does). A float8 pool (`kv_cache_dtype="fp8"`) is read through `dequantize`: the gathered values times the
+layer's scale, in the queries' dtype.
 Every fast backend is tested against this one.
 """
 
@@ -20,7 +23,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
-from vlmrun.layers.attention.stale_keys import own_pages, tail_rows, zero_rows
+from vlmrun.layers.attention.stale_keys import own_lens, own_pages, step_fresh_tails
 
 
 @dataclass
@@ -29,7 +32,9 @@ class TorchAttnMetadata:
     out_rows: torch.Tensor  # [batch * max_extend] row each padded query's output goes to; num_tokens (a dummy) for padding
     page_table: torch.Tensor  # [batch, max_pages] KV page of each page-sized run of key positions
     mask: torch.Tensor  # [batch, 1, max_extend, max_seq] bool, True where a query may attend
-    tail: Optional[torch.Tensor]  # [n] gathered rows past a sequence's length in its last page (zeroed); None: none
+    # [m] KV slots past a sequence's length in a page this step writes first: zeroed in the pool after each
+    # layer's write (stale_keys.step_fresh_tails); None: none this step
+    fresh_tails: Optional[torch.Tensor]
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -60,9 +65,9 @@ class TorchAttnBackend(AttentionBackend):
         mask[:, :, 0] |= ~valid_queries  # padded queries see key 0 so softmax stays finite
         # Entries past a request's last page are stale: they become its first page (hidden by the mask)
         page_table = self.req_to_token[fb.req_pool_indices, :max_seq:page_size] // page_size  # [batch, max_pages]
-        page_table = own_pages(page_table, fb.seq_lens, page_size)
-        tail = tail_rows(fb.seq_lens_cpu, max_seq, page_size, device)
-        fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1), tail)
+        page_table = own_pages(page_table, own_lens(fb), page_size)
+        fresh = step_fresh_tails(fb, page_size)
+        fb.attn_metadata = TorchAttnMetadata(token_rows, out_rows, page_table, mask.unsqueeze(1), fresh)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Attention, fb: ForwardBatch) -> torch.Tensor:
         md = cast(TorchAttnMetadata, fb.attn_metadata)
@@ -70,6 +75,8 @@ class TorchAttnBackend(AttentionBackend):
         k = k.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         v = v.view(num_tokens, layer.num_kv_heads, layer.head_dim)
         self.kv_pool.write(layer.layer_id, fb.out_cache_loc, k, v)
+        if md.fresh_tails is not None:  # the rest of each page a sequence starts this step (stale_keys.py)
+            self.kv_pool.clear(layer.layer_id, md.fresh_tails)
 
         q = q.view(num_tokens, layer.num_heads, layer.head_dim)
         q_pad = q[md.token_rows].transpose(1, 2)  # [batch, heads, max_extend, head_dim]
@@ -89,6 +96,5 @@ class TorchAttnBackend(AttentionBackend):
     def _gather(self, buffer: torch.Tensor, scale: float, md: TorchAttnMetadata, dtype: torch.dtype) -> torch.Tensor:
         page_size = self.kv_pool.page_size
         pages = buffer.view(-1, page_size, *buffer.shape[1:])[md.page_table]  # [batch, max_pages, page, kv_heads, head_dim]
-        pages = dequantize(pages, scale, dtype)  # (a fresh copy: zeroed in place below)
-        zero_rows(pages, md.tail, pages.shape[0] * pages.shape[1] * page_size)  # the last pages' tails: zeros
+        pages = dequantize(pages, scale, dtype)
         return pages.flatten(1, 2).transpose(1, 2)
