@@ -159,10 +159,7 @@ def test_a_padded_verify_step_clears_the_real_tails(backend):
     assert padded.attn_metadata.fresh_tails.tolist() == [105, 106, 107]
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param(CpuAttnBackend, marks=pytest.mark.xfail(strict=True, reason="the cpu backend's decode group reads "
-                                                         "the page-table entries up to the padded length")),
-    TorchAttnBackend])
+@pytest.mark.parametrize("backend", [CpuAttnBackend, TorchAttnBackend])
 def test_a_padded_verify_row_reads_no_stale_page_past_its_real_tokens(backend):
     """A padded verify row whose padding runs into a page its real tokens do not reach: that page-table entry is
     stale (here a NaN page), and the real positions must not read it (past the real last page, the first one).

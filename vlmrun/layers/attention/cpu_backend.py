@@ -121,23 +121,30 @@ class CpuAttnBackend(AttentionBackend):
             else:
                 prefill_idx.append(i)
         whole_step = not prefill_idx and len(by_width) == 1
+        page_lens = all_lens  # [batch] positions whose page-table entries are the sequence's own
+        if fb.real_fed_lens_cpu is not None:  # a padded verify step: the padding writes the dummy page, its
+            # positions past the real tokens have no entry of their own (stale: another request's pages)
+            page_lens = np.add(fb.extend_prefix_lens_cpu, fb.real_fed_lens_cpu, dtype=np.int64)
         decodes = [self._decode_group(fb, None if whole_step else idx, width, all_lens[idx],
-                                      None if whole_step else starts) for width, idx in by_width.items()]
+                                      None if whole_step else starts, page_lens[idx]) for width, idx in by_width.items()]
         rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)
         prefills = [self._prefill_chunk(rows[i], starts[i], extend_lens[i], fb.extend_prefix_lens_cpu[i],
                                         fb.seq_lens_cpu[i]) for i in prefill_idx]
         fb.attn_metadata = CpuAttnMetadata(decodes, prefills, fresh)
 
     def _decode_group(self, fb: ForwardBatch, idx: Optional[list[int]], width: int, lens: np.ndarray,
-                      starts: Optional[list[int]]) -> DecodeGroup:
+                      starts: Optional[list[int]], page_lens: Optional[np.ndarray] = None) -> DecodeGroup:
         """Sequences `idx` (None: every sequence of the step), each feeding `width` tokens, of lengths
-        `lens` [seqs] (host); `starts`: each sequence's first token row in the step (None with `idx`)."""
+        `lens` [seqs] (host); `starts`: each sequence's first token row in the step (None with `idx`);
+        `page_lens` [seqs]: the positions whose pages are read from the page table (default `lens`; a padded
+        verify step's real lengths: past them a row reads its first page again, as past its last page)."""
         page_size, device = self.page_size, fb.seq_lens.device
         max_seq = -(-int(lens.max()) // page_size) * page_size
         req_rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[upload(torch.tensor(idx), device)]
         page_starts = np.arange(0, max_seq, page_size)  # [max_pages] first position of each page
-        # the page-table column each page is read from: its own, or past the sequence's last page its first
-        columns = np.where(page_starts < lens[:, None], page_starts, 0)  # [seqs, max_pages]
+        # [seqs, max_pages] the page-table column each page is read from: its own, or past the sequence's last
+        # page its first
+        columns = np.where(page_starts < (lens if page_lens is None else page_lens)[:, None], page_starts, 0)
         table = self.req_to_token  # [rows, max_context_len]: read flat, one index_select (not a 2-D advanced index)
         flat = req_rows[:, None] * table.shape[1] + upload(torch.from_numpy(columns), device)  # [seqs, max_pages]
         slots = table.view(-1).index_select(0, flat.view(-1))  # [seqs * max_pages] (a fresh copy)
