@@ -63,9 +63,12 @@ class ReqToTokenPool(PageTable):
         self.req_to_token = torch.zeros((max_reqs + 1, max_context_len), dtype=torch.int64, device=device)
 
     def write(self, rows: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
-        """req_to_token[rows[i], positions[i]] = slots[i], moved to the device in one copy each (no host sync)."""
-        device = self.req_to_token.device
-        self.req_to_token[upload(rows, device), upload(positions, device)] = upload(slots, device)
+        """req_to_token[rows[i], positions[i]] = slots[i], moved to the device in one copy each (no host sync);
+        written flat (`index_copy_` at rows * width + positions: one kernel, no advanced-index assignment; a
+        step's (row, position) pairs are distinct)."""
+        table = self.req_to_token  # [rows, max_context_len]
+        flat = upload(rows * table.shape[1] + positions, table.device)  # [n]
+        table.view(-1).index_copy_(0, flat, upload(slots, table.device))
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
