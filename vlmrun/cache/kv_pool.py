@@ -141,7 +141,7 @@ class KVPool:
 def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """K or V gathered from the pool -> `dtype`, times the layer's scale (1.0: a plain cast; a copy may be
     the input itself when it is in `dtype` already)."""
-    out = stored.to(dtype)
+    out = stored if stored.dtype == dtype else stored.to(dtype)
     return out if scale == 1.0 else out * scale
 
 

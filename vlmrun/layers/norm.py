@@ -15,9 +15,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] normalized over its last dim in float32, cast back to x's dtype, times `weight` (broadcast
     over x's trailing dims: [d], or [..., d] for a weight per row, e.g. per attention head)."""
     dtype = x.dtype
-    xf = x.float()
+    xf = x if dtype == torch.float32 else x.float()  # (no call when it is one already: a layer makes several)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
+    return weight * (xf if dtype == torch.float32 else xf.to(dtype))
 
 
 class RMSNorm(nn.Module):

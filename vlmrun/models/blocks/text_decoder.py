@@ -23,7 +23,7 @@ from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention
 from vlmrun.layers.linear import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from vlmrun.layers.norm import RMSNorm, rms_norm
-from vlmrun.layers.rotary import apply_rotary
+from vlmrun.layers.rotary import apply_rotary, prepared_tables
 from vlmrun.parallel import SINGLE, TensorParallel
 
 # The name of Qwen3-VL's DeepStack features among a batch's multimodal extras (`ForwardBatch.mm_extras`,
@@ -137,7 +137,7 @@ class DenseTextModel(nn.Module):
         rows = None if fb.mm_mask is None else fb.mm_mask[:, None]  # [num_tokens, 1] bool
         if fb.mm_embeds is not None:
             h = h.masked_scatter(rows, fb.mm_embeds.to(h.dtype))
-        cos, sin = self.rotary_emb(positions)  # [num_tokens, head_dim] each
+        cos, sin = prepared_tables(*self.rotary_emb(positions))  # [num_tokens, 1, head_dim] each, for every layer
         deepstack = fb.mm_extras.get(DEEPSTACK) if fb.mm_extras else None  # [k, num_mm_tokens, hidden] | None
         num_deepstack = 0 if deepstack is None else deepstack.shape[0]
         for i, layer in enumerate(self.layers):
