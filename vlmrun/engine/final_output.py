@@ -19,14 +19,15 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from vlmrun.engine.detokenizer import FINISH_STOP, FinishRules, OutputTextStream, StopDecision, check_stop
-from vlmrun.engine.incremental_detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from vlmrun.engine.incremental_detokenizer import (CONTEXT_TOKENS, IncrementalDetokenizer, byte_level_backend,
+                                                    text_after)
 from vlmrun.sampling_params import SamplingParams
 
 
 class FinalOutput:
     """The finish rules and the final text of one request that does not stream (module docstring)."""
 
-    __slots__ = ("tokenizer", "params", "eos_token_ids", "max_model_len", "num_prompt_tokens", "context",
+    __slots__ = ("tokenizer", "params", "eos_token_ids", "max_model_len", "num_prompt_tokens", "context", "backend",
                  "text_stream", "decision", "min_tokens", "stop_ids", "length_cap")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -37,6 +38,8 @@ class FinalOutput:
         self.max_model_len = max_model_len
         self.num_prompt_tokens = len(prompt_token_ids)
         self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])  # what the detokenizer decodes ahead of the output
+        # the byte-level `tokenizers` backend whose one decode gives the final text (`text_after`), or None
+        self.backend = byte_level_backend(tokenizer, params.spaces_between_special_tokens)
         self.decision: Optional[StopDecision] = None  # the token-level rule that ended the request
         # stop strings: the text of every token, through the streamed path's own object
         self.text_stream = (OutputTextStream(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
@@ -70,6 +73,10 @@ class FinalOutput:
         ids = output_token_ids
         if decision is not None and decision.finish_reason == FINISH_STOP and not params.include_stop_str_in_output:
             ids = ids[:-1]
+        if decision is not None and ids and self.backend is not None:  # extend_and_flush's one decode, directly
+            text = text_after(self.backend, self.context, list(ids), params.skip_special_tokens)
+            if text is not None:
+                return text, decision.stop_reason
         detokenizer = IncrementalDetokenizer(self.tokenizer, self.context, params.skip_special_tokens,
                                              params.spaces_between_special_tokens)
         if decision is not None:

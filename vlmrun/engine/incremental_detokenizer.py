@@ -196,16 +196,12 @@ class IncrementalDetokenizer:
         if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
             return False
         window, skip = self._tokens[self._prefix_offset:self._read_offset], self.skip_special_tokens
-        try:
-            prefix = self._backend.decode(window, skip_special_tokens=skip)
-            full = self._backend.decode(window + token_ids, skip_special_tokens=skip)
-        except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
-            return False
-        if prefix.endswith(REPLACEMENT_CHAR) or not full.startswith(prefix):
+        added = text_after(self._backend, window, token_ids, skip)
+        if added is None:
             return False
         self._tokens.extend(token_ids)
-        if len(full) > len(prefix):
-            self._pieces.append(full[len(prefix):])
+        if added:
+            self._pieces.append(added)
         self._slide()
         self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=skip)  # as flush leaves it
         return True
@@ -244,6 +240,28 @@ class IncrementalDetokenizer:
         options = {} if self.spaces_between_special_tokens else {"spaces_between_special_tokens": False}
         return self.tokenizer.decode(self._tokens[start:end], skip_special_tokens=self.skip_special_tokens,
                                      **options)  # the option only when asked: HF's default is True
+
+
+def text_after(backend: Tokenizer, window: list[int], token_ids: list[int], skip_special_tokens: bool) -> Optional[str]:
+    """decode(window + token_ids) minus decode(window), in two `decode` calls of a byte-level `backend`, when
+    the window's text ends on a whole character (not in U+FFFD): then it is the text per-token `append`
+    and `flush` give after that window (`IncrementalDetokenizer._flush_at_once` says why). None otherwise,
+    or when a decode raises."""
+    try:
+        prefix = backend.decode(window, skip_special_tokens=skip_special_tokens)
+        full = backend.decode(window + token_ids, skip_special_tokens=skip_special_tokens)
+    except Exception:  # noqa: BLE001 - the caller goes token by token instead
+        return None
+    if prefix.endswith(REPLACEMENT_CHAR) or not full.startswith(prefix):
+        return None
+    return full[len(prefix):]
+
+
+def byte_level_backend(tokenizer: Any, spaces_between_special_tokens: bool = True) -> Optional[Tokenizer]:
+    """The `tokenizers.Tokenizer` an `IncrementalDetokenizer` over `tokenizer` streams with when its decoder is
+    byte-level (where `text_after` applies), or None."""
+    backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
+    return backend if backend is not None and isinstance(backend.decoder, ByteLevel) else None
 
 
 def _stream_backend(tokenizer: Any) -> Optional[Tokenizer]:
