@@ -249,12 +249,12 @@ def text_after(backend: Tokenizer, window: list[int], token_ids: list[int], skip
     or when a decode raises."""
     try:
         prefix = backend.decode(window, skip_special_tokens=skip_special_tokens)
+        if prefix.endswith(REPLACEMENT_CHAR):  # (refused before the longer decode)
+            return None
         full = backend.decode(window + token_ids, skip_special_tokens=skip_special_tokens)
     except Exception:  # noqa: BLE001 - the caller goes token by token instead
         return None
-    if prefix.endswith(REPLACEMENT_CHAR) or not full.startswith(prefix):
-        return None
-    return full[len(prefix):]
+    return full[len(prefix):] if full.startswith(prefix) else None
 
 
 def byte_level_backend(tokenizer: Any, spaces_between_special_tokens: bool = True) -> Optional[Tokenizer]:
