@@ -21,7 +21,10 @@ one thread (`torch.set_num_threads(1)`; run it under OMP_NUM_THREADS=1 too):
 
 vLLM's CPU build is not a side here (bench/vllm_side.py says how it was installed for
 bench_cpu_vs_hf; it needs its own venv of about 3 GB). Each batch size runs `--repeats` times per
-side, alternating, and the median is reported, with µs per request per step (ms/step / batch).
+side, alternating (each side first in every other repeat), and the median is reported, with µs per request
+per step (ms/step / batch); with both sides and 4+ repeats also vlmrun's time over HF's repeat by repeat (the
+two ran back to back, so a slower phase of a shared machine hits both): its median and quartiles, and in how
+many repeats vlmrun was faster (`--batches 256 --repeats 30`: the steadiest comparison on a noisy machine).
 `--profile B` runs cProfile over vlmrun's timed steps at batch B and prints the top functions.
 
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 1 64 256 --max-tokens 48
@@ -117,6 +120,17 @@ def run_hf(model, tokenizer, batch: int, max_tokens: int, clock: Callable[[], fl
     return (timed(max_tokens) - timed(1)) / (max_tokens - 1) * 1e3
 
 
+def pair_ratios(times: dict[str, list[float]]) -> str:
+    """With both sides and 4+ repeats: vlmrun's time over HF's in the same repeat (the two ran back to back, so
+    a slow phase of the machine hits both), median and quartiles, and in how many repeats vlmrun was faster."""
+    if len(times) < 2 or len(times["vlmrun"]) < 4:
+        return ""
+    ratios = [v / h for v, h in zip(times["vlmrun"], times["hf"])]
+    low, mid, high = statistics.quantiles(ratios, n=4)
+    return (f"   vlmrun/hf per repeat: median {statistics.median(ratios):.3f} (quartiles {low:.3f}-{high:.3f}), "
+            f"vlmrun faster in {sum(r < 1 for r in ratios)}/{len(ratios)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -153,16 +167,15 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{'batch':>6} " + " ".join(f"{side:>10} {'us/req':>8}" for side in args.sides))
         for batch in args.batches:
             times: dict[str, list[float]] = {side: [] for side in args.sides}
-            for _ in range(args.repeats):
-                if "vlmrun" in args.sides:
-                    times["vlmrun"].append(run_vlmrun(engine, batch, args.max_tokens, clock=clock, stream=args.stream))
-                if hf is not None:
-                    times["hf"].append(run_hf(hf, hf_tokenizer, batch, args.max_tokens, clock=clock))
+            for repeat in range(args.repeats):  # the sides alternate, each first in every other repeat
+                for side in (args.sides if repeat % 2 == 0 else args.sides[::-1]):
+                    times[side].append(run_vlmrun(engine, batch, args.max_tokens, clock=clock, stream=args.stream)
+                                       if side == "vlmrun" else run_hf(hf, hf_tokenizer, batch, args.max_tokens, clock=clock))
             cells = []
             for side in args.sides:
                 ms = statistics.median(times[side])
                 cells.append(f"{ms:>10.2f} {ms / batch * 1e3:>8.1f}")
-            print(f"{batch:>6} " + " ".join(cells), flush=True)
+            print(f"{batch:>6} " + " ".join(cells) + pair_ratios(times), flush=True)
         if args.profile is not None:
             profiler = cProfile.Profile()
             ms = run_vlmrun(engine, args.profile, args.max_tokens, profiler, stream=args.stream)
