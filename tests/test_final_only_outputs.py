@@ -29,6 +29,7 @@ from vlmrun import LLM
 from vlmrun.config import EngineConfig
 from vlmrun.engine.detokenizer import IncrementalDetokenizer
 from vlmrun.engine.engine import Engine
+from vlmrun.engine.final_output import FinalOutput
 from vlmrun.engine.output_processor import OutputProcessor
 from vlmrun.engine.request import RequestStatus
 from vlmrun.sampling_params import SamplingParams
@@ -100,21 +101,40 @@ def test_extend_and_flush_gives_the_text_of_append_per_token_then_flush(tokenize
             per_token.append(token_id)
         per_token.flush()
         taken = probe._flush_at_once(list(ids))
-        at_once[case % 3, taken, "\ufffd" in probe.text] += 1
-        appended = Counter()
-        together.append = lambda token_id, append=together.append: appended.update([1]) or append(token_id)
+        at_once[case % 3, taken, "\ufffd" in probe.text, probe._stream is not None] += 1
         together.extend_and_flush(ids)
-        if not taken and probe._stream is not None and len(ids) > 20:  # a window ending inside a character:
-            at_once["some appended", 0 < appended[1] < len(ids) // 2] += 1  # token by token until it emits
         assert together.text == per_token.text, (context, ids, options)
         assert together.output_token_ids == per_token.output_token_ids and not together.num_pending_tokens
         for token_id in more:  # appended after (a request does not, but the object stays whole)
             per_token.append(token_id)
             together.append(token_id)
+        together.flush()
+        per_token.flush()
         assert together.text == per_token.text, (context, ids, more, options)
-    assert at_once[0, True, True] > 60  # the one decode with U+FFFD in the text
-    assert at_once[2, True, False] > 150 and at_once[0, False, False] > 20  # and refusals, token by token
-    assert at_once["some appended", True] > 5 * at_once["some appended", False]  # then one decode of the rest
+    assert at_once[0, True, True, True] > 60  # the one decode with U+FFFD in the text
+    assert at_once[2, True, False, True] > 150  # and whole texts
+    assert at_once[0, False, False, False] > 20  # no stream (spaces_between_special_tokens=False): token by token
+
+
+def lone_byte_token(tokenizer) -> int:
+    """An id whose text alone is U+FFFD (one byte of a multi-byte character)."""
+    return next(i for i in range(len(tokenizer)) if tokenizer.decode([i]) == "\ufffd")
+
+
+def test_a_prompt_ending_inside_a_character_adds_none_of_its_text(tokenizer) -> None:
+    """A prompt whose last token is a lone byte of a character: the output's text is the output ids decoded
+    alone (HF's text), streamed or final-only. A stream primed with such a context gave the prompt's own
+    text with its first piece ('h\ufffd world' for ' world')."""
+    context = tokenizer.encode("The word is h", add_special_tokens=False) + [lone_byte_token(tokenizer)]
+    outputs = tokenizer.encode(" world, and more", add_special_tokens=False)
+    expected = tokenizer.decode(outputs, skip_special_tokens=True)
+    streamed = IncrementalDetokenizer(tokenizer, context)
+    for token_id in outputs:
+        streamed.append(token_id)
+    streamed.flush()
+    final = FinalOutput(tokenizer, [1, 2] + context, SamplingParams(max_tokens=len(outputs)), [0], None)
+    final.finish_reason(outputs)
+    assert streamed.text == expected and final.final_text(outputs)[0] == expected
 
 
 class RaisingStream:

@@ -78,11 +78,26 @@ def test_dense_attention_norms_and_rotates_q_and_k_as_one_at_a_time(heads, kv_he
             q, k, v = separate_qkv(attn, x, cos, sin)
         assert torch.equal(seen["q"], q) and torch.equal(seen["k"], k) and torch.equal(seen["v"], v)
         assert seen["q"].is_contiguous()  # (what a fused kernel may expect of its queries)
-    if qk_norm:  # the norm weights written in place after a forward (a load): the next one norms with them
+    if qk_norm:  # new norm weights (a load) and `after_loading` (as `finish_loading` calls it): the rows made once
         with torch.no_grad():
             attn.q_norm.weight.mul_(2)
             attn.k_norm.weight.add_(1)
+        attn.after_loading()
+        assert attn.qk_weight is not None
         with torch.inference_mode():
             attn(x, cos, sin, None)
             q, k, _ = separate_qkv(attn, x, cos, sin)
         assert torch.equal(seen["q"], q) and torch.equal(seen["k"], k)
+
+
+def test_dense_attention_built_and_loaded_under_inference_mode() -> None:
+    """Parameters made in inference mode (a user building the model inside `torch.inference_mode()`) carry no
+    version counter: the q/k norm rows do not depend on one."""
+    config = types.SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   rms_norm_eps=1e-6)
+    with torch.inference_mode():
+        attn = DenseAttention(config, 0, qkv_bias=False, qk_norm=True, o_bias=False)
+        attn.q_norm.weight.mul_(3)
+        attn.after_loading()
+        rows = attn.qk_norm_weight()
+    assert torch.equal(rows[:4], torch.full((4, 16), 3.0)) and torch.equal(rows[4:], torch.ones(2, 16))

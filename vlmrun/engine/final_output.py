@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence, Union
 
 from vlmrun.engine.detokenizer import FINISH_STOP, FinishRules, OutputTextStream, StopDecision, check_stop
 from vlmrun.engine.incremental_detokenizer import (CONTEXT_TOKENS, IncrementalDetokenizer, byte_level_backend,
-                                                    text_after)
+                                                    text_after, whole_character_context)
 from vlmrun.sampling_params import SamplingParams
 
 
@@ -37,9 +37,11 @@ class FinalOutput:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])  # what the detokenizer decodes ahead of the output
         # the byte-level `tokenizers` backend whose one decode gives the final text (`text_after`), or None
         self.backend = byte_level_backend(tokenizer, params.spaces_between_special_tokens)
+        self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])  # what the detokenizer decodes ahead of the output
+        if self.backend is not None:  # (as the detokenizer trims it: its text ends on a whole character)
+            self.context = whole_character_context(self.backend, self.context, params.skip_special_tokens)
         self.decision: Optional[StopDecision] = None  # the token-level rule that ended the request
         # stop strings: the text of every token, through the streamed path's own object
         self.text_stream = (OutputTextStream(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
@@ -65,8 +67,7 @@ class FinalOutput:
         token-level finish the held-back tail is flushed (a finish the stream did not see, such as a
         grammar's end or a prompt too long to go on, flushes nothing, as in the streamed path)."""
         if self.text_stream is not None:
-            finished = self.text_stream.finished
-            return self.text_stream.text, None if finished is None else finished.stop_reason
+            return self.text_stream.final_text(output_token_ids)
         decision, params = self.decision, self.params
         if not params.detokenize:
             return "", None if decision is None else decision.stop_reason

@@ -44,14 +44,16 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens  # HF's option (slow tokenizers read it)
+        self._backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
         context = list(prompt_token_ids[-CONTEXT_TOKENS:]) if prompt_token_ids else []
+        if self._backend is not None:
+            context = whole_character_context(self._backend, context, skip_special_tokens)
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._prefix_text: Optional[str] = None  # decode of tokens[prefix_offset:read_offset], made when needed
         self._num_context = len(context)
         self._pieces: list[str] = []  # the deltas; joined on demand (appending to one str is quadratic)
-        self._backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
         self._stream = (None if self._backend is None
                         else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
         # a byte-level decoder's text is the UTF-8 (lossy) of its tokens' bytes, joined: `extend` relies on it
@@ -159,27 +161,13 @@ class IncrementalDetokenizer:
 
     def extend_and_flush(self, token_ids: Sequence[int]) -> None:
         """`extend(token_ids)`, then `flush()`: the text of a request that ends with these tokens. With a
-        byte-level decoder whose emitted window ends on a whole character, one `decode` gives it, U+FFFD or
-        not (`_flush_at_once`). A window that ends inside a character (a prompt's last tokens may) takes
-        tokens one at a time until the stream emits, after which the window ends on a whole character and
-        one decode gives the rest; otherwise extend, then flush."""
+        byte-level decoder whose emitted window ends on a whole character (a fresh one's context always does:
+        `whole_character_context`), one decode of the output (two `decode` calls: `_flush_at_once`), U+FFFD
+        in it or not; otherwise extend, then flush."""
         token_ids = list(map(int, token_ids))
-        if self._flush_at_once(token_ids):
-            return
-        done = self._append_until_emitted(token_ids)
-        if done < len(token_ids) and self._flush_at_once(token_ids[done:]):
-            return
-        self.extend(token_ids[done:])
-        self.flush()
-
-    def _append_until_emitted(self, token_ids: Sequence[int]) -> int:
-        """`append` tokens until one emits text (or the list ends); returns how many it took."""
-        read_offset = self._read_offset
-        for done, token_id in enumerate(token_ids, 1):
-            self.append(token_id)
-            if self._read_offset != read_offset:
-                return done
-        return len(token_ids)
+        if not self._flush_at_once(token_ids):
+            self.extend(token_ids)
+            self.flush()
 
     def _flush_at_once(self, token_ids: list[int]) -> bool:
         """The text `append` per token and then `flush` give, from one decode of the window and `token_ids`.
@@ -255,6 +243,16 @@ def text_after(backend: Tokenizer, window: list[int], token_ids: list[int], skip
     except Exception:  # noqa: BLE001 - the caller goes token by token instead
         return None
     return full[len(prefix):] if full.startswith(prefix) else None
+
+
+def whole_character_context(backend: Tokenizer, context: list[int], skip_special_tokens: bool) -> list[int]:
+    """`context` (a prompt's last tokens) less the trailing tokens whose text ends inside a character (in U+FFFD):
+    the output's text then starts on a whole character, as the output ids decoded alone (HF's text) do. A stream
+    primed with a context ending in U+FFFD does not keep that text as its prefix: its first piece would carry
+    the prompt's own text."""
+    while context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR):
+        context = context[:-1]
+    return context
 
 
 def byte_level_backend(tokenizer: Any, spaces_between_special_tokens: bool = True) -> Optional[Tokenizer]:

@@ -63,10 +63,14 @@ def build_model(cls: Callable[..., nn.Module], config: Any, dtype: torch.dtype, 
 
 
 def finish_loading(model: nn.Module) -> None:
-    """Each linear layer's method rearranges its loaded tensors once (`LinearMethod.after_loading`)."""
+    """Each linear layer's method rearranges its loaded tensors once (`LinearMethod.after_loading`); any other
+    module with an `after_loading()` (e.g. the dense attention's joint q/k norm weight) makes what it derives
+    from its final weights."""
     for module in model.modules():
         if isinstance(module, (LinearBase, FusedExperts)):
             module.method.after_loading(module)
+        elif callable(getattr(module, "after_loading", None)):
+            module.after_loading()
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -100,7 +100,8 @@ class CpuAttnBackend(AttentionBackend):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
         self.page_size = kv_pool.page_size
-        self._bias_windows: dict[int, np.ndarray] = {}  # max_seq -> `_bias_rows`
+        self._bias_windows = np.zeros((1, 0), np.float32)  # `_bias_rows`' windows, `_bias_width` wide
+        self._bias_width = 0
 
     def prepare(self, fb: ForwardBatch) -> None:
         extend_lens = fb.extend_seq_lens_cpu
@@ -160,12 +161,15 @@ class CpuAttnBackend(AttentionBackend):
         return DecodeGroup(width, token_rows, page_ids, bias)
 
     def _bias_rows(self, max_seq: int) -> np.ndarray:
-        """[max_seq + 1, max_seq] float32 view: row max_seq - n is 0 for the first n keys, -inf for the rest
-        (the windows of one [2 * max_seq] array of zeros then -inf; made once per max_seq)."""
-        if max_seq not in self._bias_windows:
+        """[max_seq + 1, max_seq] float32 view: row max_seq - n is 0 for the first n keys, -inf for the rest. The
+        windows of one line of `widest` zeros then `widest` -inf, kept for the widest max_seq seen (remade only
+        when a step needs a wider one), cut to this step's: no copy until the step's rows are indexed."""
+        if max_seq > self._bias_width:
             line = np.concatenate([np.zeros(max_seq, np.float32), np.full(max_seq, -np.inf, np.float32)])
-            self._bias_windows[max_seq] = np.lib.stride_tricks.sliding_window_view(line, max_seq)
-        return self._bias_windows[max_seq]
+            self._bias_windows = np.lib.stride_tricks.sliding_window_view(line, max_seq)
+            self._bias_width = max_seq
+        widest = self._bias_width  # window i of the widest: zeros for widest - i keys, so rows start at widest - max_seq
+        return self._bias_windows[widest - max_seq:, :max_seq]
 
     def _prefill_chunk(self, row: int, start: int, length: int, prefix: int, seq_len: int) -> PrefillChunk:
         pages = -(-seq_len // self.page_size)

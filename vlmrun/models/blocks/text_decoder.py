@@ -14,7 +14,7 @@ attention heads (KV heads replicated when there are fewer than ranks) and MLP un
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -66,8 +66,7 @@ class DenseAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5, layer_id)
-        self._qk_weight: Optional[torch.Tensor] = None  # `qk_norm_weight`, and the weights' state it was made from
-        self._qk_weight_key: Optional[tuple] = None
+        self.register_buffer("qk_weight", None, persistent=False)  # `qk_norm_weight`'s rows once loaded
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         n, heads = x.shape[0], self.num_heads
@@ -84,15 +83,19 @@ class DenseAttention(nn.Module):
         return self.o_proj(out)
 
     def qk_norm_weight(self) -> torch.Tensor:
-        """[num_heads + num_kv_heads, head_dim]: q_norm's weight on each query head, k_norm's on each KV head.
-        Made once and again only when either weight changes (a load writes them in place: their version moves).
+        """[num_heads + num_kv_heads, head_dim]: q_norm's weight on each query head, k_norm's on each KV head
+        (made once by `after_loading`; a module used before that, as some tests do, makes it per call).
         Both norms take `config.rms_norm_eps` (built so above), so one eps serves the q and k heads."""
-        q, k = self.q_norm.weight, self.k_norm.weight
-        key = (q._version, k._version, q.data_ptr(), k.data_ptr(), q.device)
-        if self._qk_weight_key != key:
-            self._qk_weight = torch.cat((q.detach().expand(self.num_heads, -1), k.detach().expand(self.num_kv_heads, -1)))
-            self._qk_weight_key = key
-        return self._qk_weight
+        if self.qk_weight is not None:
+            return self.qk_weight
+        return torch.cat((self.q_norm.weight.expand(self.num_heads, -1), self.k_norm.weight.expand(self.num_kv_heads, -1)))
+
+    def after_loading(self) -> None:
+        """The weights are final (`models.weights.finish_loading`): `qk_norm_weight`'s rows made once, a buffer
+        (it moves with the module). Weights written later need this called again, as the linears' packing does."""
+        if self.qk_norm:
+            self.qk_weight = None
+            self.qk_weight = self.qk_norm_weight().detach().clone()
 
 
 MakeMLP = Callable[[int], nn.Module]  # layer index -> that layer's MLP (dense or MoE): `Model.make_mlp`
