@@ -18,7 +18,7 @@ import pytest
 
 from tests.step_tracing import step_under_hook
 from vlmrun.config import EngineConfig
-from vlmrun.engine.decode_columns import FAST_FROM, DecodeTable
+from vlmrun.engine.decode_columns import FAST_FROM, DecodeTable, UnusedDecodeTable
 from vlmrun.engine.engine import Engine
 from vlmrun.sampling_params import SamplingParams
 
@@ -202,8 +202,8 @@ def test_penalty_rows_take_the_fast_path_when_steps_do_not_overlap(qwen3_vl_dir)
 
 
 def test_a_speculating_engine_keeps_no_decode_table(qwen3_vl_dir):
-    """With speculative decoding every request is verified as a chunk (no decode rows): admissions, page
-    growth and releases write no per-row state (its table keeps nothing), and the tokens are unchanged."""
+    """With speculative decoding every request is verified as a chunk (no decode rows): the scheduler keeps no
+    per-row decode table (its writes go to an `UnusedDecodeTable`), and the tokens are those of the plain engine."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     tokens = []
@@ -213,8 +213,10 @@ def test_a_speculating_engine_keeps_no_decode_table(qwen3_vl_dir):
         for i in range(3):
             engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 5 + i, 9]}), params)
         engine.step()
-        pages = getattr(engine.scheduler.decode_table, "pages", None)  # [rows, max pages]: a mirror of each's pages
-        assert (pages is None or not pages.any()) == (speculative_config is not None)
+        table = engine.scheduler.decode_table
+        assert engine.scheduler.decode_rows == (speculative_config is None)  # (the CPU runner takes decode rows)
+        assert isinstance(table, UnusedDecodeTable) == (speculative_config is not None)
+        assert speculative_config is not None or table.pages.any()  # the plain engine's mirrors its pages
         results = {}
         while engine.has_unfinished():
             results.update((u.request_id, u.result.token_ids) for u in engine.step() if u.result is not None)

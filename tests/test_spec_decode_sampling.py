@@ -192,7 +192,8 @@ def run_engine(model_dir, speculative_config, async_scheduling: bool,
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_ngram_verify_steps_with_penalty_decode_rows_equal_plain_decode(qwen3_dir, async_scheduling: bool) -> None:
-    """Verify steps with penalty decode rows and speculating penalty chunks give plain decode's tokens."""
+    """Verify steps with penalty decode rows and speculating penalty chunks give plain decode's tokens. (The
+    scheduler sends no decode rows while speculating yet: the test turns them on to reach this path.)"""
     launches = []
     plain, _ = run_engine(qwen3_dir, None, async_scheduling, [])
     spec, accepted = run_engine(qwen3_dir, NGRAM, async_scheduling, launches)

@@ -198,8 +198,9 @@ def decode_wait_tokens(req: Request, max_model_len: int) -> int:
 
 
 class UnusedDecodeTable:
-    """The table of a scheduler that takes no decode rows (speculative decoding verifies every request as a
-    chunk): the scheduler's and the engine's writes keep nothing."""
+    """The table of a scheduler that takes no decode rows (speculative decoding, n-gram or MTP, verifies every
+    request as a chunk; an executor without `takes_decode_rows`): the scheduler's and the engine's writes keep
+    nothing."""
 
     def admit(self, req: Request, row: int) -> None:
         """Nothing kept."""

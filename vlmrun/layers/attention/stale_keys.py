@@ -11,8 +11,8 @@ probability (0 x NaN is NaN). Two kinds of hidden positions can hold another req
 
 So, once per step, the backends point every page past a sequence's last at its own first page (finite
 values of its own, hidden by the mask: `own_pages` over `own_lens`, or the cpu backend's page-table
-columns; in the torch backend a padded verify step's last page is that of its real tokens, not of its
-padding: the cpu backend's decode groups do not do that yet, tests/test_cpu_stale_tails.py), and both
+columns; a padded verify step's last page is that of its real tokens, not of its padding, on both:
+`own_lens`, the cpu backend's `page_lens`; tests/test_cpu_stale_tails.py), and both
 keep the tails clear in the pool itself, one way: a step that writes a sequence's first token in a page
 (its first write there: pages are filled in position order, and the prefix cache shares full pages only,
 so a write into a page a sequence did not fill from its start never happens) zeroes the rest of that page
