@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vlmrun.layers.norm import RMSNorm
-from vlmrun.layers.rotary import MRotaryEmbedding, apply_rotary
+from vlmrun.layers.rotary import MRotaryEmbedding, apply_rotary, prepared_tables
 from vlmrun.models.blocks.text_decoder import DenseAttention
 
 
@@ -71,7 +71,7 @@ def test_dense_attention_norms_and_rotates_q_and_k_as_one_at_a_time(heads, kv_he
     half = head_dim // 2
     rotary = MRotaryEmbedding(head_dim, 1e6, [half // 4, half // 4, half - half // 2], interleaved=True)
     for n in (1, 9, 256):
-        cos, sin = rotary(torch.randint(0, 5000, (3, n), generator=gen))
+        cos, sin = prepared_tables(*rotary(torch.randint(0, 5000, (3, n), generator=gen)))  # as the text model's forward
         x = torch.randn(n, 64, generator=gen).to(dtype)
         with torch.inference_mode():
             attn(x, cos, sin, None)

@@ -117,7 +117,7 @@ def test_apply_rotary_equals_hf_rotate_half(dtype):
     """The rolled one-addcmul form equals HF's `q * cos + rotate_half(q) * sin` (in float32, then cast)."""
     from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-    from vlmrun.layers.rotary import RotaryEmbedding, apply_rotary
+    from vlmrun.layers.rotary import RotaryEmbedding, apply_rotary, prepared_tables
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(37, 4, 64, generator=gen).to(dtype)
@@ -125,4 +125,4 @@ def test_apply_rotary_equals_hf_rotate_half(dtype):
     xf = x.float()
     expected = (xf * cos[:, None] + rotate_half(xf) * sin[:, None]).to(dtype)
     tol = 1e-6 if dtype == torch.float32 else 1e-2
-    torch.testing.assert_close(apply_rotary(x, cos, sin), expected, atol=tol, rtol=tol)
+    torch.testing.assert_close(apply_rotary(x, *prepared_tables(cos, sin)), expected, atol=tol, rtol=tol)

@@ -31,6 +31,7 @@ from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
+from vlmrun.layers.rotary import prepared_tables
 from vlmrun.layers.attention.hybrid_backend import full_attention
 from vlmrun.loader import iter_lazy_weights
 from vlmrun.models.base import Model
@@ -76,7 +77,7 @@ class MTPDrafter:
         embeds = self.text.embed_tokens(next_ids)  # [T, h]
         if fb.mm_mask is not None:  # the next row's spliced image embedding, inside a chunk
             embeds = self._image_rows_shifted(embeds, fb, chunk_ends)
-        cos, sin = self.text.rotary_emb(fb.positions)
+        cos, sin = prepared_tables(*self.text.rotary_emb(fb.positions))
         return self.mtp(embeds, hidden, cos, sin, fb)
 
     def _image_rows_shifted(self, embeds: torch.Tensor, fb: ForwardBatch, chunk_ends: Sequence[int]) -> torch.Tensor:
@@ -106,7 +107,7 @@ class MTPDrafter:
             active = [i for i, c in enumerate(chunks) if c.num_drafts > j]
             fb = self._step_batch([chunks[i] for i in active], j - 1, backend, device)
             at = upload(torch.tensor(active, dtype=torch.int64), device)
-            cos, sin = self.text.rotary_emb(fb.positions)
+            cos, sin = prepared_tables(*self.text.rotary_emb(fb.positions))
             out = self.mtp(self.text.embed_tokens(drafts[at, j - 1]), output[at], cos, sin, fb)  # [len(active), h]
             output[at] = out
             drafts[at, j] = self.model.compute_logits(out).argmax(dim=-1)

@@ -100,16 +100,13 @@ class MRotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, head_dim] tables, or a step's
-    `prepared_tables` ([num_tokens, 1, head_dim] each, sin with rotate_half's sign: made once a step for
-    every layer). Computed in float32.
+    """x: [num_tokens, num_heads, head_dim]; cos, sin: the forward's `prepared_tables` ([num_tokens, 1,
+    head_dim] each, sin with rotate_half's sign: made once for every layer). Computed in float32.
 
     x * cos + rotate_half(x) * sin, where rotate_half(x) = (-x2, x1): written as x rolled by half a
     head, times sin with rotate_half's sign moved onto the (num_heads times smaller) table, in one
     addcmul; three passes over x instead of six (memory-bound on the CPU).
     """
-    if cos.dim() == 2:
-        cos, sin = prepared_tables(cos, sin)
     half = x.shape[-1] // 2
     xf = x if x.dtype == torch.float32 else x.float()
     out = torch.addcmul(xf * cos, xf.roll(half, dims=-1), sin)

@@ -26,7 +26,7 @@ from vlmrun.host_to_device import upload
 from vlmrun.layers.linear import ReplicatedLinear
 from vlmrun.layers.mlp import SwiGLUMLP
 from vlmrun.layers.norm import RMSNorm
-from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters
+from vlmrun.layers.rotary import MRotaryEmbedding, default_rope_parameters, prepared_tables
 from vlmrun.models.base import Model, vl_checkpoint_name
 from vlmrun.models.blocks.text_decoder import DenseTextModel, text_head_dim
 from vlmrun.models.blocks.vision_common import (
@@ -158,7 +158,7 @@ class Qwen2_5_VisionTower(nn.Module):
         token_order = upload(layout.token_order, device)
         x = self.patch_embed(pixel_values)[token_order]  # [N, dim], window order
         pos_hw = vision_rope_positions(grids, self.merge)[layout.token_order]  # [N, 2], window order (host)
-        cos, sin = self.rotary_pos_emb(upload(pos_hw, device))  # [N, head_dim] each
+        cos, sin = prepared_tables(*self.rotary_pos_emb(upload(pos_hw, device)))  # [N, 1, head_dim] each, every block
         windows, frames = plan_segments(layout.window_lens, device), frame_segments(grids, device)
         for i, block in enumerate(self.blocks):
             x = block(x, frames if i in self.fullatt_blocks else windows, cos, sin)

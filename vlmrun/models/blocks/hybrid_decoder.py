@@ -28,7 +28,7 @@ from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention import Attention, GDNAttention
 from vlmrun.layers.linear import (ColumnParallelLinear, RowParallelLinear, ShardedRows, VocabParallelEmbedding,
                                   check_shape, copy_rows)
-from vlmrun.layers.rotary import apply_rotary, rope_parameters
+from vlmrun.layers.rotary import apply_rotary, prepared_tables, rope_parameters
 from vlmrun.models.blocks.text_decoder import MakeMLP, qkv_parallel_linear, text_head_dim
 from vlmrun.parallel import SINGLE, TensorParallel
 
@@ -70,7 +70,7 @@ class GatedRMSNorm(nn.Module):
 def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first cos.shape[-1] dims of each head; the rest pass through.
 
-    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, rotary_dim].
+    x: [num_tokens, num_heads, head_dim]; cos, sin: [num_tokens, 1, rotary_dim] (`rotary.prepared_tables`).
     """
     rotary_dim = cos.shape[-1]
     if rotary_dim == x.shape[-1]:
@@ -230,7 +230,7 @@ class HybridTextModel(nn.Module):
         h = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if fb.mm_embeds is not None:  # masked_scatter: no device->host sync on the mask
             h = h.masked_scatter(fb.mm_mask[:, None], fb.mm_embeds.to(h.dtype))
-        cos, sin = self.rotary_emb(positions)  # [num_tokens, rotary_dim] each
+        cos, sin = prepared_tables(*self.rotary_emb(positions))  # [num_tokens, 1, rotary_dim] each, every layer
         for layer in self.layers:
             h = layer(h, cos, sin, fb)
         return self.norm(h)

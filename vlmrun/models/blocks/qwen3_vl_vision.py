@@ -16,7 +16,7 @@ from torch import nn
 from vlmrun.host_to_device import upload
 from vlmrun.layers.activation import get_act_fn
 from vlmrun.layers.linear import ReplicatedLinear
-from vlmrun.layers.rotary import rope_parameters
+from vlmrun.layers.rotary import prepared_tables, rope_parameters
 from vlmrun.models.blocks.vision_common import (
     GridTHW,
     Segments,
@@ -124,7 +124,7 @@ class Qwen3VLVisionModel(nn.Module):
         merge = self.spatial_merge_size
         x = self.patch_embed(pixel_values)  # [num_patches, hidden]
         x = x + interpolate_pos_embed(self.pos_embed.weight, grids, merge).to(x.dtype)
-        cos, sin = self.rotary_pos_emb(vision_rope_positions(grids, merge, device))  # [num_patches, head_dim]
+        cos, sin = prepared_tables(*self.rotary_pos_emb(vision_rope_positions(grids, merge, device)))  # [patches, 1, head_dim]
         segments = frame_segments(grids, device)
         deepstack = []
         for i, block in enumerate(self.blocks):
