@@ -31,6 +31,7 @@ from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
 from vlmrun.layers.attention.base import AttentionBackend
+from vlmrun.layers.argmax import last_dim_argmax
 from vlmrun.layers.rotary import prepared_tables
 from vlmrun.layers.attention.hybrid_backend import full_attention
 from vlmrun.loader import iter_lazy_weights
@@ -102,7 +103,7 @@ class MTPDrafter:
         output = self.last_output[rows]  # [n, h]
         width = max(c.num_drafts for c in chunks)
         drafts = torch.zeros(len(chunks), width, dtype=torch.int64, device=device)
-        drafts[:, 0] = self.model.compute_logits(output).argmax(dim=-1)
+        drafts[:, 0] = last_dim_argmax(self.model.compute_logits(output))
         for j in range(1, width):  # drafts[:, j]: the layer at fed token j - 1, whose next token is drafts[:, j - 1]
             active = [i for i, c in enumerate(chunks) if c.num_drafts > j]
             fb = self._step_batch([chunks[i] for i in active], j - 1, backend, device)
@@ -110,7 +111,7 @@ class MTPDrafter:
             cos, sin = prepared_tables(*self.text.rotary_emb(fb.positions))
             out = self.mtp(self.text.embed_tokens(drafts[at, j - 1]), output[at], cos, sin, fb)  # [len(active), h]
             output[at] = out
-            drafts[at, j] = self.model.compute_logits(out).argmax(dim=-1)
+            drafts[at, j] = last_dim_argmax(self.model.compute_logits(out))
         return drafts
 
     @staticmethod
