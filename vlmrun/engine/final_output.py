@@ -4,8 +4,8 @@ The batch consumers (`LLM.generate` / `chat` / `embed`, the caption and embeddin
 through `vlmrun/feed/pipeline.py`) read a request's `RequestResult` and nothing of its steps. Such a
 request's tokens need per step only the token-level finish rules (`check_stop`: a stop token id or EOS
 after `min_tokens` outputs, the length limits); its text is decoded once, when it finishes, with
-`IncrementalDetokenizer.extend_and_flush` (`extend` after a finish the stream would not have flushed), which
-give the text the per-token stream would have given.
+`incremental_detokenizer.finished_text` (one decode of the output where that provably is the text), which gives
+the text the per-token stream would have given.
 
 `FinalOutput` keeps those rules in plain fields (`min_tokens`, `stop_ids`, `length_cap`) that the output
 processor's per-row loop tests inline; only a token that passes the quick test calls `finish_reason`.
@@ -19,15 +19,14 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Union
 
 from vlmrun.engine.detokenizer import FINISH_STOP, FinishRules, OutputTextStream, StopDecision, check_stop
-from vlmrun.engine.incremental_detokenizer import (CONTEXT_TOKENS, IncrementalDetokenizer, byte_level_backend,
-                                                    text_after, whole_character_context)
+from vlmrun.engine.incremental_detokenizer import CONTEXT_TOKENS, finished_text
 from vlmrun.sampling_params import SamplingParams
 
 
 class FinalOutput:
     """The finish rules and the final text of one request that does not stream (module docstring)."""
 
-    __slots__ = ("tokenizer", "params", "eos_token_ids", "max_model_len", "num_prompt_tokens", "context", "backend",
+    __slots__ = ("tokenizer", "params", "eos_token_ids", "max_model_len", "num_prompt_tokens", "context",
                  "text_stream", "decision", "min_tokens", "stop_ids", "length_cap")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -37,11 +36,7 @@ class FinalOutput:
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.num_prompt_tokens = len(prompt_token_ids)
-        # the byte-level `tokenizers` backend whose one decode gives the final text (`text_after`), or None
-        self.backend = byte_level_backend(tokenizer, params.spaces_between_special_tokens)
         self.context = list(prompt_token_ids[-CONTEXT_TOKENS:])  # what the detokenizer decodes ahead of the output
-        if self.backend is not None:  # (as the detokenizer trims it: its text ends on a whole character)
-            self.context = whole_character_context(self.backend, self.context, params.skip_special_tokens)
         self.decision: Optional[StopDecision] = None  # the token-level rule that ended the request
         # stop strings: the text of every token, through the streamed path's own object
         self.text_stream = (OutputTextStream(tokenizer, prompt_token_ids, params, eos_token_ids, max_model_len)
@@ -74,14 +69,6 @@ class FinalOutput:
         ids = output_token_ids
         if decision is not None and decision.finish_reason == FINISH_STOP and not params.include_stop_str_in_output:
             ids = ids[:-1]
-        if decision is not None and ids and self.backend is not None:  # extend_and_flush's one decode, directly
-            text = text_after(self.backend, self.context, list(ids), params.skip_special_tokens)
-            if text is not None:
-                return text, decision.stop_reason
-        detokenizer = IncrementalDetokenizer(self.tokenizer, self.context, params.skip_special_tokens,
-                                             params.spaces_between_special_tokens)
-        if decision is not None:
-            detokenizer.extend_and_flush(ids)
-        else:
-            detokenizer.extend(ids)
-        return detokenizer.text, None if decision is None else decision.stop_reason
+        text = finished_text(self.tokenizer, self.context, list(ids), params.skip_special_tokens,
+                             params.spaces_between_special_tokens, flush=decision is not None)
+        return text, None if decision is None else decision.stop_reason

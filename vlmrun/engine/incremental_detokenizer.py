@@ -6,23 +6,20 @@ tokenizer `tokenizers.decoders.DecodeStream` does it in Rust. While the window's
 multi-byte character split across tokens) it emits nothing and waits for the rest of the bytes; `flush()`
 gives up and emits what is held (used when the request ends). The deltas concatenate to
 `tokenizer.decode(output_ids, skip_special_tokens=...)` for byte-level BPE tokenizers.
-`extend(token_ids)` appends many tokens with the same text as `append` one at a time: in one
-`DecodeStream.step` call (a list of ids) where that provably gives the same text, else token by token;
-`extend_and_flush(token_ids)` (a finished request's text) in one `decode` where that provably gives what
-`extend` and then `flush` give. `detokenizer.py` strings it together with the stop rules per request.
+`extend(token_ids)` appends many tokens with the same text as `append` one at a time, and
+`extend_and_flush(token_ids)` (a finished request's text) the text `extend` and then `flush` give: both in
+one decode of the output (`text_after`) where that provably gives the same text, else token by token. `detokenizer.py` strings it together with the stop rules per request.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from tokenizers import Tokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5  # prompt tokens decoded ahead of the output, so the first word decodes right
-
-
 
 
 class IncrementalDetokenizer:
@@ -47,7 +44,7 @@ class IncrementalDetokenizer:
         self._backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
         context = list(prompt_token_ids[-CONTEXT_TOKENS:]) if prompt_token_ids else []
         if self._backend is not None:
-            context = whole_character_context(self._backend, context, skip_special_tokens)
+            context, _ = whole_character_context(self._backend, context, skip_special_tokens)
         self._tokens: list[int] = context
         self._prefix_offset = 0
         self._read_offset = len(context)
@@ -56,8 +53,8 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []  # the deltas; joined on demand (appending to one str is quadratic)
         self._stream = (None if self._backend is None
                         else DecodeStream(ids=context, skip_special_tokens=skip_special_tokens))
-        # a byte-level decoder's text is the UTF-8 (lossy) of its tokens' bytes, joined: `extend` relies on it
-        self._byte_level = self._backend is not None and isinstance(self._backend.decoder, ByteLevel)
+        # a byte-level decoder's text is the UTF-8 (lossy) of its tokens' bytes, joined: `text_after` relies on it
+        self._byte_level = _is_byte_level(self._backend)
 
     @property
     def text(self) -> str:
@@ -131,67 +128,48 @@ class IncrementalDetokenizer:
             self._prefix_offset, self._read_offset, self._prefix_text = prefix, read, None
         return done
 
-    def _extend_at_once(self, token_ids: Sequence[int]) -> bool:
-        """One `DecodeStream.step(tokenizer, ids)` over the whole list, kept only when it gives what the
-        per-token steps give: with a byte-level decoder the text of a run of tokens is the lossy UTF-8 of
-        their bytes, joined. When the emitted window's text (the context) and the new text have no U+FFFD,
-        those bytes are valid UTF-8 from the window's start, every point where a per-token step emits is a
-        character boundary, and the per-token deltas are the substrings between them: they join to the
-        one step's text. Otherwise (U+FFFD, a held-back tail, no new text, an error) nothing is changed and
-        the caller steps token by token. Tried on a stream of its own, so a refusal leaves this one as it was."""
-        if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
-            return False
-        window = self._tokens[self._prefix_offset:self._read_offset]
-        if REPLACEMENT_CHAR in self._backend.decode(window, skip_special_tokens=self.skip_special_tokens):
-            return False
-        stream = DecodeStream(ids=window, skip_special_tokens=self.skip_special_tokens)
-        try:
-            piece = stream.step(self._backend, token_ids)
-        except Exception:  # noqa: BLE001 - token by token instead (with append's fallback)
-            return False
-        if piece is None or REPLACEMENT_CHAR in piece:
-            return False
-        self._tokens.extend(token_ids)
-        self._stream = stream
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._tokens)
-        self._prefix_text = None
-        self._pieces.append(piece)
-        return True
+    def _extend_at_once(self, token_ids: list[int]) -> bool:
+        """`extend` in one decode (`_at_once`) when the new text is whole: no U+FFFD in it, so the per-token
+        stream would have emitted all of it, ending at the last token (nothing held back); refused otherwise,
+        and when it adds no text (skipped special tokens stay pending in the per-token way)."""
+        return self._at_once(token_ids, lambda added: bool(added) and REPLACEMENT_CHAR not in added)
 
     def extend_and_flush(self, token_ids: Sequence[int]) -> None:
         """`extend(token_ids)`, then `flush()`: the text of a request that ends with these tokens. With a
         byte-level decoder whose emitted window ends on a whole character (a fresh one's context always does:
-        `whole_character_context`), one decode of the output (two `decode` calls: `_flush_at_once`), U+FFFD
+        `whole_character_context`), one decode of the output (two `decode` calls: `_at_once`), U+FFFD
         in it or not; otherwise extend, then flush."""
         token_ids = list(map(int, token_ids))
-        if not self._flush_at_once(token_ids):
+        if not self._at_once(token_ids, lambda added: True):
             self.extend(token_ids)
             self.flush()
 
-    def _flush_at_once(self, token_ids: list[int]) -> bool:
-        """The text `append` per token and then `flush` give, from one decode of the window and `token_ids`.
+    def _at_once(self, token_ids: list[int], takes: Callable[[str], bool]) -> bool:
+        """The text `append` per token gives (and `flush` after it), from one decode of the window and
+        `token_ids` (`text_after`), when `takes(added text)`.
 
         Why it is the same: a byte-level decoder's text of a run of tokens is the lossy UTF-8 of their bytes,
         joined, and lossy UTF-8 decoding can be cut after a whole character: decode(a + b) = decode(a) +
         decode(b) when decode(a) ends in a character other than U+FFFD (every byte of `a` was taken into
-        it; the decoder starts `b` afresh). The emitted window ends so (checked here). A per-token step emits
-        only when its window's text does not end in U+FFFD, so each point where it emits is such a cut too,
-        its window text always extends its prefix (the stream never raises), and `flush` emits the text
-        from the last such point to the end. The deltas therefore join to decode(window + ids) minus
-        decode(window). Refused (False, nothing changed): no ids, not byte-level, no stream, held-back
-        tokens, a window ending in U+FFFD, a decode that raises."""
+        it; the decoder starts `b` afresh). The emitted window ends so (`text_after` checks it). A per-token
+        step emits only when its window's text does not end in U+FFFD, so each point where it emits is such
+        a cut too, its window text always extends its prefix (the stream never raises), and `flush` emits the
+        text from the last such point to the end: the deltas join to decode(window + ids) minus
+        decode(window); without the flush, the same when that text has no U+FFFD (the last token emitted).
+        Refused (False, nothing changed): no ids, not byte-level, no stream, held-back tokens, a window ending
+        in U+FFFD, a decode that raises, `takes` false. After it the stream starts over after the tokens, as
+        `flush` leaves it (the window ends on a whole character: the same text from there on)."""
         if not token_ids or not self._byte_level or self._stream is None or self.num_pending_tokens:
             return False
         window, skip = self._tokens[self._prefix_offset:self._read_offset], self.skip_special_tokens
         added = text_after(self._backend, window, token_ids, skip)
-        if added is None:
+        if added is None or not takes(added):
             return False
         self._tokens.extend(token_ids)
         if added:
             self._pieces.append(added)
         self._slide()
-        self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=skip)  # as flush leaves it
+        self._stream = DecodeStream(ids=self._tokens[-CONTEXT_TOKENS:], skip_special_tokens=skip)
         return True
 
     def flush(self) -> str:
@@ -230,13 +208,34 @@ class IncrementalDetokenizer:
                                      **options)  # the option only when asked: HF's default is True
 
 
-def text_after(backend: Tokenizer, window: list[int], token_ids: list[int], skip_special_tokens: bool) -> Optional[str]:
-    """decode(window + token_ids) minus decode(window), in two `decode` calls of a byte-level `backend`, when
-    the window's text ends on a whole character (not in U+FFFD): then it is the text per-token `append`
-    and `flush` give after that window (`IncrementalDetokenizer._flush_at_once` says why). None otherwise,
-    or when a decode raises."""
+def finished_text(tokenizer: Any, context: list[int], token_ids: list[int], skip_special_tokens: bool = True,
+                  spaces_between_special_tokens: bool = True, flush: bool = True) -> str:
+    """The text an `IncrementalDetokenizer` over `context` (a prompt's last tokens) gives for `token_ids`, then
+    `flush` (`flush` False: `extend` alone): a finished request's text. With a byte-level backend and a flush,
+    `text_after` over the trimmed context directly (what `extend_and_flush` does, without building the
+    detokenizer and its streams); else, or when that is refused, through the detokenizer."""
+    backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
+    if flush and token_ids and _is_byte_level(backend):
+        context, context_text = whole_character_context(backend, context, skip_special_tokens)
+        added = text_after(backend, context, token_ids, skip_special_tokens, context_text)
+        if added is not None:
+            return added
+    detokenizer = IncrementalDetokenizer(tokenizer, context, skip_special_tokens, spaces_between_special_tokens)
+    if flush:
+        detokenizer.extend_and_flush(token_ids)
+    else:
+        detokenizer.extend(token_ids)
+    return detokenizer.text
+
+
+def text_after(backend: Tokenizer, window: list[int], token_ids: list[int], skip_special_tokens: bool,
+               window_text: Optional[str] = None) -> Optional[str]:
+    """decode(window + token_ids) minus decode(window), in two `decode` calls of a byte-level `backend` (one when
+    `window_text`, the window's decode, is given), when the window's text ends on a whole character (not in
+    U+FFFD): then it is the text per-token `append` and `flush` give after that window
+    (`IncrementalDetokenizer._at_once` says why). None otherwise, or when a decode raises."""
     try:
-        prefix = backend.decode(window, skip_special_tokens=skip_special_tokens)
+        prefix = backend.decode(window, skip_special_tokens=skip_special_tokens) if window_text is None else window_text
         if prefix.endswith(REPLACEMENT_CHAR):  # (refused before the longer decode)
             return None
         full = backend.decode(window + token_ids, skip_special_tokens=skip_special_tokens)
@@ -245,21 +244,21 @@ def text_after(backend: Tokenizer, window: list[int], token_ids: list[int], skip
     return full[len(prefix):] if full.startswith(prefix) else None
 
 
-def whole_character_context(backend: Tokenizer, context: list[int], skip_special_tokens: bool) -> list[int]:
-    """`context` (a prompt's last tokens) less the trailing tokens whose text ends inside a character (in U+FFFD):
-    the output's text then starts on a whole character, as the output ids decoded alone (HF's text) do. A stream
-    primed with a context ending in U+FFFD does not keep that text as its prefix: its first piece would carry
-    the prompt's own text."""
-    while context and backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(REPLACEMENT_CHAR):
+def whole_character_context(backend: Tokenizer, context: list[int], skip_special_tokens: bool) -> tuple[list[int], str]:
+    """`context` (a prompt's last tokens) less the trailing tokens whose text ends inside a character (in U+FFFD),
+    and its text: the output's text then starts on a whole character, as the output ids decoded alone (HF's text)
+    do. A stream primed with a context ending in U+FFFD does not keep that text as its prefix: its first piece
+    would carry the prompt's own text."""
+    text = backend.decode(context, skip_special_tokens=skip_special_tokens)
+    while context and text.endswith(REPLACEMENT_CHAR):
         context = context[:-1]
-    return context
+        text = backend.decode(context, skip_special_tokens=skip_special_tokens)
+    return context, text
 
 
-def byte_level_backend(tokenizer: Any, spaces_between_special_tokens: bool = True) -> Optional[Tokenizer]:
-    """The `tokenizers.Tokenizer` an `IncrementalDetokenizer` over `tokenizer` streams with when its decoder is
-    byte-level (where `text_after` applies), or None."""
-    backend = _stream_backend(tokenizer) if spaces_between_special_tokens else None
-    return backend if backend is not None and isinstance(backend.decoder, ByteLevel) else None
+def _is_byte_level(backend: Optional[Tokenizer]) -> bool:
+    """Whether `backend`'s decoder is byte-level (where `text_after` applies)."""
+    return backend is not None and isinstance(backend.decoder, ByteLevel)
 
 
 def _stream_backend(tokenizer: Any) -> Optional[Tokenizer]:
