@@ -30,10 +30,10 @@ import torch
 from vlmrun.config import CacheShape, EngineConfig, ModelConfig
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.host_to_device import upload
-from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.argmax import last_dim_argmax
-from vlmrun.layers.rotary import prepared_tables
+from vlmrun.layers.attention.base import AttentionBackend
 from vlmrun.layers.attention.hybrid_backend import full_attention
+from vlmrun.layers.rotary import prepared_tables
 from vlmrun.loader import iter_lazy_weights
 from vlmrun.models.base import Model
 from vlmrun.models.blocks.hybrid_decoder import HybridTextModel

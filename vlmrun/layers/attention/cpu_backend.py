@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
-from vlmrun.layers.attention.stale_keys import step_fresh_tails
+from vlmrun.layers.attention.stale_keys import real_lens, step_fresh_tails
 from vlmrun.host_to_device import upload
 
 
@@ -122,10 +122,8 @@ class CpuAttnBackend(AttentionBackend):
             else:
                 prefill_idx.append(i)
         whole_step = not prefill_idx and len(by_width) == 1
-        page_lens = all_lens  # [batch] positions whose page-table entries are the sequence's own
-        if fb.real_fed_lens_cpu is not None:  # a padded verify step: the padding writes the dummy page, its
-            # positions past the real tokens have no entry of their own (stale: another request's pages)
-            page_lens = np.add(fb.extend_prefix_lens_cpu, fb.real_fed_lens_cpu, dtype=np.int64)
+        real = real_lens(fb)  # a padded verify step's real lengths: page-table entries past them are stale
+        page_lens = all_lens if real is None else real  # [batch] positions whose entries are the sequence's own
         decodes = [self._decode_group(fb, None if whole_step else idx, width, all_lens[idx],
                                       None if whole_step else starts, page_lens[idx]) for width, idx in by_width.items()]
         rows = fb.req_pool_indices.tolist() if prefill_idx else []  # host values (this backend is the CPU's)

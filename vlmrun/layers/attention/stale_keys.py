@@ -32,14 +32,13 @@ stale entries that point at a running request's pages.
 
 from __future__ import annotations
 
-from operator import add
 from typing import Optional
 
 import numpy as np
 import torch
 
 from vlmrun.forward_batch import ForwardBatch
-from vlmrun.host_to_device import int64_tensor, upload
+from vlmrun.host_to_device import upload
 
 
 def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -49,15 +48,20 @@ def own_pages(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) 
     return torch.where(starts[None, :] < seq_lens.view(-1, 1), page_table, page_table[:, :1])
 
 
-def own_lens(fb: ForwardBatch) -> torch.Tensor:
-    """[batch] the lengths `own_pages` takes: `fb.seq_lens`, but for a padded verify step (`fb.real_fed_lens_cpu`)
-    each row's real length (prefix + real tokens; a padding row's 0, its dummy row's first page then): the
-    positions past it that the row's padding holds write the dummy page, so the page-table entries there
-    are stale (another request's pages)."""
+def real_lens(fb: ForwardBatch) -> Optional[np.ndarray]:
+    """[batch] int64 (host) each row's real length in a padded verify step (`fb.real_fed_lens_cpu`): its prefix
+    and real tokens (a padding row's: its prefix, 0 tokens). The positions past it that the row's padding holds
+    write the dummy page, so the page-table entries there are stale (another request's pages). None: a step
+    that is not padded, whose lengths are its own."""
     if fb.real_fed_lens_cpu is None:
-        return fb.seq_lens
-    real = list(map(add, fb.extend_prefix_lens_cpu, fb.real_fed_lens_cpu))  # [batch] host ints
-    return upload(int64_tensor(real), fb.seq_lens.device)
+        return None
+    return np.add(fb.extend_prefix_lens_cpu, fb.real_fed_lens_cpu, dtype=np.int64)
+
+
+def own_lens(fb: ForwardBatch) -> torch.Tensor:
+    """[batch] the lengths `own_pages` takes: `fb.seq_lens`, or a padded verify step's `real_lens`."""
+    real = real_lens(fb)
+    return fb.seq_lens if real is None else upload(torch.from_numpy(real), fb.seq_lens.device)
 
 
 def step_fresh_tails(fb: ForwardBatch, page_size: int, seq_lens: Optional[np.ndarray] = None) -> Optional[torch.Tensor]:
@@ -73,7 +77,7 @@ def step_fresh_tails(fb: ForwardBatch, page_size: int, seq_lens: Optional[np.nda
         return fresh_tail_slots(lens, extend, page_size, fb.out_cache_loc)
     real = np.asarray(fb.real_fed_lens_cpu, dtype=np.int64)  # [batch] (0: a padding row)
     row_starts = np.cumsum(extend) - extend  # [batch] each row's first token row in the padded stream
-    return fresh_tail_slots(lens - extend + real, real, page_size, fb.out_cache_loc, row_starts)
+    return fresh_tail_slots(real_lens(fb), real, page_size, fb.out_cache_loc, row_starts)
 
 
 def fresh_tail_slots(seq_lens: np.ndarray, extend_lens: Optional[np.ndarray], page_size: int,
