@@ -30,6 +30,7 @@ many repeats vlmrun was faster (`--batches 256 --repeats 30`: the steadiest comp
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 1 64 256 --max-tokens 48
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 256 --repeats 1 --sides vlmrun --profile 256
     OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 256 --sides vlmrun --stream  # streamed requests
+    OMP_NUM_THREADS=1 python -m bench.bench_host_overhead --batches 1 --repeats 5 --sides vlmrun --final-texts 256
 
 `--clock cpu` times with this process's CPU time instead of the wall clock: on a machine other work
 loads, the figures move less (the quiet machine's wall clock stays the one to report).
@@ -120,6 +121,43 @@ def run_hf(model, tokenizer, batch: int, max_tokens: int, clock: Callable[[], fl
     return (timed(max_tokens) - timed(1)) / (max_tokens - 1) * 1e3
 
 
+def final_texts(tokenizer, batch: int, max_tokens: int, repeats: int) -> str:
+    """A finished final-only request's text (`FinalOutput.final_text`, what a finishing row costs the step that
+    ends it) against HF's `batch_decode` of the same ids, µs per request, median of `repeats` passes: `batch`
+    prompts as the steps have them, outputs of `max_tokens` random ids (most texts hold U+FFFD), each finished
+    by its length; the texts checked equal to the streamed path's (`OutputTextStream`, token by token) first."""
+    from vlmrun.engine.detokenizer import OutputTextStream
+    from vlmrun.engine.final_output import FinalOutput
+
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    asks = [(p, [rng.randrange(0, 500) for _ in range(max_tokens)]) for p in prompts(batch)]
+
+    def finished(prompt: list[int], ids: list[int]) -> FinalOutput:
+        final = FinalOutput(tokenizer, prompt, params, [], None)
+        final.finish_reason(ids)
+        return final
+
+    for prompt, ids in asks:
+        stream = OutputTextStream(tokenizer, prompt, params, [], None)
+        for token_id in ids:
+            stream.add_token(token_id)
+        if finished(prompt, ids).final_text(ids)[0] != stream.text:
+            raise RuntimeError(f"final_text differs from the streamed text for {ids}")
+    ours, hf = [], []
+    for _ in range(repeats):
+        finals = [finished(prompt, ids) for prompt, ids in asks]
+        start = time.perf_counter()
+        for final, (_, ids) in zip(finals, asks):
+            final.final_text(ids)
+        ours.append((time.perf_counter() - start) / batch * 1e6)
+        start = time.perf_counter()
+        tokenizer.batch_decode([ids for _, ids in asks], skip_special_tokens=True)
+        hf.append((time.perf_counter() - start) / batch * 1e6)
+    return (f"final texts, {batch} requests of {max_tokens} random tokens, µs a request (median of {repeats}): "
+            f"FinalOutput.final_text {statistics.median(ours):.1f}, HF batch_decode {statistics.median(hf):.1f}")
+
+
 def pair_ratios(times: dict[str, list[float]]) -> str:
     """With both sides and 4+ repeats: vlmrun's time over HF's in the same repeat (the two ran back to back, so
     a slow phase of the machine hits both), median and quartiles, and in how many repeats vlmrun was faster."""
@@ -142,6 +180,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stream", action="store_true",
                         help="add vlmrun's requests as streamed ones (each step's update and text delta), "
                              "not final-only")
+    parser.add_argument("--final-texts", type=int, default=None, metavar="B",
+                        help="also time B finished requests' texts against HF's batch_decode (µs a request)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time (time.process_time), steadier on a machine others load")
     args = parser.parse_args(argv)
@@ -151,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         model_dir = args.model_dir or Path(tmp) / "host-overhead-qwen3vl"
         if not (model_dir / "config.json").exists():
             build_checkpoint(model_dir)
-        engine = make_engine(model_dir, max(args.batches))
+        engine = make_engine(model_dir, max(*args.batches, 4))  # (the warm-up runs 4 requests at once)
         hf = None
         if "hf" in args.sides:
             from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -176,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
                 ms = statistics.median(times[side])
                 cells.append(f"{ms:>10.2f} {ms / batch * 1e3:>8.1f}")
             print(f"{batch:>6} " + " ".join(cells) + pair_ratios(times), flush=True)
+        if args.final_texts is not None:
+            from transformers import AutoTokenizer
+
+            print(final_texts(AutoTokenizer.from_pretrained(str(model_dir)), args.final_texts, args.max_tokens,
+                              args.repeats), flush=True)
         if args.profile is not None:
             profiler = cProfile.Profile()
             ms = run_vlmrun(engine, args.profile, args.max_tokens, profiler, stream=args.stream)
