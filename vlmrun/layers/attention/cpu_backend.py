@@ -99,6 +99,7 @@ class CpuAttnBackend(AttentionBackend):
     def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool):
         self.kv_pool = kv_pool
         self.req_to_token = req_to_token_pool.req_to_token
+        self.req_to_token_host = self.req_to_token.numpy()  # the same memory: the decode groups' page ids read it
         self.page_size = kv_pool.page_size
         self._bias_windows = np.zeros((1, 0), np.float32)  # `_bias_rows`' windows, `_bias_width` wide
         self._bias_width = 0
@@ -139,15 +140,13 @@ class CpuAttnBackend(AttentionBackend):
         verify step's real lengths: past them a row reads its first page again, as past its last page)."""
         page_size, device = self.page_size, fb.seq_lens.device
         max_seq = -(-int(lens.max()) // page_size) * page_size
-        req_rows = fb.req_pool_indices if idx is None else fb.req_pool_indices[upload(torch.tensor(idx), device)]
+        req_rows = fb.req_pool_indices.numpy()  # [batch] (host: this backend's tensors are the CPU's)
+        req_rows = req_rows if idx is None else req_rows[idx]  # [seqs]
         page_starts = np.arange(0, max_seq, page_size)  # [max_pages] first position of each page
         # [seqs, max_pages] the page-table column each page is read from: its own, or past the sequence's last
         # page its first
         columns = np.where(page_starts < (lens if page_lens is None else page_lens)[:, None], page_starts, 0)
-        table = self.req_to_token  # [rows, max_context_len]: read flat, one index_select (not a 2-D advanced index)
-        flat = req_rows[:, None] * table.shape[1] + upload(torch.from_numpy(columns), device)  # [seqs, max_pages]
-        slots = table.view(-1).index_select(0, flat.view(-1))  # [seqs * max_pages] (a fresh copy)
-        page_ids = slots.div_(page_size, rounding_mode="floor")  # [seqs * max_pages]
+        page_ids = self.req_to_token_host[req_rows[:, None], columns] // page_size  # [seqs, max_pages] (a copy)
         if width == 1:  # a plain decode sees its whole length (>= 1: it holds the token it feeds)
             sees = lens[:, None]  # [seqs, 1]
         else:  # position j sees the keys before prefix + j + 1 (the first fed position: at least 1)
@@ -156,7 +155,7 @@ class CpuAttnBackend(AttentionBackend):
         bias = upload(torch.from_numpy(bias), device).to(self.kv_pool.compute_dtype)
         token_rows = None if idx is None else upload(torch.tensor([starts[i] + j for i in idx for j in range(width)]),
                                                      device)
-        return DecodeGroup(width, token_rows, page_ids, bias)
+        return DecodeGroup(width, token_rows, upload(torch.from_numpy(page_ids.reshape(-1)), device), bias)
 
     def _bias_rows(self, max_seq: int) -> np.ndarray:
         """[max_seq + 1, max_seq] float32 view: row max_seq - n is 0 for the first n keys, -inf for the rest. The
