@@ -43,6 +43,7 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
     scheduler = engine.scheduler
     table, page_size = scheduler.decode_table, scheduler.page_size
     known = fast = 0
+    assert all(req.computed_in is None for req in scheduler.waiting)  # (a preempted one took its count back)
     if not scheduler.running:
         return 0, 0
     rows = table.rows_of(scheduler.running)
@@ -51,6 +52,8 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
         assert table.pages[row, :len(req.pages)].tolist() == req.pages
         assert table.room[row] == len(req.pages) * page_size
         assert table.sampling[row] is req.sampling_row and table.lora[row] is req.lora
+        if not table.stale:  # a known row's request reads its computed count from the table, no other does
+            assert (req.computed_in is table) == bool(table.known[row]), req.request_id
         if table.known[row] and not table.stale:  # (stale: forgotten before the table is read again)
             known += 1
             start = int(table.start[row])
@@ -116,6 +119,33 @@ def test_the_table_agrees_with_the_requests_and_rows_give_what_chunks_give(qwen3
         as_chunks, _ = random_run(qwen3_vl_dir, False, async_scheduling, seed, False, fast_from, policy)
         assert as_rows == as_chunks, seed
         assert seen["preemptions"] > 0 and seen["aborted"] and seen["fast"] > 40, (seed, seen)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_leaving_the_table_takes_its_computed_count_back(qwen3_vl_dir, async_scheduling):
+    """While its row is known the table keeps a request's computed count (`Request.computed_in`); a request
+    that finishes, is aborted or is preempted holds its own again, as the table last had it."""
+    engine = make_engine(qwen3_vl_dir, True, async_scheduling, kv_cache_memory_bytes=8 << 20)
+    for i, max_tokens in enumerate((6, 9, 12)):
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13]}),
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    requests = dict(engine.requests)
+    while not all(r.computed_in is engine.scheduler.decode_table for r in requests.values()):
+        engine.step()
+    aborted = requests["r2"]
+    engine.abort("r2")
+    assert aborted.computed_in is None and aborted.num_computed_tokens == aborted.num_tokens - 1
+    while engine.has_unfinished():
+        engine.step()
+    for req in (requests["r0"], requests["r1"]):
+        assert req.computed_in is None and req.num_computed_tokens == req.num_tokens - 1, req.request_id
+    preempted = make_engine(qwen3_vl_dir, True, async_scheduling)  # (the small pool: someone is preempted)
+    for i in range(6):
+        preempted.add_request(f"p{i}", preempted.process({"prompt_token_ids": [5 + i, 9, 13, 17, 21]}),
+                              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    while not preempted.stats().num_preemptions:
+        preempted.step()
+    assert all(r.computed_in is None and r.num_computed_tokens == 0 for r in preempted.scheduler.waiting)
 
 
 def test_page_opening_rows_take_their_pages_in_one_go(qwen3_vl_dir):

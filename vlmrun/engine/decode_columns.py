@@ -23,13 +23,17 @@ Writers, all in the scheduler's one thread: the scheduler (`admit` with a new ho
 when it takes pages, `open_pages`), `ScheduledDecodes` (`launched`, `collected`), and the engine's
 `_launch`, which `forget`s the request of every chunk it launches (a chunk moves its counters by other
 rules). Below `fast_from` running requests the scheduler picks rows by the rules alone and the table
-keeps nothing of them (`stale`: every row is forgotten before the table is read again). `Request`'s own
-fields stay the truth the rest of the engine reads; for a known row they agree with the table
-(tests/test_decode_table.py checks it after random runs).
+keeps nothing of them (`stale`: every row is forgotten before the table is read again). A known row's
+request reads its computed count from here (`Request.num_computed_tokens` through `computed_in`: the launch
+moves it for every row at once, no write per request); a request whose row is forgotten or handed over takes
+its count back first (`_let_go`). Its other fields stay the truth the rest of the engine reads; for a known row
+they agree with the table (tests/test_decode_table.py checks it after random runs).
 """
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import repeat
 from typing import Optional
 
 import numpy as np
@@ -62,6 +66,7 @@ class DecodeTable:
         self.launch = np.zeros(num_rows, dtype=np.int64)
         self.num_launches = 0
         self.sampling: list[Optional[SamplingRow]] = [None] * num_rows
+        self.holders: list[Optional[Request]] = [None] * num_rows  # the request holding each row
         self.lora: list[Optional[LoRARequest]] = [None] * num_rows
         self.num_changes = 0  # rows handed out or freed so far (the running rows' cache key)
         self.stale = False  # decode rows were launched without the table (a few, by the rules): nothing is known
@@ -74,15 +79,17 @@ class DecodeTable:
     def admit(self, req: Request, row: int) -> None:
         """`req` (its pages taken, a prefix hit's included) holds `row` from now."""
         self._hand_over(row)
+        self.holders[row] = req
         self.grow(row, 0, req.pages)
         self.wait_at[row] = req.decode_wait_tokens if req.plain_decode else 0
         self.sampling[row], self.lora[row] = req.sampling_row, req.lora
 
     def release(self, row: int) -> None:
         self._hand_over(row)
-        self.sampling[row] = self.lora[row] = None
+        self.sampling[row] = self.lora[row] = self.holders[row] = None
 
     def _hand_over(self, row: int) -> None:
+        self._let_go([row])
         self.known[row] = self.in_flight[row] = False
         self.limit[row] = 0
         self.num_changes += 1
@@ -107,6 +114,7 @@ class DecodeTable:
 
     def forget(self, rows: list[int]) -> None:
         """The rows' requests move on by other rules than a plain decode row's (chunks were launched)."""
+        self._let_go(rows)
         self.known[rows] = False
         self.limit[rows] = 0
 
@@ -122,6 +130,7 @@ class DecodeTable:
 
     def forget_all_if_stale(self) -> None:
         if self.stale:
+            self._let_go(np.flatnonzero(self.known).tolist())
             self.known[:] = False
             self.limit[:] = 0
             self.stale = False
@@ -164,9 +173,10 @@ class DecodeTable:
         page_size = self.page_size
         return self.pages[rows, positions // page_size].astype(np.int64) * page_size + positions % page_size
 
-    def launched(self, rows: np.ndarray, starts: np.ndarray, all_known: bool) -> int:
-        """Plain decode rows launched at `starts` (their requests' state as `known` says); the launch's number.
-        (`all_known`: every row was known already, its `limit` as it is.)"""
+    def launched(self, rows: np.ndarray, starts: np.ndarray, all_known: bool, requests: list[Request]) -> int:
+        """Plain decode rows launched at `starts`, of `requests` (their state as `known` says, their computed
+        count start + 1 kept here from now: `computed_tokens`); the launch's number. (`all_known`: every row
+        was known already, its `limit` as it is, its request's count kept here.)"""
         self.num_launches += 1
         self.in_flight[rows] = True
         self.start[rows] = starts
@@ -174,7 +184,20 @@ class DecodeTable:
         if not all_known:
             self.known[rows] = True
             self._limit(rows)
+            deque(map(setattr, requests, repeat("computed_in"), repeat(self)), maxlen=0)
         return self.num_launches
+
+    def computed_tokens(self, row: int) -> int:
+        """`Request.num_computed_tokens` of the request holding known `row`: its launched decode's start + 1."""
+        return int(self.start[row]) + 1
+
+    def _let_go(self, rows: list[int]) -> None:
+        """The requests of `rows` whose computed count is kept here take it back (before the rows are forgotten
+        or handed over)."""
+        for row in rows:
+            req = self.holders[row]
+            if req is not None and req.computed_in is self:
+                req.num_computed_tokens = self.computed_tokens(row)
 
     def collected(self, rows: np.ndarray, launch: int, token_ids: list[int]) -> None:
         """Launch number `launch` of `rows` was read: it sampled `token_ids` [n] (a row launched again since,

@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -19,6 +19,13 @@ from vlmrun.sampling_params import SamplingParams
 from vlmrun.spec_decode.metrics import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
+
+
+class ComputedTokens(Protocol):
+    """Where a request's computed count is kept while not on the request (`DecodeTable`: per page-table row)."""
+
+    def computed_tokens(self, row: int) -> int:
+        """The computed count of the request holding `row`."""
 
 
 class RequestStatus(Enum):
@@ -47,8 +54,13 @@ class Request:
     num_launched_steps: int = 0
     num_pending_tokens: int = 0
     num_launched_drafts: int = 0
-    num_computed_tokens: int = 0  # tokens scheduled so far: KV in the cache, or being computed by a launched
-    # step (async: an uncollected step's tokens; spec decode: its drafts, until rejected ones are taken back)
+    # `num_computed_tokens` (the property below) while no decode table keeps it: tokens scheduled so far, KV in
+    # the cache or being computed by a launched step (async: an uncollected step's tokens; spec decode: its
+    # drafts, until rejected ones are taken back)
+    own_computed_tokens: int = 0
+    # the scheduler's `DecodeTable` while it keeps this request's computed count (a known plain decode row: the
+    # count moves with the table's columns, no write per request per step); None: `own_computed_tokens`
+    computed_in: Optional[ComputedTokens] = field(default=None, repr=False)
     req_pool_idx: Optional[int] = None  # row in ReqToTokenPool while running
     pages: list[int] = field(default_factory=list)  # KV pages held (owned or shared via the prefix cache), in token order
     # Prefix cache: chained keys of the prompt's full pages (empty when caching is off), how many of
@@ -82,6 +94,16 @@ class Request:
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt.token_ids)  # read on every step: a plain attribute
+
+    @property
+    def num_computed_tokens(self) -> int:
+        table = self.computed_in
+        return self.own_computed_tokens if table is None else table.computed_tokens(self.req_pool_idx)
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, n: int) -> None:
+        """Set here, the count is the request's own again (a table that kept it keeps it no longer)."""
+        self.own_computed_tokens, self.computed_in = n, None
 
     @property
     def num_tokens(self) -> int:

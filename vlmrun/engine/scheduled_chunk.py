@@ -112,6 +112,7 @@ class ScheduledDecodes:
     launch: int = 0  # the table's number of their launch
     all_known: bool = False  # every row was `DecodeTable.fast`: collected as a decode row before (a first token time)
     overlapped: bool = True  # launched with async scheduling: the requests' launched counters count it
+    counted_by_table: bool = False  # launched through `table`, which keeps the rows' computed counts
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -179,13 +180,16 @@ class ScheduledDecodes:
 
     def mark_launched(self, overlapped: bool = True) -> None:
         """Each row's request is launched one token on (`Request.mark_launched(start + 1, True, 0)`, inline:
-        a decoding request was scheduled before), and the table knows it. Synchronous (`overlapped` False):
-        the step is collected before anything reads the requests again, so their launched and pending
-        counters, which would go +1 and back within the step, are left as they are, and their computed
-        count is written at collect (`mark_collected`), next to the output processor's append."""
+        a decoding request was scheduled before), and the table knows it: rows picked through the table have
+        their computed count kept there from now (`DecodeTable.launched`), no write per request. Synchronous
+        (`overlapped` False): the step is collected before anything reads the requests again, so their
+        launched and pending counters, which would go +1 and back within the step, are left as they are, and
+        the computed count of rows picked by the rules is written at collect (`mark_collected`)."""
         self.overlapped = overlapped
+        self.counted_by_table = self.table is not None and self.row_array is not None and bool(self.requests)
         if overlapped:
-            self._set_computed()
+            if not self.counted_by_table:
+                self._set_computed()
             for req in self.requests:
                 req.num_launched_steps += 1
                 req.num_pending_tokens += 1
@@ -194,7 +198,7 @@ class ScheduledDecodes:
         if self.row_array is None:  # (a few rows, picked by the rules: the table keeps nothing of them)
             self.table.stale = True
         else:
-            self.launch = self.table.launched(self.row_array, self.start_array, self.all_known)
+            self.launch = self.table.launched(self.row_array, self.start_array, self.all_known, self.requests)
 
     def mark_collected(self, now: float, token_ids: list[int]) -> None:
         """The host read the step, which sampled `token_ids` [n] (`Request.mark_collected(True, 0)`, inline;
@@ -204,7 +208,7 @@ class ScheduledDecodes:
             for req in requests:
                 req.num_launched_steps -= 1
                 req.num_pending_tokens -= 1
-        else:
+        elif not self.counted_by_table:
             self._set_computed()
         if not self.all_known and None in map(_FIRST_TOKEN_TIME, requests):
             for req in requests:
@@ -214,9 +218,11 @@ class ScheduledDecodes:
             self.table.collected(self.row_array, self.launch, token_ids)
 
     def _set_computed(self) -> None:
-        """Each row's `Request.num_computed_tokens` = its start + 1 (one `map`, no Python frame per row)."""
+        """Each row's `Request.num_computed_tokens` = its start + 1, its own (two `map`s, no Python frame per row:
+        the property's setter, inline)."""
         ends = [start + 1 for start in self.starts] if self.start_array is None else (self.start_array + 1).tolist()
-        deque(map(setattr, self.requests, repeat("num_computed_tokens"), ends), maxlen=0)
+        deque(map(setattr, self.requests, repeat("own_computed_tokens"), ends), maxlen=0)
+        deque(map(setattr, self.requests, repeat("computed_in"), repeat(None)), maxlen=0)
 
     def to_input(self) -> DecodeRows:
         """What the model runner needs of them: the columns, each row's sampling row and adapter (kept per

@@ -244,7 +244,9 @@ class Scheduler:
             if req.num_launched_steps and self.must_wait(req):
                 i += 1
                 continue
-            start, pending, outputs = req.num_computed_tokens, req.num_pending_tokens, req.output_token_ids
+            # (the count read without a call when it is the request's own, as for rows the table does not know)
+            start = req.own_computed_tokens if req.computed_in is None else req.num_computed_tokens
+            pending, outputs = req.num_pending_tokens, req.output_token_ids
             if not (req.plain_decode and start >= req.num_prompt_tokens  # (num_tokens - 1, inline: no call)
                     and start == req.num_prompt_tokens + len(outputs) + pending - 1
                     and (start < len(req.pages) * page_size or self._grow_or_preempt(req, start + 1))):
