@@ -148,6 +148,30 @@ def test_a_request_leaving_the_table_takes_its_computed_count_back(qwen3_vl_dir,
     assert all(r.computed_in is None and r.num_computed_tokens == 0 for r in preempted.scheduler.waiting)
 
 
+def test_steady_steps_hand_the_runner_the_same_sampling_rows_list(qwen3_vl_dir):
+    """While no row changes hands a decode step's sampling rows are the list the step before had (the runner's
+    sampling state then checks no row again); a finished request's row makes a new one."""
+    engine = make_engine(qwen3_vl_dir, True, False, kv_cache_memory_bytes=8 << 20)
+    for i, max_tokens in enumerate((5, 12, 12)):
+        engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13]}),
+                           SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    lists = []
+    original = engine.executor.launch
+
+    def launch(chunks, decodes=None):
+        if decodes is not None and not chunks:
+            lists.append((decodes.sampling, len(engine.scheduler.running)))
+        return original(chunks, decodes) if decodes is not None else original(chunks)
+
+    engine.executor.launch = launch  # (an observer: it calls through)
+    while engine.has_unfinished():
+        engine.step()
+    same = [a is b for (a, _), (b, _) in zip(lists, lists[1:])]
+    changed = [n != m for (_, n), (_, m) in zip(lists, lists[1:])]
+    assert sum(same) >= len(lists) - 4 and not any(s and c for s, c in zip(same, changed)), (same, changed)
+    assert [r.params.max_tokens for r in lists[-1][0]] == [12, 12]
+
+
 def test_page_opening_rows_take_their_pages_in_one_go(qwen3_vl_dir):
     """Rows whose next token opens a page at the same step take free pages in one allocation, in running
     order (the pages one at a time would give them), and the step keeps them as one run of rows."""

@@ -104,6 +104,31 @@ def test_gathered_batch_equals_build_over_steps(seed: int) -> None:
             row.output_token_ids.append(token)
 
 
+def test_a_rows_list_gathered_again_skips_the_per_row_check() -> None:
+    """The decode table hands a steady step the same list of sampling rows (`DecodeTable.columns_of`): gathered
+    again with the same page rows, what each row holds is not checked again (`_admit` is not called), and the
+    batch is still `build`'s; a new list, or other page rows, is checked."""
+    rng = random.Random(5)
+    state, sampler = SamplingState(num_rows=6, device="cpu"), Sampler(torch.Generator().manual_seed(5))
+    rows = [SamplingRow(random_params(rng), [rng.randrange(VOCAB) for _ in range(4)], [],
+                        torch.Generator().manual_seed(i) if i % 2 else None, [1]) for i in range(5)]
+    page_rows = [4, 0, 2, 1, 3]
+    admitted: list[int] = []
+    admit = state._admit
+    state._admit = lambda *args: (admitted.append(len(args[0])), admit(*args))[1]  # (an observer: it calls through)
+    for step in range(4):
+        gathered = state.gather(page_rows, rows, VOCAB)
+        assert_same_batch(gathered.batch, SamplingBatch.build(rows, VOCAB))
+        tokens = sampler.sample(torch.randn(len(rows), VOCAB), gathered.batch).token_ids
+        state.record(gathered, tokens)
+        for row, token in zip(rows, tokens.tolist()):
+            row.output_token_ids.append(token)
+        assert admitted == [5], step  # the first gather only
+    state.gather(list(page_rows), list(rows), VOCAB)  # another list: checked
+    state.gather([3, 0, 2, 1, 4], rows, VOCAB)  # the same list at other rows: checked
+    assert admitted == [5, 5, 5]
+
+
 def test_row_taken_by_another_request_with_the_same_params_and_as_many_outputs() -> None:
     """Request A (penalties) samples once in row 0 and leaves; B, sharing A's params object and back from a
     preemption with as many outputs, takes the row: B's counts are B's, not A's."""

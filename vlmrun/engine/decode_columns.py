@@ -73,6 +73,8 @@ class DecodeTable:
         self._running: list[Request] = []  # the running list `rows_of` last saw, and its rows
         self._running_rows = np.zeros(0, dtype=np.int64)
         self._running_key = -1
+        self._columns_for: tuple[int, list[int]] = (-1, [])  # (num_changes, rows) `columns_of` last made them for
+        self._columns: tuple[list[Optional[SamplingRow]], list[Optional[LoRARequest]]] = ([], [])
 
     # ------------------------------------------------------------------ the scheduler's writes
 
@@ -127,6 +129,15 @@ class DecodeTable:
             self._running, self._running_key = list(running), self.num_changes
             self._running_rows = np.fromiter((r.req_pool_idx for r in running), dtype=np.int64, count=len(running))
         return self._running_rows
+
+    def columns_of(self, rows: list[int]) -> tuple[list[Optional[SamplingRow]], list[Optional[LoRARequest]]]:
+        """The sampling rows and adapters of page-table `rows` (a step's decode rows, in order): the same lists
+        while the rows are the same and no row changed hands, never changed in place (the runner's sampling
+        state skips its per-row check for a list it has seen: `SamplingState.gather`)."""
+        if self._columns_for[0] != self.num_changes or self._columns_for[1] != rows:
+            self._columns_for = (self.num_changes, rows)
+            self._columns = (list(map(self.sampling.__getitem__, rows)), list(map(self.lora.__getitem__, rows)))
+        return self._columns
 
     def forget_all_if_stale(self) -> None:
         if self.stale:

@@ -227,7 +227,6 @@ class ScheduledDecodes:
     def to_input(self) -> DecodeRows:
         """What the model runner needs of them: the columns, each row's sampling row and adapter (kept per
         page-table row by the table; the runner keeps each row's M-RoPE delta from the request's chunks)."""
-        table = self.table
+        sampling, loras = self.table.columns_of(self.rows)
         return DecodeRows(rows=self.rows, starts=self.starts, token_ids=self.token_ids, kv_slots=self.kv_slots,
-                          sampling=list(map(table.sampling.__getitem__, self.rows)),
-                          loras=list(map(table.lora.__getitem__, self.rows)))
+                          sampling=sampling, loras=loras)

@@ -167,8 +167,8 @@ class ModelRunner:
             rows = verification.position_rows(self._draft_masks(chunks, drafts))
         else:
             rows = [c.sampling for c in chunks if c.sampling is not None]
-        if decodes is not None:  # the step's first rows
-            rows = decodes.sampling + rows
+        if decodes is not None:  # the step's first rows (their list itself when alone: `SamplingState.gather`)
+            rows = decodes.sampling + rows if rows else decodes.sampling
         if not rows:
             drafts.catch_up(hidden, fb, None)
             return

@@ -41,7 +41,8 @@ class StepSampling:
         """`rows`: the step's sampling rows in order (the decode rows first; a verify step's per position)."""
         decode_rows: list[int] = [] if decodes is None else decodes.rows
         if verification is None:
-            gathered = state.gather(decode_rows + [c.row for c in chunks if c.sampling is not None], rows, vocab_size)
+            chunk_rows = [c.row for c in chunks if c.sampling is not None]
+            gathered = state.gather(decode_rows + chunk_rows if chunk_rows else decode_rows, rows, vocab_size)
             return cls(gathered.batch, gathered)
         if drafts_on_device:
             return cls(SamplingBatch.build(rows, vocab_size, device=device), verification=verification)

@@ -92,6 +92,9 @@ class SamplingState:
         self.floats = torch.zeros((rows, 6), dtype=torch.float32, device=self.device)  # [rows, 6]
         self.top_k = torch.zeros((rows, 1), dtype=torch.int64, device=self.device)  # [rows, 1]
         self.seen = self.counts = None
+        # the last `rows` list gathered, with its page rows and grammar rows: passed again, its settings are the ones
+        # written (a list passed again is never changed in place: the decode table's `sampling_of`)
+        self._checked: Optional[tuple[Sequence[SamplingRow], list[int], Optional[np.ndarray]]] = None
 
     def gather(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], vocab_size: int,
                appended: Optional[Sequence[Sequence[int]]] = None) -> GatheredStep:
@@ -99,13 +102,22 @@ class SamplingState:
 
         Speculative verification: `appended[i]` are the tokens position i's outputs hold beyond its
         request's (drafts[:j] at position j; empty at the request's own position, which comes first);
-        they are added to that position's gathered counts, never to the row's."""
+        they are added to that position's gathered counts, never to the row's.
+
+        The same `rows` list as the last call's (identity) with the same page rows skips the per-row check of
+        what each row holds (`_admit`) and of its grammar: a steady decode step's (O(1) Python per row)."""
         if vocab_size != self.vocab_size:
             self.vocab_size = vocab_size
             self._reset()
         n, device = len(rows), self.device
-        params = list(map(_PARAMS, rows))
-        self._admit(page_rows, rows, params)
+        checked = self._checked
+        if checked is not None and checked[0] is rows and checked[1] == page_rows:
+            grammar = checked[2]
+        else:
+            self._admit(page_rows, rows, list(map(_PARAMS, rows)))
+            grammars = list(map(_GRAMMAR, rows))  # (grammar rows come as chunks, never as plain decode rows)
+            grammar = np.array([g is not None for g in grammars], dtype=bool) if grammars.count(None) < n else None
+            self._checked = (rows, list(page_rows), grammar)
         idx = np.fromiter(page_rows, dtype=np.int64, count=n)  # [n]
         flags = self._flags[idx]  # [n]
         union = int(np.bitwise_or.reduce(flags))  # what some row of the step needs
@@ -114,7 +126,7 @@ class SamplingState:
         step = GatheredStep(batch=SamplingBatch(
             batch_size=n, vocab_size=vocab_size, all_greedy=not union & SAMPLED,
             generators=list(map(_GENERATOR, rows)) if union & GENERATOR else [None] * n,
-            num_logprobs=list(map(_LOGPROBS, params)) if union & LOGPROBS else [None] * n,
+            num_logprobs=list(map(_LOGPROBS, map(_PARAMS, rows))) if union & LOGPROBS else [None] * n,
             max_num_logprobs=None if max_logprobs < 0 else max_logprobs))
         batch = step.batch
         if union & (SAMPLED | USES_SEEN | USES_COUNTS):
@@ -125,9 +137,7 @@ class SamplingState:
             if union & (USES_SEEN | USES_COUNTS):
                 self._fill_penalties(step, page_rows, rows, idx, idx_dev, flags, floats, appended)
         masks = (flags & USES_MASKS) != 0 if union & USES_MASKS else None
-        grammars = list(map(_GRAMMAR, rows))
-        if grammars.count(None) < n:  # (grammar rows come as chunks, never as plain decode rows)
-            grammar = np.array([g is not None for g in grammars], dtype=bool)
+        if grammar is not None:
             masks = grammar if masks is None else masks | grammar
         if masks is not None:
             _fill_sub_batch(batch, rows, np.flatnonzero(masks).tolist(), device)
