@@ -162,6 +162,7 @@ def test_token_metrics_of_non_streamed_and_streamed_requests(engine, server, str
     assert delta("vllm:time_per_output_token_seconds_count") == sum(k - 1 for k in outputs)
     assert delta("vllm:inter_token_latency_seconds_sum") > 0
     assert delta("vllm:time_to_first_token_seconds_count") == len(outputs)
+    assert delta("vllm:time_to_first_token_seconds_sum") > 0
     assert delta("vlmrun_time_to_first_token_seconds_count") == 4  # per request
     assert delta("vlmrun_time_per_output_token_seconds_count") == sum(k > 1 for k in outputs)
     assert delta("vllm:request_time_per_output_token_seconds_count") == sum(k > 1 for k in outputs)
