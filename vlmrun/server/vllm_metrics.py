@@ -25,7 +25,8 @@ Names, types and labels as vLLM's PrometheusStatLogger writes them: every series
   step `iteration_tokens_total`.
 
 Every one is taken the same way for a streamed request and for one that is not (whose choices hand the
-event loop only a first-token delta and a last one): nothing here runs per token or per step.
+event loop only a first-token delta and a last one): nothing here runs per token, and a streamed choice's
+deltas between its first and its last only add to its token count.
 """
 
 from __future__ import annotations
