@@ -8,15 +8,22 @@ talks to it through a thread-safe command queue:
   choices of a chat request, or the prompts x `n` of a completion request) and waits until the
   engine thread has accepted them all, or raises what `Engine.add_request` raised
   (`processors.InputError` for a prompt longer than the context, ...). A group is all-or-nothing.
+  `stream=False` (a consumer that reads only each choice's whole answer: the server's non-streamed
+  requests) adds them so (`Engine.add_request(..., stream=False)`): no per-step delta, text or event-loop
+  wake-up, but an empty delta with the choice's `first_token_time` when its first token comes, and a last
+  delta holding the whole answer (text, token ids, logprobs), as the streamed deltas joined would.
 - `RequestGroup.next_batch()` waits for output: everything the engine produced for the group
-  since the last call, as `ChoiceDelta`s tagged with their choice index.
+  since the last call, as `ChoiceDelta`s tagged with their choice index. A choice's first delta after its
+  first token carries `first_token_time` (the engine's time of the step that brought it).
 - `abort(group_id)` (or `RequestGroup.abort()`) drops the group's requests and frees their KV
   pages (and GDN slots) at the start of the engine's next iteration.
 
 Results reach asyncio through `loop.call_soon_threadsafe`, once per engine step and event loop
 (not once per token), so the HTTP handlers never block on the engine and the engine never waits
 for the handlers. The engine thread publishes an `AsyncEngineStats` snapshot (`Engine.stats()`
-plus its own counts) after every iteration (read it from any thread: it is replaced, never mutated).
+plus its own counts, and the per-step token metrics its engine's `TokenTiming` keeps for every request,
+streamed or not: `engine/token_timing.py`) after every iteration (read it from any thread: it is
+replaced, never mutated).
 The event-loop side of a group (`RequestGroup`, `ChoiceDelta`, the errors) is `request_group.py`.
 """
 
@@ -34,7 +41,8 @@ from vlmrun.processors import ProcessedPrompt
 from vlmrun.engine.engine import Engine, EngineStats
 from vlmrun.engine.outputs import RequestUpdate
 from vlmrun.lora.request import LoRARequest
-from vlmrun.engine.step_tokens import StepTokenHistogram
+from vlmrun.engine.step_tokens import BucketHistogram, StepTokenHistogram
+from vlmrun.engine.token_timing import TokenTiming
 from vlmrun.engine.request_group import (
     FINISH_ABORT,
     ChoiceDelta,
@@ -55,6 +63,8 @@ class AsyncEngineStats(EngineStats):
     num_groups: int = 0
     num_steps: int = 0  # engine steps run (failed steps not counted)
     step_tokens: Optional[StepTokenHistogram] = None  # tokens per step (prompt tokens prefilled + generated)
+    generation_tokens: int = 0  # output tokens generated (engine/token_timing.py)
+    token_gaps: Optional[BucketHistogram] = None  # inter-token latencies in seconds (engine/token_timing.py)
     time: float = 0.0  # time.monotonic() of the snapshot
 
 
@@ -68,6 +78,7 @@ class _Add:
     accepted: asyncio.Future
     lora: Optional[LoRARequest] = None  # the group's LoRA adapter (None: the base model)
     priority: int = 0  # the group's scheduling priority (the "priority" policy: lower first)
+    stream: bool = True  # False: the engine hands out only each request's first-token signal and result
 
 
 @dataclass
@@ -87,7 +98,8 @@ class _Live:
     group: RequestGroup
     index: int
     num_prompt_tokens: int
-    started: bool = False  # its first token came (its prompt counted in the step tokens)
+    stream: bool = True  # False: its last update's result is its whole answer
+    started: bool = False  # its first update came (its first token, or its end)
 
 
 class AsyncEngine:
@@ -106,8 +118,9 @@ class AsyncEngine:
         # Per event loop: (RequestGroup, ChoiceDelta | exception) and (acceptance future, None | exception)
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[Any, Any]]] = {}
         self._num_steps = 0
-        self._step_tokens = StepTokenHistogram()
-        self._tokens_this_step = 0
+        if not isinstance(engine.token_timing, TokenTiming):  # the engine keeps the per-step token metrics from now
+            engine.token_timing = TokenTiming(engine.caches.req_to_token.max_reqs)
+        self._timing = engine.token_timing
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,8 +164,10 @@ class AsyncEngine:
     # ------------------------------------------------------------------ asyncio side
 
     async def submit(self, group_id: str, items: Sequence[tuple[ProcessedPrompt, SamplingParams]],
-                     lora_request: Optional[LoRARequest] = None, *, priority: int = 0) -> RequestGroup:
-        """Queue a group of requests (`priority`: theirs, `Engine.add_request`'s); returns once the engine
+                     lora_request: Optional[LoRARequest] = None, *, priority: int = 0,
+                     stream: bool = True) -> RequestGroup:
+        """Queue a group of requests (`priority`: theirs, `Engine.add_request`'s; `stream` False: only each
+        choice's first-token delta and its whole answer, module docstring); returns once the engine
         accepted them all (or raises)."""
         if not items:
             raise ValueError("a request group needs at least one (prompt, params) pair")
@@ -161,7 +176,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         group = RequestGroup(group_id, len(items), loop, self.abort)
         accepted = loop.create_future()
-        self._commands.put(_Add(group, list(items), accepted, lora_request, priority))
+        self._commands.put(_Add(group, list(items), accepted, lora_request, priority, stream))
         try:
             while not accepted.done():
                 await asyncio.wait({accepted}, timeout=self._idle_poll_s)
@@ -214,11 +229,9 @@ class AsyncEngine:
                     self._fail_all(EngineStepError(f"the engine failed: {type(exc).__name__}: {exc}"))
                 else:
                     self._num_steps += 1
-                    self._tokens_this_step = 0
+                    self._timing.end_step()
                     for update in updates:
-                        self._route(update)
-                    if self._tokens_this_step:  # (a step that only prefilled part of a prompt: none)
-                        self._step_tokens.observe(self._tokens_this_step)
+                        self._route(update, self._timing.step_time)
             self._publish_stats()
             self._flush()
 
@@ -250,9 +263,10 @@ class AsyncEngine:
         try:
             for index, (prompt, params) in enumerate(cmd.items):
                 rid = f"{group.group_id}-{index}"
-                self.engine.add_request(rid, prompt, params, lora_request=cmd.lora, priority=cmd.priority)
+                self.engine.add_request(rid, prompt, params, lora_request=cmd.lora, priority=cmd.priority,
+                                        stream=cmd.stream)
                 added.append(rid)
-                self._live[rid] = _Live(group, index, len(prompt.token_ids))
+                self._live[rid] = _Live(group, index, len(prompt.token_ids), cmd.stream)
         except Exception as exc:
             for rid in added:
                 self.engine.abort(rid)
@@ -272,15 +286,20 @@ class AsyncEngine:
                 self._emit(live.group, ChoiceDelta(live.index, finished=True, finish_reason=FINISH_ABORT,
                                                    num_prompt_tokens=live.num_prompt_tokens))
 
-    def _route(self, update: RequestUpdate) -> None:
+    def _route(self, update: RequestUpdate, step_time: float) -> None:
+        """`update` as its choice's delta (`step_time`: the collect of the step it came from). A request that
+        does not stream gets its whole answer, from its result, in its last delta."""
         live = self._live.get(update.request_id)
         if live is None:
             return
-        delta = ChoiceDelta(live.index, list(update.new_token_ids), list(update.new_logprobs), update.text_delta)
-        if update.new_token_ids:
-            self._tokens_this_step += len(update.new_token_ids) + (0 if live.started else live.num_prompt_tokens)
-            live.started = True
         result = update.result
+        if result is None or live.stream:
+            delta = ChoiceDelta(live.index, list(update.new_token_ids), list(update.new_logprobs), update.text_delta)
+        else:
+            delta = ChoiceDelta(live.index, list(result.token_ids), list(result.logprobs or ()), result.text)
+        if not live.started:  # its first update: its first token came in this step (or it ended: the result says)
+            live.started = True
+            delta.first_token_time = step_time
         if result is not None:
             self._live.pop(update.request_id, None)
             rids = self._groups.get(live.group.group_id)
@@ -320,9 +339,10 @@ class AsyncEngine:
     def _publish_stats(self) -> None:
         stats = self.engine.stats()  # its fields as they are (a nested dataclass stays one)
         own = {f.name: getattr(stats, f.name) for f in fields(stats)}
-        self._stats = AsyncEngineStats(**own, num_groups=len(self._groups),
-                                       num_steps=self._num_steps, step_tokens=self._step_tokens.copy(),
-                                       time=time.monotonic())
+        timing = self._timing.snapshot()
+        self._stats = AsyncEngineStats(**own, num_groups=len(self._groups), num_steps=self._num_steps,
+                                       step_tokens=timing.step_tokens, generation_tokens=timing.generated,
+                                       token_gaps=timing.gaps, time=time.monotonic())
 
     def _drain_after_stop(self) -> None:
         """After the loop ended: refuse whatever is still queued."""

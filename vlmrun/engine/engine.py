@@ -46,6 +46,7 @@ from vlmrun.engine.scheduled_chunk import ScheduledDecodes
 from vlmrun.engine.stats import EngineStats
 from vlmrun.engine.scheduler import ScheduledChunk, Scheduler
 from vlmrun.engine.startup_heap import freeze_startup_heap
+from vlmrun.engine.token_timing import TokenTiming, UnusedTokenTiming
 from vlmrun.executor.build import build_local_executor
 from vlmrun.executor.distributed import create_parallel_executor, executor_device
 from vlmrun.executor.base import Executor
@@ -103,6 +104,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.outputs = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids, self.max_model_len)
         self._in_flight: Optional[LaunchedChunks] = None  # async scheduling: launched, not yet collected
+        self.token_timing: Union[TokenTiming, UnusedTokenTiming] = UnusedTokenTiming()  # the server's: a TokenTiming
         freeze_startup_heap()  # (a full GC pass otherwise walks every library object: engine/startup_heap.py)
 
     def _build_executor(self) -> Executor:
@@ -259,6 +261,7 @@ class Engine:
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
         if req is not None:
+            self.token_timing.release(req)
             self.scheduler.finish(req)
             req.finish_reason = "abort"
             self.outputs.drop(request_id)
@@ -332,7 +335,9 @@ class Engine:
             if sampled is not None:
                 if req.first_token_time is None:
                     req.first_token_time = now
+                before = self.token_timing.chunk_token(req, now)
                 update = self._append_tokens(req, [sampled, *output.after_drafts])
+                self.token_timing.chunk_appended(req, before)
                 if update is not None:
                     updates.append(update)
         return updates
@@ -352,6 +357,7 @@ class Engine:
         commit: a decode row is past its prompt, whose pages (the only ones indexed) and snapshot points were
         committed when its last prompt chunk was collected (collects run in launch order)."""
         decodes.mark_collected(now, decoded.token_ids)
+        self.token_timing.decodes_collected(decodes.host_columns()[0], now)
         updates, finishing = self.outputs.append_decodes(decodes.requests, decoded.token_ids, decoded.logprobs)
         for at, req, reason in finishing:
             updates[at].result = self._finish(req, reason).result
@@ -387,6 +393,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> RequestUpdate:
         """Free the request's memory, forget it, and return its last update (with its result)."""
+        self.token_timing.release(req)
         self.scheduler.finish(req)
         req.finish_reason = reason
         del self.requests[req.request_id]

@@ -6,7 +6,8 @@ it, and none of them reads the engine's requests: a finished request's update ca
 result (`RequestResult`) and the engine forgets the request in the same step.
 
 A request added with `Engine.add_request(..., stream=False)` (the consumer reads only its result: `LLM`
-and the jobs, through the feed pipeline) gets two updates: an empty one in the step that collects its
+and the jobs, through the feed pipeline; the server's non-streamed requests, through the async engine) gets
+two updates: an empty one in the step that collects its
 first token (its prefill is over), and its last, with the result (the same result a streamed request
 gets). Its text is decoded once, when it finishes (`final_output.py`).
 """

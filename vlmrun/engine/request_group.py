@@ -29,6 +29,10 @@ class EngineStepError(RuntimeError):
 class ChoiceDelta:
     """What one engine iteration produced for one choice of a group.
 
+    A streamed choice's deltas carry its new tokens, logprobs and text; a choice submitted with
+    `stream=False` gets an empty delta when its first token comes and its whole answer in its last.
+    The first delta of a choice carries `first_token_time`, the `time.monotonic()` of the engine step that
+    brought its first token (the time to first token's end).
     On the last delta of a choice (`finished`), `num_prompt_tokens` / `num_output_tokens` are the
     final counts, `first_token_time` the `time.monotonic()` of its first token (None if none) and
     `prompt_logprobs` the prompt's (`SamplingParams.prompt_logprobs`; None unless asked);

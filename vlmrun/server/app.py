@@ -58,7 +58,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings, root_path: str = "
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         vllm = state.metrics.vllm
-        stats = (StatsLog(lambda: engine.stats, lambda: (vllm.prompt_total, vllm.generation_total),
+        stats = (StatsLog(lambda: engine.stats, lambda: (vllm.prompt_total, engine.stats.generation_tokens),
                           settings.log_stats_interval_s).start() if settings.log_stats else None)
         idle_trims = asyncio.ensure_future(state.trimmer.trim_when_idle(lambda: state.admission.admitted,
                                                                         lambda: state.admission.in_flight))

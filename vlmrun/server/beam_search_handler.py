@@ -5,7 +5,8 @@ The handler submits the first round as any request (`submission.submit`: admissi
 the 400s of a bad input); `run_beam_search` then runs the following rounds on the async engine and
 leaves, in `sub.choices`, the `n` best sequences of each prompt, as choices `prompt * n + j`: their
 output tokens, text (a final EOS not written, as vLLM's server) and logprobs, finish_reason "stop" for
-a sequence that ended with EOS, else "length".
+a sequence that ended with EOS, else "length". Every round's requests are added with `stream=False`: a round
+reads only each request's result (its one token's logprobs).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ async def _rounds(state: ServerState, sub: Submitted, search: BeamSearch, lora: 
         candidates: list[Optional[dict[int, float]]] = [None] * len(batch)
         if runnable:
             group = await state.engine.submit(f"{sub.rid}-beam{search.rounds}", [(batch[i][0], params) for i in runnable],
-                                              lora)
+                                              lora, stream=False)
             for i, found in zip(runnable, await _candidates(group, len(runnable))):
                 candidates[i] = found
         search.advance(candidates)

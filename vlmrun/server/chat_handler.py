@@ -74,7 +74,7 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     prompts: list[ProcessedPrompt] = []
     sub = await submit(state, request, rid, ticket, arrival, prepare, lambda items: len(items[0][0].token_ids),
                        "messages", heavy=heavy, lora=lora, scheduling=req.scheduling,
-                       n=1 if req.beam else req.params.n, bulk=bulk)
+                       n=1 if req.beam else req.params.n, bulk=bulk, stream=req.stream)
     if req.beam is not None:
         await run_beam_search(state, request, sub, prompts, req.beam, req.params.n, lora)
     model = state.model_name if lora is None else lora.lora_name

@@ -53,7 +53,7 @@ async def completions(state: ServerState, request: Request) -> Response:
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
                        lambda items: sum(len(p.token_ids) for p, _ in items[::1 if req.beam else n]), "prompt",
-                       heavy=heavy, lora=lora, scheduling=req.scheduling, n=1 if req.beam else n)
+                       heavy=heavy, lora=lora, scheduling=req.scheduling, n=1 if req.beam else n, stream=req.stream)
     if req.beam is not None:
         await run_beam_search(state, request, sub, prompts, req.beam, n, lora)
     model = state.model_name if lora is None else lora.lora_name

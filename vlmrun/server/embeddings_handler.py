@@ -56,7 +56,7 @@ async def embeddings(state: ServerState, request: Request) -> Response:
 
     sub = await submit(state, request, rid, ticket, arrival, prepare,
                        lambda items: sum(len(p.token_ids) for p, _ in items),
-                       "messages" if req.messages is not None else "input", heavy=heavy, lora=lora)
+                       "messages" if req.messages is not None else "input", heavy=heavy, lora=lora, stream=False)
     vectors: list[Optional[torch.Tensor]] = [None] * len(sub.choices)
 
     async def collect() -> None:

@@ -1,8 +1,10 @@
 """Prometheus metrics of one server, in its own registry (no process-global collectors).
 
-Counters and histograms are updated by the handlers on the event loop; the gauges (queue depth,
-running requests, KV and GDN pool use) are read at scrape time from the engine thread's latest
-`AsyncEngineStats` snapshot, plus the server's own count of admitted requests. GDN gauges appear only
+Counters and histograms are updated by the handlers on the event loop, once per choice (its first token,
+its end: `submission.RequestTracker`); the gauges (queue depth, running requests, KV and GDN pool use) and
+the counters the engine keeps per step (generated tokens, `engine/token_timing.py`; steps; preemptions) are
+read at scrape time from the engine thread's latest `AsyncEngineStats` snapshot, plus the server's own
+count of admitted requests. GDN gauges appear only
 when the engine has a GDN state pool (hybrid models); the speculative decoding counters (vLLM's
 `spec_decode_*` names: verify steps with drafts, draft tokens, accepted tokens, accepted tokens per
 draft position) only when the engine speculates. vLLM's `vllm:` series live beside them in the same
@@ -38,13 +40,12 @@ class ServerMetrics:
                                 ["finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("vlmrun_prompt_tokens", "Prompt tokens of accepted requests",
                                      registry=self.registry)
-        self.generation_tokens = Counter("vlmrun_generation_tokens", "Generated tokens", registry=self.registry)
         self.ttft = Histogram("vlmrun_time_to_first_token_seconds",
-                              "From request arrival to its first generated token", buckets=_LATENCY_BUCKETS,
-                              registry=self.registry)
+                              "From request arrival to the engine step that brought its first token",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.tpot = Histogram("vlmrun_time_per_output_token_seconds",
-                              "Mean time between output tokens of a finished choice", buckets=_TPOT_BUCKETS,
-                              registry=self.registry)
+                              "Mean time between output tokens of a finished choice (engine step times)",
+                              buckets=_TPOT_BUCKETS, registry=self.registry)
         self.e2e = Histogram("vlmrun_e2e_request_latency_seconds", "From request arrival to its last token",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(_EngineCollector(stats, pending, labels))
@@ -94,6 +95,9 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=names)
             counter.add_metric(values, value)
             yield counter
+        generated = CounterMetricFamily("vlmrun_generation_tokens", "Generated tokens", labels=names)
+        generated.add_metric(values, s.generation_tokens)
+        yield generated
         steps = CounterMetricFamily("vlmrun_engine_steps", "Engine steps run", labels=names)
         steps.add_metric(values, s.num_steps)
         yield steps

@@ -5,7 +5,9 @@ validation in a thread pool (400) → model check (404) → admission (429) → 
 preprocessing + chat template + `bad_words` tokenized in a thread pool (400; stopped at the next
 image when the client leaves) → the output constraint compiled in the `GrammarPool` (not started
 when the client has left) → `AsyncEngine.submit` (400 for what the engine refuses, e.g. a prompt longer than the
-context; 503 if the engine is gone) → a streamed (SSE) or a collected answer. From submission on,
+context; 503 if the engine is gone) → a streamed (SSE) or a collected answer (a request that is not
+streamed is submitted with `stream=False`: the engine hands each choice's whole answer over once, at its
+end, and nothing per step; the body is the same). From submission on,
 every exit path aborts what is unfinished and releases the admission. Two pools: large bodies,
 large texts and requests with images or videos run in the media pool, everything else in the light
 pool, so a small request never waits behind another client's image decoding or megabytes of text;
@@ -51,7 +53,17 @@ request_log = logging.getLogger("vlmrun.server.requests")  # --enable-log-reques
 
 
 class RequestTracker:
-    """Feeds one request's timings and token counts into the server metrics (vlmrun's and vLLM's)."""
+    """Feeds one request's timings and counts into the server metrics (vlmrun's and vLLM's), from its choices'
+    first-token deltas and last deltas, never per token (a choice that is not streamed brings two deltas):
+
+    - time to first token: the engine's time of the step that brought the request's first token
+      (`ChoiceDelta.first_token_time`), minus the request's arrival at the server;
+    - time per output token (`vlmrun_time_per_output_token_seconds`), per finished choice of more than one
+      token: (the engine's time of its last token - of its first) / (its tokens - 1);
+    - e2e: from arrival to the moment the event loop has the request's last delta (at `close`).
+
+    Generated tokens and the inter-token latencies are counted on the engine thread for every request
+    (`engine/token_timing.py`), read at scrape time from the stats snapshot."""
 
     def __init__(self, metrics: ServerMetrics, arrival: float,
                  items: Optional[list[tuple[ProcessedPrompt, SamplingParams]]] = None, n: int = 1):
@@ -61,25 +73,19 @@ class RequestTracker:
         self.vllm = metrics.vllm.request(arrival, [len(p.token_ids) for p, _ in items],
                                          [getattr(params, "max_tokens", None) for _, params in items],
                                          n)
-        self._first_token: dict[int, float] = {}
         self._seen_first = False
         self._closed = False
 
     def on_batch(self, batch: list[ChoiceDelta]) -> None:
-        now = time.monotonic()
-        self.vllm.on_batch(batch, now)
+        self.vllm.on_batch(batch, time.monotonic())
         for d in batch:
-            if d.token_ids:
-                self.metrics.generation_tokens.inc(len(d.token_ids))
-                self._first_token.setdefault(d.index, now)
-                if not self._seen_first:
-                    self._seen_first = True
-                    self.metrics.ttft.observe(now - self.arrival)
+            if d.first_token_time is not None and not self._seen_first:
+                self._seen_first = True
+                self.metrics.ttft.observe(max(0.0, d.first_token_time - self.arrival))
             if d.finished:
                 self.metrics.finished.labels(d.finish_reason or "unknown").inc()
-                first = self._first_token.get(d.index)
-                if first is not None and d.num_output_tokens > 1:
-                    self.metrics.tpot.observe((now - first) / (d.num_output_tokens - 1))
+                if d.first_token_time is not None and d.finished_time is not None and d.num_output_tokens > 1:
+                    self.metrics.tpot.observe(max(0.0, d.finished_time - d.first_token_time) / (d.num_output_tokens - 1))
 
     def close(self) -> None:
         if not self._closed:
@@ -149,11 +155,13 @@ Prepare = Callable[[threading.Event], list[tuple[ProcessedPrompt, SamplingParams
 async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket, arrival: float,
                  prepare: Prepare, prompt_tokens: Callable[[list[tuple[ProcessedPrompt, SamplingParams]]], int],
                  param: str, heavy: bool, lora: Optional[LoRARequest] = None,
-                 scheduling: SchedulingFields = SchedulingFields(), n: int = 1, bulk: bool = False) -> Submitted:
+                 scheduling: SchedulingFields = SchedulingFields(), n: int = 1, bulk: bool = False,
+                 stream: bool = True) -> Submitted:
     """Prepare the request off the event loop (`heavy`: in the media pool; `bulk`: images of many
     megapixels, in the one-thread bulk pool) and hand it to the engine (with `scheduling`'s priority and
-    cache salt). A client that leaves while it is prepared sets `prepare`'s event, which stops it at the
-    next image. `n`: the choices of each prompt (consecutive items), for the metrics."""
+    cache salt; `stream` False for an answer collected whole: the engine hands out no per-step output).
+    A client that leaves while it is prepared sets `prepare`'s event, which stops it at the next image.
+    `n`: the choices of each prompt (consecutive items), for the metrics."""
     cancel = threading.Event()
     try:
         tokenizer = state.processor.tokenizer
@@ -175,7 +183,7 @@ async def submit(state: ServerState, request: Request, rid: str, ticket: Ticket,
         items = _truncate_prompts(items, state.engine.engine.max_model_len)
         items = [(scheduling.salted(prompt), params) for prompt, params in items]
         _check_context(items, state.engine.engine.max_model_len)
-        group = await state.engine.submit(rid, items, lora, priority=scheduling.priority)
+        group = await state.engine.submit(rid, items, lora, priority=scheduling.priority, stream=stream)
     except LoRAError as exc:  # the adapter the request's `model` names cannot be served
         ticket.release()
         raise bad_request(str(exc), param="model") from None

@@ -8,18 +8,25 @@ Names, types and labels as vLLM's PrometheusStatLogger writes them: every series
   `num_requests_waiting`, `kv_cache_usage_perc` and its older name `gpu_cache_usage_perc` (a fraction
   in [0, 1], as vLLM's); for the older (V0) dashboards that still query them, `cpu_cache_usage_perc` and
   `num_requests_swapped`, always 0 (no KV is swapped to the host here);
-- counters: `prompt_tokens` (a choice's prompt, counted when its first token comes), `generation_tokens`,
-  `request_success`, and from the engine `num_preemptions`, `prefix_cache_queries` / `prefix_cache_hits`
-  (in tokens);
+- counters: `prompt_tokens` (a choice's prompt, counted when its first token comes), `request_success`,
+  and from the engine `generation_tokens` (per step, `vlmrun.engine.token_timing`), `num_preemptions`,
+  `prefix_cache_queries` / `prefix_cache_hits` (in tokens);
 - histograms per finished choice (each of a request's `n` choices is one engine request, as in vLLM):
-  `time_to_first_token_seconds` (from the request's arrival at the server), `e2e_request_latency_seconds`,
-  the engine's phases `request_queue_time_seconds` (taken → first scheduled), `request_prefill_time_seconds`
-  (first scheduled → first token), `request_decode_time_seconds` (first → last token),
-  `request_inference_time_seconds` (first scheduled → last token), `request_time_per_output_token_seconds`,
-  `request_prompt_tokens`, `request_generation_tokens`, `request_params_max_tokens`; per request
-  `request_params_n` and `request_max_num_generation_tokens`; per streamed output
-  `inter_token_latency_seconds` and its older name `time_per_output_token_seconds`; per engine step
-  `iteration_tokens_total` (`vlmrun.engine.step_tokens`).
+  `time_to_first_token_seconds` (from the request's arrival at the server to the engine's collect of the
+  step that brought its first token), `e2e_request_latency_seconds` (to the event loop's receipt of its last
+  token), the engine's phases `request_queue_time_seconds` (taken → first scheduled),
+  `request_prefill_time_seconds` (first scheduled → first token), `request_decode_time_seconds` (first → last
+  token), `request_inference_time_seconds` (first scheduled → last token),
+  `request_time_per_output_token_seconds` (decode time / (tokens - 1)), `request_prompt_tokens`,
+  `request_generation_tokens`, `request_params_max_tokens`; per request `request_params_n` and
+  `request_max_num_generation_tokens`; from the engine (`vlmrun.engine.token_timing`, read at scrape time),
+  per request per step that brought it tokens after its first `inter_token_latency_seconds` and its older
+  name `time_per_output_token_seconds` (the gap between the engine's collects of its steps), and per engine
+  step `iteration_tokens_total`.
+
+Every one is taken the same way for a streamed request and for one that is not (whose choices hand the
+event loop only a first-token delta and a last one): nothing here runs per token, and a streamed choice's
+deltas between its first and its last only add to its token count.
 """
 
 from __future__ import annotations
@@ -33,13 +40,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from vlmrun.engine.async_engine import AsyncEngineStats
 from vlmrun.engine.request_group import ChoiceDelta
+from vlmrun.engine.token_timing import ITL_BUCKETS as _ITL_BUCKETS
 
 LABELS = ("model_name", "engine")
 FINISHED_REASONS = ("stop", "length", "abort")
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0, 160.0, 640.0, 2560.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0)
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                     480.0, 960.0, 1920.0, 7680.0)
 
@@ -61,8 +67,7 @@ class VllmMetrics:
     def __init__(self, registry: CollectorRegistry, model: str, max_model_len: int,
                  stats: Callable[[], AsyncEngineStats]):
         self.label_values = (model, "0")
-        self.prompt_total = 0  # plain totals, for the periodic statistics log line
-        self.generation_total = 0
+        self.prompt_total = 0  # a plain total, for the periodic statistics log line (generation: the engine's)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, LABELS, registry=registry).labels(*self.label_values)
@@ -72,16 +77,10 @@ class VllmMetrics:
 
         tokens = one_two_five_buckets(max_model_len)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
         success = Counter("vllm:request_success", "Requests finished, by finish reason",
                           [*LABELS, "finished_reason"], registry=registry)
         self.success = {reason: success.labels(*self.label_values, reason) for reason in FINISHED_REASONS}
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds", _TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between output tokens in seconds",
-                             _ITL_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds",
-                              "Time between output tokens in seconds (the older name of inter_token_latency)",
-                              _ITL_BUCKETS)
         self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
                                       "Mean time per output token of a finished request in seconds", _ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency in seconds",
@@ -118,35 +117,26 @@ class VllmRequestStats:
     prompt_tokens: list[int]  # per choice
     max_tokens: list[Optional[int]]  # per choice
     n: int
-    _last_token: dict[int, float] = field(default_factory=dict)
-    _generated: dict[int, int] = field(default_factory=dict)
+    _started: set[int] = field(default_factory=set)  # choices whose first token came
+    _generated: dict[int, int] = field(default_factory=dict)  # per choice: its tokens so far (all, once finished)
     _closed: bool = False
 
     def on_batch(self, batch: list[ChoiceDelta], now: Optional[float] = None) -> None:
+        """A choice's first-token delta (`first_token_time`): its time to first token and prompt tokens; its
+        last: the per-choice histograms. A streamed choice's deltas between add only its token count."""
         now = time.monotonic() if now is None else now
         m = self.metrics
-        outputs: dict[int, int] = {}  # a slow reader's batch may hold several outputs of a choice
         for d in batch:
-            if d.token_ids:
-                outputs[d.index] = outputs.get(d.index, 0) + 1
-        for index, count in outputs.items():
-            last = self._last_token.get(index)
-            self._last_token[index] = now
-            if last is None:  # its first output: time to first token, and its prompt is done
-                m.ttft.observe(now - self.arrival)
-                m.prompt_tokens.inc(self.prompt_tokens[index])
-                m.prompt_total += self.prompt_tokens[index]
-                continue
-            for _ in range(count):  # the gap since its last output, shared by the outputs this batch brought
-                m.itl.observe((now - last) / count)
-                m.tpot.observe((now - last) / count)
-        for d in batch:
-            if d.token_ids:
-                m.generation_tokens.inc(len(d.token_ids))
-                m.generation_total += len(d.token_ids)
-                self._generated[d.index] = self._generated.get(d.index, 0) + len(d.token_ids)
+            if d.first_token_time is not None and d.index not in self._started:
+                self._started.add(d.index)
+                m.ttft.observe(max(0.0, d.first_token_time - self.arrival))
+                m.prompt_tokens.inc(self.prompt_tokens[d.index])
+                m.prompt_total += self.prompt_tokens[d.index]
             if d.finished:
+                self._generated[d.index] = max(self._generated.get(d.index, 0), d.num_output_tokens)
                 self._finished(d, now)
+            elif d.token_ids:
+                self._generated[d.index] = self._generated.get(d.index, 0) + len(d.token_ids)
 
     def _finished(self, d: ChoiceDelta, now: float) -> None:
         m = self.metrics
@@ -204,13 +194,19 @@ class _EngineSeries:
             gauge.add_metric(self._values, value)
             yield gauge
         for name, doc, value in (
+                ("vllm:generation_tokens", "Generated tokens", s.generation_tokens),
                 ("vllm:num_preemptions", "Requests preempted", s.num_preemptions),
                 ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_query_tokens),
                 ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_hit_tokens)):
             counter = CounterMetricFamily(name, doc, labels=LABELS)
             counter.add_metric(self._values, value)
             yield counter
-        steps = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step", labels=LABELS)
-        if s.step_tokens is not None:
-            steps.add_metric(self._values, s.step_tokens.cumulative(), s.step_tokens.sum)
-        yield steps
+        for name, doc, histogram in (
+                ("vllm:inter_token_latency_seconds", "Time between output tokens in seconds", s.token_gaps),
+                ("vllm:time_per_output_token_seconds",
+                 "Time between output tokens in seconds (the older name of inter_token_latency)", s.token_gaps),
+                ("vllm:iteration_tokens_total", "Tokens per engine step", s.step_tokens)):
+            family = HistogramMetricFamily(name, doc, labels=LABELS)
+            if histogram is not None:
+                family.add_metric(self._values, histogram.cumulative(), histogram.sum)
+            yield family
