@@ -8,13 +8,16 @@ scattered over the pool (tests/test_flashinfer_plan.py's `make_batch`). float32 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from tests.test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, PAGE, make_batch
+from vlmrun.cache.kv_pool import ReqToTokenPool
 from vlmrun.layers.attention.base import Attention
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
-from vlmrun.layers.attention.factory import resolve_backend_name
+from vlmrun.layers.attention.factory import BackendSetup, create_attention_backend, resolve_backend_name
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
 
@@ -104,6 +107,15 @@ def test_a_verify_chunk_gathers_its_pages_once():
 def test_auto_is_the_cpu_backend_on_the_cpu_only():
     assert resolve_backend_name("auto", "attention_backend", torch.device("cpu")) == "cpu"
     assert resolve_backend_name("auto", "attention_backend", torch.device("cuda")) == "torch"
+
+
+def test_the_cpu_backend_off_the_cpu_is_a_clear_error():
+    """It reads the page table as host memory: asked for on another device, it says so when built (a meta
+    device stands in for CUDA)."""
+    caches = SimpleNamespace(kv_pool=None, req_to_token=ReqToTokenPool(4, 16, torch.device("meta")))
+    setup = BackendSetup(caches=caches, num_q_heads=4, scaling=0.25, device=torch.device("meta"))
+    with pytest.raises(ValueError, match="'cpu' runs on the CPU only"):
+        create_attention_backend(setup, "cpu")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_vl", "qwen3_5"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -44,6 +45,11 @@ def assert_table_agrees(engine: Engine) -> tuple[int, int]:
     table, page_size = scheduler.decode_table, scheduler.page_size
     known = fast = 0
     assert all(req.computed_in is None for req in scheduler.waiting)  # (a preempted one took its count back)
+    for req in scheduler.running:  # whoever keeps the count (the table, the request; a stale table too)
+        if req.computed_in is not None:
+            assert table.known[req.req_pool_idx] and table.holders[req.req_pool_idx] is req, req.request_id
+        if req.plain_decode and not req.num_preemptions and req.num_computed_tokens >= req.num_prompt_tokens:
+            assert req.num_computed_tokens == req.num_tokens - 1, req.request_id
     if not scheduler.running:
         return 0, 0
     rows = table.rows_of(scheduler.running)
@@ -130,8 +136,9 @@ def test_a_request_leaving_the_table_takes_its_computed_count_back(qwen3_vl_dir,
         engine.add_request(f"r{i}", engine.process({"prompt_token_ids": [5 + i, 9, 13]}),
                            SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     requests = dict(engine.requests)
-    while not all(r.computed_in is engine.scheduler.decode_table for r in requests.values()):
+    for _ in range(4):  # the prefills, a first decode by the rules, then through the table
         engine.step()
+    assert all(r.computed_in is engine.scheduler.decode_table for r in requests.values())
     aborted = requests["r2"]
     engine.abort("r2")
     assert aborted.computed_in is None and aborted.num_computed_tokens == aborted.num_tokens - 1
@@ -170,6 +177,21 @@ def test_steady_steps_hand_the_runner_the_same_sampling_rows_list(qwen3_vl_dir):
     changed = [n != m for (_, n), (_, m) in zip(lists, lists[1:])]
     assert sum(same) >= len(lists) - 4 and not any(s and c for s, c in zip(same, changed)), (same, changed)
     assert [r.params.max_tokens for r in lists[-1][0]] == [12, 12]
+
+
+def test_a_row_changing_hands_gives_new_columns_for_the_same_rows():
+    """Rows handed to another request between two steps of equal rows: new lists, with the new holder's row."""
+    table = DecodeTable(num_rows=3, max_pages=4, page_size=4)
+    a, b, c = (SimpleNamespace(pages=[1], plain_decode=True, decode_wait_tokens=99, sampling_row=(name,), lora=None,
+                               computed_in=None) for name in "abc")
+    table.admit(a, 0)
+    table.admit(b, 1)
+    first = table.columns_of([0, 1])
+    assert table.columns_of([0, 1]) is first  # steady: the same lists
+    table.release(1)
+    table.admit(c, 1)
+    again = table.columns_of([0, 1])  # equal rows, row 1 now c's
+    assert again is not first and again[0] == [("a",), ("c",)]
 
 
 def test_page_opening_rows_take_their_pages_in_one_go(qwen3_vl_dir):

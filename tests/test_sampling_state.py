@@ -124,8 +124,8 @@ def test_a_rows_list_gathered_again_skips_the_per_row_check() -> None:
         for row, token in zip(rows, tokens.tolist()):
             row.output_token_ids.append(token)
         assert admitted == [5], step  # the first gather only
-    state.gather(list(page_rows), list(rows), VOCAB)  # another list: checked
-    state.gather([3, 0, 2, 1, 4], rows, VOCAB)  # the same list at other rows: checked
+    state.gather([3, 0, 2, 1, 4], rows, VOCAB)  # the same list (the one gathered last) at other rows: checked
+    state.gather([3, 0, 2, 1, 4], list(rows), VOCAB)  # another list: checked
     assert admitted == [5, 5, 5]
 
 

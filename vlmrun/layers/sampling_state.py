@@ -93,7 +93,7 @@ class SamplingState:
         self.top_k = torch.zeros((rows, 1), dtype=torch.int64, device=self.device)  # [rows, 1]
         self.seen = self.counts = None
         # the last `rows` list gathered, with its page rows and grammar rows: passed again, its settings are the ones
-        # written (a list passed again is never changed in place: the decode table's `sampling_of`)
+        # written (a list passed again is never changed in place: the decode table's `columns_of`)
         self._checked: Optional[tuple[Sequence[SamplingRow], list[int], Optional[np.ndarray]]] = None
 
     def gather(self, page_rows: Sequence[int], rows: Sequence[SamplingRow], vocab_size: int,

@@ -3,7 +3,7 @@
 `create_attention_backend(setup, attention, gdn)` returns the full-attention backend
 over the KV pool, or, when the caches hold a GDN state pool (a hybrid model), a
 `HybridAttnBackend` pairing it with a GDN backend. Names: "torch" (the reference, any
-device), "cpu" (full attention laid out for the CPU's kernels, the CPU's default), "flashinfer"
+device), "cpu" (full attention laid out for the CPU's kernels, the CPU's default; the CPU only), "flashinfer"
 (full attention, CUDA) and "fla" (GDN, CUDA); "auto" picks by device from `AUTO`. A fast backend
 joins `AUTO` for CUDA only once it has passed the GPU checks of docs/gpu_checks.md; until then
 "auto" on CUDA means torch and the CUDA fast path is opt-in.
@@ -34,6 +34,13 @@ class BackendSetup:
     device: torch.device
 
 
+def _cpu(setup: BackendSetup) -> AttentionBackend:
+    if setup.device.type != "cpu":  # (it reads the page table as host memory)
+        raise ValueError(f"attention_backend 'cpu' runs on the CPU only, not on {setup.device}; "
+                         "use 'torch' (or 'flashinfer' on CUDA)")
+    return CpuAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token)
+
+
 def _flashinfer(setup: BackendSetup) -> AttentionBackend:
     from vlmrun.layers.attention.flashinfer_backend import FlashInferAttnBackend
 
@@ -51,7 +58,7 @@ def _fla(setup: BackendSetup) -> GDNBackend:
 
 ATTENTION_BACKENDS: dict[str, Callable[[BackendSetup], AttentionBackend]] = {
     "torch": lambda setup: TorchAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token),
-    "cpu": lambda setup: CpuAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token),
+    "cpu": _cpu,
     "flashinfer": _flashinfer,
 }
 GDN_BACKENDS: dict[str, Callable[[BackendSetup], GDNBackend]] = {
