@@ -112,10 +112,13 @@ def test_a_worker_process_that_dies_fails_only_its_input_and_is_replaced(llm: LL
 
 
 CTRL_C = """
-import sys, time
+import signal, sys, time
 from vlmrun import LLM, SamplingParams
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal: a process started in the background (a test run launched with `&`) inherits
+    # SIGINT ignored, and Python then installs no KeyboardInterrupt for it
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     llm = LLM(sys.argv[1], dtype="float32", device="cpu", preprocess_workers=2, preprocess_pool="process")
     prompts = ("Count to %d." % i for i in range(10**6))
     for index, out in llm.generate_stream(prompts, SamplingParams(max_tokens=1), use_tqdm=False):
