@@ -73,6 +73,16 @@ def assert_same_batch(got: SamplingBatch, want: SamplingBatch) -> None:
             assert a == b, f.name
 
 
+def gather_and_sample(state: SamplingState, sampler: Sampler, page_rows: list[int], rows: list[SamplingRow]) -> None:
+    """One step: the gathered batch equals `build`'s; its sampled tokens recorded and appended to the outputs."""
+    step = state.gather(page_rows, rows, VOCAB)
+    assert_same_batch(step.batch, SamplingBatch.build(rows, VOCAB))
+    tokens = sampler.sample(torch.randn(len(rows), VOCAB), step.batch).token_ids
+    state.record(step, tokens)
+    for row, token in zip(rows, tokens.tolist()):
+        row.output_token_ids.append(token)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_gathered_batch_equals_build_over_steps(seed: int) -> None:
     """Requests come, sample for a few steps and go; rows are reused (some by requests sharing a params
@@ -96,12 +106,7 @@ def test_gathered_batch_equals_build_over_steps(seed: int) -> None:
             continue
         page_rows = rng.sample(sorted(live), len(live))  # the step's order
         rows = [live[r] for r in page_rows]
-        step = state.gather(page_rows, rows, VOCAB)
-        assert_same_batch(step.batch, SamplingBatch.build(rows, VOCAB))
-        tokens = sampler.sample(torch.randn(len(rows), VOCAB), step.batch).token_ids
-        state.record(step, tokens)
-        for row, token in zip(rows, tokens.tolist()):
-            row.output_token_ids.append(token)
+        gather_and_sample(state, sampler, page_rows, rows)
 
 
 def test_a_rows_list_gathered_again_skips_the_per_row_check() -> None:
@@ -117,12 +122,7 @@ def test_a_rows_list_gathered_again_skips_the_per_row_check() -> None:
     admit = state._admit
     state._admit = lambda *args: (admitted.append(len(args[0])), admit(*args))[1]  # (an observer: it calls through)
     for step in range(4):
-        gathered = state.gather(page_rows, rows, VOCAB)
-        assert_same_batch(gathered.batch, SamplingBatch.build(rows, VOCAB))
-        tokens = sampler.sample(torch.randn(len(rows), VOCAB), gathered.batch).token_ids
-        state.record(gathered, tokens)
-        for row, token in zip(rows, tokens.tolist()):
-            row.output_token_ids.append(token)
+        gather_and_sample(state, sampler, page_rows, rows)
         assert admitted == [5], step  # the first gather only
     state.gather([3, 0, 2, 1, 4], rows, VOCAB)  # the same list (the one gathered last) at other rows: checked
     state.gather([3, 0, 2, 1, 4], list(rows), VOCAB)  # another list: checked
