@@ -3,11 +3,13 @@
 Batches mix prefills (one ending mid-page, one on a page boundary), chunks over a cached prefix,
 decodes alone and decodes mixed with prefills, and padding rows on the dummy row; speculative
 decoding's verify chunks (drafts of different lengths, beside decodes and prefill chunks); pages are
-scattered over the pool (tests/test_flashinfer_plan.py's `make_batch`). float32 and bfloat16.
+scattered over the pool (tests/test_flashinfer_plan.py's `make_batch`). float32 and bfloat16; decode and
+verify groups both ways: gathered for SDPA, and read in place by the paged decode kernel (paged_decode.c).
 """
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,30 @@ from vlmrun.cache.kv_pool import ReqToTokenPool
 from vlmrun.layers.attention.base import Attention
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
 from vlmrun.layers.attention.factory import BackendSetup, create_attention_backend, resolve_backend_name
+from vlmrun.layers.attention.paged_decode import load_paged_decode
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
+
+
+@pytest.fixture(params=["gather", "paged"])
+def cpu_backend(request):
+    """The CPU backend class, its decode groups gathered for SDPA or read in place by the paged decode kernel."""
+    if request.param == "gather":
+        return CpuAttnBackend
+    kernel = load_paged_decode()
+    if kernel is None:
+        pytest.skip("the paged decode kernel could not be built here (no C compiler with OpenMP, or not Linux)")
+    return functools.partial(CpuAttnBackend, paged_decode=CountingKernel(kernel))
+
+
+class CountingKernel:
+    """The paged decode kernel, counting its calls (a test's decode groups must reach it)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def attend(self, *args, **kwargs):
+        self.calls += 1
+        return self.kernel.attend(*args, **kwargs)
 
 
 def run_backend(backend_cls, prefix_lens, extend_lens, padding, dtype, num_heads=HEADS, num_drafts=None):
@@ -34,6 +59,8 @@ def run_backend(backend_cls, prefix_lens, extend_lens, padding, dtype, num_heads
     backend.prepare(fb)
     out = backend.forward(q, k, v, layer, fb)
     assert out.shape == (fb.num_tokens, num_heads * HEAD_DIM) and out.dtype == dtype
+    if isinstance(getattr(backend, "paged_decode", None), CountingKernel):  # every decode group read in place
+        assert backend.paged_decode.calls == len(fb.attn_metadata.decodes)
     return out, pool, fb.num_tokens - padding
 
 
@@ -47,8 +74,8 @@ def run_backend(backend_cls, prefix_lens, extend_lens, padding, dtype, num_heads
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads", [HEADS, KV_HEADS])  # grouped queries and plain MHA
-def test_cpu_backend_equals_the_torch_backend(prefix_lens, extend_lens, padding, dtype, num_heads):
-    got, got_pool, real = run_backend(CpuAttnBackend, prefix_lens, extend_lens, padding, dtype, num_heads)
+def test_cpu_backend_equals_the_torch_backend(cpu_backend, prefix_lens, extend_lens, padding, dtype, num_heads):
+    got, got_pool, real = run_backend(cpu_backend, prefix_lens, extend_lens, padding, dtype, num_heads)
     expected, ref_pool, _ = run_backend(TorchAttnBackend, prefix_lens, extend_lens, padding, dtype, num_heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got[:real].float(), expected[:real].float(), atol=tol, rtol=tol)
@@ -63,10 +90,10 @@ def test_cpu_backend_equals_the_torch_backend(prefix_lens, extend_lens, padding,
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads", [HEADS, KV_HEADS])
-def test_verify_steps_equal_the_torch_backend(prefix_lens, extend_lens, num_drafts, dtype, num_heads):
+def test_verify_steps_equal_the_torch_backend(cpu_backend, prefix_lens, extend_lens, num_drafts, dtype, num_heads):
     """A verify chunk's positions attend as plain decode of each would: the reference runs them as an
     extend (causal over the cached prefix), the CPU backend as query rows of one gather per sequence."""
-    got, got_pool, _ = run_backend(CpuAttnBackend, prefix_lens, extend_lens, 0, dtype, num_heads, num_drafts)
+    got, got_pool, _ = run_backend(cpu_backend, prefix_lens, extend_lens, 0, dtype, num_heads, num_drafts)
     expected, ref_pool, _ = run_backend(TorchAttnBackend, prefix_lens, extend_lens, 0, dtype, num_heads)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -90,11 +117,11 @@ def assert_same_writes(got_pool, ref_pool, prefix_lens, extend_lens, padding) ->
         assert torch.equal(got, expected)
 
 
-def test_a_verify_chunk_gathers_its_pages_once():
+def test_a_verify_chunk_gathers_its_pages_once(cpu_backend):
     """Sequences are grouped by tokens fed, one gather row per sequence (not per position)."""
     pool, rows, fb = make_batch([5, 12, 3, 20, 7, 8], [4, 2, 4, 1, 1, 6])
     fb.num_drafts_cpu = [3, 1, 3, 0, 0, 0]
-    backend = CpuAttnBackend(pool, rows)
+    backend = cpu_backend(pool, rows)
     backend.prepare(fb)
     md = fb.attn_metadata
     assert {g.width: g.visible.shape[0] for g in md.decodes} == {4: 2, 2: 1, 1: 2}

@@ -54,3 +54,4 @@ def test_the_wheel_installs_only_under_vlmrun(tmp_path: Path) -> None:
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"vlmrun"}
     assert "vlmrun/processors/image_processor.py" in names and "vlmrun/web/app.py" in names
+    assert "vlmrun/layers/attention/paged_decode.c" in names  # (package data: built where it is installed)

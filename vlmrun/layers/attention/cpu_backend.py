@@ -25,6 +25,10 @@ page's first position zeroes the rest of it in the pool: stale_keys.py), so the 
 its own or zeros (a prefill chunk reads its own positions only). The metadata is made once per step, on
 the host from the host lengths (numpy) where it can be: the masks, the page-table columns to read.
 
+With the paged decode kernel (paged_decode.py: C, built on first use where a C compiler is there), decode and
+verify groups of a float32 or bfloat16 pool gather nothing: the kernel reads each sequence's pages in place, with
+the same `sees` per query position (no mask is made); without it they gather as above.
+
 It reads and writes the same KV pool as the reference and is tested against it (tests/test_cpu_backend.py).
 A float8 pool (`kv_cache_dtype="fp8"`) is read through `dequantize` (stored values times the layer's scale)
 as the pages are gathered; a prefill chunk then reads its own k/v back from the pool too, as stored.
@@ -42,6 +46,7 @@ import torch.nn.functional as F
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, dequantize
 from vlmrun.forward_batch import ForwardBatch
 from vlmrun.layers.attention.base import Attention, AttentionBackend
+from vlmrun.layers.attention.paged_decode import KV_DTYPES, PagedDecodeKernel
 from vlmrun.layers.attention.stale_keys import real_lens, step_fresh_tails
 from vlmrun.host_to_device import upload
 
@@ -56,15 +61,20 @@ class DecodeGroup:
     rows: Optional[torch.Tensor]
     page_ids: torch.Tensor  # [seqs * max_pages] KV page of each page-sized run of key positions (past the
     # sequence's last page: its first page, stale_keys.py)
-    # [seqs, width, max_seq] in the compute dtype: 0 for the keys position j sees (< prefix + j + 1), -inf for
-    # the others. SDPA turns a bool mask into this very one in every call; made once, each layer skips that.
-    bias: torch.Tensor
+    max_seq: int  # key positions of each sequence's pages read (max_pages * page_size)
+    sees: torch.Tensor  # [seqs, width] int64 (host): position j sees the sequence's first sees[j] keys (prefix + j + 1)
+    # [seqs, width, max_seq] in the compute dtype: 0 for the keys position j sees, -inf for the others (the
+    # gathering path's SDPA mask; None under the paged decode kernel). SDPA turns a bool mask into this very
+    # one in every call; made once, each layer skips that.
+    bias: Optional[torch.Tensor]
     masks: dict[int, torch.Tensor] = field(default_factory=dict)  # query heads per KV head -> SDPA mask
 
     @property
     def visible(self) -> torch.Tensor:
         """[seqs, width, max_seq] bool, True for the keys position j sees."""
-        return self.bias == 0
+        if self.bias is not None:
+            return self.bias == 0
+        return torch.arange(self.max_seq)[None, None] < self.sees[..., None]
 
     def mask(self, group: int) -> torch.Tensor:
         """[seqs, 1, width * group, max_seq]: the additive mask of query rows laid out position-major, heads minor."""
@@ -96,8 +106,11 @@ class CpuAttnMetadata:
 
 
 class CpuAttnBackend(AttentionBackend):
-    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool):
+    def __init__(self, kv_pool: KVPool, req_to_token_pool: ReqToTokenPool,
+                 paged_decode: Optional[PagedDecodeKernel] = None):
         self.kv_pool = kv_pool
+        # decode and verify groups read their pages in place through it (a pool dtype it reads); None: they gather
+        self.paged_decode = paged_decode if kv_pool.dtype in KV_DTYPES else None
         self.req_to_token = req_to_token_pool.req_to_token
         self.req_to_token_host = self.req_to_token.numpy()  # the same memory: the decode groups' page ids read it
         self.page_size = kv_pool.page_size
@@ -151,11 +164,14 @@ class CpuAttnBackend(AttentionBackend):
             sees = lens[:, None]  # [seqs, 1]
         else:  # position j sees the keys before prefix + j + 1 (the first fed position: at least 1)
             sees = np.maximum(lens - (width - 1), 1)[:, None] + np.arange(width)
-        bias = self._bias_rows(max_seq)[max_seq - sees]  # [seqs, width, max_seq] (fancy indexing: a copy)
-        bias = upload(torch.from_numpy(bias), device).to(self.kv_pool.compute_dtype)
+        bias = None
+        if self.paged_decode is None:  # the gathering path's SDPA mask
+            bias = self._bias_rows(max_seq)[max_seq - sees]  # [seqs, width, max_seq] (fancy indexing: a copy)
+            bias = upload(torch.from_numpy(bias), device).to(self.kv_pool.compute_dtype)
         token_rows = None if idx is None else upload(torch.tensor([starts[i] + j for i in idx for j in range(width)]),
                                                      device)
-        return DecodeGroup(width, token_rows, upload(torch.from_numpy(page_ids.reshape(-1)), device), bias)
+        return DecodeGroup(width, token_rows, upload(torch.from_numpy(page_ids.reshape(-1)), device), max_seq,
+                           torch.from_numpy(np.ascontiguousarray(sees, dtype=np.int64)), bias)
 
     def _bias_rows(self, max_seq: int) -> np.ndarray:
         """[max_seq + 1, max_seq] float32 view: row max_seq - n is 0 for the first n keys, -inf for the rest. The
@@ -201,6 +217,9 @@ class CpuAttnBackend(AttentionBackend):
                 layer: Attention, group: DecodeGroup) -> torch.Tensor:
         # q: [seqs * width, num_heads, head_dim] -> [seqs * width, num_heads, head_dim]
         n, width, group_size = q.shape[0] // group.width, group.width, layer.num_heads // layer.num_kv_heads
+        if self.paged_decode is not None:  # the pages read in place
+            return self.paged_decode.attend(q, k_pool[0], v_pool[0], group.page_ids.view(n, -1), group.sees,
+                                            self.page_size, layer.scaling)
         k_all = self._gather(k_pool, group.page_ids, n, q.dtype)  # [seqs, kv_heads, max_seq, head_dim]
         v_all = self._gather(v_pool, group.page_ids, n, q.dtype)
         q_rows = q.view(n, width, layer.num_kv_heads, group_size, layer.head_dim).transpose(1, 2)

@@ -21,6 +21,7 @@ from vlmrun.layers.attention.base import AttentionBackend, GDNBackend
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
 from vlmrun.layers.attention.torch_gdn_backend import TorchGDNBackend
 from vlmrun.layers.attention.hybrid_backend import HybridAttnBackend
+from vlmrun.layers.attention.paged_decode import load_paged_decode
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
 
@@ -38,7 +39,7 @@ def _cpu(setup: BackendSetup) -> AttentionBackend:
     if setup.device.type != "cpu":  # (it reads the page table as host memory)
         raise ValueError(f"attention_backend 'cpu' runs on the CPU only, not on {setup.device}; "
                          "use 'torch' (or 'flashinfer' on CUDA)")
-    return CpuAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token)
+    return CpuAttnBackend(setup.caches.kv_pool, setup.caches.req_to_token, paged_decode=load_paged_decode())
 
 
 def _flashinfer(setup: BackendSetup) -> AttentionBackend:
