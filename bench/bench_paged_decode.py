@@ -3,7 +3,8 @@ against the same backend with the paged decode kernel (vlmrun/layers/attention/p
 
 Each shape is a decode step of `seqs` sequences whose lengths are spread over [max_len / 2, max_len], each on
 pages scattered over a pool with room for twice their pages; one layer, `backend.prepare(fb)` then
-`backend.forward(q, k, v, layer, fb)` (its KV writes included), as the model's attention layer runs it. The two
+`backend.forward(q, k, v, layer, fb)` (its KV writes included; `prepare` runs once a step in a model, here once
+a layer: it makes the gathering path's masks, a little more of its time), as the model's attention layer runs it. The two
 outputs are checked equal (to float rounding) first. Microseconds per layer (median of `--repeats` timings,
 each the mean of enough calls for about 0.2 s), one thread unless `--threads`:
 

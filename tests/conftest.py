@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.util
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +26,13 @@ if not torch.cuda.is_available():
     sys.modules["fla"] = None  # type: ignore[assignment]
 elif importlib.util.find_spec("fla") is not None:
     route_hf_gdn_kernels_by_device()
+
+
+# The paged decode kernel (vlmrun/layers/attention/paged_decode.py) is built into a folder of the test session's
+# own, not the user's cache (a test that needs another folder sets its own)
+if "VLMRUN_KERNEL_CACHE" not in os.environ:
+    os.environ["VLMRUN_KERNEL_CACHE"] = tempfile.mkdtemp(prefix="vlmrun-kernels-")
+    atexit.register(shutil.rmtree, os.environ["VLMRUN_KERNEL_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.kernel_builds import require_paged_decode
 from tests.test_flashinfer_plan import HEAD_DIM, HEADS, KV_HEADS, PAGE, make_batch
 from vlmrun.cache.kv_pool import ReqToTokenPool
 from vlmrun.layers.attention.base import Attention
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
 from vlmrun.layers.attention.factory import BackendSetup, create_attention_backend, resolve_backend_name
-from vlmrun.layers.attention.paged_decode import load_paged_decode
 from vlmrun.layers.attention.torch_backend import TorchAttnBackend
 
 
@@ -29,10 +29,7 @@ def cpu_backend(request):
     """The CPU backend class, its decode groups gathered for SDPA or read in place by the paged decode kernel."""
     if request.param == "gather":
         return CpuAttnBackend
-    kernel = load_paged_decode()
-    if kernel is None:
-        pytest.skip("the paged decode kernel could not be built here (no C compiler with OpenMP, or not Linux)")
-    return functools.partial(CpuAttnBackend, paged_decode=CountingKernel(kernel))
+    return functools.partial(CpuAttnBackend, paged_decode=CountingKernel(require_paged_decode()))
 
 
 class CountingKernel:

@@ -14,12 +14,14 @@ its first page again past its end: zeroing the last page's tail in a gathered co
 
 from __future__ import annotations
 
+import functools
 import random
 
 import numpy as np
 import pytest
 import torch
 
+from tests.kernel_builds import require_paged_decode
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool, token_slots
 from vlmrun.forward_batch import ForwardBatch, ForwardMode
 from vlmrun.layers.attention.base import Attention
@@ -119,10 +121,18 @@ def run_steps(ours: Sequences, ref: Sequences) -> None:
                 seqs.reject(row, drafts)
 
 
-@pytest.mark.parametrize("backend", [CpuAttnBackend, TorchAttnBackend])
+def backend_class(name: str):
+    """The backend by name: "cpu" gathers its decode rows' pages, "cpu-paged" reads them with the paged decode
+    kernel (a float8 pool gathers either way), "torch" is the reference."""
+    if name == "cpu-paged":
+        return functools.partial(CpuAttnBackend, paged_decode=require_paged_decode())
+    return {"cpu": CpuAttnBackend, "torch": TorchAttnBackend}[name]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cpu-paged", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])
 def test_no_nan_from_a_poisoned_pool_over_steps(dtype, backend):
-    run_steps(Sequences(dtype, backend, poisoned=True), Sequences(dtype, TorchAttnBackend, poisoned=False))
+    run_steps(Sequences(dtype, backend_class(backend), poisoned=True), Sequences(dtype, TorchAttnBackend, poisoned=False))
 
 
 def test_fresh_tail_slots_are_the_rest_of_each_page_a_step_starts():
@@ -159,7 +169,7 @@ def test_a_padded_verify_step_clears_the_real_tails(backend):
     assert padded.attn_metadata.fresh_tails.tolist() == [105, 106, 107]
 
 
-@pytest.mark.parametrize("backend", [CpuAttnBackend, TorchAttnBackend])
+@pytest.mark.parametrize("backend", ["cpu", "cpu-paged", "torch"])
 def test_a_padded_verify_row_reads_no_stale_page_past_its_real_tokens(backend):
     """A padded verify row whose padding runs into a page its real tokens do not reach: that page-table entry is
     stale (here a NaN page), and the real positions must not read it (past the real last page, the first one).
@@ -189,7 +199,7 @@ def test_a_padded_verify_row_reads_no_stale_page_past_its_real_tokens(backend):
         spread = [x.new_zeros(6, x.shape[1]).index_copy_(0, real_rows, x) for x in verify]  # padding: zeros
         return seqs.backend.forward(*spread, layer, fb)[real_rows]
 
-    got = verify_output(Sequences(torch.float32, backend, poisoned=True), padded=True)
+    got = verify_output(Sequences(torch.float32, backend_class(backend), poisoned=True), padded=True)
     expected = verify_output(Sequences(torch.float32, TorchAttnBackend, poisoned=False), padded=False)
     assert got.isfinite().all(), "a real position read the stale page past its real tokens"
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernel_builds import require_paged_decode
 from vlmrun.cache.kv_pool import KVPool, ReqToTokenPool
 from vlmrun.layers.attention import paged_decode
 from vlmrun.layers.attention.cpu_backend import CpuAttnBackend
@@ -26,10 +27,7 @@ from vlmrun.layers.cpu_kernels import cpu_features
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = load_paged_decode()
-    if built is None:
-        pytest.skip("the paged decode kernel could not be built here (no C compiler with OpenMP, or not Linux)")
-    return built
+    return require_paged_decode()
 
 
 def make_case(seqs, kv_heads, group, head_dim, width, dtype, page=16, seed=0):
@@ -78,6 +76,26 @@ def test_the_kernel_equals_sdpa_over_gathered_pages(kernel, head_dim, group, wid
     torch.testing.assert_close(got.float(), reference(q, k, v, pages, sees, page, scale), atol=tol, rtol=tol)
 
 
+def test_large_scores_keep_their_softmax(kernel):
+    """Scores far from 0 (q x 60: differences of hundreds): the row maximum taken out, the tiny weights cut at
+    e^-87 as SDPA's underflow to 0, the rest as SDPA's."""
+    q, k, v, pages, sees, page = make_case(7, 2, 2, 64, 3, torch.float32, seed=9)
+    q = q * 60
+    torch.testing.assert_close(kernel.attend(q, k, v, pages, sees, page, 0.125),
+                               reference(q, k, v, pages, sees, page, 0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_no_scratch_memory_is_an_error_not_a_wrong_answer(kernel):
+    """A scratch row the kernel cannot allocate (here: keys for 2^54 positions) makes it return 1 and write
+    nothing; `attend` turns that into a MemoryError."""
+    q = torch.randn(1, 2, 16)
+    out = torch.full_like(q, 7.0)
+    pool, one = torch.zeros(16, 2, 16), torch.ones(1, 1, dtype=torch.int64)
+    failed = kernel._fn(q.data_ptr(), pool.data_ptr(), pool.data_ptr(), 0, one.data_ptr(), 2 ** 50, one.data_ptr(),
+                        1, 1, 2, 1, 16, 16, 0.25, out.data_ptr(), 1)
+    assert failed == 1 and (out == 7.0).all()
+
+
 def test_two_threads_give_the_same_values(kernel):
     q, k, v, pages, sees, page = make_case(33, 4, 2, 64, 1, torch.float32, seed=3)
     threads = torch.get_num_threads()
@@ -119,6 +137,28 @@ def test_each_isa_build_gives_the_values(kernel, tmp_path, capability):
                                reference(q, k, v, pages, sees, page, 0.125), atol=2e-6, rtol=2e-6)
 
 
+def test_each_isa_and_compiler_has_its_own_library(kernel, tmp_path):
+    """The cache key covers the flags (one library per ISA in one folder) and the compiler command (`$CC` may be
+    a command with arguments: "env gcc" here)."""
+    default = build_paged_decode(tmp_path, kernel.compiler, "DEFAULT")
+    other = build_paged_decode(tmp_path, f"env {kernel.compiler}", "DEFAULT")  # (a version line of its own? same)
+    assert other.path == default.path  # the same compiler underneath: the same library
+    if "AVX2" in supported_builds():
+        assert build_paged_decode(tmp_path, kernel.compiler, "AVX2").path != default.path
+
+
+def test_a_cached_library_that_does_not_load_is_built_again(kernel, tmp_path):
+    first = build_paged_decode(tmp_path / "a", kernel.compiler, "DEFAULT")  # (loaded: its file is left as it is)
+    cut = tmp_path / "b" / first.path.name
+    cut.parent.mkdir()
+    cut.write_bytes(first.path.read_bytes()[:100])  # a build cut short, under the name a build would take
+    again = build_paged_decode(tmp_path / "b", kernel.compiler, "DEFAULT")
+    assert again.path == cut and cut.stat().st_size == first.path.stat().st_size
+    q, k, v, pages, sees, page = make_case(3, 2, 2, 16, 1, torch.float32)
+    torch.testing.assert_close(again.attend(q, k, v, pages, sees, page, 0.25),
+                               reference(q, k, v, pages, sees, page, 0.25), atol=2e-6, rtol=2e-6)
+
+
 def test_a_build_is_reused_from_the_cache(kernel, tmp_path, monkeypatch):
     first = build_paged_decode(tmp_path, kernel.compiler, "DEFAULT")
     stamp = first.path.stat().st_mtime_ns
@@ -142,9 +182,9 @@ def test_the_isa_flags_follow_torchs_capability():
 def fresh_load(monkeypatch, tmp_path):
     """`load_paged_decode` as a new process calls it, with its cache in `tmp_path`."""
     monkeypatch.setenv("VLMRUN_KERNEL_CACHE", str(tmp_path))
-    load_paged_decode.cache_clear()
+    paged_decode._load_once.cache_clear()
     yield load_paged_decode
-    load_paged_decode.cache_clear()
+    paged_decode._load_once.cache_clear()
 
 
 def test_without_a_compiler_the_backend_gathers(fresh_load, monkeypatch, caplog):
@@ -152,13 +192,19 @@ def test_without_a_compiler_the_backend_gathers(fresh_load, monkeypatch, caplog)
     with caplog.at_level(logging.WARNING, logger=paged_decode.__name__):
         assert fresh_load() is None
     if platform.system() == "Linux":
-        assert "could not be built" in caplog.text and "gather" in caplog.text
+        assert "could not be built" in caplog.text and "copies each step's KV pages" in caplog.text
 
 
 def test_switched_off_it_is_not_built(fresh_load, monkeypatch, tmp_path):
     monkeypatch.setenv("VLMRUN_CPU_PAGED_DECODE", "0")
     assert fresh_load() is None
     assert not any(tmp_path.iterdir())
+
+
+def test_switched_off_after_a_load_the_next_backends_gather(kernel, monkeypatch):
+    assert load_paged_decode() is not None
+    monkeypatch.setenv("VLMRUN_CPU_PAGED_DECODE", "0")
+    assert load_paged_decode() is None
 
 
 def test_a_float8_pool_gathers(kernel):

@@ -78,6 +78,8 @@ class DecodeGroup:
 
     def mask(self, group: int) -> torch.Tensor:
         """[seqs, 1, width * group, max_seq]: the additive mask of query rows laid out position-major, heads minor."""
+        if self.bias is None:
+            raise RuntimeError("a paged decode group has no SDPA mask (the kernel reads `sees`)")
         if self.width == 1:
             return self.bias[:, None]  # [seqs, 1, 1, max_seq]: broadcast over the group's heads
         if group not in self.masks:

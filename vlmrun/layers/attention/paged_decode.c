@@ -58,9 +58,15 @@ static inline void add_scaled(float *acc, float p, const void *kv, int kv_bf16, 
 static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float n = rintf(x * 1.44269504088896341f);
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA)
     /* ln2 in two parts (Cody-Waite), each step a fused multiply-add: the reassociation this file is built with
      * (-fassociative-math, for the vectorized sums) would otherwise fold the parts back into one */
     const float r = fmaf(n, 2.12194440e-4f, fmaf(n, -0.693359375f, x));
+#else
+    /* (no FMA instruction: fmaf would be a library call per score, so ln2 in one part; its rounding error grows
+     * with n, on weights of at most 2^-n of the row's largest) */
+    const float r = x - n * 0.69314718055994531f;
+#endif
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;

@@ -11,13 +11,16 @@ through ctypes (which releases the GIL during the call).
 
 Its flags follow the vector ISA torch itself runs (`cpu_kernels.cpu_features().capability`, which honours
 `ATEN_CPU_CAPABILITY`): AVX-512 or AVX2 code only where torch runs it, the architecture's baseline
-elsewhere (Arm, or a cap). OpenMP splits the (sequence, KV head) pairs over torch's thread count; torch's
-wheels carry GNU OpenMP, so the kernel shares its thread pool where the compiler is GCC.
+elsewhere (Arm, or a cap). OpenMP splits the (sequence, KV head) pairs over torch's thread count. Where torch's
+wheel carries GNU OpenMP as `libgomp.so.1` and the compiler is GCC (Linux x86-64 and Arm here), the kernel
+shares torch's OpenMP runtime and threads; with another pair (clang's libomp) a second runtime is loaded.
 
 `load_paged_decode()` returns None, with one log line saying why, where it cannot be built (no C compiler,
-not Linux, no OpenMP, `VLMRUN_CPU_PAGED_DECODE=0`): the backend then gathers as before. The cache is
+not Linux, no OpenMP, an unwritable cache) or while `VLMRUN_CPU_PAGED_DECODE=0`: the backend then gathers as
+before. The compiler is `$CC` (a command, "ccache gcc" too), else `cc`, else `gcc`. The cache is
 `$VLMRUN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/vlmrun/kernels` (`~/.cache/vlmrun/kernels`); a build writes a
-new file and renames it, so processes building at once do not see half a library.
+new file and renames it, so processes building at once do not see half a library, and a cached library that
+does not load is built again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -82,6 +86,12 @@ class PagedDecodeKernel:
                 raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
         if not (k_buffer.is_contiguous() and v_buffer.is_contiguous()) or k_buffer.dtype not in KV_DTYPES:
             raise ValueError(f"the KV pool must be contiguous float32 or bfloat16, not {k_buffer.dtype}")
+        if (v_buffer.dtype != k_buffer.dtype or v_buffer.shape != k_buffer.shape or k_buffer.shape[2] != head_dim
+                or q.shape[0] != seqs * width or num_heads % kv_heads or pages.shape[0] != seqs
+                or q.device.type != "cpu" or k_buffer.device.type != "cpu"):
+            raise ValueError(f"paged decode shapes disagree: q {tuple(q.shape)}, k {tuple(k_buffer.shape)} "
+                             f"{k_buffer.dtype}, v {tuple(v_buffer.shape)} {v_buffer.dtype}, pages "
+                             f"{tuple(pages.shape)}, sees {tuple(sees.shape)}")
         q32 = q.to(torch.float32).contiguous()
         out = torch.empty_like(q32)
         failed = self._fn(q32.data_ptr(), k_buffer.data_ptr(), v_buffer.data_ptr(), KV_DTYPES[k_buffer.dtype],
@@ -104,38 +114,51 @@ def cache_dir() -> Path:
 
 
 def build_paged_decode(directory: Path, compiler: str, capability: str) -> PagedDecodeKernel:
-    """The kernel built by `compiler` for `capability` into `directory` (reused when a library of the same
-    source, compiler and flags is there). Raises when the compiler fails or is missing."""
+    """The kernel built by `compiler` (a command: "gcc", "ccache gcc") for `capability` into `directory`, reused
+    when a library of the same source, compiler and flags is there (one that does not load, a file cut short,
+    is built again once). Raises when the compiler fails or is missing."""
+    command = shlex.split(compiler)
     flags = compiler_flags(capability)
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    version = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), version, *flags, platform.machine()]).encode()).hexdigest()
     path = directory / f"paged_decode-{key[:16]}.so"
-    if not path.exists():
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=directory) as tmp:
-            built = Path(tmp) / path.name
-            done = subprocess.run([compiler, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
-                                  timeout=BUILD_TIMEOUT_S)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(built, path)
+    if path.exists():
+        try:
+            return PagedDecodeKernel(path, compiler, flags)
+        except OSError:
+            path.unlink(missing_ok=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        built = Path(tmp) / path.name
+        done = subprocess.run([*command, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(built, path)
     return PagedDecodeKernel(path, compiler, flags)
 
 
-@functools.lru_cache(maxsize=None)
 def load_paged_decode() -> Optional[PagedDecodeKernel]:
-    """This process's kernel, built or found in the cache once; None where it cannot be (logged once)."""
+    """This process's kernel, built or found in the cache once; None where it cannot be (logged once), or while
+    `VLMRUN_CPU_PAGED_DECODE=0` (read at each call: the backends built after it is set gather)."""
     if os.environ.get(OFF) == "0":
         return None
+    return _load_once()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_once() -> Optional[PagedDecodeKernel]:
     if platform.system() != "Linux":
-        logger.info("paged decode attention is built on Linux only; decode rows gather their pages")
+        logger.info("paged decode attention is built on Linux only: decode attention copies each step's KV pages")
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.info("paged decode attention: no C compiler (cc, gcc or $CC); decode rows gather their pages")
+        logger.info("paged decode attention: no C compiler ($CC, cc or gcc): decode attention copies each step's "
+                    "KV pages")
         return None
     try:
         return build_paged_decode(cache_dir(), compiler, cpu_features().capability)
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("paged decode attention could not be built (%s); decode rows gather their pages", exc)
+        logger.warning("paged decode attention could not be built (%s): decode attention copies each step's KV "
+                       "pages", exc)
         return None
