@@ -2,8 +2,8 @@
 
 Without it the CPU backend gathers each decode sequence's pages into a padded [seqs, kv_heads, max_seq,
 head_dim] copy per layer and runs torch's SDPA over it, which costs a copy of every key and value each
-step and a fixed cost per (sequence, KV head) in SDPA's CPU kernel: at batch 256 on the host-overhead
-benchmark's model, about half of the forward. The C kernel reads the pool in place, as vLLM's and SGLang's
+step and a fixed cost per (sequence, KV head) in SDPA's CPU kernel (bench/bench_paged_decode.py times one
+layer both ways). The C kernel reads the pool in place, as vLLM's and SGLang's
 CPU builds do with their own (C++) kernels. No library on this project's list ships one for torch's CPU
 build, so it is hand-written: plain C (no torch headers) built with the machine's C compiler the first
 time a process needs it (about a second), cached by the source, the compiler and its flags, and called
